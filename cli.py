@@ -1,0 +1,50 @@
+"""The `expertcast` console script: one subcommand per job.
+
+Each subcommand lives in its own module and exposes ``main(argv: list[str] | None) -> int``; the
+module is imported only when its subcommand runs, so `expertcast --help` stays fast and a CPU-only
+machine never imports training code it does not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, one-line help). Modules expose main(argv) -> int | None.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("expertcast.quickstart", "run the whole pipeline on the embedded default model (CPU)"),
+    "build-default": ("expertcast.train.tiny_default", "train (or load the cached) embedded default MoE model"),
+    "collect": ("expertcast.data.collect", "generate completions and record routing traces (two-pass)"),
+    "traces": ("expertcast.data.traces_cli", "traces import | stats"),
+    "simulate": ("expertcast.inference.simulate_cli", "trace-driven expert-cache simulation"),
+    "fit": ("expertcast.train.cli", "LightningCLI training (forecaster or router adaptation) from a YAML"),
+    "forecast-eval": ("expertcast.train.forecast_eval", "recall@K of the forecaster vs baselines by horizon"),
+    "router-eval": ("expertcast.train.router_eval", "cache-aware router adaptation: hit rate vs quality"),
+    "stages": ("expertcast.inference.stages_cli", "SAEM stage cues: calibrate | stats | detect"),
+    "eval": ("expertcast.inference.eval_cli", "offloaded inference on GSM8K / MATH-500"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in SUBCOMMANDS)
+    lines = ["usage: expertcast <command> [options]", "", "commands:"]
+    lines += [f"  {n.ljust(width)}  {h}" for n, (_, h) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"expertcast: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    rc = module.main(rest)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

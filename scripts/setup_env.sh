@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates ./.venv (once) and installs the CPU torch wheel, then the project (editable) with dev extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+fi
+if [[ ! -f .venv/.expertcast-installed ]] || [[ pyproject.toml -nt .venv/.expertcast-installed ]]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first: the pinned CPU wheel (an unpinned torch would pull several GB of CUDA wheels).
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  touch .venv/.expertcast-installed
+fi

@@ -1,0 +1,114 @@
+"""Atomic file writes and result reporting (terminal table, CSV, JSON) shared by every job."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def write_csv(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) -> None:
+    """Atomically write ``rows`` (dicts; columns = union of keys in first-seen order) as CSV."""
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: _fmt_csv(r.get(k)) for k in cols})
+    atomic_write_text(path, buf.getvalue())
+
+
+def _fmt_csv(v: Any) -> Any:
+    if isinstance(v, (list, tuple, dict)):
+        return json.dumps(v, default=_json_default)
+    return v
+
+
+def print_table(rows: Sequence[dict[str, Any]], title: str | None = None, columns: Sequence[str] | None = None,
+                floatfmt: str = "{:.4f}") -> None:
+    """Print ``rows`` as a table in the terminal (rich when it is installed)."""
+    if not rows:
+        print(f"{title or 'results'}: (no rows)")
+        return
+    cols = list(columns) if columns else list(dict.fromkeys(k for r in rows for k in r))
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return floatfmt.format(v)
+        if isinstance(v, (list, tuple, dict)):
+            return json.dumps(v, default=_json_default)
+        return "" if v is None else str(v)
+
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title)
+        for c in cols:
+            t.add_column(c, justify="right")
+        for r in rows:
+            t.add_row(*[fmt(r.get(c)) for c in cols])
+        Console(width=max(120, 14 * len(cols))).print(t)
+    except ImportError:  # pragma: no cover
+        if title:
+            print(title)
+        print(" | ".join(cols))
+        for r in rows:
+            print(" | ".join(fmt(r.get(c)) for c in cols))
+
+
+def report(rows: Sequence[dict[str, Any]], *, title: str, json_path: str | os.PathLike | None = None,
+           csv_path: str | os.PathLike | None = None, columns: Sequence[str] | None = None) -> None:
+    """Table in the terminal, plus JSON (a list of records) and CSV when paths are given."""
+    print_table(rows, title=title, columns=columns)
+    if json_path:
+        atomic_write_json(json_path, list(rows))
+    if csv_path:
+        write_csv(csv_path, rows)
