@@ -60,6 +60,10 @@ class Policy:
     def set_future(self, future: Any) -> None:
         """Oracles only: the accesses still to come (the driver's representation, documented there)."""
 
+    def begin_batch(self, batch: Any) -> None:
+        """A new batch of sequences starts decoding (simulator: the :class:`TraceSequence` objects of the
+        batch, so policies fed by recorded side information can look it up; runtime: the prompts)."""
+
     def on_step(self, t: int) -> None:
         """Decode step ``t`` begins (before layer 0)."""
 
