@@ -94,3 +94,8 @@ class Policy:
 
     def on_evict(self, layer: int, expert: int) -> None:
         """An expert left the cache."""
+
+    def warm_start(self, cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        """Experts ``(layer, expert)`` to place before anything runs (e.g. a static placement), loaded
+        like prefill: never counted. Default: none."""
+        return ()

@@ -1,0 +1,159 @@
+"""GSM8K and MATH-500 as uniform records, from a local directory of the public jsonl files or the Hub.
+
+Local layout (see ``../shared/data/README.md``): ``gsm8k/{train,test}.jsonl`` (fields question,
+answer) and ``math500/test.jsonl`` (problem, solution, answer, subject, level, unique_id). Without a
+local directory the loaders use ``datasets.load_dataset`` on the Hub ids ``openai/gsm8k`` (config
+``main``) and ``HuggingFaceH4/MATH-500``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from expertcast.utils.paths import data_dir as _default_data_dir
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A benchmark could not be found; the message is one line saying where it looked."""
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    """Where one benchmark lives locally and on the Hub."""
+
+    name: str
+    hub_id: str
+    hub_config: str | None
+    splits: tuple[str, ...]
+    local_dir: str
+    """Sub-directory of the data directory holding ``<split>.jsonl``."""
+
+
+BENCHMARKS: dict[str, BenchmarkSpec] = {
+    "gsm8k": BenchmarkSpec("gsm8k", "openai/gsm8k", "main", ("train", "test"), "gsm8k"),
+    "math500": BenchmarkSpec("math500", "HuggingFaceH4/MATH-500", None, ("test",), "math500"),
+}
+
+
+@dataclass
+class Problem:
+    """One benchmark item in the form every consumer uses."""
+
+    id: str
+    """Stable id: ``gsm8k-test-00042`` or MATH's ``unique_id`` (``test/algebra/1234.json``)."""
+    question: str
+    answer: str
+    """Gold final answer as a string (GSM8K: the text after ``####``; MATH-500: the ``answer`` field)."""
+    solution: str
+    """Gold worked solution (GSM8K: the full ``answer`` field with ``#### N``; MATH: with ``\\boxed{}``)."""
+    benchmark: str
+    split: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Other source fields (MATH-500: subject, level)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.S)
+
+
+def gsm8k_gold_answer(solution: str) -> str:
+    """The text after the final ``####`` of a GSM8K solution, commas removed (``1,000`` -> ``1000``)."""
+    m = _GSM8K_FINAL.search(solution)
+    if not m:
+        raise ValueError(f"GSM8K solution has no '#### answer' line: {solution[-80:]!r}")
+    return m.group(1).replace(",", "").strip()
+
+
+def _check(name: str, split: str) -> BenchmarkSpec:
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+    spec = BENCHMARKS[name]
+    if split not in spec.splits:
+        raise ValueError(f"benchmark {name!r} has no split {split!r}; splits: {', '.join(spec.splits)}")
+    return spec
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def _to_problems(name: str, split: str, rows: Iterable[dict[str, Any]], where: str) -> list[Problem]:
+    out: list[Problem] = []
+    for i, r in enumerate(rows):
+        try:
+            if name == "gsm8k":
+                sol = r["answer"]
+                out.append(Problem(f"gsm8k-{split}-{i:05d}", r["question"], gsm8k_gold_answer(sol), sol, name, split))
+            else:
+                out.append(Problem(
+                    str(r.get("unique_id") or f"math500-{split}-{i:05d}"), r["problem"], str(r["answer"]),
+                    r["solution"], name, split,
+                    {k: r[k] for k in ("subject", "level") if k in r},
+                ))
+        except KeyError as e:
+            raise ValueError(f"{where}: row {i} has no field {e.args[0]!r}; is this the {name} release?") from None
+    if not out:
+        raise DatasetNotFoundError(f"{name} {split}: {where} holds no rows")
+    return out
+
+
+def load_benchmark(
+    name: str,
+    split: str = "test",
+    data_dir: str | os.PathLike | None = None,
+    limit: int | None = None,
+    use_hub: bool | None = None,
+) -> list[Problem]:
+    """Load ``name`` ("gsm8k" | "math500") ``split`` as :class:`Problem` records.
+
+    Looks in ``data_dir`` (else ``$EXPERTCAST_DATA_DIR``, else ``../shared/data``) for
+    ``<local_dir>/<split>.jsonl``; when no local directory is configured (or ``use_hub=True``) it
+    loads the Hub dataset. Raises :class:`DatasetNotFoundError` with one line naming where it looked.
+    """
+    spec = _check(name, split)
+    root = _default_data_dir(data_dir)
+    if use_hub is None:
+        use_hub = root is None
+    if not use_hub:
+        assert root is not None
+        path = root / spec.local_dir / f"{split}.jsonl"
+        if not path.is_file():
+            raise DatasetNotFoundError(
+                f"{name} {split} not found: looked for {path} (set --data-dir or $EXPERTCAST_DATA_DIR to the "
+                f"directory holding {spec.local_dir}/{split}.jsonl)"
+            )
+        problems = _to_problems(name, split, _read_jsonl(path), str(path))
+    else:
+        problems = _to_problems(name, split, _load_hub(spec, split, local=root is not None), f"Hub dataset {spec.hub_id}")
+    return problems[:limit] if limit is not None else problems
+
+
+def _load_hub(spec: BenchmarkSpec, split: str, local: bool = False) -> list[dict[str, Any]]:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(spec.hub_id, spec.hub_config, split=split)
+    except Exception as e:  # offline, missing, auth: all one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "" if local else "no local data directory (--data-dir / $EXPERTCAST_DATA_DIR) and "
+        raise DatasetNotFoundError(
+            f"{spec.name} {split} not found: {where}the Hub dataset {spec.hub_id}"
+            f"{' config ' + spec.hub_config if spec.hub_config else ''} failed to load: {first}"
+        ) from None
+    return [dict(r) for r in ds]

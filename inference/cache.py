@@ -1,0 +1,304 @@
+"""The expert cache: a slot table shared by the simulator and the offloading runtime (DESIGN.md, cache
+semantics; slot states of SeqMoE 7.2).
+
+The cache holds no weights. It maps ``(layer, expert)`` to a slot index and tracks each slot's state;
+the runtime keeps the weights of slot ``i`` at index ``i`` of its device buffer, the simulator keeps
+nothing. Slots are grouped in pools: one pool per MoE layer (``pool="per-layer"``: B slots per layer,
+as in SAEM and the cache-aware routers) or one pool for all layers (``pool="shared"``: SeqMoE). An
+expert can only take a slot of its own layer's pool.
+
+Capacity rule (checked when the config is resolved):
+* per-layer pool: every layer's budget must hold one token's selection, ``B_l >= K``, and ``B_l <= E``;
+* shared pool: ``K <= slots <= L * E`` (the running layer's selection must fit; other layers' experts
+  are evictable between layers).
+When a batch's union at one layer is larger than the free and evictable slots of its pool, the excess
+misses are served from a temporary slot (a transfer that is used once and not retained, counted as a
+demand miss): no policy can keep more experts than the pool has slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+
+class SlotState(IntEnum):
+    """State of one cache slot (SeqMoE 7.2)."""
+
+    EMPTY = 0
+    """Free; allocation prefers these."""
+    USED = 1
+    """Holds a resident expert that may be evicted (unless it is in the running layer's selection)."""
+    FETCH = 2
+    """A transfer into the slot is in flight (or queued); never evicted."""
+    COMPUTE = 3
+    """The weights landed and are needed by a layer that has not run yet; never evicted."""
+
+
+POOLS = ("per-layer", "shared")
+
+# plain ints for the hot paths (IntEnum attribute access is slow)
+EMPTY, USED, FETCH, COMPUTE = (int(s) for s in SlotState)
+
+
+@dataclass
+class CacheConfig:
+    """Shape and capacity of an expert cache. Give exactly one of ``capacity``, ``slots`` and
+    ``slots_per_layer``."""
+
+    num_layers: int
+    """L: MoE layers."""
+    num_experts: int
+    """E: routed experts per layer."""
+    top_k: int
+    """K: experts selected per token per layer (the capacity rule's lower bound)."""
+    pool: str = "per-layer"
+    """``per-layer`` (one pool of B_l slots per layer) or ``shared`` (one pool for all layers)."""
+    capacity: float | None = None
+    """Fraction of all L*E experts kept resident: ``round(capacity * E)`` slots per layer, or
+    ``round(capacity * L * E)`` shared slots."""
+    slots: int | None = None
+    """Slots per layer (per-layer pool) or in total (shared pool)."""
+    slots_per_layer: list[int] | None = None
+    """Explicit per-layer budgets [L] (per-layer pool only)."""
+    expert_bytes: int = 0
+    """Bytes of one expert's weights (for MB/token and the cost model)."""
+
+    def __post_init__(self) -> None:
+        if self.pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        if min(self.num_layers, self.num_experts, self.top_k) < 1:
+            raise ValueError(f"L, E and K must be positive, got L={self.num_layers}, E={self.num_experts}, "
+                             f"K={self.top_k}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top-K {self.top_k} exceeds the number of experts {self.num_experts}")
+        given = [n for n in ("capacity", "slots", "slots_per_layer") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of capacity, slots, slots_per_layer (got {given or 'none'})")
+        self._budgets = self._resolve()
+
+    def _resolve(self) -> np.ndarray:
+        L, E, K = self.num_layers, self.num_experts, self.top_k
+        if self.capacity is not None:
+            c = float(self.capacity)
+            if not 0.0 < c <= 1.0:
+                raise ValueError(f"capacity is a fraction of all experts in (0, 1], got {c}")
+            n = int(round(c * (E if self.pool == "per-layer" else L * E)))
+            what = f"capacity {c:g} of {'E=' + str(E) if self.pool == 'per-layer' else 'L*E=' + str(L * E)}"
+            budgets = np.full(L, n, np.int32) if self.pool == "per-layer" else np.array([n], np.int32)
+        elif self.slots is not None:
+            n = int(self.slots)
+            what = f"slots={n}"
+            budgets = np.full(L, n, np.int32) if self.pool == "per-layer" else np.array([n], np.int32)
+        else:
+            if self.pool != "per-layer":
+                raise ValueError("slots_per_layer needs pool='per-layer'")
+            budgets = np.asarray(self.slots_per_layer, dtype=np.int32)
+            if budgets.shape != (L,):
+                raise ValueError(f"slots_per_layer must list {L} budgets (one per MoE layer), got {budgets.shape[0]}")
+            what = "slots_per_layer"
+        if self.pool == "per-layer":
+            low = int(budgets.min())
+            if low < K:
+                raise ValueError(
+                    f"{what} gives {low} slots per layer, below top-K={K}: a layer's selection must fit in its "
+                    f"pool (raise the capacity to at least {K}/{E} = {K / E:.4f})")
+            if int(budgets.max()) > E:
+                raise ValueError(f"{what} gives {int(budgets.max())} slots per layer, more than E={E} experts")
+        else:
+            n = int(budgets[0])
+            if n < K:
+                raise ValueError(
+                    f"{what} gives {n} shared slots, below top-K={K}: the running layer's selection must fit "
+                    f"(raise the capacity to at least {K}/{L * E} = {K / (L * E):.5f})")
+            if n > L * E:
+                raise ValueError(f"{what} gives {n} shared slots, more than L*E={L * E} experts")
+        return budgets
+
+    @property
+    def pool_capacities(self) -> np.ndarray:
+        """int32 [P] slots of each pool (P = L per-layer, 1 shared)."""
+        return self._budgets.copy()
+
+    @property
+    def pool_of_layer(self) -> np.ndarray:
+        """int32 [L] pool index of each layer."""
+        if self.pool == "per-layer":
+            return np.arange(self.num_layers, dtype=np.int32)
+        return np.zeros(self.num_layers, np.int32)
+
+    @property
+    def total_slots(self) -> int:
+        return int(self._budgets.sum())
+
+    @property
+    def fraction(self) -> float:
+        """Resident fraction of all L*E experts actually realized (after rounding)."""
+        return self.total_slots / (self.num_layers * self.num_experts)
+
+    @property
+    def uniform_slots_per_layer(self) -> int | None:
+        """B when every layer has the same budget (per-layer pool), else None."""
+        if self.pool != "per-layer" or int(self._budgets.min()) != int(self._budgets.max()):
+            return None
+        return int(self._budgets[0])
+
+    def describe(self) -> str:
+        b = self.uniform_slots_per_layer
+        if self.pool == "shared":
+            return f"shared pool of {self.total_slots} slots ({self.fraction:.1%} of L*E)"
+        if b is not None:
+            return f"per-layer pools of {b} slots ({self.fraction:.1%} of L*E)"
+        return f"per-layer pools of {self.total_slots} slots in all ({self.fraction:.1%} of L*E)"
+
+
+class ExpertCache:
+    """Slot table: ``(layer, expert) -> slot`` and a state per slot.
+
+    Slots of pool ``p`` are the contiguous range ``pool_start[p] .. pool_start[p+1]-1``.
+    Arrays: ``slot_of`` int32 [L, E] (-1 when absent), ``slot_layer`` / ``slot_expert`` int32 [N]
+    (-1 when empty), ``state`` int8 [N] (:class:`SlotState`), ``ready_at`` float64 [N] (time a
+    Fetch lands, for drivers that keep a clock), ``proactive`` bool [N] (filled by a prefetch and not
+    accessed since).
+    """
+
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.num_layers = config.num_layers
+        self.num_experts = config.num_experts
+        caps = config.pool_capacities
+        self.pool_start = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
+        self._pool_of_layer = config.pool_of_layer
+        self.num_slots = int(self.pool_start[-1])
+        self.slot_pool = np.repeat(np.arange(len(caps)), caps).astype(np.int32)
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty every slot."""
+        N = self.num_slots
+        self.slot_of = np.full((self.num_layers, self.num_experts), -1, np.int32)
+        self.slot_layer = np.full(N, -1, np.int32)
+        self.slot_expert = np.full(N, -1, np.int32)
+        self.state = np.zeros(N, np.int8)
+        self.ready_at = np.zeros(N, np.float64)
+        self.proactive = np.zeros(N, np.bool_)
+        # free slots per pool, lowest index first
+        self._free = [list(range(int(self.pool_start[p + 1]) - 1, int(self.pool_start[p]) - 1, -1))
+                      for p in range(len(self.pool_start) - 1)]
+
+    # -- queries ----------------------------------------------------------------------------------
+    def pool_of(self, layer: int) -> int:
+        return int(self._pool_of_layer[layer])
+
+    def slot(self, layer: int, expert: int) -> int:
+        """Slot index of ``(layer, expert)`` or -1."""
+        return int(self.slot_of[layer, expert])
+
+    def state_of(self, layer: int, expert: int) -> SlotState:
+        s = self.slot_of[layer, expert]
+        return SlotState.EMPTY if s < 0 else SlotState(int(self.state[s]))
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        """True when the expert's weights are on the device (state Used or Compute)."""
+        s = self.slot_of[layer, expert]
+        if s < 0:
+            return False
+        st = self.state[s]
+        return st == USED or st == COMPUTE
+
+    def contains(self, layer: int, expert: int) -> bool:
+        """True when the expert holds a slot in any state (Fetch included)."""
+        return bool(self.slot_of[layer, expert] >= 0)
+
+    def resident_experts(self, layer: int) -> np.ndarray:
+        """int [n] experts of ``layer`` holding a slot (any state), ascending."""
+        return np.flatnonzero(self.slot_of[layer] >= 0)
+
+    def occupied(self, pool: int | None = None) -> int:
+        """Slots not Empty (in ``pool``, or in all pools)."""
+        if pool is None:
+            return int((self.state != EMPTY).sum())
+        a, b = self.pool_start[pool], self.pool_start[pool + 1]
+        return int((self.state[a:b] != EMPTY).sum())
+
+    def free_count(self, pool: int) -> int:
+        return len(self._free[pool])
+
+    def capacity_of_pool(self, pool: int) -> int:
+        return int(self.pool_start[pool + 1] - self.pool_start[pool])
+
+    def eviction_candidates(self, pool: int, protect_layer: int = -1,
+                            protect: np.ndarray | None = None) -> np.ndarray:
+        """int [N, 2] (layer, expert) of the pool's Used slots that may be evicted: not Fetch/Compute and
+        not in the selection ``protect`` of the running layer ``protect_layer``. Ordered by slot."""
+        a, b = int(self.pool_start[pool]), int(self.pool_start[pool + 1])
+        ok = self.state[a:b] == USED
+        if protect is not None and len(protect) and protect_layer >= 0:
+            prot = self.slot_of[protect_layer, np.asarray(protect, dtype=np.int64)]
+            prot = prot[(prot >= a) & (prot < b)] - a
+            ok[prot] = False
+        idx = np.flatnonzero(ok) + a
+        out = np.empty((len(idx), 2), np.int64)
+        out[:, 0] = self.slot_layer[idx]
+        out[:, 1] = self.slot_expert[idx]
+        return out
+
+    def slots_in_state(self, state: SlotState, layer: int | None = None) -> np.ndarray:
+        """int [n] slot indices in ``state`` (holding experts of ``layer`` when given)."""
+        m = self.state == state
+        if layer is not None:
+            m &= self.slot_layer == layer
+        return np.flatnonzero(m)
+
+    # -- updates ----------------------------------------------------------------------------------
+    def take_free_slot(self, pool: int) -> int:
+        """Pop an Empty slot of ``pool`` (lowest index first) or return -1."""
+        free = self._free[pool]
+        return free.pop() if free else -1
+
+    def assign(self, slot: int, layer: int, expert: int, state: SlotState, proactive: bool = False) -> None:
+        """Put ``(layer, expert)`` into ``slot`` (Empty, taken by :meth:`take_free_slot` or freed by
+        :meth:`evict`) with ``state``."""
+        if self.slot_of[layer, expert] >= 0:
+            raise ValueError(f"expert ({layer}, {expert}) already holds slot {self.slot_of[layer, expert]}")
+        if self.slot_layer[slot] >= 0:
+            raise ValueError(f"slot {slot} still holds ({self.slot_layer[slot]}, {self.slot_expert[slot]})")
+        if self.slot_pool[slot] != self._pool_of_layer[layer]:
+            raise ValueError(f"slot {slot} belongs to pool {self.slot_pool[slot]}, not to layer {layer}'s pool")
+        self.slot_of[layer, expert] = slot
+        self.slot_layer[slot] = layer
+        self.slot_expert[slot] = expert
+        self.state[slot] = state
+        self.proactive[slot] = proactive
+
+    def evict(self, layer: int, expert: int) -> int:
+        """Remove ``(layer, expert)``; return its slot, now Empty but *not* returned to the free list
+        (the caller reuses it at once). Fetch/Compute slots cannot be evicted."""
+        s = int(self.slot_of[layer, expert])
+        if s < 0:
+            raise KeyError(f"expert ({layer}, {expert}) is not in the cache")
+        if self.state[s] in (FETCH, COMPUTE):
+            raise ValueError(f"expert ({layer}, {expert}) is in state {SlotState(int(self.state[s])).name}: "
+                             "in-flight or about-to-run experts are never evicted")
+        self.slot_of[layer, expert] = -1
+        self.slot_layer[s] = -1
+        self.slot_expert[s] = -1
+        self.state[s] = EMPTY
+        self.proactive[s] = False
+        return s
+
+    def release(self, slot: int) -> None:
+        """Return an Empty slot (freed by :meth:`evict` and not reused) to its pool's free list."""
+        if self.slot_layer[slot] >= 0:
+            raise ValueError(f"slot {slot} is not empty")
+        self._free[int(self.slot_pool[slot])].append(slot)
+
+    def set_state(self, slot: int, state: SlotState) -> None:
+        self.state[slot] = state
+
+    def resident_set(self) -> set[tuple[int, int]]:
+        """{(layer, expert)} of every occupied slot (tests, debugging)."""
+        idx = np.flatnonzero(self.slot_layer >= 0)
+        return {(int(self.slot_layer[i]), int(self.slot_expert[i])) for i in idx}

@@ -1,0 +1,108 @@
+"""Latency model of in-situ CPU execution vs transfer of a cold expert (SAEM IV-2, DESIGN.md "SAEM").
+
+For a selected expert that is not resident, SAEM either transfers it over the host-device link or runs
+it on the CPU where its host copy lives, whichever is predicted faster for the ``n`` tokens routed to
+it: ``cpu_ms(n) = cpu_expert_ms + n * cpu_token_ms`` (reading the expert's weights from host memory,
+then per-token GEMM work) against ``transfer_ms = expert_bytes / bandwidth`` (device compute of the
+transferred expert is the same either way and not counted). Few tokens favour the CPU.
+
+The parameters are those of the simulator's cost model (:class:`expertcast.inference.cost_model.CostConfig`)
+by default, so decisions and modelled costs agree; :meth:`LatencyModel.measure_cpu` times a real SwiGLU
+expert on this machine's CPU with torch and fits the two CPU parameters by least squares.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class LatencyModel:
+    """Predicted cost (ms) of serving one non-resident expert routed ``n`` tokens."""
+
+    transfer_ms: float
+    """Time to move one expert over the host-device link."""
+    cpu_expert_ms: float
+    """Fixed CPU cost of one expert execution (weights streamed from host memory)."""
+    cpu_token_ms: float
+    """CPU cost per token routed to the expert."""
+
+    def __post_init__(self) -> None:
+        if self.transfer_ms <= 0:
+            raise ValueError(f"transfer_ms must be positive, got {self.transfer_ms}")
+        if self.cpu_expert_ms < 0 or self.cpu_token_ms < 0:
+            raise ValueError(f"CPU costs must be non-negative, got {self.cpu_expert_ms}, {self.cpu_token_ms}")
+
+    def cpu_ms(self, n_tokens: int | np.ndarray) -> float | np.ndarray:
+        """CPU time of one expert for ``n_tokens`` routed tokens."""
+        return self.cpu_expert_ms + np.asarray(n_tokens) * self.cpu_token_ms if isinstance(n_tokens, np.ndarray) \
+            else self.cpu_expert_ms + n_tokens * self.cpu_token_ms
+
+    def prefer_cpu(self, n_tokens: int) -> bool:
+        """True when running the expert on the CPU is predicted strictly faster than transferring it."""
+        if n_tokens < 1:
+            raise ValueError(f"an accessed expert has at least one routed token, got {n_tokens}")
+        return self.cpu_expert_ms + n_tokens * self.cpu_token_ms < self.transfer_ms
+
+    def crossover_tokens(self) -> int:
+        """Largest token count for which the CPU is faster (0: never; a large number: always)."""
+        if self.cpu_expert_ms >= self.transfer_ms:
+            return 0
+        if self.cpu_token_ms == 0:
+            return np.iinfo(np.int32).max
+        n = int(np.ceil((self.transfer_ms - self.cpu_expert_ms) / self.cpu_token_ms)) - 1
+        return max(n, 0)
+
+    @classmethod
+    def from_cost(cls, cost: Any, expert_bytes: int) -> LatencyModel:
+        """The latency model implied by a :class:`~expertcast.inference.cost_model.CostConfig`."""
+        eb = int(cost.expert_bytes or expert_bytes)
+        if eb <= 0:
+            raise ValueError(f"expert_bytes must be positive, got {eb}")
+        return cls(transfer_ms=float(cost.transfer_ms(eb)), cpu_expert_ms=float(cost.cpu_expert_ms),
+                   cpu_token_ms=float(cost.cpu_token_ms))
+
+    @classmethod
+    def measure_cpu(cls, hidden: int, intermediate: int, transfer_ms: float, token_counts: Sequence[int] = (1, 2, 4, 8, 16),
+                    dtype: Any = None, repeats: int = 20, threads: int | None = None) -> tuple[LatencyModel, list[dict]]:
+        """Fit ``cpu_expert_ms`` and ``cpu_token_ms`` by timing a SwiGLU expert (gate/up [2I, H], down
+        [H, I]) on this CPU for each token count; returns the model and the measured points."""
+        import torch
+
+        dtype = dtype or torch.float32
+        prev = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            g = torch.Generator().manual_seed(0)
+            gate_up = torch.randn(2 * intermediate, hidden, generator=g, dtype=dtype) * hidden ** -0.5
+            down = torch.randn(hidden, intermediate, generator=g, dtype=dtype) * intermediate ** -0.5
+
+            def expert(x: torch.Tensor) -> torch.Tensor:
+                gu = torch.nn.functional.linear(x, gate_up)
+                a, b = gu.chunk(2, dim=-1)
+                return torch.nn.functional.linear(torch.nn.functional.silu(a) * b, down)
+
+            points = []
+            with torch.inference_mode():
+                for n in token_counts:
+                    x = torch.randn(int(n), hidden, generator=g, dtype=dtype)
+                    expert(x)
+                    times = []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        expert(x)
+                        times.append((time.perf_counter() - t0) * 1e3)
+                    points.append({"tokens": int(n), "cpu_ms": float(np.median(times))})
+        finally:
+            torch.set_num_threads(prev)
+        n = np.array([p["tokens"] for p in points], dtype=np.float64)
+        y = np.array([p["cpu_ms"] for p in points])
+        A = np.stack([np.ones_like(n), n], axis=1)
+        (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+        return cls(transfer_ms=float(transfer_ms), cpu_expert_ms=float(max(a, 0.0)), cpu_token_ms=float(max(b, 0.0))), points

@@ -1,0 +1,97 @@
+"""Oracles that read the future of the replayed stream: Belady, Belady-k and sequential Belady.
+
+* ``belady`` (the bound used by every table's ``belady_fraction``): under the protect rule the
+  selection of the running layer stays resident and the victim is the non-selected resident whose
+  next use is furthest away (never-used-again first). With one expert per layer-execution (top-1)
+  this is exactly classic Belady/MIN with forced insertion (libcachesim's ``Belady``). It bounds every
+  demand-paging policy that follows the protect rule (every miss inserted; prefetching or
+  temporary-slot policies can beat it, see DESIGN.md).
+* ``belady-k`` (SeqMoE's Belady-8): the future is visible ``k`` decode steps ahead (the next ``k * L``
+  layer-executions). Residents whose next use is visible are ranked as Belady ranks them; residents
+  with no visible next use are evicted first, least recently used first. ``k=0`` is LRU; ``k`` at
+  least the stream length is Belady.
+* ``belady-seq``: sequential Belady over the flattened stream, requests one at a time in selection
+  order with no protect rule, so a miss may evict an expert selected earlier in the same step. This
+  equals libcachesim's ``Belady`` fed the flat top-K stream; it is a looser (higher) bound than
+  ``belady`` for top-K > 1 and is not what the tables' fractions use. It runs only on the compiled
+  engine (the generic driver always applies the protect rule).
+
+Ties between residents first used again in the same layer-execution are broken by the lower
+``layer * E + expert`` id (hit counts do not depend on the choice).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from expertcast.inference import _kernels as K
+from expertcast.inference.policies.classic import KeyedPolicy
+
+
+class BeladyPolicy(KeyedPolicy):
+    """Belady under the protect rule (full future)."""
+
+    name = "belady"
+    needs_future = True
+    kernel_kind = K.KIND_BELADY
+    horizon_steps: int | None = None
+
+    def __init__(self) -> None:
+        self.stream = None
+
+    def set_future(self, future) -> None:
+        """``future``: the simulator's :class:`~expertcast.inference.simulator.AccessStream`."""
+        self.stream = future
+
+    def kernel_params(self):
+        p = super().kernel_params()
+        p["horizon"] = -1 if self.horizon_steps is None else self.horizon_steps * self.config.num_layers
+        return p
+
+    def reset(self, config) -> None:
+        super().reset(config)
+        self.nxt = np.full(config.num_layers * config.num_experts, K.NEVER, np.int64)
+
+    def _touch(self, t, layer, index, item, resident, hit):
+        if not resident:
+            return
+        if self.stream is None:
+            raise RuntimeError(f"{self.name} is an oracle: the driver must call set_future() first")
+        x = t * self.L + layer
+        a = int(self.stream.exec_ptr[x]) + index
+        self.nxt[item] = int(self.stream.next_exec[a])
+        self.last[item] = self.clock
+
+    def keys_of(self, t, layer, items):
+        n = self.nxt[items]
+        k1 = -n.astype(np.float64)
+        k2 = items.astype(np.float64)
+        if self.horizon_steps is not None:
+            far = n > (t * self.L + layer) + self.horizon_steps * self.L
+            k1 = np.where(far, -np.inf, k1)
+            k2 = np.where(far, self.last[items], k2)
+        return k1, k2
+
+
+class BeladyKPolicy(BeladyPolicy):
+    """Belady with ``k`` decode steps of future; residents with no visible next use go first (LRU)."""
+
+    name = "belady-k"
+
+    def __init__(self, k: int = 8) -> None:
+        super().__init__()
+        if int(k) < 0:
+            raise ValueError(f"belady-k needs k >= 0 steps of future, got {k}")
+        self.horizon_steps = int(k)
+
+
+class SequentialBeladyPolicy(BeladyPolicy):
+    """Sequential Belady on the flat stream (no protect rule); compiled engine only."""
+
+    name = "belady-seq"
+    kernel_kind = K.KIND_BELADY_SEQ
+    kernel_only = True
+
+    def choose_victim(self, t, layer, candidates, cache) -> int:
+        raise RuntimeError("belady-seq ignores the protect rule and runs only on the compiled engine "
+                           "(simulate(..., engine='auto' or 'kernel'))")

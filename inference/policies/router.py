@@ -1,0 +1,357 @@
+"""Cache policies of the cache-aware router adaptation (DESIGN.md, "Cache-aware router adaptation").
+
+The routers' outputs are recorded in the teacher-forced pass of the evaluated model (one
+:class:`RouterRecord` per sequence: p^R, p^T, p^S, each float16 [T, L, E]) and kept in a
+:class:`RouterReplay` keyed by sequence id. The policy reads them per step: decode step ``t`` of
+sequence ``i`` is position ``prompt_len_i + d`` (as :attr:`TraceSequence.decode_expert_ids`; prefill
+steps are mapped the same way as the simulator replays them, see :meth:`_RouterPolicyBase.on_step`).
+With a batch of several sequences, a priority is the mean over the members processing a token.
+
+- :class:`TemporalRetentionPolicy` (``router-temporal``, Algorithm 1, update-only): demand-load
+  misses, protect the selection, evict the lowest ``s^T_{t,l} = p^R_{t,l} + p^T_{t,l}`` resident.
+  No proactive loads.
+- :class:`RouterFullPolicy` (``router-full``, Algorithm 2): before access, scan the top-R of
+  ``s^ST_{t,l} = p^R_{t-1,l} + p^T_{t-1,l} + p^S_{rho(t,l)}`` in descending order; a non-resident
+  candidate replaces the lowest-s^ST resident only when its score is higher (a proactive load; an
+  empty slot is taken freely). Then the update-only retention with s^T.
+- :class:`SpatioOnlyPolicy` (``router-spatio``): the same pre-access refinement with
+  ``s^S_{t,l} = p^R_{t-1,l} + p^S_{rho(t,l)}`` and LRU retention of demand-loaded experts.
+
+``R`` (<= B) is an inference knob: no retraining. These policies need per-layer pools (B slots per
+MoE layer), the setting of the paper.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from expertcast.inference.policy import Policy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from expertcast.inference.cache import CacheConfig, ExpertCache
+
+REPLAY_FORMAT = "expertcast-router-replay"
+REPLAY_FORMAT_VERSION = 1
+
+
+@dataclass
+class RouterRecord:
+    """Router outputs of one sequence's teacher-forced pass: float16 [T, L, E] each (None if absent)."""
+
+    p_R: np.ndarray
+    p_T: np.ndarray | None = None
+    p_S: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.p_R.ndim != 3:
+            raise ValueError(f"p_R must be [T, L, E], got shape {self.p_R.shape}")
+        for n in ("p_T", "p_S"):
+            a = getattr(self, n)
+            if a is not None and a.shape != self.p_R.shape:
+                raise ValueError(f"{n} {a.shape} does not match p_R {self.p_R.shape}")
+
+
+class RouterReplay:
+    """{seq_id: RouterRecord} plus the mode of the routers that produced them; saved as one ``.npz``
+    (no pickle) beside a JSON header."""
+
+    def __init__(self, records: dict[str, RouterRecord] | None = None, mode: str = "temporal"):
+        self.records: dict[str, RouterRecord] = dict(records or {})
+        self.mode = mode
+
+    def __getitem__(self, seq_id: str) -> RouterRecord:
+        try:
+            return self.records[seq_id]
+        except KeyError:
+            raise KeyError(f"no router outputs recorded for sequence {seq_id!r}: record the replay on the same "
+                           "traces the simulator runs") from None
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        from expertcast.utils.io import atomic_write_bytes, atomic_write_json
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        ids = list(self.records)
+        arrays: dict[str, np.ndarray] = {}
+        for i, k in enumerate(ids):
+            r = self.records[k]
+            for n in ("p_R", "p_T", "p_S"):
+                a = getattr(r, n)
+                if a is not None:
+                    arrays[f"{n}_{i}"] = a.astype(np.float16)
+        import io
+
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        atomic_write_bytes(d / "router_replay.npz", buf.getvalue())
+        atomic_write_json(d / "router_replay.json", {"format": REPLAY_FORMAT, "format_version": REPLAY_FORMAT_VERSION,
+                                                     "mode": self.mode, "seq_ids": ids})
+        return d
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> RouterReplay:
+        d = Path(directory)
+        hp = d / "router_replay.json"
+        if not hp.is_file():
+            raise ValueError(f"{d} holds no router replay ({hp.name} missing)")
+        head = json.loads(hp.read_text())
+        if head.get("format") != REPLAY_FORMAT or head.get("format_version", 99) > REPLAY_FORMAT_VERSION:
+            raise ValueError(f"{hp} is not a router replay this expertcast reads")
+        with np.load(d / "router_replay.npz", allow_pickle=False) as z:
+            recs = {}
+            for i, k in enumerate(head["seq_ids"]):
+                get = (lambda n, i=i: z[f"{n}_{i}"] if f"{n}_{i}" in z.files else None)
+                recs[k] = RouterRecord(get("p_R"), get("p_T"), get("p_S"))
+        return cls(recs, head.get("mode", "temporal"))
+
+
+class _RouterPolicyBase(Policy):
+    """Shared bookkeeping: the batch's records, positions, and per-(t, l) priorities."""
+
+    needs_p_T = False
+    needs_p_S = False
+
+    def __init__(self, replay: RouterReplay | str | os.PathLike | None = None, R: int | None = None):
+        self.replay = RouterReplay.load(replay) if isinstance(replay, (str, os.PathLike)) else replay
+        self.R = R
+        self._batch: list[tuple[RouterRecord, int]] = []
+        self._batch_start: int | None = None
+        self._act: list[tuple[RouterRecord, int]] = []
+        self.t = -1
+
+    def set_replay(self, replay: RouterReplay) -> None:
+        self.replay = replay
+
+    def reset(self, config: CacheConfig) -> None:
+        super().reset(config)
+        if config.pool != "per-layer":
+            raise ValueError(f"{type(self).__name__} manages B slots per MoE layer: use pool='per-layer', "
+                             f"not {config.pool!r}")
+        self.B = config.pool_capacities.copy()
+        if self.R is not None:
+            if self.R < 1:
+                raise ValueError(f"R must be >= 1, got {self.R}")
+            if self.R > int(self.B.min()):
+                raise ValueError(f"R={self.R} exceeds the per-layer budget B={int(self.B.min())} (R <= B)")
+        self._batch = []
+        self._cache_key = None
+
+    def begin_batch(self, batch: Any) -> None:
+        if self.replay is None:
+            raise ValueError(f"{type(self).__name__} needs the routers' recorded outputs: pass replay=RouterReplay")
+        seqs = list(batch)
+        out = []
+        for s in seqs:
+            rec = self.replay[s.seq_id]
+            if rec.p_R.shape[0] != s.num_tokens or rec.p_R.shape[1:] != (self.config.num_layers,
+                                                                        self.config.num_experts):
+                raise ValueError(
+                    f"router outputs of {s.seq_id} are {rec.p_R.shape}, but the trace has T={s.num_tokens}, "
+                    f"L={self.config.num_layers}, E={self.config.num_experts}: recorded on another model or text")
+            if self.needs_p_T and rec.p_T is None:
+                raise ValueError(f"{type(self).__name__} needs Temporal-router outputs (p_T) for {s.seq_id}")
+            if self.needs_p_S and rec.p_S is None:
+                raise ValueError(f"{type(self).__name__} needs Spatio-router outputs (p_S) for {s.seq_id}")
+            out.append((rec, int(s.prompt_len)))
+        self._batch = out
+        self._batch_start = None
+        self._act = []
+        self.t = -1
+
+    def on_step(self, t: int) -> None:
+        """Map step ``t`` to each member's position (simulator convention: the batch first replays its
+        prompts, prefill step j at position j of the members whose prompt is longer than j, then decode
+        step d at position prompt_len + d of the unfinished members)."""
+        if self._batch_start is None:
+            self._batch_start = t
+        j = t - self._batch_start
+        mp = max((p0 for _, p0 in self._batch), default=0)
+        act = []
+        for rec, p0 in self._batch:
+            pos = (j if j < p0 else -1) if j < mp else p0 + (j - mp)
+            if 0 <= pos < rec.p_R.shape[0]:
+                act.append((rec, pos))
+        self.t, self._act = t, act
+
+    def _active(self, t: int, need_prev: bool = False) -> list[tuple[RouterRecord, int]]:
+        """(record, position) of the members processing a token at step t (with a previous token if
+        asked)."""
+        if t != self.t:
+            self.on_step(t)
+        return [(r, p) for r, p in self._act if p >= 1 or not need_prev]
+
+    def temporal_priority(self, t: int, layer: int) -> np.ndarray | None:
+        """s^T_{t,l} [E] (batch mean), or None when no sequence is active."""
+        act = self._active(t)
+        if not act:
+            return None
+        s = np.zeros(self.config.num_experts, np.float32)
+        for rec, pos in act:
+            s += rec.p_R[pos, layer].astype(np.float32)
+            if rec.p_T is not None:
+                s += rec.p_T[pos, layer].astype(np.float32)
+        return s / len(act)
+
+    def pre_access_priority(self, t: int, layer: int, use_temporal: bool) -> np.ndarray | None:
+        """s^ST_{t,l} (use_temporal) or s^S_{t,l} [E] (batch mean), or None when not available."""
+        act = self._active(t, need_prev=True)
+        if not act:
+            return None
+        L = self.config.num_layers
+        s = np.zeros(self.config.num_experts, np.float32)
+        for rec, pos in act:
+            s += rec.p_R[pos - 1, layer].astype(np.float32)
+            if use_temporal:
+                s += rec.p_T[pos - 1, layer].astype(np.float32)
+            # causal predecessor rho(t, l): (t, l-1), or (t-1, L-1) for the first layer
+            s += (rec.p_S[pos, layer - 1] if layer > 0 else rec.p_S[pos - 1, L - 1]).astype(np.float32)
+        return s / len(act)
+
+
+class TemporalRetentionPolicy(_RouterPolicyBase):
+    """Algorithm 1: update-only retention by s^T (no proactive loads)."""
+
+    name = "router-temporal"
+    demand_only = True
+    needs_p_T = True
+
+    def reset(self, config: CacheConfig) -> None:
+        super().reset(config)
+        self._prio = np.zeros((config.num_layers, config.num_experts), np.float32)
+        self._prio_at = np.full(config.num_layers, -(10**9), np.int64)
+
+    def _retention_priority(self, t: int, layer: int) -> np.ndarray:
+        if self._prio_at[layer] != t:
+            s = self.temporal_priority(t, layer)
+            if s is not None:
+                self._prio[layer] = s
+            self._prio_at[layer] = t
+        return self._prio[layer]
+
+    def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
+        pr = self._retention_priority(t, layer)
+        if np.all(candidates[:, 0] == layer):
+            return int(np.argmin(pr[candidates[:, 1]]))
+        vals = np.array([self._prio[l, e] if l != layer else pr[e] for l, e in candidates], np.float32)
+        return int(np.argmin(vals))
+
+    def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:
+        self._retention_priority(t, layer)
+
+
+class _PreAccessMixin:
+    """Algorithm 2's pre-access refinement with top-R candidates (shared by full and spatio-only)."""
+
+    use_temporal_in_pre_access = True
+
+    def _plan(self, t: int, layer: int, cache: ExpertCache) -> list[tuple[int, int]]:
+        self._planned: list[int] = []
+        s = self.pre_access_priority(t, layer, self.use_temporal_in_pre_access)
+        if s is None:
+            return []
+        B = int(self.B[layer])
+        R = B if self.R is None else int(self.R)
+        cand = np.argsort(-s, kind="stable")[:R]
+        from expertcast.inference.cache import SlotState
+
+        resident = set(int(e) for e in cache.resident_experts(layer))
+        evictable = {e for e in resident if cache.state_of(layer, e) == SlotState.USED}
+        free = B - len(resident)
+        loads = []
+        for c in cand:
+            c = int(c)
+            if c in resident:
+                continue
+            if free > 0:
+                free -= 1
+            else:
+                if not evictable:
+                    break
+                low = min(evictable, key=lambda e: (s[e], e))
+                if not s[c] > s[low]:
+                    break  # candidates come in descending order: no later one beats the lowest resident
+                evictable.discard(low)
+                resident.discard(low)
+                self._planned.append(low)
+            resident.add(c)
+            loads.append((layer, c))
+        self._pre_s = s
+        return loads
+
+    def _planned_victim(self, candidates: np.ndarray, layer: int) -> int | None:
+        while getattr(self, "_planned", None):
+            v = self._planned.pop(0)
+            hit = np.flatnonzero((candidates[:, 0] == layer) & (candidates[:, 1] == v))
+            if len(hit):
+                return int(hit[0])
+        return None
+
+
+class RouterFullPolicy(_PreAccessMixin, TemporalRetentionPolicy):
+    """Algorithm 2: top-R pre-access refinement by s^ST, then update-only retention by s^T."""
+
+    name = "router-full"
+    demand_only = False
+    needs_p_T = True
+    needs_p_S = True
+
+    def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        return self._plan(t, layer, cache)
+
+    def on_miss(self, t, layer, expert, n_tokens, cache):
+        self._planned = []  # access phase: retention rule from here on
+        return super().on_miss(t, layer, expert, n_tokens, cache)
+
+    def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
+        v = self._planned_victim(candidates, layer)
+        return v if v is not None else super().choose_victim(t, layer, candidates, cache)
+
+    def on_access(self, t, layer, selected, counts, cache) -> None:
+        self._planned = []
+        super().on_access(t, layer, selected, counts, cache)
+
+
+class SpatioOnlyPolicy(_PreAccessMixin, _RouterPolicyBase):
+    """Spatio-only: top-R pre-access refinement by s^S; demand misses retained with LRU eviction."""
+
+    name = "router-spatio"
+    demand_only = False
+    needs_p_S = True
+    use_temporal_in_pre_access = False
+
+    def reset(self, config: CacheConfig) -> None:
+        super().reset(config)
+        self._last = np.full((config.num_layers, config.num_experts), -1, np.int64)
+        self._clock = 0
+
+    def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        return self._plan(t, layer, cache)
+
+    def on_miss(self, t, layer, expert, n_tokens, cache):
+        self._planned = []
+        return super().on_miss(t, layer, expert, n_tokens, cache)
+
+    def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
+        v = self._planned_victim(candidates, layer)
+        if v is not None:
+            return v
+        return int(np.argmin(self._last[candidates[:, 0], candidates[:, 1]]))
+
+    def on_access(self, t, layer, selected, counts, cache) -> None:
+        self._planned = []
+        self._clock += 1
+        self._last[layer, np.asarray(selected, dtype=np.int64)] = self._clock
+
+    def on_insert(self, layer: int, expert: int, proactive: bool) -> None:
+        self._clock += 1
+        self._last[layer, expert] = self._clock

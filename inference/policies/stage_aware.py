@@ -1,0 +1,354 @@
+"""SAEM's stage-aware expert management as a cache policy (simulator and runtime alike).
+
+:class:`StageAwarePolicy` (SAEM IV-2, DESIGN.md "SAEM"):
+
+- per-layer budgets: the cache must be a per-layer pool (B_l slots for layer l);
+- the streaming :class:`~expertcast.inference.stages.StageDetector` watches the tokens every sequence
+  of the batch emits (:meth:`observe_tokens`); a cue in *any* sequence ends the current stage;
+- while a stage runs, every access adds the tokens routed to each expert into per-layer counts [L, E]
+  (all sequences of the batch together);
+- at the next layer-0 hook after a boundary, each layer's experts are ranked by the finished stage's
+  counts, and the layer's budget is refilled with the top-B_l experts as proactive loads (issued at
+  once, layer order, so transfers overlap the following compute); evictions take the lowest-ranked
+  resident;
+- between boundaries the cache content does not change: a non-resident expert is executed on the CPU
+  when the :class:`~expertcast.inference.cpu_exec.LatencyModel` predicts that faster for its token count
+  (``MissAction.CPU``: neither a hit nor a transfer), else served from a reserved temporary slot
+  (``MissAction.TEMP``: a transfer not retained);
+- the prompt (prefill) is the first finished stage when the driver reports prefill accesses; the
+  calibration's static expert frequencies (cue-set JSON) seed the cache when it starts empty.
+
+Ablations (paper V-D): ``stage_updates=False`` (static placement from calibration frequencies, never
+updated) and ``cpu_exec=False`` (every miss through the temporary slot).
+
+:class:`StageOraclePolicy` (paper V-C "oracle"): the same boundary events and cache enforcement, but at
+each update it ranks experts by the *next* stage's true counts, read from the batch's recorded routing
+(``begin_batch`` receives the :class:`~expertcast.data.trace_format.TraceSequence` objects).
+
+Driver contract assumed (inference/policy.py): decode step ``t`` of sequence ``i`` is position
+``prompt_len_i + t``; ``observe_tokens(t, ids)`` gives the token each sequence holds at that position
+(None or a negative id once it finished). The oracle checks this against the recorded tokens and
+raises when a driver feeds something else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from expertcast.inference.cpu_exec import LatencyModel
+from expertcast.inference.cues import CueSet
+from expertcast.inference.policy import MissAction, Policy
+from expertcast.inference.stages import StageDetector, TokenDecoder
+
+
+def _resolve_cues(cue_set: str | Path | CueSet | None, cues: Sequence[str] | str | None) -> tuple[list[str], CueSet | None, bool]:
+    cs = CueSet.load(cue_set) if isinstance(cue_set, (str, Path)) else cue_set
+    if cues is not None:
+        lst = [c.strip() for c in cues.split("|")] if isinstance(cues, str) else list(cues)
+        return lst, cs, cs.ignore_case if cs else False
+    if cs is not None:
+        return list(cs.cues), cs, cs.ignore_case
+    return [], None, False
+
+
+class StageAwarePolicy(Policy):
+    """SAEM stage-aware caching with CPU execution of cold experts.
+
+    Args:
+        cue_set: path of a calibrated cue-set JSON (``expertcast stages calibrate``) or a CueSet; gives
+            the cues, the tokenizer (unless ``tokenizer`` is given) and static expert frequencies.
+        cues: explicit cues (list, or one string separated by ``|``), overriding the cue set's.
+        tokenizer: tokenizer directory / id (or a tokenizer object) used to decode the token ids.
+        decoder: a ready token-id -> bytes function (overrides ``tokenizer``).
+        cpu_exec: allow ``MissAction.CPU`` (ablation: False = temporary slot only).
+        stage_updates: refill at stage boundaries (ablation: False = static calibration placement).
+        latency: the CPU-vs-transfer latency model; default from ``cost`` (or the cost model defaults).
+        cost: a :class:`~expertcast.inference.cost_model.CostConfig` to derive ``latency`` from.
+        min_stage_steps: boundaries closer than this many decode steps to the last update are ignored.
+        static_frequency: float [L, E] placement used to seed (and for the no-update ablation);
+            defaults to the cue set's ``expert_frequency``.
+    """
+
+    name = "stage"
+    demand_only = False
+    needs_future = False
+
+    def __init__(self, cue_set: str | Path | CueSet | None = None, cues: Sequence[str] | str | None = None,
+                 tokenizer: Any = None, decoder: Any = None, cpu_exec: bool = True, stage_updates: bool = True,
+                 latency: LatencyModel | None = None, cost: Any = None, min_stage_steps: int = 1,
+                 static_frequency: np.ndarray | None = None) -> None:
+        self.cues, self.cue_set, self.ignore_case = _resolve_cues(cue_set, cues)
+        if stage_updates and not self.cues:
+            raise ValueError("StageAwarePolicy needs cues: pass cue_set=CUES.json (expertcast stages calibrate) "
+                             "or cues='Wait|Alternatively|...'")
+        self._tokenizer_spec = tokenizer if tokenizer is not None else (self.cue_set.tokenizer if self.cue_set else None)
+        self._decoder = decoder
+        self.cpu_exec = bool(cpu_exec)
+        self.stage_updates = bool(stage_updates)
+        self._latency = latency
+        self._cost = cost
+        self.min_stage_steps = int(min_stage_steps)
+        if static_frequency is None and self.cue_set is not None and self.cue_set.expert_frequency is not None:
+            static_frequency = np.asarray(self.cue_set.expert_frequency, dtype=np.float64)
+        self.static_frequency = None if static_frequency is None else np.asarray(static_frequency, np.float64)
+        if not self.stage_updates and self.static_frequency is None:
+            raise ValueError("the no-stage-update ablation places experts from calibration frequencies: give "
+                             "cue_set=JSON with expert_frequency or static_frequency=[L, E]")
+        self.detector: StageDetector | None = None
+        # statistics a report can read
+        self.n_boundaries = 0
+        self.n_updates = 0
+        self.n_cpu = 0
+        self.n_temp = 0
+        self.update_steps: list[int] = []
+
+    # -- setup ------------------------------------------------------------------------------------
+    @property
+    def decoder(self) -> Any:
+        if self._decoder is None:
+            spec = self._tokenizer_spec
+            if spec is None:
+                raise ValueError("StageAwarePolicy needs a tokenizer to read the generated tokens: pass "
+                                 "tokenizer=DIR (the trace's model directory) or a cue set that names one")
+            if isinstance(spec, (str, Path)):
+                from expertcast.inference.cues import load_tokenizer
+
+                spec = load_tokenizer(str(spec))
+            self._decoder = TokenDecoder(spec)
+        return self._decoder
+
+    def reset(self, config: Any) -> None:
+        super().reset(config)
+        if getattr(config, "pool", "per-layer") != "per-layer":
+            raise ValueError("SAEM manages per-layer budgets: run it with pool='per-layer' (got a shared pool)")
+        self.L, self.E = int(config.num_layers), int(config.num_experts)
+        self.budgets = np.asarray(config.pool_capacities, dtype=np.int64)
+        if self.static_frequency is not None and self.static_frequency.shape != (self.L, self.E):
+            raise ValueError(f"static expert frequencies have shape {self.static_frequency.shape} but the cache is "
+                             f"L={self.L}, E={self.E}: the cue set was calibrated on another model")
+        if self._latency is None:
+            from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig
+
+            cost = self._cost or CostConfig()
+            eb = int(getattr(config, "expert_bytes", 0) or QWEN3_30B_A3B_EXPERT_BYTES)
+            self._latency = LatencyModel.from_cost(cost, eb)
+        self._stage_counts = np.zeros((self.L, self.E), dtype=np.float64)
+        # tie-break: static frequencies (tiny weight), then expert id
+        base = self.static_frequency if self.static_frequency is not None else np.zeros((self.L, self.E))
+        self._tiebreak = base / (base.max() + 1.0) * 1e-3
+        self._priority = self._tiebreak.copy()
+        self._pending_update = False
+        self._last_update = -(10 ** 9)
+        self._step = -1
+        self._traces = None
+        self._batch_size = 1
+        self._prefill_steps = 0
+        self._batch_start = None
+        self._local = -1
+        self.n_boundaries = self.n_updates = self.n_cpu = self.n_temp = 0
+        self.update_steps = []
+
+    @property
+    def latency(self) -> LatencyModel:
+        if self._latency is None:
+            raise RuntimeError("call reset(config) first")
+        return self._latency
+
+    def warm_start(self, cache: Any) -> Sequence[tuple[int, int]]:
+        """Static calibration placement (top-B_l by calibration frequency), loaded uncounted."""
+        if self.static_frequency is None:
+            return ()
+        self._priority = self.static_frequency + self._tiebreak
+        return self._top_placement(self.static_frequency, cache, only_missing=True)
+
+    def begin_batch(self, batch: Any) -> None:
+        items = list(batch) if batch is not None and hasattr(batch, "__len__") else []
+        self._traces = items if items and all(hasattr(b, "prompt_len") and hasattr(b, "token_ids") for b in items) \
+            else None
+        n = max(len(items), 1)
+        self._prefill_steps = max(b.prompt_len for b in self._traces) if self._traces else 0
+        if self.stage_updates:
+            if self.detector is None:
+                self.detector = StageDetector(self.cues, None, batch_size=n, ignore_case=self.ignore_case)
+            self.detector.reset(n)
+        self._batch_size = n
+        self._stage_counts[:] = 0
+        self._pending_update = False
+        self._batch_start = None
+        self._local = -1
+        self._last_update = -(10 ** 9)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def on_step(self, t: int) -> None:
+        if self._batch_start is None:
+            self._batch_start = t
+        self._local = t - self._batch_start
+        self._step = t
+        if (self.stage_updates and self._traces is not None and self._prefill_steps > 0
+                and self._local == self._prefill_steps and self._stage_counts.any()):
+            self._pending_update = True  # the prompt (prefill) is the first finished stage
+
+    def _members(self, j: int) -> list[tuple[int, int]]:
+        """(member, position) of the members that produce a token at local step ``j`` of the batch, in
+        the simulator's order (inference/simulator.py ``_produced_tokens``): prefill step j < P_max
+        covers members whose prompt is longer than j, decode step j covers position
+        prompt_len + j - P_max; a member produces the token at position + 1 if there is one."""
+        assert self._traces is not None
+        mp = self._prefill_steps
+        out = []
+        for i, s in enumerate(self._traces):
+            if j < mp:
+                if j >= s.prompt_len:
+                    continue
+                pos = j
+            else:
+                pos = s.prompt_len + j - mp
+            if pos + 1 < len(s.token_ids):
+                out.append((i, pos))
+        return out
+
+    def _detector_ids(self, token_ids: Sequence[int]) -> list[int | None]:
+        """One entry per member: the generated token it produced now, or None (prompt token / idle)."""
+        ids: list[int | None] = [None] * self._batch_size
+        if self._traces is None:
+            if len(token_ids) != self._batch_size:
+                raise ValueError(f"observe_tokens got {len(token_ids)} ids for a batch of {self._batch_size}")
+            for i, tid in enumerate(token_ids):
+                ids[i] = None if tid is None or int(tid) < 0 else int(tid)
+            return ids
+        members = self._members(self._local)
+        if len(members) != len(token_ids):
+            raise ValueError(f"{self.name}: step {self._step} produced {len(token_ids)} tokens but {len(members)} "
+                             "members of the batch are active: the driver's step alignment differs from the one "
+                             "this policy assumes (inference/simulator.py)")
+        for (i, pos), tid in zip(members, token_ids, strict=True):
+            s = self._traces[i]
+            if int(s.token_ids[pos + 1]) != int(tid):
+                raise ValueError(f"{self.name}: token {tid} at step {self._step} of {s.seq_id} differs from the trace's "
+                                 f"{int(s.token_ids[pos + 1])} at position {pos + 1}")
+            if pos + 1 >= s.prompt_len:
+                ids[i] = int(tid)
+        return ids
+
+    def observe_tokens(self, t: int, token_ids: Sequence[int]) -> None:
+        if not self.stage_updates:
+            return
+        if self.detector is None:
+            self.begin_batch([None] * len(token_ids))
+        assert self.detector is not None
+        if self.detector.decoder is None:
+            self.detector.decoder = self.decoder
+        if self._batch_start is None:
+            self.on_step(t)
+        events = self.detector.step(self._detector_ids(token_ids))
+        if events:
+            self.n_boundaries += len(events)
+            if t + 1 - self._last_update >= self.min_stage_steps:
+                self._pending_update = True
+
+    def before_layer(self, t: int, layer: int, cache: Any) -> Sequence[tuple[int, int]]:
+        if self._pending_update:
+            self._pending_update = False
+            scores = self._next_ranking(t)
+            self._stage_counts[:] = 0
+            self.n_updates += 1
+            self.update_steps.append(int(t))
+            self._last_update = t
+            self._priority = np.asarray(scores, np.float64) + self._tiebreak
+            return self._top_placement(scores, cache, only_missing=True, first_layer=layer)
+        return ()
+
+    def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: Any) -> MissAction:
+        if self.cpu_exec and self.latency.prefer_cpu(max(int(n_tokens), 1)):
+            self.n_cpu += 1
+            return MissAction.CPU
+        self.n_temp += 1
+        return MissAction.TEMP
+
+    def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: Any) -> int:
+        c = np.asarray(candidates)
+        return int(np.argmin(self._priority[c[:, 0], c[:, 1]]))
+
+    def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: Any) -> None:
+        np.add.at(self._stage_counts[layer], np.asarray(selected, dtype=np.int64), np.asarray(counts, np.float64))
+
+    # -- stage updates ----------------------------------------------------------------------------
+    def _next_ranking(self, t: int) -> np.ndarray:
+        """float [L, E] scores of the experts for the stage that starts now (finished stage's counts)."""
+        return self._stage_counts.copy()
+
+    def _top_placement(self, scores: np.ndarray, cache: Any, only_missing: bool, first_layer: int = 0
+                       ) -> list[tuple[int, int]]:
+        """``(layer, expert)`` making each layer's pool hold its top-B_l experts by ``scores`` [L, E]
+        (experts with a zero score are left out), layers from ``first_layer`` on (deadline order)."""
+        loads: list[tuple[int, int]] = []
+        pr = np.asarray(scores, np.float64) + self._tiebreak
+        for lyr in list(range(first_layer, self.L)) + list(range(0, first_layer)):
+            B = int(self.budgets[lyr])
+            used = np.flatnonzero(pr[lyr] > 0)
+            top = used[np.argsort(-pr[lyr, used], kind="stable")][:B]
+            for e in top.tolist():
+                if not (only_missing and cache.contains(lyr, e)):
+                    loads.append((lyr, int(e)))
+        return loads
+
+
+class StageOraclePolicy(StageAwarePolicy):
+    """Same boundaries and cache enforcement as :class:`StageAwarePolicy`; at each update the ranking is
+    the next stage's true per-layer counts over the batch (read from the batch's recorded routing)."""
+
+    name = "stage-oracle"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("stage_updates", True):
+            raise ValueError("the stage oracle is defined at stage boundaries: stage_updates must stay on")
+        super().__init__(*args, **kwargs)
+
+    def begin_batch(self, batch: Any) -> None:
+        super().begin_batch(batch)
+        if self._traces is None:
+            raise ValueError("StageOraclePolicy reads the next stage from the recorded routing: begin_batch must "
+                             "receive the batch's TraceSequence objects (simulator only)")
+        self._plan = self._plan_updates()
+
+    def _plan_updates(self) -> list[int]:
+        """Local steps of the batch at which the online policy updates (same detector, same rules)."""
+        assert self._traces is not None
+        det = StageDetector(self.cues, self.decoder, batch_size=len(self._traces), ignore_case=self.ignore_case)
+        mp = self._prefill_steps
+        n_steps = mp + max(len(s.token_ids) - s.prompt_len for s in self._traces)
+        plan = []
+        last = -(10 ** 9)
+        if mp > 0:
+            plan.append(mp)
+            last = mp
+        for j in range(n_steps):
+            ids: list[int | None] = [None] * len(self._traces)
+            for i, pos in self._members(j):
+                s = self._traces[i]
+                if pos + 1 >= s.prompt_len:
+                    ids[i] = int(s.token_ids[pos + 1])
+            if det.step(ids) and j + 1 - last >= self.min_stage_steps:
+                plan.append(j + 1)
+                last = j + 1
+        return plan
+
+    def _next_ranking(self, t: int) -> np.ndarray:
+        assert self._traces is not None
+        j = self._local
+        later = [u for u in self._plan if u > j]
+        end = later[0] if later else None
+        mp = self._prefill_steps
+        counts = np.zeros((self.L, self.E))
+        for s in self._traces:
+            a = s.prompt_len + (j - mp) if j >= mp else j
+            b = len(s.token_ids) if end is None else min(len(s.token_ids), s.prompt_len + end - mp)
+            if b <= a:
+                continue
+            e = np.asarray(s.expert_ids[a:b], dtype=np.int64)  # [n, L, K]
+            flat = (np.arange(self.L)[None, :, None] * self.E + e).ravel()
+            counts += np.bincount(flat, minlength=self.L * self.E).reshape(self.L, self.E)
+        return counts

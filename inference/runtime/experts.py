@@ -1,0 +1,173 @@
+"""The offloaded experts implementation, registered in transformers' ``ExpertsInterface``.
+
+``model.set_experts_implementation("expertcast_offload")`` routes every fused experts module to
+:func:`offloaded_experts_forward`, which hands the layer to the runtime bound to the module
+(:class:`~expertcast.inference.runtime.engine.OffloadedModel`). The runtime decides residency (policy,
+cache, transfers) and then calls :func:`grouped_expert_compute`, which does the arithmetic:
+
+1. expert-aligned repacking: the (token, k) pairs are sorted by expert and their hidden states
+   gathered into a contiguous workspace, so that each expert runs one GEMM per projection;
+2. per expert, the weights come from a device slot, a temporary slot, or (cold experts executed
+   in situ, SAEM) the host store on the CPU;
+3. outputs are weighted and reduced over the K choices in the same order as transformers'
+   ``grouped_mm`` path, so greedy generations match the full-load model.
+
+The workspace is allocated once and reused; it only grows when a longer batch (prefill) arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+IMPLEMENTATION_NAME = "expertcast_offload"
+RUNTIME_ATTR = "_expertcast_runtime"
+LAYER_ATTR = "_expertcast_layer"
+
+
+class Workspace:
+    """Reusable flat buffers keyed by name on one device and dtype."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor of ``shape`` backed by the named buffer (grown when too small, never shrunk)."""
+        n = 1
+        for s in shape:
+            n *= s
+        dt = dtype or self.dtype
+        key = f"{name}:{dt}"
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1), dtype=dt, device=self.device)
+            self._bufs[key] = buf
+        return buf[:n].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
+def _expert_mlp(module: nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor], out: torch.Tensor,
+                gate_up_out: torch.Tensor | None) -> None:
+    """One expert on rows ``x`` [n, H] with weights ``w``; writes ``out`` [n, H]."""
+    t = module.is_transposed
+    if module.has_gate:
+        W1, b1 = w["gate_up_proj"], w.get("gate_up_proj_bias")
+    else:
+        W1, b1 = w["up_proj"], w.get("up_proj_bias")
+    W1 = W1 if t else W1.t()
+    h = torch.mm(x, W1, out=gate_up_out) if gate_up_out is not None else torch.mm(x, W1)
+    if b1 is not None:
+        h.add_(b1)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    W2, b2 = w["down_proj"], w.get("down_proj_bias")
+    torch.mm(h, W2 if t else W2.t(), out=out)
+    if b2 is not None:
+        out.add_(b2)
+
+
+def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Sort the flattened (token, k) pairs by expert.
+
+    Args:
+        top_k_index: int [T, K].
+    Returns:
+        perm int [T*K] (position in the flattened routing of each sorted row), counts int [E] (a CPU
+        tensor), and the experts with at least one row, ascending.
+    """
+    flat = top_k_index.reshape(-1)
+    _, perm = torch.sort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).cpu()
+    active = torch.nonzero(counts).flatten().tolist()
+    return perm, counts, active
+
+
+def grouped_expert_compute(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    weights_of: Callable[[int], dict[str, torch.Tensor]],
+    workspace: Workspace,
+    grouping: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
+    cpu_weights_of: Callable[[int], dict[str, torch.Tensor]] | None = None,
+    cpu_experts: frozenset[int] | set[int] = frozenset(),
+    before_expert: Callable[[int], None] | None = None,
+    after_expert: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Mixture output of the routed experts with weights supplied per expert.
+
+    Args:
+        hidden_states: [T, H]; top_k_index: int [T, K]; top_k_weights: [T, K].
+        weights_of: expert -> named weight views on the compute device (a slot).
+        cpu_weights_of / cpu_experts: experts computed on the CPU from their host copies.
+        before_expert: called with each expert right before its GEMMs (the runtime waits for the
+            expert's transfer there, so other experts compute while later transfers land).
+        after_expert: called with each expert once its kernels were issued.
+    Returns:
+        [T, H] in ``hidden_states.dtype``.
+    """
+    T, H = hidden_states.shape
+    K = top_k_index.shape[-1]
+    S = T * K
+    perm, counts, active = grouping if grouping is not None else group_by_expert(top_k_index, module.num_experts)
+    dtype = workspace.dtype
+    x = workspace.get("x", S, H)
+    torch.index_select(hidden_states.to(dtype), 0, perm // K, out=x)
+    y = workspace.get("y", S, H)
+    gu_width = None
+    start = 0
+    cnt = counts.tolist()
+    for e in active:
+        n = cnt[e]
+        end = start + n
+        if before_expert is not None:
+            before_expert(e)
+        if e in cpu_experts:
+            w = cpu_weights_of(e)
+            xc = x[start:end].to("cpu")
+            yc = torch.empty((n, H), dtype=xc.dtype)
+            _expert_mlp(module, xc, w, yc, None)
+            y[start:end].copy_(yc, non_blocking=False)
+        else:
+            w = weights_of(e)
+            if gu_width is None:
+                W1 = w["gate_up_proj" if module.has_gate else "up_proj"]
+                gu_width = W1.shape[1] if module.is_transposed else W1.shape[0]
+            gu = workspace.get("gu", S, gu_width)[start:end]
+            _expert_mlp(module, x[start:end], w, y[start:end], gu)
+        if after_expert is not None:
+            after_expert(e)
+        start = end
+    if getattr(module, "has_post_expert_norm", False):
+        y = module.post_expert_norm(y)
+    sw = top_k_weights.reshape(-1)[perm].to(y.dtype)
+    weighted = y * sw.unsqueeze(-1)
+    unsorted = workspace.get("u", S, H)
+    unsorted[perm] = weighted
+    return unsorted.view(T, K, H).sum(dim=1).to(hidden_states.dtype)
+
+
+def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``ExpertsInterface`` entry point: delegate to the runtime bound to this experts module."""
+    runtime = getattr(self, RUNTIME_ATTR, None)
+    if runtime is None:
+        raise RuntimeError(
+            f"{type(self).__name__} uses the {IMPLEMENTATION_NAME!r} experts implementation but is not bound to "
+            "an OffloadedModel; build one with expertcast.inference.runtime.engine.OffloadedModel")
+    return runtime.forward_layer(self, getattr(self, LAYER_ATTR), hidden_states, top_k_index, top_k_weights)
+
+
+def register() -> str:
+    """Register the implementation with transformers (idempotent) and return its name."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION_NAME, offloaded_experts_forward)
+    return IMPLEMENTATION_NAME

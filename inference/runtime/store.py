@@ -1,0 +1,341 @@
+"""Host expert store: one packed host copy of every routed expert of a transformers-5 MoE model.
+
+transformers 5 keeps the routed experts of a layer fused in 3-D parameters with the expert on the
+leading axis (``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]; GPT-OSS transposed,
+``gate_up_proj`` [E, H, 2I] and ``down_proj`` [E, I, H], plus ``*_bias`` [E, ...]). The store packs
+the tensors of one expert into one contiguous row of ``row_numel`` elements, so that moving an expert
+between host and device is a single copy of ``expert_bytes`` bytes. Rows live in a tensor
+[L, E, row_numel] that is pinned on CUDA hosts, or memory-mapped from a safetensors file so that host
+RAM need not hold all experts at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+STORE_FORMAT_VERSION = 1
+
+# Per-expert parameters that transformers' fused experts modules may hold (leading axis = expert).
+_EXPERT_PARAMS = ("gate_up_proj", "up_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj", "down_proj_bias")
+
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+}
+_DTYPES_FROM_ST = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no transformers-5 fused experts modules the runtime can drive."""
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """One tensor of an expert inside its packed row: ``row[offset:offset+numel].view(shape)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one expert's tensors are packed in a row, plus the flags of its experts module."""
+
+    parts: tuple[ExpertPart, ...]
+    dtype: torch.dtype
+    num_experts: int
+    is_transposed: bool
+    has_gate: bool
+    has_bias: bool
+
+    @property
+    def row_numel(self) -> int:
+        return sum(p.numel for p in self.parts)
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.row_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named views of a packed row [row_numel] (no copy)."""
+        return {p.name: row[p.offset:p.offset + p.numel].view(p.shape) for p in self.parts}
+
+    def to_dict(self) -> dict:
+        return {
+            "parts": [{"name": p.name, "shape": list(p.shape), "offset": p.offset} for p in self.parts],
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "num_experts": self.num_experts,
+            "is_transposed": self.is_transposed,
+            "has_gate": self.has_gate,
+            "has_bias": self.has_bias,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ExpertLayout:
+        return cls(
+            parts=tuple(ExpertPart(p["name"], tuple(p["shape"]), int(p["offset"])) for p in d["parts"]),
+            dtype=getattr(torch, d["dtype"]),
+            num_experts=int(d["num_experts"]),
+            is_transposed=bool(d["is_transposed"]),
+            has_gate=bool(d["has_gate"]),
+            has_bias=bool(d["has_bias"]),
+        )
+
+
+@dataclass(frozen=True)
+class MoELayerRef:
+    """A fused experts module of the model and where it sits."""
+
+    name: str
+    """Module path, e.g. ``model.layers.3.mlp.experts``."""
+    decoder_layer: int
+    """Index of the decoder layer holding it (-1 when the path names none)."""
+    module: nn.Module
+
+
+def find_experts_modules(model: nn.Module) -> list[MoELayerRef]:
+    """The model's fused experts modules in execution order (one per MoE layer).
+
+    Raises :class:`UnsupportedModelError` naming the architecture when there is none: the runtime only
+    drives experts dispatched through ``transformers.integrations.moe`` (``@use_experts_implementation``).
+    """
+    refs = []
+    for name, mod in model.named_modules():
+        if not (hasattr(mod, "is_transposed") and hasattr(mod, "has_gate") and hasattr(mod, "num_experts")):
+            continue
+        w = getattr(mod, "gate_up_proj" if mod.has_gate else "up_proj", None)
+        if not isinstance(w, torch.Tensor) or w.ndim != 3:
+            continue
+        parts = name.split(".")
+        dec = -1
+        for a, b in zip(parts[:-1], parts[1:], strict=True):
+            if a in ("layers", "h", "blocks") and b.isdigit():
+                dec = int(b)
+        refs.append(MoELayerRef(name=name, decoder_layer=dec, module=mod))
+    if not refs:
+        arch = getattr(getattr(model, "config", None), "architectures", None) or [type(model).__name__]
+        mtype = getattr(getattr(model, "config", None), "model_type", "?")
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch[0]} (model_type={mtype!r}): no fused experts module dispatched "
+            "through transformers.integrations.moe (gate_up_proj/up_proj [E, ., .]) was found, so experts "
+            "cannot be offloaded"
+        )
+    return refs
+
+
+def layout_of(module: nn.Module) -> ExpertLayout:
+    """Packed-row layout of one fused experts module."""
+    parts, off, dtype = [], 0, None
+    E = int(module.num_experts)
+    for pname in _EXPERT_PARAMS:
+        t = getattr(module, pname, None)
+        if not isinstance(t, torch.Tensor) or t.ndim < 2:
+            continue
+        if t.shape[0] != E:
+            raise UnsupportedModelError(f"{type(module).__name__}.{pname} has leading size {t.shape[0]}, expected E={E}")
+        if dtype is None:
+            dtype = t.dtype
+        elif t.dtype != dtype:
+            raise UnsupportedModelError(f"{type(module).__name__}: expert tensors mix dtypes ({dtype} and {t.dtype})")
+        parts.append(ExpertPart(pname, tuple(t.shape[1:]), off))
+        off += parts[-1].numel
+    if getattr(module, "has_bias", False) and not any(p.name.endswith("_bias") for p in parts):
+        raise UnsupportedModelError(f"{type(module).__name__} declares has_bias but holds no bias tensors")
+    return ExpertLayout(tuple(parts), dtype, E, bool(module.is_transposed), bool(module.has_gate),
+                        bool(getattr(module, "has_bias", False)))
+
+
+def _pack_layer(module: nn.Module, layout: ExpertLayout, out: torch.Tensor) -> None:
+    """Copy every expert of ``module`` into ``out`` [E, row_numel]."""
+    with torch.no_grad():
+        for p in layout.parts:
+            src = getattr(module, p.name).detach()
+            out[:, p.offset:p.offset + p.numel].copy_(src.reshape(layout.num_experts, p.numel))
+
+
+class HostExpertStore:
+    """Packed host copies of all routed experts.
+
+    Attributes:
+        rows: tensor [L, E, row_numel] of the experts' dtype (pinned, plain, or memory-mapped).
+        layout: the packing of one row (identical for all layers).
+        mmap_path: the safetensors file backing ``rows`` when memory-mapped, else None.
+    """
+
+    def __init__(self, rows: torch.Tensor, layout: ExpertLayout, mmap_path: Path | None = None):
+        if rows.ndim != 3 or rows.shape[1] != layout.num_experts or rows.shape[2] != layout.row_numel:
+            raise ValueError(
+                f"store rows must be [L, E={layout.num_experts}, {layout.row_numel}], got {tuple(rows.shape)}")
+        self.rows = rows
+        self.layout = layout
+        self.mmap_path = mmap_path
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_model(cls, model: nn.Module, *, pin_memory: bool = False, mmap_path: str | os.PathLike | None = None,
+                   refs: list[MoELayerRef] | None = None) -> HostExpertStore:
+        """Copy the experts of ``model`` to the host.
+
+        Args:
+            pin_memory: page-lock the host rows (for asynchronous CUDA copies).
+            mmap_path: write the rows to this safetensors file and memory-map it instead of holding
+                them in anonymous host memory.
+        """
+        refs = refs if refs is not None else find_experts_modules(model)
+        layouts = [layout_of(r.module) for r in refs]
+        for r, lay in zip(refs, layouts, strict=True):
+            if lay != layouts[0]:
+                raise UnsupportedModelError(f"experts module {r.name} differs in shape/dtype from {refs[0].name}")
+        lay = layouts[0]
+        L = len(refs)
+        if mmap_path is not None:
+            path = Path(mmap_path)
+            _write_store_file(path, refs, lay)
+            return cls.open_mmap(path)
+        rows = torch.empty((L, lay.num_experts, lay.row_numel), dtype=lay.dtype, pin_memory=pin_memory)
+        for i, r in enumerate(refs):
+            _pack_layer(r.module, lay, rows[i])
+        return cls(rows, lay)
+
+    @classmethod
+    def open_mmap(cls, path: str | os.PathLike) -> HostExpertStore:
+        """Memory-map a store file written by :meth:`from_model` (``mmap_path``); reads no pickle."""
+        path = Path(path)
+        header, data_start = _read_safetensors_header(path)
+        meta = header.get("__metadata__", {})
+        if meta.get("format") != "expertcast-expert-store":
+            raise ValueError(f"{path} is not an expertcast expert store (metadata format={meta.get('format')!r})")
+        if int(meta.get("format_version", -1)) != STORE_FORMAT_VERSION:
+            raise ValueError(f"{path}: expert store format version {meta.get('format_version')} is not supported "
+                             f"(expected {STORE_FORMAT_VERSION})")
+        lay = ExpertLayout.from_dict(json.loads(meta["layout"]))
+        info = header.get("rows")
+        if info is None:
+            raise ValueError(f"{path}: expert store has no 'rows' tensor")
+        dtype = _DTYPES_FROM_ST[info["dtype"]]
+        shape = tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = os.path.getsize(path)
+        if data_start + end > nbytes:
+            raise ValueError(f"{path}: truncated expert store ({nbytes} bytes, header wants {data_start + end})")
+        if (data_start + begin) % itemsize:
+            raise ValueError(f"{path}: misaligned tensor data")
+        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=nbytes)
+        rows = torch.empty(0, dtype=dtype)
+        n = 1
+        for s in shape:
+            n *= s
+        rows.set_(storage, (data_start + begin) // itemsize, shape)
+        if n * itemsize != end - begin:
+            raise ValueError(f"{path}: tensor size does not match its shape {shape}")
+        return cls(rows, lay, mmap_path=path)
+
+    # ----------------------------------------------------------------- access
+    @property
+    def num_layers(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.rows.shape[1]
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.layout.expert_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all packed experts (file-backed when memory-mapped)."""
+        return self.rows.numel() * self.rows.element_size()
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.rows.is_pinned()
+
+    def row(self, layer: int, expert: int) -> torch.Tensor:
+        """Packed row [row_numel] of one expert (a view)."""
+        return self.rows[layer, expert]
+
+    def views(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """Named weight views (``gate_up_proj``, ``down_proj``, ...) of one expert's host copy."""
+        return self.layout.views(self.rows[layer, expert])
+
+    def restore_into(self, refs: list[MoELayerRef]) -> None:
+        """Put the fused weights back into the modules (undoes :func:`release_model_experts`)."""
+        for i, r in enumerate(refs):
+            for p in self.layout.parts:
+                full = self.rows[i, :, p.offset:p.offset + p.numel].reshape((self.num_experts, *p.shape)).clone()
+                setattr(r.module, p.name, nn.Parameter(full, requires_grad=False))
+
+
+def release_model_experts(refs: list[MoELayerRef], layout: ExpertLayout) -> int:
+    """Replace each experts module's fused tensors by empty ones, so the full weights do not stay on the
+    device beside the slot pool. Returns the bytes released."""
+    freed = 0
+    for r in refs:
+        for p in layout.parts:
+            t = getattr(r.module, p.name)
+            freed += t.numel() * t.element_size()
+            setattr(r.module, p.name, nn.Parameter(torch.empty(0, dtype=t.dtype, device=t.device), requires_grad=False))
+    return freed
+
+
+# --------------------------------------------------------------------- safetensors I/O (no pickle)
+def _write_store_file(path: Path, refs: list[MoELayerRef], lay: ExpertLayout) -> None:
+    """Stream the packed rows into a safetensors file, layer by layer (never all in RAM), atomically."""
+    L, E, N = len(refs), lay.num_experts, lay.row_numel
+    itemsize = torch.empty((), dtype=lay.dtype).element_size()
+    total = L * E * N * itemsize
+    header = {
+        "__metadata__": {
+            "format": "expertcast-expert-store",
+            "format_version": str(STORE_FORMAT_VERSION),
+            "layout": json.dumps(lay.to_dict()),
+            "layers": json.dumps([r.name for r in refs]),
+        },
+        "rows": {"dtype": _SAFETENSORS_DTYPES[lay.dtype], "shape": [L, E, N], "data_offsets": [0, total]},
+    }
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * ((-len(hb)) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    buf = torch.empty((E, N), dtype=lay.dtype)
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for r in refs:
+            _pack_layer(r.module, lay, buf)
+            f.write(buf.view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_safetensors_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+    return header, 8 + n

@@ -1,0 +1,162 @@
+"""Forecaster export: safetensors weights + a JSON config with a format version.
+
+Layout of an export directory::
+
+    forecaster.json          {"format": "expertcast-forecaster", "format_version": 1, "config": {...},
+                              "source": {model_id, num_layers, num_experts, top_k, ...},
+                              "weights": "forecaster.safetensors", "weights_sha256": "...", "extra": {...}}
+    forecaster.safetensors   the state dict of :class:`~expertcast.models.forecaster.ExpertForecaster`
+
+Loading needs neither Lightning nor pickle: JSON + safetensors only. A foreign file (wrong
+``format``), a newer format version, a checksum mismatch (corruption), missing/unexpected tensors or
+shape mismatches are refused with :class:`ForecasterExportError` naming the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+from expertcast.utils.io import atomic_write_bytes, atomic_write_json
+
+EXPORT_FORMAT = "expertcast-forecaster"
+EXPORT_FORMAT_VERSION = 1
+CONFIG_NAME = "forecaster.json"
+WEIGHTS_NAME = "forecaster.safetensors"
+
+
+class ForecasterExportError(ValueError):
+    """The path does not hold a usable forecaster export (foreign, corrupt or incompatible)."""
+
+
+@dataclass
+class ForecasterExport:
+    """A loaded export: the model (eval mode) and the metadata written beside it."""
+
+    model: ExpertForecaster
+    config: ForecasterConfig
+    source: dict[str, Any] = field(default_factory=dict)
+    """What the forecaster was trained on: model_id, num_layers, num_experts, top_k (of the traces)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    def check_compatible(self, num_layers: int, num_experts: int, top_k: int, what: str = "trace") -> None:
+        """Raise ValueError when this forecaster's L/E/K differ from ``what``'s."""
+        c = self.config
+        mine = (c.num_layers, c.num_experts, c.top_k)
+        theirs = (num_layers, num_experts, top_k)
+        if mine != theirs:
+            src = self.source.get("model_id", "?")
+            raise ValueError(
+                f"forecaster {self.path or ''} (trained on {src!r}) has L={mine[0]}, E={mine[1]}, K={mine[2]} but the "
+                f"{what} has L={theirs[0]}, E={theirs[1]}, K={theirs[2]}: it was trained for another model"
+            )
+
+
+def save_forecaster(model: ExpertForecaster, path: str | os.PathLike, *, source: dict[str, Any] | None = None,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` to the export directory ``path`` (atomically, weights first). Returns the directory."""
+    from safetensors.torch import save
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    blob = save(tensors, metadata={"format": EXPORT_FORMAT, "format_version": str(EXPORT_FORMAT_VERSION)})
+    atomic_write_bytes(out / WEIGHTS_NAME, blob)
+    src = dict(source or {})
+    c = model.config
+    src.setdefault("num_layers", c.num_layers)
+    src.setdefault("num_experts", c.num_experts)
+    src.setdefault("top_k", c.top_k)
+    atomic_write_json(out / CONFIG_NAME, {
+        "format": EXPORT_FORMAT,
+        "format_version": EXPORT_FORMAT_VERSION,
+        "config": c.to_dict(),
+        "source": src,
+        "weights": WEIGHTS_NAME,
+        "weights_sha256": hashlib.sha256(blob).hexdigest(),
+        "num_parameters": model.num_parameters(),
+        "extra": dict(extra or {}),
+    })
+    return out
+
+
+def _config_path(path: Path) -> Path:
+    if path.is_dir():
+        return path / CONFIG_NAME
+    return path
+
+
+def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and validate the JSON half of an export (no weights loaded)."""
+    p = _config_path(Path(path))
+    if not p.exists():
+        raise ForecasterExportError(f"no forecaster export at {path}: {p.name} not found")
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ForecasterExportError(f"{p} is not a forecaster export: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict) or cfg.get("format") != EXPORT_FORMAT:
+        found = cfg.get("format") if isinstance(cfg, dict) else type(cfg).__name__
+        raise ForecasterExportError(f"{p} is not a forecaster export: format {found!r}, expected {EXPORT_FORMAT!r}")
+    ver = cfg.get("format_version")
+    if not isinstance(ver, int) or ver < 1 or ver > EXPORT_FORMAT_VERSION:
+        raise ForecasterExportError(
+            f"{p}: forecaster export format version {ver!r} is not supported (this expertcast reads 1..{EXPORT_FORMAT_VERSION})"
+        )
+    for key in ("config", "weights", "weights_sha256"):
+        if key not in cfg:
+            raise ForecasterExportError(f"{p}: forecaster export is missing the {key!r} entry")
+    return cfg
+
+
+def load_forecaster(path: str | os.PathLike, device: str | torch.device = "cpu") -> ForecasterExport:
+    """Load an export directory (or its ``forecaster.json``) written by :func:`save_forecaster`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    cfg = read_export_config(path)
+    cpath = _config_path(Path(path))
+    try:
+        config = ForecasterConfig.from_dict(cfg["config"])
+    except (TypeError, ValueError) as e:
+        raise ForecasterExportError(f"{cpath}: invalid forecaster config: {e}") from e
+    wpath = cpath.parent / cfg["weights"]
+    if not wpath.exists():
+        raise ForecasterExportError(f"{cpath}: weights file {wpath.name} is missing")
+    blob = wpath.read_bytes()
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != cfg["weights_sha256"]:
+        raise ForecasterExportError(
+            f"{wpath} is corrupt or was replaced: sha256 {digest[:12]}... != {str(cfg['weights_sha256'])[:12]}... "
+            "recorded in the export config"
+        )
+    try:
+        tensors = load(blob)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise ForecasterExportError(f"{wpath}: cannot read safetensors weights ({e})") from e
+    model = ExpertForecaster(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ForecasterExportError(
+            f"{wpath}: weights do not match the forecaster config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    bad = [k for k, v in tensors.items() if tuple(v.shape) != tuple(expected[k].shape)]
+    if bad:
+        k = bad[0]
+        raise ForecasterExportError(
+            f"{wpath}: tensor {k} has shape {tuple(tensors[k].shape)}, the config implies {tuple(expected[k].shape)}"
+        )
+    model.load_state_dict(tensors, strict=True)
+    model.to(device).eval()
+    return ForecasterExport(model=model, config=config, source=dict(cfg.get("source") or {}),
+                            extra=dict(cfg.get("extra") or {}), path=cpath.parent)

@@ -1,0 +1,254 @@
+"""`MoESpec`: the numbers of an MoE model that caches, traces and cost models need.
+
+Read from a transformers config (no weights: ``MoESpec.from_config(get_config("qwen3-30b-a3b"))``)
+or from a built model (``MoESpec.from_model(model)``, which inspects the actual expert tensors).
+Layer indexing: the spec's ``moe_layers`` are decoder-layer indices; traces index MoE layers
+0..L-1 in that order (``moe_layers[l]`` is the decoder layer of trace layer ``l``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+SPEC_FORMAT_VERSION = 1
+
+SUPPORTED_FAMILIES: dict[str, str] = {
+    "qwen3_moe": "Qwen3MoeConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "mixtral": "MixtralConfig",
+    "olmoe": "OlmoeConfig",
+    "deepseek_v3": "DeepseekV3Config",
+    "gpt_oss": "GptOssConfig",
+}
+"""transformers ``model_type`` -> config class of every MoE family expertcast supports."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not an MoE causal LM of a supported family."""
+
+
+def unsupported_message(config: Any) -> str:
+    mt = getattr(config, "model_type", None)
+    return (f"{type(config).__name__} (model_type {mt!r}) is not a supported MoE architecture; supported "
+            f"families: " + ", ".join(f"{k} ({v})" for k, v in SUPPORTED_FAMILIES.items()))
+
+
+def _dtype_of(d: Any) -> torch.dtype:
+    if d is None:
+        return torch.float32
+    if isinstance(d, torch.dtype):
+        return d
+    if isinstance(d, str):
+        name = d.removeprefix("torch.")
+        if name == "auto":
+            return torch.float32
+        out = getattr(torch, name, None)
+        if isinstance(out, torch.dtype):
+            return out
+    raise ValueError(f"unknown dtype {d!r}")
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    d = getattr(config, "dtype", None)
+    if d is None:
+        d = getattr(config, "torch_dtype", None)
+    return _dtype_of(d)
+
+
+def moe_layer_indices(config: Any) -> list[int]:
+    """Decoder-layer indices that hold a routed-expert MLP, by the rules of the family's
+    transformers modeling code."""
+    mt = getattr(config, "model_type", None)
+    n = int(config.num_hidden_layers)
+    if mt in ("qwen3_moe", "qwen2_moe"):
+        # Qwen{2,3}MoeDecoderLayer: MoE unless in mlp_only_layers, and every decoder_sparse_step-th layer.
+        dense = set(getattr(config, "mlp_only_layers", None) or [])
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        ne = int(config.num_experts)
+        return [i for i in range(n) if i not in dense and ne > 0 and (i + 1) % step == 0]
+    if mt == "deepseek_v3":
+        # DeepseekV3DecoderLayer: dense MLP for layer_idx < first_k_dense_replace, MoE after.
+        freq = int(getattr(config, "moe_layer_freq", 1) or 1)
+        if freq != 1:
+            raise ValueError(
+                f"DeepseekV3Config has moe_layer_freq={freq}, but transformers' DeepseekV3 builds an MoE layer "
+                f"at every index >= first_k_dense_replace (it ignores moe_layer_freq): the checkpoint's "
+                f"layout would not match the model transformers builds")
+        k = int(getattr(config, "first_k_dense_replace", 0) or 0)
+        return list(range(k, n))
+    if mt in ("mixtral", "olmoe", "gpt_oss"):
+        return list(range(n))
+    raise UnsupportedModelError(unsupported_message(config))
+
+
+def _num_experts(config: Any) -> int:
+    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
+        v = getattr(config, attr, None)
+        if v:
+            return int(v)
+    raise UnsupportedModelError(unsupported_message(config))
+
+
+def _expert_intermediate(config: Any) -> int:
+    mt = config.model_type
+    if mt in ("qwen3_moe", "qwen2_moe", "deepseek_v3"):
+        return int(config.moe_intermediate_size)
+    return int(config.intermediate_size)  # mixtral, olmoe, gpt_oss
+
+
+def _shared_experts(config: Any) -> int:
+    mt = config.model_type
+    if mt == "qwen2_moe":
+        return 1 if int(getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0 else 0
+    if mt == "deepseek_v3":
+        return int(getattr(config, "n_shared_experts", 0) or 0)
+    return 0
+
+
+def expert_numel(model_type: str, hidden_size: int, intermediate_size: int) -> int:
+    """Elements of ONE routed expert: SwiGLU gate, up and down projections (3·H·I), plus for
+    GPT-OSS the biases of gate_up (2·I) and down (H)."""
+    n = 3 * hidden_size * intermediate_size
+    if model_type == "gpt_oss":
+        n += 2 * intermediate_size + hidden_size
+    return n
+
+
+@dataclass
+class MoESpec:
+    """Sizes of an MoE model's routed experts."""
+
+    model_id: str
+    """Hub id, local path or preset name the spec was read from."""
+    family: str
+    """transformers ``model_type`` (``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``, ``deepseek_v3``,
+    ``gpt_oss``)."""
+    moe_layers: list[int]
+    """Decoder-layer index of each MoE layer, ascending (trace layer l is decoder layer moe_layers[l])."""
+    num_decoder_layers: int
+    """All decoder layers, dense ones included."""
+    num_experts: int
+    """E: routed experts per MoE layer."""
+    top_k: int
+    """K: routed experts selected per token per MoE layer."""
+    num_shared_experts: int
+    """Always-active shared experts per MoE layer (Qwen2-MoE: 1; DeepSeek-V3: n_shared_experts; else 0)."""
+    hidden_size: int
+    expert_intermediate_size: int
+    """Intermediate size of one routed expert's MLP."""
+    expert_bytes: int
+    """Bytes of ONE routed expert's weights at ``dtype`` (biases included where the family has them)."""
+    dtype: str
+    """Dtype of the expert weights, e.g. ``"bfloat16"``."""
+    format_version: int = SPEC_FORMAT_VERSION
+
+    @property
+    def num_layers(self) -> int:
+        """L: number of MoE layers (= len(moe_layers))."""
+        return len(self.moe_layers)
+
+    @property
+    def expert_mb(self) -> float:
+        """Size of one routed expert in decimal megabytes (1 MB = 1e6 bytes)."""
+        return self.expert_bytes / 1e6
+
+    @property
+    def total_expert_bytes(self) -> int:
+        """Bytes of all routed experts of all MoE layers (L·E·expert_bytes)."""
+        return self.num_layers * self.num_experts * self.expert_bytes
+
+    @property
+    def total_experts(self) -> int:
+        """L·E."""
+        return self.num_layers * self.num_experts
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: str | torch.dtype | None = None, model_id: str | None = None) -> MoESpec:
+        """Spec of a transformers config (no weights needed). ``dtype`` overrides the config's dtype
+        (default float32 when the config names none)."""
+        mt = getattr(config, "model_type", None)
+        if mt not in SUPPORTED_FAMILIES:
+            raise UnsupportedModelError(unsupported_message(config))
+        dt = _dtype_of(dtype) if dtype is not None else _config_dtype(config)
+        H, Ie = int(config.hidden_size), _expert_intermediate(config)
+        elem = torch.empty((), dtype=dt).element_size()
+        return cls(
+            model_id=model_id or getattr(config, "_name_or_path", "") or mt,
+            family=mt,
+            moe_layers=moe_layer_indices(config),
+            num_decoder_layers=int(config.num_hidden_layers),
+            num_experts=_num_experts(config),
+            top_k=int(config.num_experts_per_tok),
+            num_shared_experts=_shared_experts(config),
+            hidden_size=H,
+            expert_intermediate_size=Ie,
+            expert_bytes=expert_numel(mt, H, Ie) * elem,
+            dtype=_dtype_name(dt),
+        )
+
+    @classmethod
+    def from_model(cls, model: Any, model_id: str | None = None) -> MoESpec:
+        """Spec of a built model, read from its modules: MoE layers are the decoder layers whose MLP
+        holds fused ``experts``; expert bytes are the expert tensors' bytes divided by E. Raises
+        when the model disagrees with its config (the config-only numbers would then be wrong)."""
+        config = model.config
+        if getattr(config, "model_type", None) not in SUPPORTED_FAMILIES:
+            raise UnsupportedModelError(unsupported_message(config))
+        layers = _decoder_layers(model)
+        moe_layers, per_expert, dtype = [], None, None
+        E = _num_experts(config)
+        for i, layer in enumerate(layers):
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is None:
+                continue
+            moe_layers.append(i)
+            tensors = list(experts.parameters(recurse=False)) or list(experts.parameters())
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            if any(t.shape[0] != E for t in tensors):
+                raise ValueError(f"layer {i}: expert tensors {[tuple(t.shape) for t in tensors]} do not have "
+                                 f"E={E} leading rows")
+            if per_expert is None:
+                per_expert, dtype = nbytes // E, tensors[0].dtype
+            elif nbytes // E != per_expert:
+                raise ValueError(f"layer {i}: {nbytes // E} bytes per expert, layer {moe_layers[0]} has {per_expert}")
+        if not moe_layers:
+            raise UnsupportedModelError(f"{type(model).__name__} has no layer with fused experts")
+        spec = cls.from_config(config, dtype=dtype, model_id=model_id or getattr(config, "_name_or_path", None))
+        if spec.moe_layers != moe_layers:
+            raise ValueError(f"model has MoE layers {moe_layers} but its config implies {spec.moe_layers}")
+        if spec.expert_bytes != per_expert:
+            raise ValueError(f"model's experts hold {per_expert} bytes each but the config implies {spec.expert_bytes}")
+        return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["num_layers"] = self.num_layers
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MoESpec:
+        version = d.get("format_version", SPEC_FORMAT_VERSION)
+        if version > SPEC_FORMAT_VERSION:
+            raise ValueError(f"MoESpec format version {version} is newer than this expertcast ({SPEC_FORMAT_VERSION})")
+        missing = [f for f in cls.__dataclass_fields__ if f not in d and f != "format_version"]
+        if missing:
+            raise ValueError(f"MoESpec dict lacks {missing}")
+        spec = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        if "num_layers" in d and d["num_layers"] != spec.num_layers:
+            raise ValueError(f"MoESpec dict: num_layers={d['num_layers']} but moe_layers has {spec.num_layers}")
+        return spec
+
+
+def _decoder_layers(model: Any):
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise UnsupportedModelError(f"{type(model).__name__}: no decoder layers found at .model.layers")
+    return layers

@@ -1,0 +1,421 @@
+"""`expertcast forecast-eval`: recall of the forecaster by horizon vs baselines (SeqMoE 9.4; DESIGN.md).
+
+For every held-out sequence and every element i whose next element is a decode element, each predictor
+forecasts elements i+1..i+H (the forecaster by recursive rollout from its recurrent state). Recall@K
+is the share of the true top-K found in the predicted top-K; recall@K+3 uses the predicted top-(K+3).
+Reported per horizon, per layer and overall, for:
+
+- ``forecaster``: the export under test;
+- ``repeat-last``: element i's experts for every horizon (ties broken by training frequency);
+- ``frequency``: per-layer expert frequency of the training sequences;
+- ``transition``: first-order per-layer transition counts from the training sequences, propagated
+  h steps as a Markov chain over the current element's weights.
+
+Baselines are fitted on the training split of the export's own traces (or ``--fit-traces``); the
+held-out sequences are found again from the split settings written into the export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from expertcast.data.trace_format import TraceMeta, TraceSequence
+from expertcast.models.forecaster import ExpertForecaster, activation_vector, trigger_offset, trigger_sequence
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# element tensors
+
+
+def element_arrays(seqs: Sequence[TraceSequence], num_layers: int, p: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       torch.Tensor, torch.Tensor]:
+    """Pad a batch of sequences into forecaster-element arrays.
+
+    Returns ``ids`` long [B, T', L, K], ``weights`` float [B, T', L, K], ``lengths`` long [B] (elements
+    per row) and ``prompt`` long [B] (prompt length; element e is a decode element iff e >= prompt).
+    """
+    s = trigger_offset(num_layers, p)
+    ids_l, w_l, lens, prompts = [], [], [], []
+    for sq in seqs:
+        ids = torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64))
+        w = torch.from_numpy(np.asarray(sq.expert_weights, dtype=np.float32))
+        ids_l.append(trigger_sequence(ids, p))
+        w_l.append(trigger_sequence(w, p))
+        lens.append(sq.num_tokens - s)
+        prompts.append(sq.prompt_len)
+    T = max(lens)
+    B = len(seqs)
+    L, K = ids_l[0].shape[1:]
+    ids = torch.zeros(B, T, L, K, dtype=torch.long)
+    w = torch.zeros(B, T, L, K)
+    for b in range(B):
+        ids[b, : lens[b]] = ids_l[b]
+        w[b, : lens[b]] = w_l[b]
+    return ids, w, torch.tensor(lens), torch.tensor(prompts)
+
+
+# ----------------------------------------------------------------------------------------------
+# predictors
+
+
+class Baseline:
+    """A stateless predictor: scores for elements i+1..i+H from element i alone."""
+
+    name = "baseline"
+
+    def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
+        """x float [B, L, E] (element i) -> scores [B, H, L, E]."""
+        raise NotImplementedError
+
+
+def _frequency(train: Sequence[TraceSequence], L: int, E: int, p: int) -> torch.Tensor:
+    freq = torch.zeros(L, E, dtype=torch.float64)
+    for sq in train:
+        ids = torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64))
+        flat = ids.permute(1, 0, 2).reshape(L, -1)
+        freq.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))
+    return (freq / freq.sum(-1, keepdim=True).clamp_min(1)).float()
+
+
+class FrequencyBaseline(Baseline):
+    """Per-layer expert frequency of the training sequences, the same for every step and horizon."""
+
+    name = "frequency"
+
+    def __init__(self, freq: torch.Tensor):
+        self.freq = freq  # [L, E]
+
+    def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
+        return self.freq.expand(x.shape[0], horizons, *self.freq.shape)
+
+
+class RepeatLastBaseline(Baseline):
+    """The current element's experts (weights) at every horizon; ties broken by training frequency."""
+
+    name = "repeat-last"
+
+    def __init__(self, freq: torch.Tensor):
+        self.tie = 1e-3 * freq / freq.max().clamp_min(1e-9)
+
+    def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
+        return (x + self.tie).unsqueeze(1).expand(-1, horizons, -1, -1)
+
+
+class TransitionBaseline(Baseline):
+    """First-order per-layer transition counts: T_l[e, e'] = #(e in element i, e' in element i+1), row-normalized
+    with add-``alpha`` smoothing; horizon h applies T_l h times to the current weights."""
+
+    name = "transition"
+
+    def __init__(self, train: Sequence[TraceSequence], L: int, E: int, p: int, freq: torch.Tensor, alpha: float = 0.01):
+        counts = torch.full((L, E, E), alpha, dtype=torch.float64)
+        for sq in train:
+            ids = trigger_sequence(torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64)), p)  # [T', L, K]
+            if ids.shape[0] < 2:
+                continue
+            a, b = ids[:-1], ids[1:]  # [N, L, K]
+            K = a.shape[-1]
+            src = a.unsqueeze(-1).expand(-1, -1, K, K)  # [N, L, K, K]
+            dst = b.unsqueeze(-2).expand(-1, -1, K, K)
+            lidx = torch.arange(L).view(1, L, 1, 1).expand_as(src)
+            flat = (lidx * E * E + src * E + dst).reshape(-1)
+            counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+        self.T = (counts / counts.sum(-1, keepdim=True)).float()  # [L, E, E]
+        self.tie = 1e-6 * freq
+
+    def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
+        v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
+        out = []
+        for _ in range(horizons):
+            v = torch.einsum("ble,lef->blf", v, self.T)
+            out.append(v + self.tie)
+        return torch.stack(out, dim=1)
+
+
+def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int) -> list[Baseline]:
+    """The three baselines of DESIGN.md, fitted on ``train``."""
+    if not train:
+        raise ValueError("no training sequences to fit the baselines on")
+    L, E = meta.num_layers, meta.num_experts
+    freq = _frequency(train, L, E, p)
+    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), TransitionBaseline(train, L, E, p, freq)]
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluation
+
+
+@dataclass
+class RecallTable:
+    """Accumulated hits: ``hits_k`` / ``hits_k3`` float [H, L] (sum of per-target recalls), ``count`` [H, L]."""
+
+    horizons: int
+    num_layers: int
+    hits_k: np.ndarray = field(init=False)
+    hits_k3: np.ndarray = field(init=False)
+    count: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hits_k = np.zeros((self.horizons, self.num_layers))
+        self.hits_k3 = np.zeros((self.horizons, self.num_layers))
+        self.count = np.zeros((self.horizons, self.num_layers))
+
+    def recall(self, which: str = "k") -> np.ndarray:
+        """[H] overall recall per horizon."""
+        h = self.hits_k if which == "k" else self.hits_k3
+        return h.sum(1) / np.maximum(self.count.sum(1), 1)
+
+    def recall_per_layer(self, which: str = "k") -> np.ndarray:
+        h = self.hits_k if which == "k" else self.hits_k3
+        return h / np.maximum(self.count, 1)
+
+
+def _accumulate(table: RecallTable, scores: torch.Tensor, tgt_ids: torch.Tensor, valid: torch.Tensor, K: int) -> None:
+    """scores [B, H, L, E]; tgt_ids long [B, H, L, K]; valid bool [B, H]."""
+    E = scores.shape[-1]
+    top = scores.topk(min(K + 3, E), dim=-1).indices  # sorted descending
+    hit = tgt_ids.unsqueeze(-1) == top.unsqueeze(-2)  # [B, H, L, K, K+3]
+    r_k = hit[..., :K].any(-1).float().mean(-1)  # [B, H, L]
+    r_k3 = hit.any(-1).float().mean(-1)
+    v = valid.unsqueeze(-1).float()
+    table.hits_k += (r_k * v).sum(0).double().numpy()
+    table.hits_k3 += (r_k3 * v).sum(0).double().numpy()
+    table.count += v.expand_as(r_k).sum(0).double().numpy()
+
+
+@torch.no_grad()
+def evaluate(model: ExpertForecaster | None, seqs: Sequence[TraceSequence], meta: TraceMeta,
+             baselines: Sequence[Baseline] = (), horizons: int = 8, batch_size: int = 32,
+             trigger_layer: int | None = None, progress: bool = True, device: str | torch.device = "cpu"
+             ) -> dict[str, RecallTable]:
+    """Recall tables of the forecaster (when given) and the baselines over ``seqs`` (decode targets only)."""
+    L, E, K = meta.num_layers, meta.num_experts, meta.top_k
+    if model is not None:
+        c = model.config
+        meta.check_compatible(c.num_layers, c.num_experts, c.top_k, what="forecaster")
+        p = c.p
+        model.eval()
+    else:
+        p = L - 1 if trigger_layer is None else trigger_layer
+    names = (["forecaster"] if model is not None else []) + [b.name for b in baselines]
+    tables = {n: RecallTable(horizons, L) for n in names}
+    seqs = sorted(seqs, key=lambda s: s.num_tokens)
+    batches = [seqs[i:i + batch_size] for i in range(0, len(seqs), batch_size)]
+    total = sum(max(s.num_tokens for s in b) for b in batches)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="forecast-eval", unit="step", leave=False)
+    for batch in batches:
+        ids, w, lens, prompts = element_arrays(batch, L, p)
+        B, T = ids.shape[:2]
+        state = model.init_state(B, device) if model is not None else None
+        # elements before the first evaluated one only warm the state up (one parallel window)
+        warm = max(0, int(prompts.min()) - 1)
+        warm = min(warm, T - 1)
+        if model is not None and warm > 0:
+            model(activation_vector(ids[:, :warm], w[:, :warm], E).to(device), state)
+        if bar is not None:
+            bar.update(warm)
+        hidx = torch.arange(1, horizons + 1)
+        for i in range(warm, T - 1):
+            x = activation_vector(ids[:, i], w[:, i], E)  # [B, L, E]
+            tgt = (i + hidx).clamp(max=T - 1)
+            # forecasts issued at decode time only: the first target i+1 is a decode element
+            valid = ((i + hidx).unsqueeze(0) < lens.unsqueeze(1)) & (i + 1 >= prompts).unsqueeze(1)
+            tgt_ids = ids[:, tgt]  # [B, H, L, K]
+            if model is not None:
+                logits, _ = model.step(x.to(device), state)
+                if bool(valid.any()):
+                    scores = model.rollout(logits, state, horizons).float().cpu()
+                    _accumulate(tables["forecaster"], scores, tgt_ids, valid, K)
+            if bool(valid.any()):
+                for b in baselines:
+                    _accumulate(tables[b.name], b.predict(x, horizons), tgt_ids, valid, K)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.update(max(s.num_tokens for s in batch) - (T - 1))
+    if bar is not None:
+        bar.close()
+    return tables
+
+
+def summary_rows(tables: dict[str, RecallTable]) -> list[dict[str, Any]]:
+    """One row per predictor: recall@K and @K+3 for each horizon."""
+    rows = []
+    for name, t in tables.items():
+        row: dict[str, Any] = {"predictor": name}
+        rk, rk3 = t.recall("k"), t.recall("k3")
+        for h in range(t.horizons):
+            row[f"R@K h{h + 1}"] = float(rk[h])
+        for h in range(t.horizons):
+            row[f"R@K+3 h{h + 1}"] = float(rk3[h])
+        row["targets h1"] = int(t.count[0].sum() / max(t.num_layers, 1))
+        rows.append(row)
+    return rows
+
+
+def long_rows(tables: dict[str, RecallTable]) -> list[dict[str, Any]]:
+    """Tidy rows: predictor, horizon, layer ('all' for overall), recall@K, recall@K+3, targets."""
+    rows = []
+    for name, t in tables.items():
+        rk, rk3 = t.recall_per_layer("k"), t.recall_per_layer("k3")
+        for h in range(t.horizons):
+            rows.append({"predictor": name, "horizon": h + 1, "layer": "all", "recall@K": float(t.recall("k")[h]),
+                         "recall@K+3": float(t.recall("k3")[h]), "targets": int(t.count[h].sum())})
+            for layer in range(t.num_layers):
+                rows.append({"predictor": name, "horizon": h + 1, "layer": layer, "recall@K": float(rk[h, layer]),
+                             "recall@K+3": float(rk3[h, layer]), "targets": int(t.count[h, layer])})
+    return rows
+
+
+def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (name, t) in enumerate(tables.items()):
+        hs = np.arange(1, t.horizons + 1)
+        color = f"C{i}"
+        ax.plot(hs, 100 * t.recall("k"), "-o", color=color, label=f"{name} top-K")
+        ax.plot(hs, 100 * t.recall("k3"), "--", color=color, alpha=0.6, label=f"{name} top-(K+3)")
+    ax.set_xlabel("horizon (steps ahead)")
+    ax.set_ylabel("recall of true top-K (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = Path(path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def held_out(export_extra: dict[str, Any], traces: str, seqs: list[TraceSequence], split: str
+             ) -> tuple[list[TraceSequence], list[TraceSequence], str]:
+    """(evaluation sequences, baseline-fitting sequences, split used) for ``split`` in auto|val|test|all."""
+    from expertcast.train.forecaster_data import split_sequences
+
+    info = (export_extra or {}).get("split") or {}
+    same = bool(info.get("traces")) and _same_traces(info.get("traces"), traces)
+    if split == "auto":
+        split = ("test" if info.get("test_fraction", 0) > 0 else "val") if same else "all"
+    if split == "all":
+        return seqs, [], "all"
+    if not info and split in ("val", "test"):
+        log.warning("the export records no split settings: using the defaults (seed 0, val 0.1)")
+    parts = split_sequences(seqs, int(info.get("split_seed", 0)), float(info.get("val_fraction", 0.1)),
+                            float(info.get("test_fraction", 0.0)))
+    return parts[split], parts["train"], split
+
+
+def _same_traces(recorded: Any, traces: str) -> bool:
+    rec = recorded if isinstance(recorded, list) else [recorded]
+    try:
+        return any(Path(r).resolve() == Path(traces).resolve() for r in rec if r)
+    except OSError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="expertcast forecast-eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--forecaster", required=True, help="forecaster export directory (expertcast fit ... export_dir)")
+    ap.add_argument("--traces", required=True, help="trace directory to evaluate on")
+    ap.add_argument("--split", default="auto", choices=["auto", "val", "test", "all"],
+                    help="auto: the export's held-out split when --traces are its training traces, else all")
+    ap.add_argument("--fit-traces", default=None,
+                    help="traces to fit the baselines on (default: the training split of --traces, or the export's "
+                         "training traces when --split all)")
+    ap.add_argument("--horizons", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--max-sequences", type=int, default=None, help="evaluate at most N held-out sequences")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--out", default=None, help="output directory (default runs/forecast-eval/<export name>)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from expertcast.models.forecaster_export import ForecasterExportError, load_forecaster
+    from expertcast.train.forecaster_data import load_trace_dirs
+    from expertcast.utils.io import atomic_write_json, print_table, write_csv
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.horizons < 1:
+        print("forecast-eval: --horizons must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        exp = load_forecaster(args.forecaster, device=args.device)
+    except ForecasterExportError as e:
+        print(f"forecast-eval: {e}", file=sys.stderr)
+        return 2
+    meta, seqs = load_trace_dirs(args.traces)
+    try:
+        exp.check_compatible(meta.num_layers, meta.num_experts, meta.top_k, what=f"trace set {args.traces}")
+    except ValueError as e:
+        print(f"forecast-eval: {e}", file=sys.stderr)
+        return 2
+    evals, train, split = held_out(exp.extra, args.traces, seqs, args.split)
+    if args.fit_traces:
+        _, train = load_trace_dirs(args.fit_traces)
+    elif not train:
+        rec = ((exp.extra or {}).get("split") or {}).get("traces")
+        if rec:
+            from expertcast.train.forecaster_data import split_sequences
+
+            info = exp.extra["split"]
+            _, all_train = load_trace_dirs(rec)
+            train = split_sequences(all_train, int(info.get("split_seed", 0)), float(info.get("val_fraction", 0.1)),
+                                    float(info.get("test_fraction", 0.0)))["train"]
+    if not train:
+        print("forecast-eval: no sequences to fit the baselines on; pass --fit-traces", file=sys.stderr)
+        return 2
+    if args.max_sequences:
+        evals = evals[: args.max_sequences]
+    if not evals:
+        print(f"forecast-eval: the {split} split of {args.traces} holds no sequences", file=sys.stderr)
+        return 2
+    baselines = fit_baselines(train, meta, exp.config.p)
+    print(f"evaluating {len(evals)} {split} sequences of {args.traces} (baselines fitted on {len(train)} sequences), "
+          f"L={meta.num_layers} E={meta.num_experts} K={meta.top_k} trigger layer p={exp.config.p}")
+    tables = evaluate(exp.model, evals, meta, baselines, horizons=args.horizons, batch_size=args.batch_size,
+                      device=args.device)
+    out = Path(args.out or Path("runs") / "forecast-eval" / Path(args.forecaster).resolve().name)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summary_rows(tables)
+    shown = ["predictor"] + [f"R@K h{h}" for h in (1, 2, 4, 8) if h <= args.horizons] + \
+        [f"R@K+3 h{h}" for h in (1, 8) if h <= args.horizons] + ["targets h1"]
+    print_table(rows, title=f"forecast recall ({split} sequences, decode targets)", columns=shown)
+    write_csv(out / "recall.csv", long_rows(tables))
+    atomic_write_json(out / "recall_summary.json", {"split": split, "traces": str(args.traces),
+                                                    "forecaster": str(args.forecaster), "sequences": len(evals),
+                                                    "rows": rows})
+    plot(tables, out / "recall.png", f"forecast recall by horizon ({meta.model_id}, {split})")
+    print(f"wrote {out / 'recall.csv'}, {out / 'recall_summary.json'}, {out / 'recall.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

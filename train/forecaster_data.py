@@ -1,0 +1,267 @@
+"""Windows over routing-trace datasets for forecaster training (SeqMoE 5.4; DESIGN.md "Forecaster").
+
+Sequences are assigned to train / val / test by a hash of their id (never by token), so the same
+sequence lands in the same split whatever the order or subset of sequences loaded, and
+``expertcast forecast-eval`` can pick exactly the held-out ones again from the split settings written
+into the export.
+
+Each window holds W+1 consecutive forecaster elements (see
+:func:`~expertcast.models.forecaster.trigger_sequence`): inputs are elements [i, i+W), targets
+elements [i+1, i+W]. Dense activation vectors are built per window from the compact trace arrays, so
+memory stays O(T·L·K) per sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from expertcast.data.trace_format import TraceMeta, TraceSequence
+from expertcast.models.forecaster import activation_vector, trigger_offset, trigger_sequence
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+
+
+def split_of(seq_id: str, seed: int = 0, val_fraction: float = 0.1, test_fraction: float = 0.0) -> str:
+    """Deterministic split of a sequence from a hash of ``seed`` and its id."""
+    h = hashlib.sha256(f"{seed}:{seq_id}".encode()).digest()
+    u = int.from_bytes(h[:8], "big") / 2.0**64
+    if u < test_fraction:
+        return "test"
+    if u < test_fraction + val_fraction:
+        return "val"
+    return "train"
+
+
+def split_sequences(seqs: Sequence[TraceSequence], seed: int = 0, val_fraction: float = 0.1,
+                    test_fraction: float = 0.0) -> dict[str, list[TraceSequence]]:
+    """Group sequences by :func:`split_of`."""
+    if not 0 <= val_fraction < 1 or not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:
+        raise ValueError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave a training split")
+    out: dict[str, list[TraceSequence]] = {s: [] for s in SPLITS}
+    for s in seqs:
+        out[split_of(s.seq_id, seed, val_fraction, test_fraction)].append(s)
+    return out
+
+
+def load_trace_dirs(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[TraceMeta, list[TraceSequence]]:
+    """Load one or several trace directories (same model) through :func:`expertcast.data.traces.load_traces`."""
+    from expertcast.data.traces import load_traces
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not paths:
+        raise ValueError("no trace directory given")
+    meta: TraceMeta | None = None
+    seqs: list[TraceSequence] = []
+    for p in paths:
+        if not Path(p).exists():
+            raise FileNotFoundError(f"trace directory {p} does not exist (collect traces with `expertcast collect`)")
+        m, s = load_traces(p)
+        if meta is None:
+            meta = m
+        else:
+            m.check_compatible(meta.num_layers, meta.num_experts, meta.top_k, what=f"trace set {paths[0]}")
+            meta.has_router_probs = meta.has_router_probs and m.has_router_probs
+        seqs += [_prefixed(x, str(p)) if len(paths) > 1 else x for x in s]
+    assert meta is not None
+    return meta, seqs
+
+
+def _prefixed(s: TraceSequence, prefix: str) -> TraceSequence:
+    s.seq_id = f"{Path(prefix).name}/{s.seq_id}"
+    return s
+
+
+def check_sequences(meta: TraceMeta, seqs: Sequence[TraceSequence]) -> None:
+    """Raise ValueError when a sequence's L/K or expert ids do not fit ``meta``."""
+    for s in seqs:
+        _, L, K = s.expert_ids.shape
+        if (L, K) != (meta.num_layers, meta.top_k):
+            raise ValueError(f"sequence {s.seq_id} has L={L}, K={K} but the trace metadata says "
+                             f"L={meta.num_layers}, K={meta.top_k}")
+        if s.expert_ids.size and (int(s.expert_ids.min()) < 0 or int(s.expert_ids.max()) >= meta.num_experts):
+            raise ValueError(f"sequence {s.seq_id} has expert ids outside [0, {meta.num_experts})")
+        if s.router_probs is not None and s.router_probs.shape[-1] != meta.num_experts:
+            raise ValueError(f"sequence {s.seq_id}: router_probs has {s.router_probs.shape[-1]} experts, "
+                             f"metadata says E={meta.num_experts}")
+
+
+@dataclass
+class _Window:
+    seq: int
+    start: int
+    """First input element index."""
+    n: int
+    """Number of valid targets (<= W)."""
+
+
+class ForecastWindows(Dataset):
+    """Fixed-length windows of forecaster elements over a list of sequences.
+
+    Item (W = window): ``inputs`` float [W, L, E]; ``target_ids`` long [W, L, K] (experts of the target
+    elements); ``target_dist`` float [W, L, E] (KL target: router_probs when every sequence has them,
+    else the normalized top-K weights); ``mask`` bool [W] (valid targets); ``decode`` bool [W] (target
+    is a decode element).
+    """
+
+    def __init__(self, seqs: Sequence[TraceSequence], meta: TraceMeta, window: int, trigger_layer: int | None = None,
+                 stride: int | None = None, use_router_probs: bool = True):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.seqs = list(seqs)
+        self.meta = meta
+        self.E = meta.num_experts
+        self.L = meta.num_layers
+        self.p = self.L - 1 if trigger_layer is None else trigger_layer
+        self.s = trigger_offset(self.L, self.p)
+        self.window = window
+        self.stride = stride or window
+        self.use_probs = use_router_probs and bool(self.seqs) and all(x.router_probs is not None for x in self.seqs)
+        self.index: list[_Window] = []
+        for i, sq in enumerate(self.seqs):
+            n_el = sq.num_tokens - self.s
+            for start in range(0, max(n_el - 1, 0), self.stride):
+                self.index.append(_Window(i, start, min(window, n_el - 1 - start)))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        w = self.index[idx]
+        sq = self.seqs[w.seq]
+        n_el = w.n + 1
+        lo, hi = w.start, w.start + n_el + self.s  # steps covering elements [start, start + n_el)
+        ids = torch.from_numpy(np.asarray(sq.expert_ids[lo:hi], dtype=np.int64))
+        wts = torch.from_numpy(np.asarray(sq.expert_weights[lo:hi], dtype=np.float32))
+        el = trigger_sequence(activation_vector(ids, wts, self.E), self.p)  # [n_el, L, E]
+        el_ids = trigger_sequence(ids, self.p)
+        W = self.window
+        inputs = torch.zeros(W, self.L, self.E)
+        inputs[: w.n] = el[:-1]
+        target_ids = torch.zeros(W, self.L, self.meta.top_k, dtype=torch.long)
+        target_ids[: w.n] = el_ids[1:]
+        target_dist = torch.zeros(W, self.L, self.E)
+        if self.use_probs:
+            rp = torch.from_numpy(np.asarray(sq.router_probs[lo:hi], dtype=np.float32))
+            rp = trigger_sequence(rp, self.p)[1:]
+            target_dist[: w.n] = rp / rp.sum(-1, keepdim=True).clamp_min(1e-9)
+        else:
+            target_dist[: w.n] = el[1:]
+        mask = torch.zeros(W, dtype=torch.bool)
+        mask[: w.n] = True
+        decode = torch.zeros(W, dtype=torch.bool)
+        tgt_el = torch.arange(w.start + 1, w.start + 1 + w.n)
+        decode[: w.n] = tgt_el >= sq.prompt_len
+        return {"inputs": inputs, "target_ids": target_ids, "target_dist": target_dist, "mask": mask,
+                "decode": decode}
+
+
+class ForecasterDataModule(pl.LightningDataModule):
+    """Routing traces -> train/val/test windows, split by sequence.
+
+    Args:
+        traces: trace directory (or list of directories of the same model) written by ``expertcast collect``.
+        window: W, forecaster elements per training window.
+        stride: step between window starts (default W: non-overlapping).
+        batch_size: windows per batch.
+        val_fraction / test_fraction: share of sequences held out (hash of seq id and ``split_seed``).
+        split_seed: seed of the sequence split.
+        trigger_layer: p (None: L-1). The model reads it from here.
+        use_router_probs: KL targets from router_probs when the traces hold them.
+        max_sequences: keep only the first N sequences (quick runs).
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(self, traces: str | list[str] | None = None, window: int = 128, stride: int | None = None,
+                 batch_size: int = 16, val_fraction: float = 0.1, test_fraction: float = 0.0, split_seed: int = 0,
+                 trigger_layer: int | None = None, use_router_probs: bool = True, max_sequences: int | None = None,
+                 num_workers: int = 0):
+        super().__init__()
+        self.save_hyperparameters()
+        self.traces = traces
+        self.window = window
+        self.stride = stride
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
+        self.split_seed = split_seed
+        self.trigger_layer = trigger_layer
+        self.use_router_probs = use_router_probs
+        self.max_sequences = max_sequences
+        self.num_workers = num_workers
+        self.meta: TraceMeta | None = None
+        self.splits: dict[str, list[TraceSequence]] | None = None
+
+    @classmethod
+    def from_sequences(cls, meta: TraceMeta, seqs: Sequence[TraceSequence], **kwargs: Any) -> ForecasterDataModule:
+        """A data module over in-memory sequences (synthetic traces, tests)."""
+        dm = cls(traces=None, **kwargs)
+        dm._set(meta, list(seqs))
+        return dm
+
+    def _set(self, meta: TraceMeta, seqs: list[TraceSequence]) -> None:
+        if self.max_sequences:
+            seqs = seqs[: self.max_sequences]
+        if not seqs:
+            raise ValueError("the trace set holds no sequences")
+        check_sequences(meta, seqs)
+        if self.trigger_layer is not None and not 0 <= self.trigger_layer < meta.num_layers:
+            raise ValueError(f"trigger_layer {self.trigger_layer} outside [0, {meta.num_layers - 1}] for these traces")
+        self.meta = meta
+        self.splits = split_sequences(seqs, self.split_seed, self.val_fraction, self.test_fraction)
+        if not self.splits["train"]:
+            raise ValueError(f"no training sequences left after holding out val={self.val_fraction}, "
+                             f"test={self.test_fraction} of {len(seqs)}")
+
+    def prepare(self) -> TraceMeta:
+        """Load the traces (once) and return their metadata."""
+        if self.meta is None:
+            if self.traces is None:
+                raise ValueError("ForecasterDataModule needs `traces` (a trace directory) or from_sequences()")
+            meta, seqs = load_trace_dirs(self.traces)
+            self._set(meta, seqs)
+        assert self.meta is not None
+        return self.meta
+
+    def setup(self, stage: str | None = None) -> None:
+        self.prepare()
+
+    @property
+    def split_info(self) -> dict[str, Any]:
+        """What forecast-eval needs to find the held-out sequences again."""
+        return {"traces": self.traces, "split_seed": self.split_seed, "val_fraction": self.val_fraction,
+                "test_fraction": self.test_fraction,
+                "num_sequences": {k: len(v) for k, v in (self.splits or {}).items()}}
+
+    def dataset(self, split: str) -> ForecastWindows:
+        self.prepare()
+        assert self.splits is not None and self.meta is not None
+        return ForecastWindows(self.splits[split], self.meta, self.window, self.trigger_layer, self.stride,
+                               self.use_router_probs)
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        ds = self.dataset(split)
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0, drop_last=False)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test" if self.test_fraction > 0 else "val", False)

@@ -1,0 +1,221 @@
+"""LightningModule training the SeqMoE forecaster (SeqMoE 5.4; DESIGN.md "Forecaster").
+
+Loss = ``rank_weight`` · ranking loss around the top-K boundary + ``kl_weight`` · KL(target ‖ model).
+Training starts with teacher forcing; after ``teacher_forcing_fraction`` of the optimizer steps,
+scheduled sampling replaces a rising share of the inputs (up to ``max_sampling_rate``) by the model's
+own one-step predictions. It runs in two passes so the scan stays parallel: pass 1 (no grad) predicts
+every element from the true history, its predictions replace the sampled inputs, and pass 2 is trained.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as pl
+import torch
+import torch.nn.functional as F
+
+from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig, predictions_to_input
+from expertcast.models.forecaster_export import save_forecaster
+
+
+def ranking_loss(logits: torch.Tensor, target_ids: torch.Tensor, num_negatives: int) -> torch.Tensor:
+    """Pairwise logistic loss between every true expert and the hardest non-selected ones.
+
+    Args:
+        logits: [N, L, E]; target_ids: long [N, L, K]; num_negatives: m hardest negatives per layer.
+    Returns:
+        [N] loss per element (mean over layers and pairs) of softplus(s_neg - s_pos).
+    """
+    E = logits.shape[-1]
+    pos_mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, target_ids, True)
+    pos = logits.gather(-1, target_ids)  # [N, L, K]
+    m = min(num_negatives, E - target_ids.shape[-1])
+    neg = logits.masked_fill(pos_mask, float("-inf")).topk(m, dim=-1).values  # [N, L, m]
+    return F.softplus(neg.unsqueeze(-2) - pos.unsqueeze(-1)).mean(dim=(-1, -2, -3))
+
+
+def kl_loss(logits: torch.Tensor, target_dist: torch.Tensor) -> torch.Tensor:
+    """KL(target ‖ softmax(logits)) per element: logits / target_dist [N, L, E] -> [N] (mean over layers)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    q = target_dist.float()
+    return (torch.xlogy(q, q) - q * logp).sum(-1).mean(-1)
+
+
+def recall_at(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Share of the true top-K found in the predicted top-``k``: logits [N, L, E], target_ids [N, L, K] -> [N, L]."""
+    pred = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
+    hit = (target_ids.unsqueeze(-1) == pred.unsqueeze(-2)).any(-1)
+    return hit.float().mean(-1)
+
+
+class ForecasterModule(pl.LightningModule):
+    """Trains an :class:`ExpertForecaster`. L, E, K and the trigger layer come from the data module when
+    not given (they are then stored in the hyper-parameters, so checkpoints rebuild the same network).
+
+    Args:
+        backbone / hidden_size / num_blocks / state_size / head_dim / expand / conv_kernel / n_groups /
+        chunk_size: :class:`ForecasterConfig` fields.
+        lr / weight_decay / warmup_fraction / min_lr_ratio: AdamW with linear warm-up then cosine decay to
+            ``min_lr_ratio``·lr over the run's optimizer steps.
+        rank_weight / kl_weight / rank_negatives: loss mix; hardest negatives in the ranking loss.
+        teacher_forcing_fraction / sampling_ramp_fraction / max_sampling_rate: scheduled sampling starts
+            after this share of steps and rises linearly to ``max_sampling_rate`` over the next share.
+        loss_on_prefill: also train on targets inside the prompt (the routing there is a sequence too).
+        export_dir: when set, the export is written there at the end of fit (and after each validation).
+    """
+
+    def __init__(self, backbone: str = "mamba2", hidden_size: int = 128, num_blocks: int = 2, state_size: int = 32,
+                 head_dim: int = 32, expand: int = 2, conv_kernel: int = 4, n_groups: int = 1, chunk_size: int = 64,
+                 lr: float = 2e-3, weight_decay: float = 0.01, warmup_fraction: float = 0.05, min_lr_ratio: float = 0.05,
+                 rank_weight: float = 1.0, kl_weight: float = 1.0, rank_negatives: int = 8,
+                 teacher_forcing_fraction: float = 0.4, sampling_ramp_fraction: float = 0.4,
+                 max_sampling_rate: float = 0.5, loss_on_prefill: bool = True, export_dir: str | None = None,
+                 num_layers: int | None = None, num_experts: int | None = None, top_k: int | None = None,
+                 trigger_layer: int | None = None, source: dict[str, Any] | None = None,
+                 split_info: dict[str, Any] | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net: ExpertForecaster | None = None
+        if num_layers is not None and num_experts is not None and top_k is not None:
+            self._build(num_layers, num_experts, top_k, trigger_layer)
+
+    # --- construction ---
+    def _build(self, L: int, E: int, K: int, trigger_layer: int | None) -> None:
+        h = self.hparams
+        cfg = ForecasterConfig(num_layers=L, num_experts=E, top_k=K, trigger_layer=trigger_layer, backbone=h.backbone,
+                               hidden_size=h.hidden_size, num_blocks=h.num_blocks, state_size=h.state_size,
+                               head_dim=h.head_dim, expand=h.expand, conv_kernel=h.conv_kernel, n_groups=h.n_groups,
+                               chunk_size=h.chunk_size)
+        self.net = ExpertForecaster(cfg)
+        self.hparams.update(num_layers=L, num_experts=E, top_k=K, trigger_layer=trigger_layer)
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "prepare"):
+            meta = dm.prepare()
+            p = getattr(dm, "trigger_layer", None)
+            if self.net is None:
+                self._build(meta.num_layers, meta.num_experts, meta.top_k, p)
+            else:
+                c = self.net.config
+                meta.check_compatible(c.num_layers, c.num_experts, c.top_k, what="forecaster")
+                if c.trigger_layer != p:
+                    raise ValueError(f"forecaster trigger layer {c.trigger_layer} != data module trigger layer {p}")
+            self.hparams.update(source={"model_id": meta.model_id, "num_layers": meta.num_layers,
+                                        "num_experts": meta.num_experts, "top_k": meta.top_k,
+                                        "expert_bytes": meta.expert_bytes, "dataset": meta.dataset},
+                                split_info=getattr(dm, "split_info", None))
+        if self.net is None:
+            raise ValueError("ForecasterModule needs num_layers/num_experts/top_k or a ForecasterDataModule")
+
+    # --- schedule ---
+    def sampling_rate(self) -> float:
+        """Current scheduled-sampling replacement rate (0 while teacher forcing)."""
+        h = self.hparams
+        if h.max_sampling_rate <= 0 or self._trainer is None:
+            return 0.0
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        frac = self.global_step / total
+        ramp = max(h.sampling_ramp_fraction, 1e-9)
+        return float(h.max_sampling_rate * min(1.0, max(0.0, (frac - h.teacher_forcing_fraction) / ramp)))
+
+    # --- steps ---
+    def _losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], use: torch.Tensor) -> dict[str, torch.Tensor]:
+        lg = logits[use]
+        ids = batch["target_ids"][use]
+        rank = ranking_loss(lg.float(), ids, self.hparams.rank_negatives).mean()
+        kl = kl_loss(lg, batch["target_dist"][use]).mean()
+        loss = self.hparams.rank_weight * rank + self.hparams.kl_weight * kl
+        return {"loss": loss, "rank": rank, "kl": kl}
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        assert self.net is not None
+        x = batch["inputs"]
+        rate = self.sampling_rate()
+        if rate > 0:
+            with torch.no_grad():
+                first = self.net(x)
+            pred = predictions_to_input(first[:, :-1], self.net.config.top_k).to(x.dtype)  # predicts x[:, 1:]
+            replace = torch.rand(x.shape[:2], device=x.device) < rate
+            replace[:, 0] = False
+            replace[:, 1:] &= batch["mask"][:, :-1]
+            x = x.clone()
+            x[:, 1:][replace[:, 1:]] = pred[replace[:, 1:]]
+        logits = self.net(x)
+        use = batch["mask"] if self.hparams.loss_on_prefill else batch["mask"] & batch["decode"]
+        if not bool(use.any()):
+            use = batch["mask"]
+        out = self._losses(logits, batch, use)
+        bs = x.shape[0]
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=bs)
+        self.log("train/rank", out["rank"], batch_size=bs)
+        self.log("train/kl", out["kl"], batch_size=bs)
+        self.log("train/sampling_rate", rate, batch_size=bs)
+        return out["loss"]
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], prefix: str) -> None:
+        assert self.net is not None
+        logits = self.net(batch["inputs"])
+        use = batch["mask"]
+        out = self._losses(logits, batch, use)
+        bs = batch["inputs"].shape[0]
+        self.log(f"{prefix}/loss", out["loss"], prog_bar=True, batch_size=bs, sync_dist=True)
+        self.log(f"{prefix}/kl", out["kl"], batch_size=bs, sync_dist=True)
+        dec = batch["mask"] & batch["decode"]
+        sel = dec if bool(dec.any()) else use
+        K = self.net.config.top_k
+        n = int(sel.sum())
+        r_k = recall_at(logits[sel].float(), batch["target_ids"][sel], K).mean()
+        r_k3 = recall_at(logits[sel].float(), batch["target_ids"][sel], K + 3).mean()
+        self.log(f"{prefix}/recall@K", r_k, prog_bar=True, batch_size=n, sync_dist=True)
+        self.log(f"{prefix}/recall@K+3", r_k3, batch_size=n, sync_dist=True)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    # --- optimizer ---
+    def configure_optimizers(self) -> dict[str, Any]:
+        assert self.net is not None
+        h = self.hparams
+        decay, no_decay = [], []
+        for n, p in self.net.named_parameters():
+            (no_decay if p.ndim < 2 or n.endswith(("A_log", "D", "dt_bias")) else decay).append(p)
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=h.lr)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warm = max(1, int(h.warmup_fraction * total))
+
+        def lr_lambda(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            prog = min(1.0, (step - warm) / max(1, total - warm))
+            return h.min_lr_ratio + (1 - h.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # --- export ---
+    def export(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write the forecaster export (safetensors + JSON) to ``path``."""
+        assert self.net is not None
+        info = {"split": self.hparams.split_info, "global_step": int(self.global_step) if self._trainer else None}
+        info.update(extra or {})
+        return save_forecaster(self.net, path, source=self.hparams.source, extra=info)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.hparams.export_dir and self._trainer is not None and not self.trainer.sanity_checking \
+                and self.trainer.is_global_zero:
+            metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
+            self.export(self.hparams.export_dir, {"val_metrics": metrics})
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
+            out = self.export(self.hparams.export_dir, {"val_metrics": metrics})
+            print(f"forecaster export written to {out}")

@@ -1,0 +1,107 @@
+"""Mode-Markov routing traces with a known Bayes-optimal forecaster (checks of the forecaster).
+
+A hidden mode z_t follows a first-order Markov chain with transition matrix P [M, M]; mode m fixes a
+top-K expert set S_l(m) and its weights for every layer l. The trace reveals z_t (the sets of distinct
+modes differ), so the Bayes-optimal probability that expert e of layer l is active h steps ahead is
+``(P^h[z_t] @ I_l)[e]`` with I_l [M, E] the mode-membership indicators, and the Bayes-optimal top-K
+(maximizing expected recall) is the top-K of these marginals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from expertcast.data.trace_format import TraceMeta, TraceSequence
+
+
+@dataclass
+class ModeMarkovProcess:
+    """Shapes: ``transition`` [M, M] (rows sum to 1); ``sets`` int [M, L, K]; ``weights`` float [M, L, K]."""
+
+    transition: np.ndarray
+    sets: np.ndarray
+    weights: np.ndarray
+    num_experts: int
+
+    @classmethod
+    def random(cls, num_modes: int, num_layers: int, num_experts: int, top_k: int, stickiness: float = 0.3,
+               concentration: float = 0.3, seed: int = 0) -> ModeMarkovProcess:
+        """A random process: Dirichlet(``concentration``) rows mixed with ``stickiness`` on the diagonal."""
+        rng = np.random.default_rng(seed)
+        P = rng.dirichlet(np.full(num_modes, concentration), size=num_modes)
+        P = (1 - stickiness) * P + stickiness * np.eye(num_modes)
+        seen: set[bytes] = set()
+        sets = np.zeros((num_modes, num_layers, top_k), dtype=np.int64)
+        for m in range(num_modes):
+            while True:
+                s = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(num_layers)])
+                key = np.sort(s, axis=-1).tobytes()
+                if key not in seen:
+                    seen.add(key)
+                    sets[m] = s
+                    break
+        w = -np.sort(-rng.dirichlet(np.ones(top_k), size=(num_modes, num_layers)), axis=-1)
+        return cls(P, sets, w.astype(np.float32), num_experts)
+
+    @property
+    def num_layers(self) -> int:
+        return self.sets.shape[1]
+
+    @property
+    def top_k(self) -> int:
+        return self.sets.shape[2]
+
+    def meta(self) -> TraceMeta:
+        return TraceMeta(model_id="synthetic/mode-markov", num_layers=self.num_layers, num_experts=self.num_experts,
+                         top_k=self.top_k, expert_bytes=1 << 20, dataset="synthetic")
+
+    def sample(self, num_sequences: int, length: int, prompt_len: int = 0, seed: int = 1
+               ) -> tuple[list[TraceSequence], list[np.ndarray]]:
+        """Sequences and their mode paths (int [T] each)."""
+        rng = np.random.default_rng(seed)
+        M = self.transition.shape[0]
+        cum = np.cumsum(self.transition, axis=1)
+        seqs, modes = [], []
+        for i in range(num_sequences):
+            z = np.empty(length, dtype=np.int64)
+            z[0] = rng.integers(M)
+            u = rng.random(length)
+            for t in range(1, length):
+                z[t] = min(int(np.searchsorted(cum[z[t - 1]], u[t])), M - 1)
+            seqs.append(TraceSequence(
+                seq_id=f"mm-{seed}-{i}", token_ids=np.zeros(length, dtype=np.int32), prompt_len=prompt_len,
+                expert_ids=self.sets[z].astype(np.int16), expert_weights=self.weights[z].astype(np.float16)))
+            modes.append(z)
+        return seqs, modes
+
+    def membership(self) -> np.ndarray:
+        """I [M, L, E]: 1 where expert e is in mode m's set at layer l."""
+        M, L, K = self.sets.shape
+        ind = np.zeros((M, L, self.num_experts))
+        for m in range(M):
+            for layer in range(L):
+                ind[m, layer, self.sets[m, layer]] = 1.0
+        return ind
+
+    def bayes_marginals(self, mode: int, horizon: int) -> np.ndarray:
+        """[L, E]: P(e active at layer l, h steps after a step in ``mode``)."""
+        ph = np.linalg.matrix_power(self.transition, horizon)[mode]
+        return np.einsum("m,mle->le", ph, self.membership())
+
+    def bayes_recall(self, modes: list[np.ndarray], horizon: int, k: int | None = None, start: int = 0) -> float:
+        """Expected recall@k of the Bayes-optimal top-k over the targets t+h, t >= ``start`` of ``modes``."""
+        k = k or self.top_k
+        ind = self.membership()
+        Ph = np.linalg.matrix_power(self.transition, horizon)
+        marg = np.einsum("zm,mle->zle", Ph, ind)  # [M, L, E]
+        top = np.argsort(-marg, axis=-1, kind="stable")[..., :k]  # [M, L, k]
+        hits, n = 0.0, 0
+        for z in modes:
+            for t in range(start, len(z) - horizon):
+                nxt = z[t + horizon]
+                got = np.take_along_axis(ind[nxt], top[z[t]], axis=-1).sum(-1)  # [L]
+                hits += float(got.sum()) / self.top_k
+                n += self.num_layers
+        return hits / max(n, 1)

@@ -1,0 +1,275 @@
+"""LightningModule for cache-aware joint router adaptation: L = L_LM + sw * L_cov.
+
+Modes (DESIGN.md, "Cache-aware router adaptation (restated)"; paper section 4):
+
+- ``lm_only``: no auxiliary routers, sw = 0 (the LM-only reference).
+- ``aux_only``: backbone and native router frozen; only the added routers (``aux_routers``:
+  ``temporal``, ``full`` or ``spatio_only``) learn, on fixed representations.
+- ``temporal`` / ``spatio_only`` / ``full``: joint training of the backbone (fully, or through LoRA)
+  and the routers; the native distributions stay in the graph, so the coverage loss also shapes
+  expert demand.
+
+LoRA (peft) targets the attention projections (``target_modules``) and, through
+``target_parameters`` (peft >= 0.17), the fused expert weights of transformers 5
+(``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) and the native router weight
+(``mlp.gate.weight``), so the native distribution can adapt under LoRA too. The auxiliary routers are
+always trained in full.
+
+Backbones: ``model="default"`` (the embedded default model), a tiny preset name
+(``qwen3_moe-tiny``: random init with the byte-level tokenizer), or a local HF directory / Hub id
+(``trust_remote_code`` off).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as pl
+import torch
+
+from expertcast.models.cache_routers import (
+    ROUTER_MODES,
+    CacheRouters,
+    RouterTap,
+    cache_coverage_loss,
+    resolve_budget,
+    soft_topb_membership,
+    spatio_temporal_priority,
+    temporal_priority,
+)
+from expertcast.models.routing import find_routers
+
+TRAIN_MODES = ("lm_only", "aux_only", "temporal", "spatio_only", "full")
+EXPORT_FORMAT = "expertcast-router-adaptation"
+EXPORT_FORMAT_VERSION = 1
+
+
+@dataclass
+class LoraSettings:
+    """LoRA of the backbone (peft)."""
+
+    r: int = 8
+    """Rank (per expert for the fused expert parameters)."""
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """nn.Linear modules (attention projections)."""
+    target_parameters: list[str] = field(
+        default_factory=lambda: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+    )
+    """nn.Parameters: the fused expert weights and the native router weight (names of the family)."""
+    merge_on_export: bool = True
+    """Export a merged HF model (True) or the base id plus the peft adapter (False)."""
+
+
+def load_backbone(name: str, dtype: str = "float32"):
+    """(model, tokenizer) for ``name``: "default", a tiny preset, or an HF directory / Hub id."""
+    from expertcast.models import presets
+
+    torch_dtype = getattr(torch, dtype)
+    if name == "default":
+        from expertcast.train.tiny_default import ensure_default_model
+
+        name = str(ensure_default_model())
+    if presets.is_preset(name):
+        from expertcast.models.tokenizer import byte_level_tokenizer
+
+        return presets.build_tiny(name, dtype=torch_dtype), byte_level_tokenizer()
+    try:
+        from expertcast.models.backbone import load_moe_model  # the models engineer's loader, when present
+    except ImportError:
+        load_moe_model = None
+    from transformers import AutoTokenizer
+
+    if load_moe_model is not None:
+        loaded = load_moe_model(name, dtype=torch_dtype)
+        model = loaded[0] if isinstance(loaded, tuple) else getattr(loaded, "model", loaded)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, trust_remote_code=False)
+    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    return model, tok
+
+
+class RouterAdaptationModule(pl.LightningModule):
+    """Joint (or auxiliary-only) training of the cache-aware routers with the backbone.
+
+    Batches come from :class:`expertcast.train.router_data.RouterLMDataModule`. Logged: ``train/lm``,
+    ``train/cov`` (L_cov in [-1, 0]), ``train/loss``, and on the held-out split ``val/lm`` (token-mean
+    LM loss), ``val/cov`` and ``val/cover`` (target top-K coverage of the hard top-B of the mode's
+    priority, the training-time hit proxy).
+    """
+
+    def __init__(self, model: str = "default", mode: str = "temporal", sw: float = 0.1, budget: float = 0.25,
+                 tau: float = 0.02, aux_routers: str = "temporal", lr: float = 2e-4, router_lr: float = 2e-3,
+                 weight_decay: float = 0.0, warmup_steps: int = 0, lora: LoraSettings | None = None,
+                 init: str = "copy", dtype: str = "float32", gradient_checkpointing: bool = False,
+                 export_dir: str | None = None, seed: int = 0):
+        super().__init__()
+        if mode not in TRAIN_MODES:
+            raise ValueError(f"unknown training mode {mode!r}; expected one of {TRAIN_MODES}")
+        if mode == "aux_only" and aux_routers not in ROUTER_MODES:
+            raise ValueError(f"aux_routers must be one of {ROUTER_MODES}, got {aux_routers!r}")
+        if sw < 0:
+            raise ValueError(f"sw must be >= 0, got {sw}")
+        self.save_hyperparameters()
+        self.mode = mode
+        self.router_mode = None if mode == "lm_only" else (aux_routers if mode == "aux_only" else mode)
+        self.sw = 0.0 if mode == "lm_only" else float(sw)
+        torch.manual_seed(seed)
+        backbone, self.tokenizer = load_backbone(model, dtype)
+        sites = find_routers(backbone)
+        self.num_layers, self.num_experts, self.top_k = len(sites), sites[0].num_experts, sites[0].top_k
+        self.budget = resolve_budget(budget, self.num_experts, self.top_k)
+        self.tau = float(tau)
+        # copy-initialise from the native routers before any adaptation (paper 3.4)
+        self.routers = (CacheRouters.for_model(backbone, mode=self.router_mode, init=init, seed=seed)
+                        if self.router_mode else None)
+        if mode == "aux_only":
+            backbone.requires_grad_(False)
+        elif lora is not None:
+            backbone = self._apply_lora(backbone, lora)
+        if gradient_checkpointing and mode != "aux_only":
+            backbone.gradient_checkpointing_enable()
+        self.backbone = backbone
+        self._tap: RouterTap | None = None
+
+    @staticmethod
+    def _apply_lora(backbone, lora: LoraSettings):
+        from peft import LoraConfig, get_peft_model
+
+        names = {n for n, _ in backbone.named_parameters()}
+        tp = [t for t in lora.target_parameters if any(n.endswith(t) for n in names)]
+        missing = sorted(set(lora.target_parameters) - set(tp))
+        if missing:
+            raise ValueError(f"LoRA target_parameters {missing} match no parameter of {type(backbone).__name__}")
+        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                         target_modules=list(lora.target_modules), target_parameters=tp or None, bias="none")
+        return get_peft_model(backbone, cfg)
+
+    # ------------------------------------------------------------------ hooks
+    @property
+    def tap(self) -> RouterTap:
+        if self._tap is None:
+            self._tap = RouterTap(self.backbone, self.routers)
+        return self._tap
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        ids, am, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+        B, T = ids.shape
+        tap = self.tap
+        if self.mode == "aux_only":
+            with torch.no_grad():
+                out = self.backbone(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+        else:
+            out = self.backbone(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+        lm = out.loss
+        if self.routers is None:
+            return lm, None, None
+        ro = tap.outputs(B, T)
+        cov = cache_coverage_loss(ro, self.router_mode, self.budget, self.tau, am)
+        return lm, cov, ro
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        lm, cov, _ = self._forward(batch)
+        if cov is None:
+            loss = lm
+        elif self.mode == "aux_only":
+            loss = cov  # nothing else has gradients; sw only rescales
+        else:
+            loss = lm + self.sw * cov
+        bs = batch["input_ids"].shape[0]
+        self.log("train/lm", lm.detach(), prog_bar=True, batch_size=bs)
+        if cov is not None:
+            self.log("train/cov", cov.detach(), prog_bar=True, batch_size=bs)
+        self.log("train/loss", loss.detach(), batch_size=bs)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        lm, cov, ro = self._forward(batch)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        self.log("val/lm", lm, prog_bar=True, batch_size=max(n, 1), sync_dist=True)
+        if cov is not None:
+            self.log("val/cov", cov, batch_size=batch["input_ids"].shape[0], sync_dist=True)
+            self.log("val/cover", self.hard_cover(ro, batch["attention_mask"]), prog_bar=True,
+                     batch_size=batch["input_ids"].shape[0], sync_dist=True)
+
+    @torch.no_grad()
+    def hard_cover(self, ro, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Fraction of the target token's native top-K inside the hard top-B of the priority."""
+        if self.router_mode == "temporal":
+            s = temporal_priority(ro.p_R[:, :-1], ro.p_T[:, :-1])
+        else:
+            s = spatio_temporal_priority(ro.p_R, ro.p_T if self.router_mode == "full" else None, ro.p_S)
+        topb = soft_topb_membership(s, self.budget, 1e-6) > 0.25  # hard Top-B (ties count)
+        sel = torch.zeros_like(topb).scatter_(-1, ro.p_R[:, 1:].topk(self.top_k, -1).indices, True)
+        am = attention_mask.bool()
+        valid = (am[:, :-1] & am[:, 1:])[:, :, None].float()
+        hit = (topb & sel).sum(-1).float() / self.top_k
+        return (hit * valid).sum() / (valid.sum() * hit.shape[-1]).clamp_min(1)
+
+    def configure_optimizers(self):
+        groups = []
+        bb = [p for p in self.backbone.parameters() if p.requires_grad]
+        if bb:
+            groups.append({"params": bb, "lr": self.hparams.lr, "weight_decay": self.hparams.weight_decay})
+        if self.routers is not None:
+            groups.append({"params": list(self.routers.parameters()), "lr": self.hparams.router_lr,
+                           "weight_decay": 0.0})
+        opt = torch.optim.AdamW(groups)
+        w = int(self.hparams.warmup_steps)
+        if w <= 0:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / w))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ------------------------------------------------------------------ export
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            self.export(self.hparams.export_dir)
+
+    def export(self, directory: str) -> Path:
+        """Write ``model/`` (HF format: LoRA merged, or ``adapter/`` with the base id), ``routers/``
+        (safetensors + JSON, :mod:`expertcast.models.router_export`) and ``export.json``."""
+        from expertcast.models.router_export import save_routers
+        from expertcast.utils.io import atomic_write_json
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        lora = self.hparams.lora
+        bb = self.backbone
+        info: dict[str, Any] = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION,
+                                "mode": self.mode, "router_mode": self.router_mode, "sw": self.sw,
+                                "budget": self.budget, "tau": self.tau, "base_model": self.hparams.model}
+        is_peft = hasattr(bb, "peft_config")
+        if is_peft and (lora is None or lora.merge_on_export):
+            merged = copy.deepcopy(bb).merge_and_unload()
+            merged.save_pretrained(d / "model")
+            plain = merged
+            info["model_dir"] = "model"
+        elif is_peft:
+            bb.save_pretrained(d / "adapter")
+            plain = bb
+            info["adapter_dir"] = "adapter"
+        else:
+            bb.save_pretrained(d / "model")
+            plain = bb
+            info["model_dir"] = "model"
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(d / ("model" if "model_dir" in info else "adapter"))
+        if self.routers is not None:
+            save_routers(d / "routers", self.routers, plain,
+                         extra={"budget": self.budget, "tau": self.tau, "sw": self.sw, "train_mode": self.mode})
+            info["routers_dir"] = "routers"
+        if self.trainer is not None and self.trainer.global_step:
+            info["steps"] = int(self.trainer.global_step)
+            val = self.trainer.callback_metrics.get("val/lm")
+            if val is not None and math.isfinite(float(val)):
+                info["val_lm"] = float(val)
+        atomic_write_json(d / "export.json", info)
+        return d

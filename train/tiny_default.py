@@ -1,0 +1,756 @@
+"""The embedded default model: a tiny Qwen3-MoE and its byte-level BPE tokenizer, trained here.
+
+``expertcast build-default [--force]`` (and :func:`ensure_default_model`, which the quickstart calls)
+trains, in a wall-clock budget of a few minutes on CPU, a small Qwen3-MoE on GSM8K train solutions
+(formatted as chat: question -> answer) and the long R1 chain-of-thought traces of
+``cot/math153.jsonl`` (wrapped in ``<think>...</think>``), so that its routers behave like a trained
+model's (experts specialise; consecutive tokens share experts) rather than random init.
+
+The result is saved in Hugging Face format (``save_pretrained``, safetensors) under
+``cache_dir()/tiny-default-v1/<recipe hash>``, written to a temporary directory and renamed into place
+once complete, with ``report.json`` (training time, tokens seen, tokens/s, held-out GSM8K-test
+perplexity, per-layer expert load balance against the untrained init) and ``train_loss.png``. A
+changed recipe (config, data files) gets a new hash and retrains; an unchanged one is reused. A
+file lock makes concurrent callers wait for one build instead of training in parallel. An
+interrupted build resumes from its last checkpoint (saved every ``checkpoint_every_s``), with the
+time already spent counted against the budget.
+
+Plain PyTorch loop (no Lightning): AdamW, linear warm-up then cosine decay over the *time* budget
+(the learning rate follows elapsed/budget, so the schedule completes whatever the machine's speed),
+and the load-balancing auxiliary loss of the config (``router_aux_loss_coef`` with
+``output_router_logits``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from expertcast.utils.io import atomic_write_json, print_table
+from expertcast.utils.paths import DATA_DIR_ENV, cache_dir, data_dir
+
+DEFAULT_NAME = "tiny-default-v1"
+REPORT_FILE = "report.json"
+RECIPE_VERSION = 1
+
+
+@dataclass
+class TinyDefaultConfig:
+    """Recipe of the embedded default model (every field is part of the cache key)."""
+
+    # --- tokenizer
+    vocab_size: int = 4096
+    """Byte-level BPE vocabulary (control tokens + bytes + merges + ``<think>``/``</think>``)."""
+
+    # --- model (transformers Qwen3MoeConfig)
+    num_layers: int = 4
+    """Decoder layers; every one is an MoE layer."""
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    moe_intermediate_size: int = 128
+    """Intermediate size of one routed expert's SwiGLU MLP."""
+    num_experts: int = 32
+    top_k: int = 4
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing auxiliary loss (Switch-style), added to the LM loss."""
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+
+    # --- data
+    seq_len: int = 512
+    """Tokens per packed training block."""
+    gsm8k_train_limit: int | None = None
+    """Use only the first N GSM8K train rows (None: all 7473)."""
+    cot_limit: int | None = None
+    """Use only the first N math153 chain-of-thought traces (None: all 153)."""
+    strip_calculator_notes: bool = True
+    """Remove GSM8K's ``<<48/2=24>>`` calculator annotations from the solutions."""
+
+    # --- optimisation
+    batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr`` (end of the cosine)."""
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    time_budget_s: float = 480.0
+    """Wall-clock seconds of optimisation (tokenizer training and evaluation come on top)."""
+    max_steps: int | None = None
+    """Optional cap on optimizer steps (None: train until the time budget is spent)."""
+    seed: int = 0
+
+    # --- evaluation
+    eval_gsm8k_test: int = 200
+    """GSM8K test solutions for the held-out perplexity and routing statistics."""
+    eval_cot: int = 8
+    """Held-out chain-of-thought traces (cot/labeled40.jsonl) for the routing statistics."""
+    eval_max_len: int = 1024
+    """Truncate held-out sequences to this many tokens."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def key(self, data_files: dict[str, Path] | None = None) -> str:
+        """Cache key: hash of the recipe, the recipe version and the identity (name, size) of the
+        data files it reads."""
+        payload: dict[str, Any] = {"recipe_version": RECIPE_VERSION, "config": self.to_dict()}
+        if data_files:
+            payload["data"] = {k: [p.name, p.stat().st_size] for k, p in sorted(data_files.items())}
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+def _data_files(root: Path | None = None) -> dict[str, Path]:
+    """Paths of the files the recipe reads; a one-line FileNotFoundError naming where it looked."""
+    base = data_dir(root)
+    if base is None:
+        from expertcast.utils.paths import REPO_ROOT
+
+        raise FileNotFoundError(
+            f"tiny-default training data not found: ${DATA_DIR_ENV} is unset and "
+            f"{REPO_ROOT.parent / 'shared' / 'data'} does not exist"
+        )
+    files = {
+        "gsm8k_train": base / "gsm8k" / "train.jsonl",
+        "gsm8k_test": base / "gsm8k" / "test.jsonl",
+        "cot_train": base / "cot" / "math153.jsonl",
+        "cot_heldout": base / "cot" / "labeled40.jsonl",
+    }
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"tiny-default training data not found: missing {', '.join(missing)} "
+                                f"(looked in {base}; set ${DATA_DIR_ENV})")
+    return files
+
+
+def _read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if limit is not None and len(rows) >= limit:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def _clean_gsm8k(answer: str, strip: bool) -> str:
+    import re
+
+    return re.sub(r"<<[^>]*>>", "", answer) if strip else answer
+
+
+def gsm8k_messages(row: dict[str, Any], strip_calculator_notes: bool = True) -> list[dict[str, str]]:
+    """Chat of one GSM8K row: the question as the user turn, the worked solution as the answer."""
+    return [{"role": "user", "content": row["question"].strip()},
+            {"role": "assistant", "content": _clean_gsm8k(row["answer"].strip(), strip_calculator_notes)}]
+
+
+def cot_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """Chat of one R1 trace: the problem, then ``<think>\\n{thinking}\\n</think>\\n\\n{final response}``."""
+    final = (row.get("final_response") or "").strip()
+    content = f"<think>\n{row['thinking'].strip()}\n</think>\n\n{final}"
+    return [{"role": "user", "content": row["problem"].strip()}, {"role": "assistant", "content": content}]
+
+
+@dataclass
+class _Corpus:
+    train_chats: list[str]
+    tokenizer_texts: list[str]
+    eval_gsm8k: list[dict[str, Any]]
+    eval_cot: list[dict[str, Any]]
+    n_gsm8k: int
+    n_cot: int
+
+
+def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path], tokenizer=None) -> _Corpus:
+    gsm = _read_jsonl(files["gsm8k_train"], cfg.gsm8k_train_limit)
+    cot = _read_jsonl(files["cot_train"], cfg.cot_limit)
+    chats = [gsm8k_messages(r, cfg.strip_calculator_notes) for r in gsm] + [cot_messages(r) for r in cot]
+    tok_texts = [m["content"] for c in chats for m in c]
+    return _Corpus(
+        train_chats=chats,  # type: ignore[arg-type]
+        tokenizer_texts=tok_texts,
+        eval_gsm8k=_read_jsonl(files["gsm8k_test"], cfg.eval_gsm8k_test) if cfg.eval_gsm8k_test else [],
+        eval_cot=_read_jsonl(files["cot_heldout"], cfg.eval_cot) if cfg.eval_cot else [],
+        n_gsm8k=len(gsm),
+        n_cot=len(cot),
+    )
+
+
+def _tokenize_docs(tokenizer, chats: list[list[dict[str, str]]]) -> list[np.ndarray]:
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in chats]
+    # The backend tokenizer directly: documents longer than model_max_length are fine here (they are
+    # packed into seq_len blocks), so skip the wrapper's length warning.
+    enc = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    return [np.asarray(e.ids + [eot], dtype=np.int32) for e in enc]
+
+
+class _PackedStream:
+    """Documents shuffled per epoch, concatenated and cut into [batch, seq_len] blocks."""
+
+    def __init__(self, docs: list[np.ndarray], seq_len: int, batch_size: int, seed: int):
+        total = sum(len(d) for d in docs)
+        if total < seq_len * batch_size:
+            raise ValueError(f"training corpus has {total} tokens, fewer than one batch ({batch_size}x{seq_len})")
+        self.docs, self.seq_len, self.batch_size, self.seed = docs, seq_len, batch_size, seed
+        self.epoch = 0
+        self.total_tokens = total
+        self._blocks: np.ndarray | None = None
+        self._pos = 0
+
+    def _new_epoch(self) -> None:
+        order = np.random.default_rng(self.seed + self.epoch).permutation(len(self.docs))
+        stream = np.concatenate([self.docs[i] for i in order])
+        n = len(stream) // self.seq_len
+        self._blocks = stream[: n * self.seq_len].reshape(n, self.seq_len)
+        self._pos = 0
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self._pos}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self._new_epoch()
+        self._pos = int(state["pos"])
+
+    def next_batch(self) -> torch.Tensor:
+        """[batch_size, seq_len] int64 token ids."""
+        if self._blocks is None:
+            self._new_epoch()
+        assert self._blocks is not None
+        if self._pos + self.batch_size > len(self._blocks):
+            self.epoch += 1
+            self._new_epoch()
+        b = self._blocks[self._pos : self._pos + self.batch_size]
+        self._pos += self.batch_size
+        return torch.from_numpy(b.astype(np.int64))
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+def model_config(cfg: TinyDefaultConfig, tokenizer):
+    """The transformers ``Qwen3MoeConfig`` of the recipe."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=4 * cfg.hidden_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        norm_topk_prob=cfg.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+        output_router_logits=False,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+
+
+def _lr_at(cfg: TinyDefaultConfig, step: int, progress: float) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine from ``lr`` to ``min_lr_ratio * lr`` as
+    ``progress`` (elapsed / budget, or step / max_steps) goes 0 -> 1."""
+    warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+    p = min(1.0, max(0.0, progress))
+    cos = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    return cfg.lr * warm * cos
+
+
+# ----------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def heldout_perplexity(model, tokenizer, rows: list[dict[str, Any]], cfg: TinyDefaultConfig,
+                       batch_size: int = 16) -> dict[str, float]:
+    """Perplexity of GSM8K solutions given their question: exp of the mean NLL over the answer
+    tokens (the assistant turn including ``<|im_end|>``), teacher-forced after the chat prompt."""
+    model.eval()
+    seqs: list[tuple[list[int], int]] = []
+    for r in rows:
+        msgs = gsm8k_messages(r, cfg.strip_calculator_notes)
+        prompt = tokenizer.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(msgs, tokenize=False)
+        if not full.startswith(prompt):
+            raise RuntimeError("chat template: the prompt is not a prefix of the full conversation")
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = p_ids + tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"]
+        ids = ids[: cfg.eval_max_len]
+        seqs.append((ids, len(p_ids)))
+    nll, count = 0.0, 0
+    for i in range(0, len(seqs), batch_size):
+        chunk = seqs[i : i + batch_size]
+        T = max(len(s) for s, _ in chunk)
+        ids = torch.full((len(chunk), T), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), T), dtype=torch.long)
+        tgt_mask = torch.zeros((len(chunk), T), dtype=torch.bool)
+        for j, (s, p) in enumerate(chunk):
+            ids[j, : len(s)] = torch.tensor(s)
+            mask[j, : len(s)] = 1
+            tgt_mask[j, p : len(s)] = True
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        tok_lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        m = tgt_mask[:, 1:]
+        nll -= float(tok_lp[m].sum())
+        count += int(m.sum())
+    return {"perplexity": math.exp(nll / max(1, count)), "nll": nll / max(1, count), "tokens": count,
+            "sequences": len(seqs)}
+
+
+@torch.no_grad()
+def routing_of(model, ids: list[int]) -> np.ndarray:
+    """Top-K expert ids of every position and MoE layer of one sequence: int16 [T, L, K] (the
+    router's own selection: softmax over the router logits, then top-K)."""
+    model.eval()
+    out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    sel = [torch.topk(torch.softmax(r.float(), dim=-1), k, dim=-1).indices for r in out.router_logits]
+    return torch.stack(sel, dim=1).to(torch.int16).numpy()  # [T, L, K]
+
+
+def routing_stats(routings: list[np.ndarray], num_experts: int) -> list[dict[str, float]]:
+    """Per MoE layer: normalized entropy of expert usage (1 = perfectly balanced), max-expert share
+    (fraction of all selections that went to the busiest expert; 1/E when balanced) and the mean
+    step-to-step overlap |S_t ∩ S_(t+1)| / K of consecutive positions' selected sets (K/E for
+    independent uniform choices).
+
+    ``routings``: int arrays [T, L, K], one per sequence.
+    """
+    L, K = routings[0].shape[1], routings[0].shape[2]
+    rows = []
+    for layer in range(L):
+        counts = np.zeros(num_experts, dtype=np.int64)
+        inter, pairs = 0, 0
+        for r in routings:
+            sel = r[:, layer, :].astype(np.int64)
+            counts += np.bincount(sel.ravel(), minlength=num_experts)
+            if len(sel) > 1:
+                onehot = np.zeros((len(sel), num_experts), dtype=bool)
+                np.put_along_axis(onehot, sel, True, axis=1)
+                inter += int((onehot[1:] & onehot[:-1]).sum())
+                pairs += len(sel) - 1
+        p = counts / counts.sum()
+        nz = p[p > 0]
+        rows.append({
+            "layer": layer,
+            "entropy_norm": float(-(nz * np.log(nz)).sum() / math.log(num_experts)),
+            "max_share": float(p.max()),
+            "overlap": inter / (pairs * K) if pairs else float("nan"),
+        })
+    return rows
+
+
+def _heldout_token_seqs(tokenizer, corpus: _Corpus, cfg: TinyDefaultConfig) -> dict[str, list[list[int]]]:
+    out: dict[str, list[list[int]]] = {}
+    if corpus.eval_gsm8k:
+        chats = [gsm8k_messages(r, cfg.strip_calculator_notes) for r in corpus.eval_gsm8k]
+        out["gsm8k_test"] = [d[: cfg.eval_max_len].tolist() for d in _tokenize_docs(tokenizer, chats)]
+    if corpus.eval_cot:
+        chats = [cot_messages(r) for r in corpus.eval_cot]
+        out["cot_heldout"] = [d[: cfg.eval_max_len].tolist() for d in _tokenize_docs(tokenizer, chats)]
+    return out
+
+
+def _routing_report(model, seqs: dict[str, list[list[int]]], num_experts: int) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    usage = {}
+    for name, group in seqs.items():
+        rts = [routing_of(model, s) for s in group]
+        per_layer = routing_stats(rts, num_experts)
+        res[name] = {
+            "per_layer": per_layer,
+            "mean_entropy_norm": float(np.mean([r["entropy_norm"] for r in per_layer])),
+            "mean_max_share": float(np.mean([r["max_share"] for r in per_layer])),
+            "mean_overlap": float(np.mean([r["overlap"] for r in per_layer])),
+        }
+        L = rts[0].shape[1]
+        usage[name] = np.stack([
+            np.bincount(np.concatenate([r[:, layer].ravel() for r in rts]).astype(np.int64), minlength=num_experts)
+            for layer in range(L)])
+    if len(usage) == 2:
+        # Specialisation across domains: Jensen-Shannon divergence (bits) between the per-layer expert
+        # usage on GSM8K solutions and on chain-of-thought text.
+        a, b = (u / u.sum(axis=1, keepdims=True) for u in usage.values())
+        m = (a + b) / 2
+
+        def kl(x, y):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return np.where(x > 0, x * np.log2(x / y), 0.0).sum(axis=1)
+
+        res["domain_js_bits"] = [float(v) for v in (kl(a, m) + kl(b, m)) / 2]
+    return res
+
+
+# ------------------------------------------------------------------------------------- training
+
+
+def _save_checkpoint(path: Path, model, opt, stream: _PackedStream, state: dict[str, Any]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "ckpt.pt.tmp"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "stream": stream.state(),
+                "state": state}, tmp)
+    os.replace(tmp, path / "ckpt.pt")
+
+
+def _train(cfg: TinyDefaultConfig, model, stream: _PackedStream, work: Path, progress: bool,
+           checkpoint_every_s: float) -> dict[str, Any]:
+    opt = torch.optim.AdamW(
+        [{"params": [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n],
+          "weight_decay": cfg.weight_decay},
+         {"params": [p for n, p in model.named_parameters() if p.ndim < 2 or "norm" in n], "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False)
+    state: dict[str, Any] = {"step": 0, "elapsed_s": 0.0, "tokens": 0, "loss_history": [], "resumed": 0}
+    ckpt = work / "ckpt.pt"
+    if ckpt.is_file():
+        # Our own checkpoint of an interrupted build (written above, in our cache dir).
+        blob = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(blob["model"])
+        opt.load_state_dict(blob["opt"])
+        stream.restore(blob["stream"])
+        state = blob["state"]
+        state["resumed"] = int(state.get("resumed", 0)) + 1
+        print(f"build-default: resuming at step {state['step']} ({state['elapsed_s']:.0f}s of "
+              f"{cfg.time_budget_s:.0f}s already spent)")
+    model.train()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=int(cfg.time_budget_s), initial=int(state["elapsed_s"]), unit="s",
+                   desc="build-default (train)", dynamic_ncols=True, mininterval=1.0)
+    start = time.perf_counter() - state["elapsed_s"]
+    last_ckpt = time.perf_counter()
+    ema = None
+    aux_coef = cfg.router_aux_loss_coef
+    while True:
+        elapsed = time.perf_counter() - start
+        if elapsed >= cfg.time_budget_s or (cfg.max_steps is not None and state["step"] >= cfg.max_steps):
+            break
+        progress_frac = elapsed / cfg.time_budget_s
+        if cfg.max_steps is not None:
+            progress_frac = max(progress_frac, state["step"] / cfg.max_steps)
+        lr = _lr_at(cfg, state["step"], progress_frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = stream.next_batch()
+        out = model(input_ids=x, labels=x, output_router_logits=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        aux = float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0
+        lm = float(out.loss.detach()) - aux_coef * aux
+        if not math.isfinite(lm):
+            raise FloatingPointError(f"build-default: loss is {lm} at step {state['step']} (lr {lr:.2e})")
+        state["step"] += 1
+        state["tokens"] += x.numel()
+        ema = lm if ema is None else 0.95 * ema + 0.05 * lm
+        now = time.perf_counter()
+        state["elapsed_s"] = now - start
+        if state["step"] % 5 == 0 or state["step"] == 1:
+            state["loss_history"].append([state["step"], round(state["elapsed_s"], 2), round(lm, 4), round(aux, 4)])
+        if bar is not None:
+            bar.set_postfix(step=state["step"], loss=f"{ema:.3f}", aux=f"{aux:.3f}",
+                            tok_s=f"{state['tokens'] / max(state['elapsed_s'], 1e-9):.0f}", refresh=False)
+            bar.update(max(0, min(int(state["elapsed_s"]), bar.total) - bar.n))
+        if checkpoint_every_s > 0 and now - last_ckpt >= checkpoint_every_s:
+            _save_checkpoint(work, model, opt, stream, state)
+            last_ckpt = now
+    if bar is not None:
+        bar.close()
+    model.eval()
+    state["final_loss_ema"] = ema
+    return state
+
+
+def _plot_loss(history: list[list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not history:
+        return
+    h = np.asarray(history, dtype=float)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(h[:, 1], h[:, 2], label="LM loss")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("tiny-default training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------- public API
+
+
+def default_model_dir(cfg: TinyDefaultConfig | None = None, data_root: str | os.PathLike | None = None) -> Path:
+    """Where the model of recipe ``cfg`` is (or will be) cached:
+    ``cache_dir()/tiny-default-v1/<recipe hash>``."""
+    cfg = cfg or TinyDefaultConfig()
+    return cache_dir() / DEFAULT_NAME / cfg.key(_data_files(Path(data_root) if data_root else None))
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json", REPORT_FILE))
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"build-default: another process is building {path.stem}; waiting for it")
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = False, progress: bool = True,
+                         data_root: str | os.PathLike | None = None, checkpoint_every_s: float = 60.0,
+                         num_threads: int | None = None) -> Path:
+    """Path of the trained default model (a Hugging Face directory: config, safetensors weights,
+    tokenizer with chat template, ``report.json``). Trains it on the first call (or when ``force``),
+    reuses the cached one afterwards."""
+    cfg = cfg or TinyDefaultConfig()
+    files = _data_files(Path(data_root) if data_root else None)
+    key = cfg.key(files)
+    final = cache_dir() / DEFAULT_NAME / key
+    if _is_complete(final) and not force:
+        return final
+    with _file_lock(final.parent / f"{key}.lock"):
+        if _is_complete(final) and not force:  # built by the process we waited for
+            return final
+        if final.exists() and not _is_complete(final) and not force:
+            raise RuntimeError(f"cached default model at {final} is incomplete (missing files); "
+                               f"rebuild it with `expertcast build-default --force`")
+        build_default_model(cfg, final, files=files, progress=progress, checkpoint_every_s=checkpoint_every_s,
+                            num_threads=num_threads)
+    return final
+
+
+def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[str, Path] | None = None,
+                        progress: bool = True, checkpoint_every_s: float = 60.0,
+                        num_threads: int | None = None) -> dict[str, Any]:
+    """Train tokenizer and model of recipe ``cfg`` and save them atomically into ``out_dir``
+    (replacing it). Returns the report (also written to ``out_dir/report.json``)."""
+    files = files or _data_files()
+    out_dir = Path(out_dir)
+    work = out_dir.parent / f".{out_dir.name}.partial"  # checkpoints survive an interruption here
+    work.mkdir(parents=True, exist_ok=True)
+    threads = num_threads or os.cpu_count() or 1
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    t_all = time.perf_counter()
+    try:
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        from expertcast.models.tokenizer import train_bpe_tokenizer
+
+        corpus = _load_corpus(cfg, files)
+        t0 = time.perf_counter()
+        tokenizer = train_bpe_tokenizer(corpus.tokenizer_texts, cfg.vocab_size,
+                                        model_max_length=cfg.max_position_embeddings)
+        tok_time = time.perf_counter() - t0
+        docs = _tokenize_docs(tokenizer, corpus.train_chats)
+        stream = _PackedStream(docs, cfg.seq_len, cfg.batch_size, cfg.seed)
+
+        from expertcast.models.presets import build_from_config
+
+        mcfg = model_config(cfg, tokenizer)
+        init_model = build_from_config(mcfg, seed=cfg.seed)
+        model = build_from_config(mcfg, seed=cfg.seed)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"build-default: {n_params / 1e6:.2f}M parameters, {cfg.num_layers} MoE layers x "
+              f"{cfg.num_experts} experts (top-{cfg.top_k}), vocab {len(tokenizer)}; corpus "
+              f"{stream.total_tokens} tokens ({corpus.n_gsm8k} GSM8K + {corpus.n_cot} CoT chats); "
+              f"budget {cfg.time_budget_s:.0f}s on {threads} threads")
+        state = _train(cfg, model, stream, work, progress, checkpoint_every_s)
+
+        t_eval = time.perf_counter()
+        ppl = heldout_perplexity(model, tokenizer, corpus.eval_gsm8k, cfg) if corpus.eval_gsm8k else None
+        ppl_init = heldout_perplexity(init_model, tokenizer, corpus.eval_gsm8k, cfg) if corpus.eval_gsm8k else None
+        seqs = _heldout_token_seqs(tokenizer, corpus, cfg)
+        routing = _routing_report(model, seqs, cfg.num_experts) if seqs else {}
+        routing_init = _routing_report(init_model, seqs, cfg.num_experts) if seqs else {}
+        eval_time = time.perf_counter() - t_eval
+
+        from expertcast.models.spec import MoESpec
+
+        spec = MoESpec.from_model(model)
+        report = {
+            "name": DEFAULT_NAME,
+            "key": cfg.key(files),
+            "recipe": cfg.to_dict(),
+            "recipe_version": RECIPE_VERSION,
+            "data_files": {k: str(p) for k, p in files.items()},
+            "spec": spec.to_dict(),
+            "parameters": n_params,
+            "threads": threads,
+            "corpus_tokens": stream.total_tokens,
+            "corpus_chats": {"gsm8k_train": corpus.n_gsm8k, "cot_math153": corpus.n_cot},
+            "epochs": stream.epoch + (stream._pos * cfg.seq_len) / max(1, stream.total_tokens),
+            "tokenizer_train_s": tok_time,
+            "train_time_s": state["elapsed_s"],
+            "steps": state["step"],
+            "tokens_seen": state["tokens"],
+            "tokens_per_s": state["tokens"] / max(state["elapsed_s"], 1e-9),
+            "final_train_loss_ema": state.get("final_loss_ema"),
+            "resumed": state.get("resumed", 0),
+            "heldout_gsm8k_test": ppl,
+            "heldout_gsm8k_test_init": ppl_init,
+            "routing": routing,
+            "routing_init": routing_init,
+            "uniform_overlap": cfg.top_k / cfg.num_experts,
+            "eval_time_s": eval_time,
+            "total_time_s": None,
+            "loss_history": state["loss_history"],
+            "torch": torch.__version__,
+        }
+
+        import transformers
+
+        report["transformers"] = transformers.__version__
+        # Write everything into a temporary directory, then rename it into place.
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        model.config.architectures = ["Qwen3MoeForCausalLM"]
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _plot_loss(state["loss_history"], tmp / "train_loss.png")
+        report["total_time_s"] = time.perf_counter() - t_all
+        atomic_write_json(tmp / REPORT_FILE, report)
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+        shutil.rmtree(work, ignore_errors=True)
+        return report
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def load_report(path: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(path) / REPORT_FILE).read_text())
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """Summary and per-layer load-balance table in the terminal."""
+    ppl = report.get("heldout_gsm8k_test") or {}
+    ppl0 = report.get("heldout_gsm8k_test_init") or {}
+    print_table([{
+        "train_s": report["train_time_s"], "steps": report["steps"], "tokens_seen": report["tokens_seen"],
+        "tokens_per_s": report["tokens_per_s"], "epochs": report["epochs"],
+        "gsm8k_test_ppl": ppl.get("perplexity"), "init_ppl": ppl0.get("perplexity"),
+    }], title=f"tiny-default {report['key']}", floatfmt="{:.2f}")
+    rows = []
+    for domain, res in report.get("routing", {}).items():
+        if domain == "domain_js_bits":
+            continue
+        init = report.get("routing_init", {}).get(domain, {})
+        for r, r0 in zip(res["per_layer"], init.get("per_layer", res["per_layer"])):
+            rows.append({"text": domain, "layer": r["layer"], "entropy_norm": r["entropy_norm"],
+                         "max_share": r["max_share"], "overlap": r["overlap"],
+                         "init_entropy": r0["entropy_norm"], "init_max_share": r0["max_share"],
+                         "init_overlap": r0["overlap"]})
+    if rows:
+        print_table(rows, title=f"expert load balance and step-to-step overlap (uniform overlap = "
+                                f"{report['uniform_overlap']:.3f})", floatfmt="{:.3f}")
+    if "domain_js_bits" in report.get("routing", {}):
+        js = report["routing"]["domain_js_bits"]
+        js0 = report.get("routing_init", {}).get("domain_js_bits", [float("nan")] * len(js))
+        print("expert-usage divergence GSM8K vs CoT (JS bits) per layer: trained "
+              + ", ".join(f"{v:.3f}" for v in js) + " | init " + ", ".join(f"{v:.3f}" for v in js0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="expertcast build-default", description=__doc__.split("\n\n")[0])
+    p.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of training (changes the recipe, hence the cache key)")
+    p.add_argument("--data-dir", default=None, help=f"benchmark data directory (default ${DATA_DIR_ENV})")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    cfg = TinyDefaultConfig()
+    if args.time_budget is not None:
+        cfg = dataclasses.replace(cfg, time_budget_s=args.time_budget)
+    try:
+        path = ensure_default_model(cfg, force=args.force, progress=not args.no_progress, data_root=args.data_dir,
+                                    num_threads=args.threads)
+    except FileNotFoundError as e:
+        print(f"expertcast build-default: {e}")
+        return 1
+    print(f"default model: {path}")
+    print_report(load_report(path))
+    return 0
+
+
+__all__ = [
+    "TinyDefaultConfig", "ensure_default_model", "default_model_dir", "build_default_model", "load_report",
+    "print_report", "routing_of", "model_config",
+    "routing_stats", "heldout_perplexity", "gsm8k_messages", "cot_messages", "main",
+]
