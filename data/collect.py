@@ -131,64 +131,17 @@ class _Item:
 
 # -- model ---------------------------------------------------------------------------------------------
 def load_model(name: str, device: str = "auto", dtype: str | None = None):
-    """(model, tokenizer) for a preset name, local directory or Hub id, in eval mode on ``device``.
+    """(model, tokenizer) for a preset name, ``tiny-default``, local directory or Hub id
+    (:func:`expertcast.models.backbone.load_moe_model`), in eval mode on ``device``."""
+    from expertcast.models.backbone import load_moe_model
 
-    Uses :func:`expertcast.models.backbone.load_moe_model` when it is available.
-    """
-    try:
-        from expertcast.models.backbone import load_moe_model
-    except ImportError:
-        load_moe_model = None
-    if load_moe_model is not None:
-        model, tok = load_moe_model(name)
-    else:
-        model, tok = _fallback_load(name)
-    if dtype:
-        model = model.to(getattr(torch, dtype))
-    dev = resolve_device(device)
-    return model.to(dev).eval(), tok
-
-
-def _fallback_load(name: str):
-    from expertcast.models import presets
-
-    if presets.is_preset(name):
-        from expertcast.models.tokenizer import byte_level_tokenizer
-
-        return presets.build_tiny(name), byte_level_tokenizer()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    p = Path(name)
-    if not p.exists() and (name.startswith((".", "/")) or name.count("/") != 1):
-        raise FileNotFoundError(f"model {name!r}: not a preset, a local directory or a Hub id (owner/name)")
-    model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=False)
-    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-    return model, tok
+    return load_moe_model(name, dtype=dtype or "auto", device=resolve_device(device))
 
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def expert_bytes_of(model: torch.nn.Module) -> int:
-    """Bytes of one routed expert at the model's dtype (MoESpec when available, else the experts module)."""
-    try:
-        from expertcast.models.spec import MoESpec
-
-        return int(MoESpec.from_model(model).expert_bytes)
-    except ImportError:
-        pass
-    from expertcast.models.routing import find_routers
-
-    site = find_routers(model)[0]
-    parent = model.get_submodule(site.name.rsplit(".", 1)[0]) if "." in site.name else model
-    experts = getattr(parent, "experts", None)
-    if experts is None:
-        raise ValueError(f"cannot find the experts module beside router {site.name}")
-    total = sum(p.numel() * p.element_size() for p in experts.parameters())
-    return int(total // site.num_experts)
 
 
 def _eos_ids(model, tok) -> set[int]:
@@ -249,7 +202,7 @@ def _completion_items(cfg: CollectConfig, tok) -> list[_Item]:
                                                     add_generation_prompt=True)
                 prompt_ids = _encode_prompt(tok, ptext, templated)
             text = cfg.completion_prefix + str(row[cfg.text_field])
-            comp = list(tok(text, add_special_tokens=not prompt_ids)["input_ids"])
+            comp = list(tok(text, add_special_tokens=not prompt_ids, verbose=False)["input_ids"])
             room = cfg.max_tokens - len(prompt_ids)
             if room < 1:
                 skipped += 1
@@ -334,9 +287,16 @@ def route_sequences(model, seqs: Sequence[list[int]], router_probs: bool = False
 
 # -- driver --------------------------------------------------------------------------------------------
 def make_meta(model, cfg: CollectConfig) -> TraceMeta:
+    """Trace metadata from the model's routers, cross-checked against its :class:`MoESpec`."""
     from expertcast.models.routing import find_routers
+    from expertcast.models.spec import MoESpec
 
     sites = find_routers(model)
+    spec = MoESpec.from_model(model)
+    mine = ([s.layer_idx for s in sites], sites[0].num_experts, sites[0].top_k)
+    if mine != (spec.moe_layers, spec.num_experts, spec.top_k):
+        raise ValueError(f"routers found at layers {mine[0]} with E={mine[1]}, K={mine[2]} but the model's MoESpec "
+                         f"says {spec.moe_layers}, E={spec.num_experts}, K={spec.top_k}")
     gen: dict[str, Any]
     if cfg.completions:
         gen = {"source": "completions", "file": str(cfg.completions), "text_field": cfg.text_field,
@@ -347,12 +307,11 @@ def make_meta(model, cfg: CollectConfig) -> TraceMeta:
                "temperature": cfg.temperature if cfg.do_sample else None,
                "top_p": cfg.top_p if cfg.do_sample else None, "seed": cfg.seed if cfg.do_sample else None,
                "chat_template": cfg.chat_template}
-    name_or_path = getattr(getattr(model, "config", None), "_name_or_path", "") or cfg.model
     return TraceMeta(
-        model_id=cfg.model if not str(name_or_path).startswith("preset:") else str(name_or_path)[len("preset:"):],
+        model_id=cfg.model,
         revision=getattr(getattr(model, "config", None), "_commit_hash", None),
         num_layers=len(sites), num_experts=sites[0].num_experts, top_k=sites[0].top_k,
-        expert_bytes=expert_bytes_of(model), moe_layers=[s.layer_idx for s in sites],
+        expert_bytes=int(spec.expert_bytes), moe_layers=[s.layer_idx for s in sites],
         dataset=Path(cfg.completions).name if cfg.completions else cfg.benchmark,
         split=None if cfg.completions else cfg.split,
         generation=gen, has_router_probs=cfg.router_probs,
@@ -466,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     tpl.add_argument("--no-chat-template", dest="chat_template", action="store_false")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing trace set in --out first")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
@@ -479,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     from expertcast.utils.io import report
 
     a = build_parser().parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     cfg = CollectConfig(
         model=a.model, out=a.out, benchmark=a.benchmark, split=a.split, limit=a.limit,
         max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, route_batch_tokens=a.route_batch_tokens,

@@ -93,7 +93,7 @@ class Event:
     step: int
     layer: int
     kind: str
-    """``prefetch`` (a proactive transfer, from its start on the wire), ``demand``, ``temp`` (demand
+    """``prefetch`` (a proactive transfer on the wire; ``step`` is the step that issued it), ``demand``, ``temp`` (demand
     into a temporary slot), ``late`` (waiting on a prefetch), ``cpu``, ``compute`` (the layer),
     ``stall`` (exposed wait before the layer computes)."""
     expert: int
@@ -109,6 +109,7 @@ class _Transfer:
     issue: float
     deadline: int
     seq: int
+    step: int = -1
     start: float = -1.0
     end: float = -1.0
 
@@ -128,9 +129,11 @@ class Link:
     timeline: list[Event] | None = None
     _seq: int = 0
 
-    def issue_prefetch(self, slot: int, layer: int, expert: int, now: float, deadline: int) -> _Transfer:
-        """Queue a proactive transfer issued at ``now`` for the layer-execution ``deadline``."""
-        tr = _Transfer(slot, layer, expert, now, deadline, self._seq)
+    def issue_prefetch(self, slot: int, layer: int, expert: int, now: float, deadline: int,
+                       step: int = -1) -> _Transfer:
+        """Queue a proactive transfer issued at ``now`` (during ``step``) for the layer-execution
+        ``deadline``."""
+        tr = _Transfer(slot, layer, expert, now, deadline, self._seq, step)
         self._seq += 1
         self.pending.append(tr)
         return tr
@@ -143,7 +146,7 @@ class Link:
             return min(ready, key=lambda t: (t.deadline, t.seq))
         return min(ready, key=lambda t: t.seq)
 
-    def advance(self, now: float, step: int = -1) -> list[_Transfer]:
+    def advance(self, now: float) -> list[_Transfer]:
         """Start every queued transfer whose start time is before ``now``; return the transfers that
         have landed by ``now`` (removed from the in-flight list)."""
         while self.pending:
@@ -155,27 +158,27 @@ class Link:
             start = max(at, tr.issue)
             if start >= now:
                 break
-            self._start(tr, start, "prefetch", step)
+            self._start(tr, start, "prefetch")
         landed = [t for t in self.inflight if t.end <= now]
         self.inflight = [t for t in self.inflight if t.end > now]
         return landed
 
-    def _start(self, tr: _Transfer, start: float, kind: str, step: int) -> None:
+    def _start(self, tr: _Transfer, start: float, kind: str) -> None:
         self.pending.remove(tr)
         tr.start = start
         tr.end = start + self.transfer_ms
         self.free_at = tr.end
         self.inflight.append(tr)
         if self.timeline is not None:
-            self.timeline.append(Event(step, tr.layer, kind, tr.expert, tr.start, tr.end))
+            self.timeline.append(Event(tr.step, tr.layer, kind, tr.expert, tr.start, tr.end))
 
-    def wait_for(self, tr: _Transfer, now: float, step: int) -> float:
+    def wait_for(self, tr: _Transfer, now: float) -> float:
         """End time of a prefetch the running layer needs now (promoting it if still queued)."""
         if tr in self.pending:
-            self._start(tr, max(now, self.free_at), "prefetch", step)
+            self._start(tr, max(now, self.free_at), "prefetch")
         return tr.end
 
-    def demand(self, layer: int, expert: int, now: float, step: int, kind: str = "demand") -> float:
+    def demand(self, layer: int, expert: int, now: float, step: int = -1, kind: str = "demand") -> float:
         """Transfer an expert needed now, ahead of the queued prefetches; return its end time."""
         start = max(now, self.free_at)
         end = start + self.transfer_ms

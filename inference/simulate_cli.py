@@ -111,7 +111,7 @@ def plot_hit_vs_capacity(records: list[dict[str, Any]], path: Path, x_key: str =
     pols = list(dict.fromkeys(r["policy"] for r in records))
     bel = sorted({(r[x_key], r["belady_hit"]) for r in records if r.get("belady_hit") is not None})
     if bel:
-        xs, ys = zip(*bel)
+        xs, ys = zip(*bel, strict=True)
         ax.plot(xs, ys, color="black", lw=2.5, ls="--", label="belady (ceiling)")
         ax.fill_between(xs, ys, 1.0, color="0.9", zorder=0)
     for p in pols:
@@ -136,6 +136,16 @@ def plot_hit_vs_capacity(records: list[dict[str, Any]], path: Path, x_key: str =
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        import sys
+
+        print(f"expertcast simulate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     from expertcast.inference.cost_model import CostConfig
     from expertcast.inference.simulator import simulate
 

@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference import _kernels as K
-from expertcast.inference.cache import COMPUTE, FETCH, USED, CacheConfig, ExpertCache, SlotState
+from expertcast.inference.cache import COMPUTE, FETCH, USED, CacheConfig, ExpertCache
 from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Event, Link
 from expertcast.inference.policy import MissAction, Policy
 
@@ -315,7 +314,7 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
             policy.on_insert(pl, pe, True)
             later = pl > cur_layer or (pl == cur_layer and not after)
             deadline = (t if later else t + 1) * L + pl
-            fetch_of[slot] = link.issue_prefetch(slot, pl, pe, now, deadline)
+            fetch_of[slot] = link.issue_prefetch(slot, pl, pe, now, deadline, t)
             if counted:
                 proactive[pl] += 1
 
@@ -335,7 +334,7 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
         for layer in range(L):
             x = t * L + layer
             now = clock
-            for tr in link.advance(now, t):
+            for tr in link.advance(now):
                 if cache.slot_layer[tr.slot] == tr.layer and cache.state[tr.slot] == FETCH:
                     cache.set_state(tr.slot, COMPUTE)
                     fetch_of.pop(tr.slot, None)
@@ -354,7 +353,7 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
                     continue
                 if cache.state[s] == FETCH:
                     tr = fetch_of.pop(s)
-                    wait = max(wait, link.wait_for(tr, now, t))
+                    wait = max(wait, link.wait_for(tr, now))
                     link.inflight.remove(tr)
                     if link.timeline is not None:
                         link.timeline.append(Event(t, layer, "late", e, now, tr.end))
@@ -366,7 +365,7 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
                 cache.proactive[s] = False
             cpu_ms = 0.0
             cpu_jobs: list[tuple[int, float]] = []
-            cnt_of = dict(zip(sel.tolist(), cnt.tolist()))
+            cnt_of = dict(zip(sel.tolist(), cnt.tolist(), strict=True))
             for e in missing:
                 action = MissAction(policy.on_miss(t, layer, e, cnt_of[e], cache))
                 slot = -1
@@ -520,7 +519,7 @@ def replay_static(stream: AccessStream, policy, config: CacheConfig, cost: CostC
         res = ReplayResult(acc, hit, miss, miss.copy(), z.copy(), z.copy(), z.copy(), z.copy(), stall, compute_total,
                            stream.decoded_tokens, n_steps, xbytes, "static", 0.0)
     res.seconds = time.perf_counter() - t0
-    res.resident = {(int(a), int(b)) for a, b in zip(*np.nonzero(placed))}
+    res.resident = {(int(a), int(b)) for a, b in zip(*np.nonzero(placed), strict=True)}
     return res
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from expertcast.models.presets import build_tiny, get_preset, is_preset
 from expertcast.models.spec import SUPPORTED_FAMILIES, UnsupportedModelError, unsupported_message
 

@@ -37,9 +37,8 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from expertcast.models.routing import RouterSite, find_routers, native_distribution
+from torch import nn
 
 RouterMode = Literal["temporal", "spatio_only", "full"]
 ROUTER_MODES: tuple[str, ...] = ("temporal", "spatio_only", "full")
@@ -247,11 +246,11 @@ class CacheRouters(nn.Module):
         self.check_model(model, sites)
         native = [_native_params(s) for s in sites]
         L = self.num_layers
-        for l in range(L):
+        for li in range(L):
             if self.temporal is not None:
-                self._copy(self.temporal[l], *native[l])
+                self._copy(self.temporal[li], *native[li])
             if self.spatio is not None:
-                self._copy(self.spatio[l], *native[(l + 1) % L])
+                self._copy(self.spatio[li], *native[(li + 1) % L])
 
     @staticmethod
     def _copy(lin: nn.Linear, w: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -282,7 +281,7 @@ class CacheRouters(nn.Module):
         def run(bank: nn.ModuleList | None) -> torch.Tensor | None:
             if bank is None:
                 return None
-            logits = torch.stack([bank[l](hf[..., l, :]) for l in range(self.num_layers)], dim=-2)
+            logits = torch.stack([bank[li](hf[..., li, :]) for li in range(self.num_layers)], dim=-2)
             return torch.softmax(logits, dim=-1)
 
         return run(self.temporal), run(self.spatio)

@@ -237,6 +237,21 @@ class ForecasterState:
         self.steps = other.steps
         return self
 
+    @staticmethod
+    def cat(states: list[ForecasterState]) -> ForecasterState:
+        """Concatenate states along the batch dimension (e.g. to roll out from many positions at once)."""
+        if not states:
+            raise ValueError("no states to concatenate")
+        n = len(states[0].conv)
+        return ForecasterState([torch.cat([s.conv[i] for s in states]) for i in range(n)],
+                               [torch.cat([s.ssm[i] for s in states]) for i in range(n)], states[0].steps)
+
+    def put_rows(self, rows: torch.Tensor | list[int], other: ForecasterState) -> None:
+        """Write ``other`` (batch = len(rows)) into batch rows ``rows`` of this state."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.conv[0].device)
+        for a, b in zip(self.conv + self.ssm, other.conv + other.ssm, strict=True):
+            a.index_copy_(0, idx, b.to(a.dtype))
+
     def select(self, index: torch.Tensor | list[int]) -> ForecasterState:
         """A new state holding the batch rows ``index``."""
         idx = torch.as_tensor(index, dtype=torch.long, device=self.conv[0].device)

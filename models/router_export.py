@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
 from expertcast.models.cache_routers import ROUTER_MODES, CacheRouters
 from expertcast.models.routing import find_routers
 from expertcast.utils.io import atomic_write_bytes, atomic_write_json
+from torch import nn
 
 FORMAT = "expertcast-cache-routers"
 FORMAT_VERSION = 1

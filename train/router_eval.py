@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from expertcast.utils.io import atomic_write_json, report
 
 Q3_EXPERT_BYTES = 9_440_000
@@ -76,12 +74,16 @@ def train_run(spec: RunSpec, out: Path, args) -> Path:
     if (d / "export.json").is_file():
         return d
     import lightning as pl
-
-    from expertcast.train.router_data import RouterLMDataModule
     from expertcast.train.router_module import RouterAdaptationModule
 
     pl.seed_everything(args.seed, verbose=False)
-    module = RouterAdaptationModule(model=args.model, tau=args.tau, lr=args.lr, router_lr=args.router_lr,
+    backbone = args.model
+    if spec.mode == "aux_only":  # the auxiliary-only control freezes the LM-only backbone (paper 4)
+        ref = out / "runs" / "lm_only"
+        if not (ref / "export.json").is_file():
+            train_run(RunSpec("lm_only", "lm_only", 0.0, spec.budget), out, args)
+        backbone = str(ref / "model")
+    module = RouterAdaptationModule(model=backbone, tau=args.tau, lr=args.lr, router_lr=args.router_lr,
                                     seed=args.seed, **spec.module_kwargs())
     dm = _datamodule(args, module.tokenizer)
     trainer = pl.Trainer(max_steps=args.steps, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
@@ -111,9 +113,8 @@ def _datamodule(args, tokenizer):
 
 def load_export(d: Path):
     """(model, tokenizer, routers | None, info) of an export directory (no Lightning needed)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from expertcast.models.router_export import load_routers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     info_path = d / "export.json"
     if not info_path.is_file():
@@ -339,9 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from tqdm.auto import tqdm
-
     from expertcast.models.cache_routers import resolve_budget
+    from tqdm.auto import tqdm
 
     if args.exports:
         dirs = [Path(p) for p in args.exports]

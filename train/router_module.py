@@ -30,7 +30,6 @@ from typing import Any
 
 import lightning as pl
 import torch
-
 from expertcast.models.cache_routers import (
     ROUTER_MODES,
     CacheRouters,
@@ -42,6 +41,7 @@ from expertcast.models.cache_routers import (
     temporal_priority,
 )
 from expertcast.models.routing import find_routers
+from lightning.pytorch.strategies import FSDPStrategy
 
 TRAIN_MODES = ("lm_only", "aux_only", "temporal", "spatio_only", "full")
 EXPORT_FORMAT = "expertcast-router-adaptation"
@@ -117,7 +117,10 @@ class RouterAdaptationModule(pl.LightningModule):
             raise ValueError(f"aux_routers must be one of {ROUTER_MODES}, got {aux_routers!r}")
         if sw < 0:
             raise ValueError(f"sw must be >= 0, got {sw}")
+        if isinstance(lora, dict):  # from YAML / LightningCLI
+            lora = LoraSettings(**lora)
         self.save_hyperparameters()
+        self.lora = lora
         self.mode = mode
         self.router_mode = None if mode == "lm_only" else (aux_routers if mode == "aux_only" else mode)
         self.sw = 0.0 if mode == "lm_only" else float(sw)
@@ -136,6 +139,7 @@ class RouterAdaptationModule(pl.LightningModule):
             backbone = self._apply_lora(backbone, lora)
         if gradient_checkpointing and mode != "aux_only":
             backbone.gradient_checkpointing_enable()
+        backbone.train(mode != "aux_only")  # a frozen backbone stays in eval mode
         self.backbone = backbone
         self._tap: RouterTap | None = None
 
@@ -241,7 +245,7 @@ class RouterAdaptationModule(pl.LightningModule):
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        lora = self.hparams.lora
+        lora = self.lora
         bb = self.backbone
         info: dict[str, Any] = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION,
                                 "mode": self.mode, "router_mode": self.router_mode, "sw": self.sw,
@@ -273,3 +277,23 @@ class RouterAdaptationModule(pl.LightningModule):
                 info["val_lm"] = float(val)
         atomic_write_json(d / "export.json", info)
         return d
+
+
+class DecoderLayerFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy wrapping (and checkpointing) each decoder layer of ``layer_class`` (a
+    dotted class path, e.g. ``transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeDecoderLayer``),
+    with original parameters kept (needed with LoRA). Selectable from YAML as the trainer's strategy."""
+
+    def __init__(self, layer_class: str = "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeDecoderLayer",
+                 sharding_strategy: str = "FULL_SHARD", state_dict_type: str = "sharded",
+                 activation_checkpointing: bool = True, cpu_offload: bool = False):
+        import importlib
+
+        mod, _, name = layer_class.rpartition(".")
+        try:
+            layer_cls = getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"decoder layer class {layer_class!r} not found: {e}") from None
+        super().__init__(auto_wrap_policy={layer_cls}, sharding_strategy=sharding_strategy,
+                         state_dict_type=state_dict_type, use_orig_params=True, cpu_offload=cpu_offload,
+                         activation_checkpointing_policy={layer_cls} if activation_checkpointing else None)

@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from expertcast.utils.io import atomic_write_json, print_table
 from expertcast.utils.paths import DATA_DIR_ENV, cache_dir, data_dir
 
@@ -110,6 +109,20 @@ class TinyDefaultConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> TinyDefaultConfig:
+        """Recipe from a YAML mapping of field names (unknown keys are an error)."""
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            d = yaml.safe_load(f) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: expected a mapping of TinyDefaultConfig fields")
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{path}: unknown TinyDefaultConfig fields {unknown}")
+        return cls(**d)
 
     def key(self, data_files: dict[str, Path] | None = None) -> str:
         """Cache key: hash of the recipe, the recipe version and the identity (name, size) of the
@@ -429,6 +442,18 @@ def _routing_report(model, seqs: dict[str, list[list[int]]], num_experts: int) -
 # ------------------------------------------------------------------------------------- training
 
 
+def free_cores() -> int:
+    """Torch threads to train with: all cores on an idle machine, fewer when other processes keep
+    them busy (the 1-minute load average). On a shared machine, intra-op threads that wait for a
+    descheduled sibling make a step many times slower than one thread does."""
+    n = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - platforms without getloadavg
+        return n
+    return max(1, min(n, int(round(n - load))))
+
+
 def _save_checkpoint(path: Path, model, opt, stream: _PackedStream, state: dict[str, Any]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / "ckpt.pt.tmp"
@@ -594,7 +619,7 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
     out_dir = Path(out_dir)
     work = out_dir.parent / f".{out_dir.name}.partial"  # checkpoints survive an interruption here
     work.mkdir(parents=True, exist_ok=True)
-    threads = num_threads or os.cpu_count() or 1
+    threads = num_threads or free_cores()
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     t_all = time.perf_counter()
@@ -711,7 +736,7 @@ def print_report(report: dict[str, Any]) -> None:
         if domain == "domain_js_bits":
             continue
         init = report.get("routing_init", {}).get(domain, {})
-        for r, r0 in zip(res["per_layer"], init.get("per_layer", res["per_layer"])):
+        for r, r0 in zip(res["per_layer"], init.get("per_layer", res["per_layer"]), strict=True):
             rows.append({"text": domain, "layer": r["layer"], "entropy_norm": r["entropy_norm"],
                          "max_share": r["max_share"], "overlap": r["overlap"],
                          "init_entropy": r0["entropy_norm"], "init_max_share": r0["max_share"],
@@ -729,19 +754,21 @@ def print_report(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="expertcast build-default", description=__doc__.split("\n\n")[0])
     p.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
+    p.add_argument("--config", default=None,
+                   help="YAML recipe (fields of TinyDefaultConfig; default: configs/tiny_default/default.yaml values)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of training (changes the recipe, hence the cache key)")
     p.add_argument("--data-dir", default=None, help=f"benchmark data directory (default ${DATA_DIR_ENV})")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores not busy with other processes)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    cfg = TinyDefaultConfig()
-    if args.time_budget is not None:
-        cfg = dataclasses.replace(cfg, time_budget_s=args.time_budget)
     try:
+        cfg = TinyDefaultConfig.from_yaml(args.config) if args.config else TinyDefaultConfig()
+        if args.time_budget is not None:
+            cfg = dataclasses.replace(cfg, time_budget_s=args.time_budget)
         path = ensure_default_model(cfg, force=args.force, progress=not args.no_progress, data_root=args.data_dir,
                                     num_threads=args.threads)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"expertcast build-default: {e}")
         return 1
     print(f"default model: {path}")

@@ -19,7 +19,6 @@ resident experts first).
 from __future__ import annotations
 
 import numpy as np
-
 from expertcast.inference import _kernels as K
 from expertcast.inference.policy import Policy
 
@@ -60,6 +59,12 @@ class KeyedPolicy(Policy):
     def on_insert(self, layer: int, expert: int, proactive: bool) -> None:
         if not proactive:
             self._inserted.add(layer * self.E + expert)
+        else:
+            self._proactive_insert(layer * self.E + expert)
+
+    def _proactive_insert(self, item: int) -> None:
+        """A prefetch put ``item`` in the cache (prefetching subclasses): LRU and FIFO rank it as used
+        just after the latest access; counting policies leave its history alone."""
 
     def on_evict(self, layer: int, expert: int) -> None:
         if not self.perfect_history:
@@ -100,6 +105,10 @@ class LRUPolicy(KeyedPolicy):
     name = "lru"
     kernel_kind = K.KIND_LRU
 
+    def _proactive_insert(self, item):
+        self.k1[item] = self.clock
+        self.k2[item] = 1.0
+
     def _touch(self, t, layer, index, item, resident, hit):
         if resident:
             self.k1[item] = self.clock
@@ -111,6 +120,10 @@ class FIFOPolicy(KeyedPolicy):
 
     name = "fifo"
     kernel_kind = K.KIND_FIFO
+
+    def _proactive_insert(self, item):
+        self.k1[item] = self.clock
+        self.k2[item] = 1.0
 
     def _touch(self, t, layer, index, item, resident, hit):
         if resident and not hit:

@@ -23,7 +23,6 @@ Ties between residents first used again in the same layer-execution are broken b
 from __future__ import annotations
 
 import numpy as np
-
 from expertcast.inference import _kernels as K
 from expertcast.inference.policies.classic import KeyedPolicy
 

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from expertcast.inference.policy import Policy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,8 +109,8 @@ class RouterReplay:
         with np.load(d / "router_replay.npz", allow_pickle=False) as z:
             recs = {}
             for i, k in enumerate(head["seq_ids"]):
-                get = (lambda n, i=i: z[f"{n}_{i}"] if f"{n}_{i}" in z.files else None)
-                recs[k] = RouterRecord(get("p_R"), get("p_T"), get("p_S"))
+                got = [z[f"{n}_{i}"] if f"{n}_{i}" in z.files else None for n in ("p_R", "p_T", "p_S")]
+                recs[k] = RouterRecord(*got)
         return cls(recs, head.get("mode", "temporal"))
 
 
@@ -242,7 +241,7 @@ class TemporalRetentionPolicy(_RouterPolicyBase):
         pr = self._retention_priority(t, layer)
         if np.all(candidates[:, 0] == layer):
             return int(np.argmin(pr[candidates[:, 1]]))
-        vals = np.array([self._prio[l, e] if l != layer else pr[e] for l, e in candidates], np.float32)
+        vals = np.array([self._prio[li, e] if li != layer else pr[e] for li, e in candidates], np.float32)
         return int(np.argmin(vals))
 
     def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-
 from expertcast.inference.policy import MissAction, Policy
 
 MISS_MODES = {"temp": MissAction.TEMP, "cpu": MissAction.CPU}

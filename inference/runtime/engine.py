@@ -29,6 +29,7 @@ routing for the model's own, so random-weight models of a real shape run under r
 
 from __future__ import annotations
 
+import inspect
 import resource
 import time
 from collections.abc import Sequence
@@ -50,16 +51,6 @@ from expertcast.inference.runtime.store import (
 )
 from expertcast.inference.runtime.transfer import Transfer, TransferEngine, make_transfer_engine
 from torch import nn
-
-
-@dataclass
-class PromptInfo:
-    """What ``Policy.begin_batch`` receives from the runtime for one sequence (trace-like fields)."""
-
-    seq_id: str
-    token_ids: np.ndarray
-    """int32 [P] prompt tokens (the whole recorded sequence in replay mode)."""
-    prompt_len: int
 
 
 @dataclass
@@ -214,14 +205,19 @@ class OffloadedModel:
         kw = {"capacity": float(capacity)} if isinstance(capacity, float) else {"slots": int(capacity)}
         self.cache_config = CacheConfig(num_layers=self.L, num_experts=self.E, top_k=self.K, pool=pool,
                                         expert_bytes=layout.expert_bytes, **kw)  # capacity below top-K -> error
-        check = getattr(policy, "check_compatible", None)
-        if callable(check):  # forecaster / router exports trained for another model -> error
-            check(self.L, self.E, self.K, what=f"model {getattr(model.config, '_name_or_path', '')!r}".strip())
+        what = f"model {getattr(model.config, '_name_or_path', '') or type(model).__name__}"
+        check_policy_compatible(policy, self.L, self.E, self.K, what)  # exports for another model -> error
         self.policy = policy
         if policy.needs_future and future is None:
             raise ValueError(f"policy {policy.name!r} is an oracle: pass future=build_stream(...) of the run (the "
                              "recorded routing), or use OffloadedModel.replay() on recorded traces")
+        if getattr(policy, "kernel_only", False):
+            raise ValueError(f"policy {policy.name!r} runs only on the simulator's compiled engine, not in the runtime")
         self._future = future
+        policy.reset(self.cache_config)  # policy/config mismatches surface before the model is touched
+        if policy.needs_future:
+            policy.set_future(future)
+        policy.warm_start(ExpertCache(self.cache_config))
 
         self.store = HostExpertStore.from_model(model, pin_memory=self.device.type == "cuda", mmap_path=mmap_path,
                                                 refs=self.refs)
@@ -385,25 +381,27 @@ class OffloadedModel:
             if s.prompt_len < 1:
                 raise ValueError(f"sequence {s.seq_id}: replay needs at least one prompt position")
         vocab = self.model.get_input_embeddings().num_embeddings
+        cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         before = _snapshot(self.stats)
         for s in sequences:
             T = s.num_tokens if max_decode is None else min(s.num_tokens, s.prompt_len + max_decode)
+            if T < s.num_tokens:
+                s = TraceSequence(s.seq_id, s.token_ids[:T], s.prompt_len, s.expert_ids[:T], s.expert_weights[:T],
+                                  None if s.router_probs is None else s.router_probs[:T])
             tok = np.asarray(s.token_ids[:T], dtype=np.int64) % vocab
             rs = _RunState(self, [tok[:s.prompt_len].astype(np.int32)], [s.seq_id], set(), False,
                            forced=(np.asarray(s.expert_ids[:T], np.int64), np.asarray(s.expert_weights[:T], np.float32)),
-                           forced_tokens=tok)
+                           forced_tokens=tok, batch_info=[s])
             self._run_state = rs
             t0 = time.perf_counter()
             try:
                 ids = torch.as_tensor(tok[None, :s.prompt_len], device=self.device)
-                out = self.model(input_ids=ids, use_cache=True)
-                pkv = out.past_key_values
+                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
                 t1 = time.perf_counter()
                 for pos in range(s.prompt_len, T):
                     ids = torch.as_tensor(tok[None, pos:pos + 1], device=self.device)
-                    out = self.model(input_ids=ids, past_key_values=pkv, use_cache=True)
-                    pkv = out.past_key_values
-                out.logits[:, -1].argmax(-1).cpu()  # the step's result is consumed (sync on CUDA)
+                    out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: _cache_of(out)})
+                    out.logits[:, -1].argmax(-1).cpu()  # the step's token is consumed (host sync, as generation does)
                 rs.finish()
             finally:
                 self._run_state = None
@@ -653,15 +651,21 @@ class OffloadedModel:
                 sel, cnt = _selection_np(idx)
                 self._access(t, layer, sel, cnt, counted=False)
                 self._after_compute(t, layer, sel, cnt, counted=False)
-            produced = []
-            for i in members:
-                p = rs.prompts[i]
-                if j + 1 < len(p):
-                    produced.append(int(p[j + 1]))
-                elif rs.consumes_first[i]:
-                    produced.append(int(rs.first_token[i]))
-            if produced:
-                self.policy.observe_tokens(t, produced)
+            if rs.trace_like:  # as the simulator: the next token of each member that goes on
+                produced = []
+                for i in members:
+                    p = rs.prompts[i]
+                    if j + 1 < len(p):
+                        produced.append(int(p[j + 1]))
+                    elif rs.consumes_first[i]:
+                        produced.append(int(rs.first_token[i]))
+                if produced:
+                    self.policy.observe_tokens(t, produced)
+            else:  # live generation: one entry per sequence, the generated token or None
+                gen = [int(rs.first_token[i]) if (len(rs.prompts[i]) == j + 1 and rs.consumes_first[i]) else None
+                       for i in range(rs.B)]
+                if any(v is not None for v in gen):
+                    self.policy.observe_tokens(t, gen)
         self._physical = True
         self._materialize()
 
@@ -696,7 +700,8 @@ class _RunState:
     """Book-keeping of one generate()/replay() call: phases, steps, active rows, recorded routing."""
 
     def __init__(self, rt: OffloadedModel, prompts: list[np.ndarray], seq_ids: list[str], eos: set[int], record: bool,
-                 forced: tuple[np.ndarray, np.ndarray] | None, forced_tokens: np.ndarray | None = None):
+                 forced: tuple[np.ndarray, np.ndarray] | None, forced_tokens: np.ndarray | None = None,
+                 batch_info: list | None = None):
         self.rt = rt
         self.prompts = prompts
         self.B = len(prompts)
@@ -725,7 +730,9 @@ class _RunState:
         self._dec_tokens: list[list[int]] = [[] for _ in range(self.B)]
         self._active_list: list[int] = list(range(self.B))
         self._pos_rows: np.ndarray | None = None
-        rt.policy.begin_batch([PromptInfo(s, p, len(p)) for s, p in zip(seq_ids, prompts, strict=True)])
+        self.trace_like = batch_info is not None
+        # replay: the recorded sequences (as the simulator passes them); generation: the prompt token ids
+        rt.policy.begin_batch(batch_info if batch_info is not None else [p.copy() for p in prompts])
 
     # -- phases ------------------------------------------------------------------------------------
     def begin_forward(self, ids: torch.Tensor) -> None:
@@ -755,9 +762,15 @@ class _RunState:
             newly = [i for i in self._active_list if int(toks[i]) in self.eos]
             for i in newly:
                 self.finished[i] = True
-            produced = [int(toks[i]) for i in self._active_list if not self.finished[i]]
-            if produced:
-                rt.policy.observe_tokens(self.t, produced)
+            if self.trace_like:
+                produced = [int(toks[i]) for i in self._active_list if not self.finished[i]]
+                if produced:
+                    rt.policy.observe_tokens(self.t, produced)
+            else:
+                gen = [int(toks[i]) if (i in self._active_list and not self.finished[i]) else None
+                       for i in range(self.B)]
+                if any(v is not None for v in gen):
+                    rt.policy.observe_tokens(self.t, gen)
             self._flush_decode_log()
         self.prefill = False
         self._active_list = [i for i in range(self.B) if not self.finished[i]]
@@ -850,6 +863,25 @@ class _RunState:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def check_policy_compatible(policy: Policy, num_layers: int, num_experts: int, top_k: int, what: str) -> None:
+    """Raise ValueError when ``policy`` (or an artifact it holds: forecaster export, router export, cue
+    set...) was made for a model of another shape. Policies may define ``check_compatible(L, E, K, what)``;
+    artifacts held as attributes are checked through their own ``check_compatible``."""
+    objs = [policy] + [v for v in vars(policy).values() if v is not policy]
+    for obj in objs:
+        fn = getattr(obj, "check_compatible", None)
+        if not callable(fn):
+            continue
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # pragma: no cover
+            params = {}
+        if "top_k" in params:
+            fn(num_layers, num_experts, top_k, what=what)
+        elif "num_experts" in params:
+            fn(num_layers, num_experts, what=what)
+
+
 def _top_k_of(model: nn.Module) -> int:
     cfg = model.config
     cfg = getattr(cfg, "get_text_config", lambda: cfg)()
@@ -858,6 +890,11 @@ def _top_k_of(model: nn.Module) -> int:
         if isinstance(v, int) and v > 0:
             return v
     raise ValueError(f"cannot find the top-K of {type(model).__name__}'s config (num_experts_per_tok)")
+
+
+def _cache_of(out: Any) -> Any:
+    c = getattr(out, "cache", None)
+    return c if c is not None else out.past_key_values
 
 
 def _selection_np(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -106,7 +106,7 @@ def test_completions_mode_cli(tmp_path, data_dir, capsys):
     summary = tmp_path / "summary.json"
     rc = collect_main(["--model", MODEL, "--completions", str(data_dir / "cot" / "labeled40.jsonl"),
                        "--text-field", "thinking", "--prompt-field", "prompt", "--completion-prefix", "<think>\n",
-                       "--limit", "3", "--max-tokens", "96", "--shard-size", "2", "--out", str(out),
+                       "--limit", "3", "--max-tokens", "400", "--shard-size", "2", "--out", str(out),
                        "--device", "cpu", "--no-progress", "--json", str(summary)])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -119,8 +119,8 @@ def test_completions_mode_cli(tmp_path, data_dir, capsys):
 
     think = byte_level_tokenizer().convert_tokens_to_ids(THINK_OPEN)
     for s in seqs:
-        assert s.num_tokens == 96  # R1 thinking is far longer than 96 tokens: truncated
-        assert 0 < s.prompt_len < 96 and s.token_ids[s.prompt_len] == think
+        assert s.num_tokens == 400  # R1 thinking is far longer than 400 tokens: truncated
+        assert 0 < s.prompt_len < 400 and s.token_ids[s.prompt_len] == think
     first = json.loads((data_dir / "cot" / "labeled40.jsonl").open().readline())
     assert seqs[0].seq_id == str(first.get("id", "labeled40-00000"))
 
@@ -139,8 +139,9 @@ def test_cli_errors(tmp_path, data_dir, capsys):
     assert rc == 2 and "no field 'thinking'" in capsys.readouterr().err
     # resuming into a directory made with other settings is refused
     args = ["--model", MODEL, "--completions", str(data_dir / "cot" / "labeled40.jsonl"), "--limit", "1",
-            "--max-tokens", "32", "--out", str(tmp_path / "r"), "--device", "cpu", "--no-progress"]
+            "--max-tokens", "300", "--out", str(tmp_path / "r"), "--device", "cpu", "--no-progress"]
     assert collect_main(args) == 0
     capsys.readouterr()
-    assert collect_main(args[:-4] + ["48"] + args[-3:]) == 2
+    args[args.index("300")] = "320"
+    assert collect_main(args) == 2
     assert "other settings (changed: max_tokens)" in capsys.readouterr().err

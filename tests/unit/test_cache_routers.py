@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from expertcast.models.cache_routers import (
     CacheRouters,
     RouterOutputs,
@@ -78,9 +77,9 @@ def test_spatio_predecessor_wraps_to_previous_token_last_layer():
     p_S = torch.arange(B * T * L * E, dtype=torch.float32).view(B, T, L, E)
     tgt = spatio_at_target(p_S)
     for t in range(T):
-        for l in range(L):
-            if l > 0:
-                assert torch.equal(tgt[0, t, l], p_S[0, t, l - 1])
+        for li in range(L):
+            if li > 0:
+                assert torch.equal(tgt[0, t, li], p_S[0, t, li - 1])
             elif t > 0:
                 assert torch.equal(tgt[0, t, 0], p_S[0, t - 1, L - 1])  # wrap-around
             else:

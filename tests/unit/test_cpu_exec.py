@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from expertcast.inference.cost_model import CostConfig
 from expertcast.inference.cpu_exec import LatencyModel
 

@@ -7,7 +7,6 @@ import random
 
 import numpy as np
 import pytest
-
 from expertcast.inference.cues import (
     CalibrationConfig,
     CalibSequence,
@@ -89,7 +88,7 @@ def _planted(seed: int = 0, n_seq: int = 6, T: int = 600):
                 route.append([[14], [15]])
                 abrupt -= 1
             else:
-                route.append([[rng.choice(E, p=base[l])] for l in range(L)])
+                route.append([[rng.choice(E, p=base[lyr])] for lyr in range(L)])
             t += 1
         seqs.append(CalibSequence(f"s{s}", np.array(ids), np.array(route, np.int16)))
     return seqs

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference.cache import CacheConfig
 from expertcast.inference.policies import make_policy

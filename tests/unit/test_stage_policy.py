@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from expertcast.inference.cache import CacheConfig
 from expertcast.inference.cpu_exec import LatencyModel
 from expertcast.inference.policies.stage_aware import StageAwarePolicy, StageOraclePolicy
@@ -55,8 +54,10 @@ def test_cpu_execution_follows_latency_model_and_ablation(syn):
     assert r["cpu"]["cpu_exec"] > 0 and r["cpu"]["temp_loads"] == 0
     assert r["slow-cpu"]["cpu_exec"] == 0 and r["slow-cpu"]["temp_loads"] > 0
     assert r["nocpu"]["cpu_exec"] == 0
-    # same placement decisions: the three see the same hits
-    assert r["cpu"]["hits"] == r["slow-cpu"]["hits"] == r["nocpu"]["hits"]
+    # same placement decisions: the three find the same experts resident or in flight (timing decides
+    # whether a refill prefetch is a hit or a late prefetch)
+    found = {k: v["hits"] + v["late_prefetches"] for k, v in r.items()}
+    assert found["cpu"] == found["slow-cpu"] == found["nocpu"]
 
 
 def test_oracle_beats_stage_aware_on_planted_stages(syn):
@@ -66,7 +67,9 @@ def test_oracle_beats_stage_aware_on_planted_stages(syn):
     for bs in (1, 4):
         r = _run(syn, pols, bs=bs)
         # planted stages change profile at every cue: the finished stage mispredicts, the oracle does not
-        assert r["oracle"]["resident_hit"] > r["stage"]["resident_hit"] + 0.1
+        found = {k: (v["hits"] + v["late_prefetches"]) / v["accesses"] for k, v in r.items()}
+        assert found["oracle"] > found["stage"] + 0.1
+        assert r["oracle"]["resident_hit"] > r["stage"]["resident_hit"]
         assert pols[1].n_updates == pols[0].n_updates
 
 

@@ -8,7 +8,6 @@ import random
 import re
 
 import pytest
-
 from expertcast.inference.stages import StageDetector, TokenDecoder, detect_offline, is_word_char
 
 

@@ -229,8 +229,8 @@ def test_import_errors_name_the_line(tmp_path, bad, match):
 
 
 def test_import_rejects_prefill_after_decode(tmp_path):
-    rows = [{"seq": 0, "token": 0, "layer": 0, "experts": [0], "phase": "decode"},
-            {"seq": 0, "token": 1, "layer": 0, "experts": [1], "phase": "prefill"}]
+    rows = [{"seq": 0, "token": 0, "layer": 0, "experts": [0], "weights": [1.0], "phase": "decode"},
+            {"seq": 0, "token": 1, "layer": 0, "experts": [1], "weights": [1.0], "phase": "prefill"}]
     with pytest.raises(ImportFormatError, match="prefill token after decode"):
         read_import_jsonl(_jsonl(tmp_path / "r.jsonl", rows), num_experts=4)
 
@@ -265,7 +265,14 @@ def test_stats_values_and_cli(tmp_path, capsys):
     assert "not a trace set" in capsys.readouterr().err
 
 
-def test_stats_survives_warnings_free_path(tmp_path):
+def test_import_without_weights_warns_and_uses_uniform(tmp_path):
+    rows = [{"seq": 0, "token": 0, "layer": 0, "experts": [0, 3]}]
+    with pytest.warns(UserWarning, match="no weights: using 1/K"):
+        seqs, _ = read_import_jsonl(_jsonl(tmp_path / "r.jsonl", rows), num_experts=4)
+    assert seqs[0].expert_weights.tolist() == [[[0.5, 0.5]]] and seqs[0].prompt_len == 0
+
+
+def test_complete_set_loads_without_warning(tmp_path):
     """A complete trace set loads without the incomplete-run warning."""
     write_traces(tmp_path / "t", _meta(), _seqs(3))
     with warnings.catch_warnings():

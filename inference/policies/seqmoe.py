@@ -1,0 +1,417 @@
+"""SeqMoE policy: forecaster-driven prefetch and probabilistic-Belady eviction (SeqMoE 4, 6, 7).
+
+At the trigger layer p of every step (after it routed), the forecaster consumes the element of the
+step (layers <= p of this step, layers > p of the previous one) and rolls out ``horizon`` = c future
+elements. Then:
+
+* Prefetch (6): from the first-step probabilities, up to ``max_tasks_per_layer`` (default K) tasks per
+  layer, confidence = probability, deadline = the layer's next execution. The
+  :class:`~expertcast.inference.prefetch.PrefetchScheduler` keeps the highest-confidence EDF-feasible
+  set under the EMA transfer-time estimate and starts transfers in EDF order at every layer boundary;
+  expired tasks are dropped. A task is issued only when a slot is free or its cache score beats the
+  resident it would evict.
+* Eviction (7.1): CacheScore(e) = sum_{j=1..c} gamma^(j-1) P(e active at its j-th next execution);
+  the lowest-score Used slot is evicted (ties: least recently used). Executions that already happened
+  since the forecast are skipped, so the nearest remaining one weighs 1.
+
+With a batch, the per-sequence forecasts combine as P = 1 - prod_b (1 - P_b).
+
+Inputs: the forecaster needs each sequence's normalized top-K weights per layer. A driver that knows
+them calls :meth:`SeqMoEPolicy.observe_routing`; the simulator's batches are :class:`TraceSequence`
+objects, read directly (same positions as the simulator replays them); otherwise the selection with
+its token counts is used.
+
+Forecasts depend only on the routing history, never on cache decisions. When the batch's sequences
+are known in advance (simulator replay), ``precompute=True`` computes each sequence's forecasts at
+every position once (sequential steps, rollouts batched over positions) and reuses them across
+capacities; the results equal the online path's (a test checks it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from expertcast.inference.cache import SlotState
+from expertcast.inference.policy import Policy
+from expertcast.inference.prefetch import PrefetchScheduler, TransferEstimator, generate_tasks
+from expertcast.models.forecaster import (
+    ExpertForecaster,
+    ForecasterState,
+    activation_probs,
+    activation_vector,
+    trigger_offset,
+    trigger_sequence,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from expertcast.inference.cache import CacheConfig, ExpertCache
+
+
+def _load_model(forecaster: Any, device: str) -> tuple[ExpertForecaster, str]:
+    from expertcast.models.forecaster_export import ForecasterExport, load_forecaster
+
+    if isinstance(forecaster, ExpertForecaster):
+        return forecaster.to(device).eval(), "in-memory"
+    if isinstance(forecaster, ForecasterExport):
+        return forecaster.model.to(device).eval(), str(forecaster.path)
+    if isinstance(forecaster, (str, os.PathLike)):
+        exp = load_forecaster(forecaster, device=device)
+        return exp.model, str(forecaster)
+    raise ValueError("seqmoe needs a forecaster: an export directory (seqmoe:forecaster=PATH, or --forecaster PATH "
+                     "with `expertcast simulate`), a ForecasterExport or an ExpertForecaster")
+
+
+@torch.no_grad()
+def precompute_forecasts(model: ExpertForecaster, expert_ids: np.ndarray, expert_weights: np.ndarray, horizon: int,
+                         chunk: int = 256) -> np.ndarray:
+    """Activation probabilities of every forecast of one sequence.
+
+    Args:
+        expert_ids / expert_weights: [T, L, K] routing of the sequence.
+    Returns:
+        float32 [T', H, L, E]: entry [i, j] is P(active) of element i+1+j forecast after element i
+        (T' = number of elements, see :func:`~expertcast.models.forecaster.trigger_sequence`).
+    """
+    c = model.config
+    dev = model.head.weight.device
+    ids = torch.from_numpy(np.asarray(expert_ids, dtype=np.int64))
+    w = torch.from_numpy(np.asarray(expert_weights, dtype=np.float32))
+    el = trigger_sequence(activation_vector(ids, w, c.num_experts), c.p).to(dev)  # [T', L, E]
+    n = el.shape[0]
+    out = np.zeros((n, horizon, c.num_layers, c.num_experts), np.float32)
+    state = model.init_state(1)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        states, logits = [], []
+        for i in range(a, b):
+            lg, _ = model.step(el[i:i + 1], state)
+            states.append(state.clone())
+            logits.append(lg)
+        batch_state = ForecasterState.cat(states)
+        roll = model.rollout(torch.cat(logits), batch_state, horizon)  # [b-a, H, L, E]
+        out[a:b] = activation_probs(roll, c.top_k).cpu().numpy()
+    return out
+
+
+class SeqMoEPolicy(Policy):
+    """Forecast-driven prefetch + probabilistic-Belady eviction (registered as ``seqmoe``).
+
+    Args:
+        forecaster: export directory, :class:`ForecasterExport` or :class:`ExpertForecaster`.
+        horizon: c, forecast steps used by the eviction score (recursive rollout).
+        gamma: discount of farther steps in the eviction score.
+        prefetch: issue proactive loads (False: eviction only, a demand-only policy).
+        max_tasks_per_layer: prefetch tasks per layer per forecast (default K).
+        min_confidence: tasks below this probability are not generated.
+        lookahead: layer-executions of link time kept queued by the scheduler.
+        transfer_layers: initial transfer-time estimate in layer-executions (default: from the cache's
+            expert bytes with ``bandwidth_gbps`` and ``layer_compute_ms``).
+        ema_alpha: EMA weight of the transfer-time estimate.
+        precompute: compute forecasts per sequence up front when the batch's routing is known (simulator).
+        device: where the forecaster runs.
+        forecast_cache_mb: memory budget for precomputed forecasts kept across replays.
+    """
+
+    name = "seqmoe"
+    demand_only = False
+    needs_future = False
+
+    def __init__(self, forecaster: Any = None, horizon: int = 8, gamma: float = 0.9, prefetch: bool = True,
+                 max_tasks_per_layer: int | None = None, min_confidence: float = 0.05, lookahead: float = 2.0,
+                 transfer_layers: float | None = None, bandwidth_gbps: float = 25.0, layer_compute_ms: float = 0.15,
+                 ema_alpha: float = 0.2, precompute: bool = True, device: str = "cpu",
+                 forecast_cache_mb: float = 1024.0):
+        if horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
+        if not 0 < gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+        self.model, self.source = _load_model(forecaster, device)
+        self.fc = self.model.config
+        self.horizon = int(horizon)
+        self.gamma = float(gamma)
+        self.prefetch = bool(prefetch)
+        self.demand_only = not self.prefetch
+        self.max_tasks = int(max_tasks_per_layer or self.fc.top_k)
+        self.min_confidence = float(min_confidence)
+        self.lookahead = float(lookahead)
+        self.transfer_layers = transfer_layers
+        self.bandwidth_gbps = float(bandwidth_gbps)
+        self.layer_compute_ms = float(layer_compute_ms)
+        self.ema_alpha = float(ema_alpha)
+        self.precompute = bool(precompute)
+        self.device = device
+        self.forecast_cache_bytes = int(forecast_cache_mb * 2**20)
+        self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._table_bytes = 0
+        self.disc = self.gamma ** np.arange(self.horizon)
+
+    # ------------------------------------------------------------------------------------------ setup
+    def check_compatible(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:
+        mine = (self.fc.num_layers, self.fc.num_experts, self.fc.top_k)
+        if mine != (num_layers, num_experts, top_k):
+            raise ValueError(f"seqmoe forecaster ({self.source}) has L={mine[0]}, E={mine[1]}, K={mine[2]} but the "
+                             f"{what} has L={num_layers}, E={num_experts}, K={top_k}: it was trained for another model")
+
+    def reset(self, config: CacheConfig) -> None:
+        super().reset(config)
+        self.check_compatible(config.num_layers, config.num_experts, config.top_k, what="cache/trace")
+        L, E = config.num_layers, config.num_experts
+        self.L, self.E, self.K = L, E, config.top_k
+        self.p = self.fc.p
+        self.s = trigger_offset(L, self.p)
+        self.last_use = np.full((L, E), -1.0)
+        self.score_before = np.zeros((L, E))
+        self.score_after = np.zeros((L, E))
+        self.first_exec = np.full(L, -1, np.int64)
+        self.first_probs = np.zeros((L, E))
+        self.has_forecast = False
+        tau = self.transfer_layers
+        if tau is None:
+            ms = (config.expert_bytes or 1) / (self.bandwidth_gbps * 1e9) * 1e3
+            tau = max(ms / max(self.layer_compute_ms, 1e-9), 1e-6)
+        self.scheduler = PrefetchScheduler(TransferEstimator(float(tau), self.ema_alpha), self.lookahead)
+        self._inflight: set[tuple[int, int]] = set()
+        self._prior: set[tuple[int, int]] = set()
+        self._prior_x = -1
+        self._now = (0, 0, 0)
+        self.members: list[Any] = []
+        self._batch_start: int | None = None
+        self._pos: list[int] = []
+        self._state: ForecasterState | None = None
+        self._latest: np.ndarray | None = None
+        self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._row_tables: list[np.ndarray | None] = []
+        self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0}
+
+    # ------------------------------------------------------------------------------------------ batch / steps
+    def begin_batch(self, batch: Any) -> None:
+        self.members = list(batch)
+        self._batch_start = None
+        B = len(self.members)
+        self._traced = all(hasattr(m, "expert_ids") and hasattr(m, "expert_weights") for m in self.members)
+        self._row_tables = [None] * B
+        if self._traced and self.precompute:
+            self._row_tables = [self._table_for(m) for m in self.members]
+        else:
+            self._state = self.model.init_state(B, self.device)
+            self._latest = np.zeros((B, self.L, self.E), np.float32)
+
+    def _table_for(self, seq: Any) -> np.ndarray:
+        key = f"{getattr(seq, 'seq_id', id(seq))}:{len(seq.expert_ids)}"
+        tab = self._tables.get(key)
+        if tab is None:
+            tab = precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights, self.horizon)
+            tab = tab.astype(np.float16)
+            self._tables[key] = tab
+            self._table_bytes += tab.nbytes
+            while self._table_bytes > self.forecast_cache_bytes and len(self._tables) > 1:
+                _, old = self._tables.popitem(last=False)
+                self._table_bytes -= old.nbytes
+        else:
+            self._tables.move_to_end(key)
+        return tab
+
+    def _positions(self, t: int) -> list[int]:
+        """Position processed by each member at step ``t`` (-1 when idle), as the simulator replays a batch."""
+        if self._batch_start is None:
+            self._batch_start = t
+        j = t - self._batch_start
+        prompts = [int(getattr(m, "prompt_len", 0)) for m in self.members]
+        mp = max(prompts) if prompts else 0
+        out = []
+        for m, pl in zip(self.members, prompts, strict=True):
+            T = len(m.expert_ids) if hasattr(m, "expert_ids") else None
+            if j < mp:
+                pos = j if j < pl else -1
+            else:
+                pos = pl + j - mp
+                if T is not None and pos >= T:
+                    pos = -1
+            out.append(pos)
+        return out
+
+    def on_step(self, t: int) -> None:
+        self._pos = self._positions(t)
+        self._observed = {}
+
+    def observe_routing(self, t: int, layer: int, expert_ids: np.ndarray, weights: np.ndarray) -> None:
+        """Per-member routing of (t, layer): expert_ids int [B, K], weights float [B, K] (rows of idle members ignored)."""
+        self._observed[layer] = (np.asarray(expert_ids), np.asarray(weights, dtype=np.float32))
+
+    # ------------------------------------------------------------------------------------------ forecasting
+    def _record_routing(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray) -> None:
+        """Online mode: write this layer's routing of every active member into ``_latest``."""
+        assert self._latest is not None
+        active = [b for b, pos in enumerate(self._pos) if pos >= 0] if self.members else []
+        if layer in self._observed:
+            ids, w = self._observed[layer]
+            for b in active:
+                row = np.zeros(self.E, np.float32)
+                np.add.at(row, ids[b].astype(np.int64), w[b])
+                self._latest[b, layer] = row / max(row.sum(), 1e-9)
+            return
+        for b in active:
+            m = self.members[b]
+            row = np.zeros(self.E, np.float32)
+            if hasattr(m, "expert_ids"):
+                pos = self._pos[b]
+                np.add.at(row, np.asarray(m.expert_ids[pos, layer], np.int64),
+                          np.asarray(m.expert_weights[pos, layer], np.float32))
+            else:
+                np.add.at(row, np.asarray(selected, np.int64), np.asarray(counts, np.float32))
+            self._latest[b, layer] = row / max(row.sum(), 1e-9)
+
+    @torch.no_grad()
+    def _forecast(self, t: int) -> np.ndarray | None:
+        """[H, L, E] combined activation probabilities of the next ``horizon`` elements, or None."""
+        per_member = []
+        if self._traced and self.precompute:
+            for b, pos in enumerate(self._pos):
+                el = pos - self.s
+                tab = self._row_tables[b]
+                if pos >= 0 and tab is not None and 0 <= el < len(tab):
+                    per_member.append(tab[el].astype(np.float32))
+        else:
+            assert self._state is not None and self._latest is not None
+            rows = [b for b, pos in enumerate(self._pos) if pos >= 0 and pos - self.s >= 0]
+            if rows:
+                sub = self._state.select(rows)
+                x = torch.from_numpy(self._latest[rows]).to(self.device)
+                logits, _ = self.model.step(x, sub)
+                roll = self.model.rollout(logits, sub, self.horizon)
+                self._state.put_rows(rows, sub)
+                probs = activation_probs(roll, self.fc.top_k).cpu().numpy()
+                per_member = list(probs)
+        if not per_member:
+            return None
+        miss = np.ones_like(per_member[0])
+        for pm in per_member:
+            miss *= 1.0 - np.clip(pm, 0.0, 1.0)
+        return 1.0 - miss
+
+    def _trigger(self, t: int) -> None:
+        F = self._forecast(t)
+        if F is None:
+            return
+        self.stats["forecasts"] += 1
+        H = F.shape[0]
+        d = self.disc[:H]
+        self.score_before = np.einsum("h,hle->le", d, F)
+        self.score_after = np.einsum("h,hle->le", d[: H - 1], F[1:]) if H > 1 else np.zeros_like(F[0])
+        layers = np.arange(self.L)
+        self.first_exec = np.where(layers > self.p, t * self.L + layers, (t + 1) * self.L + layers)
+        self.first_probs = F[0]
+        self.has_forecast = True
+
+    # ------------------------------------------------------------------------------------------ scores
+    def _scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """CacheScore of (layers[i], experts[i]) at the current time."""
+        if not self.has_forecast:
+            return np.zeros(len(layers))
+        t, cur, phase = self._now
+        x_now = t * self.L + cur
+        fx = self.first_exec[layers]
+        ahead = (fx > x_now) | ((fx == x_now) & (phase == 0))
+        return np.where(ahead, self.score_before[layers, experts], self.score_after[layers, experts])
+
+    def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
+        cl = candidates[:, 0].astype(np.int64)
+        ce = candidates[:, 1].astype(np.int64)
+        sc = self._scores(cl, ce)
+        return int(np.lexsort((self.last_use[cl, ce], sc))[0])
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: ExpertCache):
+        self._now = (t, layer, 1)
+        return super().on_miss(t, layer, expert, n_tokens, cache)
+
+    def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:
+        self._now = (t, layer, 2)
+        self.last_use[layer, np.asarray(selected, np.int64)] = t * self.L + layer
+        if not (self._traced and self.precompute) and self._latest is not None:
+            self._record_routing(t, layer, selected, counts)
+
+    def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        self._now = (t, layer, 0)
+        if not self.prefetch:
+            return ()
+        x = t * self.L + layer
+        self._update_estimate(x, cache)
+        return self._issue(float(x), cache)
+
+    def after_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        self._now = (t, layer, 2)
+        if layer == self.p:
+            self._trigger(t)
+            if self.prefetch and self.has_forecast:
+                skip = self._in_cache_mask(cache)
+                tasks = generate_tasks(self.first_probs, self.first_exec.astype(np.float64), skip, self.max_tasks,
+                                       self.min_confidence)
+                self.scheduler.clear()
+                self.scheduler.submit(tasks)
+                self.stats["tasks"] += len(tasks)
+        if not self.prefetch:
+            return ()
+        return self._issue(float(t * self.L + layer + 1), cache)
+
+    def on_insert(self, layer: int, expert: int, proactive: bool) -> None:
+        if proactive:
+            self._inflight.add((layer, expert))
+
+    def on_evict(self, layer: int, expert: int) -> None:
+        self._inflight.discard((layer, expert))
+
+    # ------------------------------------------------------------------------------------------ prefetch
+    def _in_cache_mask(self, cache: ExpertCache) -> np.ndarray:
+        return cache.slot_of >= 0
+
+    def _update_estimate(self, x: int, cache: ExpertCache) -> None:
+        """Count our transfers that left Fetch since the last layer boundary; sample the link rate when it
+        stayed busy (some of the earlier transfers are still in flight)."""
+        still = {k for k in self._inflight if cache.state_of(*k) == SlotState.FETCH}
+        if self._prior and self._prior_x >= 0 and x > self._prior_x:
+            landed = len(self._prior - still)
+            if self._prior & still:
+                self.scheduler.estimator.observe_window(landed, float(x - self._prior_x))
+        self._inflight = still
+        self._prior = set(still)
+        self._prior_x = x
+
+    def _issue(self, now: float, cache: ExpertCache) -> list[tuple[int, int]]:
+        sch = self.scheduler
+        if not sch.tasks:
+            return []
+        done = [k for k in sch.tasks if cache.contains(*k)]
+        sch.expire(now, done)
+        backlog = float(len(self._inflight))
+        picks = sch.next_transfers(now, backlog)
+        if not picks:
+            return []
+        # admission: a prefetch must beat the resident it would evict (per pool, lowest scores first)
+        out: list[tuple[int, int]] = []
+        victims: dict[int, list[float]] = {}
+        free: dict[int, int] = {}
+        for task in picks:
+            pool = cache.pool_of(task.layer)
+            if pool not in free:
+                free[pool] = cache.free_count(pool)
+                cands = cache.eviction_candidates(pool)
+                sc = self._scores(cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)) if len(cands) else []
+                victims[pool] = sorted(float(v) for v in sc)
+            mine = float(self.score_before[task.layer, task.expert])
+            if free[pool] > 0:
+                free[pool] -= 1
+            elif victims[pool] and victims[pool][0] < mine:
+                victims[pool].pop(0)
+            else:
+                self.stats["rejected_by_score"] += 1
+                continue
+            out.append(task.key)
+        self.stats["issued"] += len(out)
+        return out

@@ -1,0 +1,182 @@
+"""Deadline-aware prefetch scheduling (SeqMoE 6; DESIGN.md "Forecaster", Prefetch).
+
+Time is counted in *layer-executions*: execution ``x = step * L + layer`` starts at time ``x`` and
+ends at ``x + 1``. A prefetch task for expert ``(layer, expert)`` has a confidence (the forecast
+probability that the expert is selected, its expected hit contribution, SeqMoE 6.1) and a deadline
+(the execution that needs it: it must land before that execution starts). Transfers are serialized
+on one link and take ``tau`` layer-executions each, estimated online by an exponential moving
+average (:class:`TransferEstimator`).
+
+Selection (SeqMoE 6.2): unit-length jobs with deadlines form a scheduling matroid, so the greedy that
+takes tasks by descending confidence and keeps a task only if the chosen set stays feasible under
+Earliest-Deadline-First is optimal for the total confidence. Transfers are then started in EDF order;
+tasks whose deadline passed expire, and when the link slows down (``tau`` grows) the retained set is
+re-selected, which drops the lowest-confidence tasks that no longer fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class PrefetchTask:
+    """One candidate transfer."""
+
+    layer: int
+    expert: int
+    confidence: float
+    """Probability that the expert is selected at ``deadline`` (expected hit contribution)."""
+    deadline: float
+    """Layer-execution index that needs the expert (it must land before that execution starts)."""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.layer, self.expert)
+
+
+def generate_tasks(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None = None, max_per_layer: int = 1,
+                   min_confidence: float = 0.0) -> list[PrefetchTask]:
+    """Up to ``max_per_layer`` tasks per layer from first-step probabilities (SeqMoE 6.1).
+
+    Args:
+        probs: float [L, E] probability that (layer, expert) is selected at its next execution.
+        deadlines: float [L] layer-execution index of each layer's next execution.
+        skip: bool [L, E] experts that need no transfer (resident or already in flight).
+        max_per_layer: tasks per layer (K in the paper).
+        min_confidence: tasks below this probability are not generated.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.ndim != 2 or deadlines.shape != (probs.shape[0],):
+        raise ValueError(f"probs must be [L, E] and deadlines [L]; got {probs.shape} and {deadlines.shape}")
+    p = probs.copy()
+    if skip is not None:
+        p[skip] = -1.0
+    tasks = []
+    k = min(max_per_layer, p.shape[1])
+    top = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    for layer in range(p.shape[0]):
+        for e in top[layer]:
+            c = p[layer, e]
+            if c < 0 or c < min_confidence or c <= 0.0:
+                continue
+            tasks.append(PrefetchTask(layer, int(e), float(c), float(deadlines[layer])))
+    return tasks
+
+
+def edf_feasible(deadlines: Sequence[float], now: float, tau: float, backlog: float = 0.0) -> bool:
+    """Whether unit transfers of ``tau`` each, started after ``backlog`` transfers already queued, all land by their
+    deadlines when served in EDF order starting at ``now``."""
+    d = np.sort(np.asarray(deadlines, dtype=np.float64))
+    finish = now + (backlog + np.arange(1, len(d) + 1)) * tau
+    return bool((finish <= d + 1e-9).all())
+
+
+def select_feasible(tasks: Iterable[PrefetchTask], now: float, tau: float, backlog: float = 0.0) -> list[PrefetchTask]:
+    """Weighted matroid greedy: by descending confidence, keep a task when the kept set stays EDF-feasible.
+
+    Returns the kept tasks in EDF order (deadline, then higher confidence first).
+    """
+    order = sorted(tasks, key=lambda t: (-t.confidence, t.deadline, t.layer, t.expert))
+    kept: list[PrefetchTask] = []
+    dl = np.empty(0)
+    slack = np.empty(0)  # slack[i] = dl[i] - (now + (backlog + i + 1) * tau)
+    for t in order:
+        k = int(np.searchsorted(dl, t.deadline, side="right"))
+        own = t.deadline - (now + (backlog + k + 1) * tau)
+        if own < -1e-9 or (k < len(slack) and slack[k:].min() < tau - 1e-9):
+            continue
+        dl = np.insert(dl, k, t.deadline)
+        slack = np.insert(slack, k, own)
+        slack[k + 1:] -= tau
+        kept.insert(k, t)
+    return kept
+
+
+class TransferEstimator:
+    """EMA of the link's transfer time in layer-executions.
+
+    The driver does not tell a policy when a transfer lands, but a policy sees its prefetches leave the
+    Fetch state: :meth:`observe_window` takes, per layer-execution, how many landed while the link was
+    busy the whole time (some of our transfers were still in flight at the end), and updates the rate.
+    """
+
+    def __init__(self, tau: float = 1.0, alpha: float = 0.2, max_tau: float = 1e6):
+        if tau <= 0:
+            raise ValueError(f"initial transfer time must be positive, got {tau}")
+        if not 0 < alpha <= 1:
+            raise ValueError(f"EMA alpha must be in (0, 1], got {alpha}")
+        self.rate = 1.0 / tau
+        self.alpha = alpha
+        self.max_tau = max_tau
+        self.samples = 0
+
+    @property
+    def tau(self) -> float:
+        return min(1.0 / max(self.rate, 1e-12), self.max_tau)
+
+    def observe_duration(self, duration: float) -> None:
+        """A directly measured transfer time (runtime with timestamps), in layer-executions."""
+        if duration > 0:
+            self.rate = (1 - self.alpha) * self.rate + self.alpha / duration
+            self.samples += 1
+
+    def observe_window(self, landed: int, span: float = 1.0) -> None:
+        """``landed`` transfers completed during ``span`` layer-executions of a saturated link."""
+        self.rate = (1 - self.alpha) * self.rate + self.alpha * (landed / span)
+        self.samples += 1
+
+
+class PrefetchScheduler:
+    """The retained task set, its EDF-feasible selection and the next transfers to start.
+
+    Usage per forecast: :meth:`submit` new tasks (they supersede older tasks of the same expert); at each
+    point where transfers may start: :meth:`expire` then :meth:`next_transfers`.
+    """
+
+    def __init__(self, estimator: TransferEstimator | None = None, lookahead: float = 2.0):
+        self.estimator = estimator or TransferEstimator()
+        self.lookahead = lookahead
+        self.tasks: dict[tuple[int, int], PrefetchTask] = {}
+        self.dropped = 0
+        """Tasks removed because they could not be scheduled in time (expired or infeasible)."""
+
+    def clear(self) -> None:
+        self.tasks.clear()
+
+    def submit(self, tasks: Iterable[PrefetchTask]) -> None:
+        for t in tasks:
+            self.tasks[t.key] = t
+
+    def expire(self, now: float, done: Iterable[tuple[int, int]] = ()) -> None:
+        """Drop tasks whose deadline is not after ``now`` and tasks of experts already resident/in flight."""
+        for k in list(done):
+            self.tasks.pop(k, None)
+        for k, t in list(self.tasks.items()):
+            if t.deadline <= now:
+                del self.tasks[k]
+                self.dropped += 1
+
+    def select(self, now: float, backlog: float = 0.0) -> list[PrefetchTask]:
+        """The feasible selection in EDF order; tasks that do not fit are dropped from the retained set."""
+        kept = select_feasible(self.tasks.values(), now, self.estimator.tau, backlog)
+        if len(kept) < len(self.tasks):
+            keep = {t.key for t in kept}
+            for k in [k for k in self.tasks if k not in keep]:
+                del self.tasks[k]
+                self.dropped += 1
+        return kept
+
+    def next_transfers(self, now: float, backlog: float = 0.0) -> list[PrefetchTask]:
+        """Tasks to start now, in EDF order: enough to keep the link busy for ``lookahead`` layer-executions
+        given ``backlog`` transfers already queued. They leave the retained set."""
+        plan = self.select(now, backlog)
+        tau = self.estimator.tau
+        room = int(np.floor(self.lookahead / tau - backlog + 1e-9)) if tau > 0 else len(plan)
+        out = plan[: max(room, 0)]
+        for t in out:
+            self.tasks.pop(t.key, None)
+        return out

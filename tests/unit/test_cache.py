@@ -1,0 +1,65 @@
+"""ExpertCache slot table and CacheConfig capacity rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from expertcast.inference.cache import CacheConfig, ExpertCache, SlotState
+
+
+def test_capacity_resolution_per_layer_and_shared():
+    c = CacheConfig(48, 128, 8, capacity=0.15)
+    assert c.uniform_slots_per_layer == 19 and c.total_slots == 48 * 19
+    s = CacheConfig(48, 128, 8, pool="shared", capacity=0.15)
+    assert s.total_slots == round(0.15 * 48 * 128) and s.pool_of_layer.tolist() == [0] * 48
+    b = CacheConfig(3, 16, 2, slots_per_layer=[2, 4, 3])
+    assert b.pool_capacities.tolist() == [2, 4, 3] and b.uniform_slots_per_layer is None
+    assert b.fraction == pytest.approx(9 / 48)
+
+
+def test_capacity_errors_name_the_problem():
+    with pytest.raises(ValueError, match="gives 1 slots per layer, below top-K=2"):
+        CacheConfig(2, 16, 2, capacity=0.05)
+    with pytest.raises(ValueError, match="gives 3 shared slots, below top-K=4"):
+        CacheConfig(2, 16, 4, pool="shared", slots=3)
+    with pytest.raises(ValueError, match="below top-K=2"):
+        CacheConfig(3, 16, 2, slots_per_layer=[2, 1, 2])
+    with pytest.raises(ValueError, match="must list 3 budgets"):
+        CacheConfig(3, 16, 2, slots_per_layer=[2, 2])
+    with pytest.raises(ValueError, match="exactly one"):
+        CacheConfig(3, 16, 2, capacity=0.5, slots=4)
+    with pytest.raises(ValueError, match="more than E=16"):
+        CacheConfig(3, 16, 2, slots=17)
+    with pytest.raises(ValueError, match="pool must be"):
+        CacheConfig(3, 16, 2, pool="global", slots=4)
+
+
+def test_slot_table_states_and_protection():
+    cache = ExpertCache(CacheConfig(2, 8, 1, slots=2))
+    assert cache.num_slots == 4 and cache.pool_of(1) == 1
+    s0 = cache.take_free_slot(0)
+    cache.assign(s0, 0, 3, SlotState.USED)
+    s1 = cache.take_free_slot(0)
+    cache.assign(s1, 0, 5, SlotState.FETCH, proactive=True)
+    assert cache.take_free_slot(0) == -1
+    assert cache.is_resident(0, 3) and not cache.is_resident(0, 5) and cache.contains(0, 5)
+    assert cache.state_of(0, 5) == SlotState.FETCH and cache.state_of(0, 6) == SlotState.EMPTY
+    # Fetch is never a candidate; the running layer's selection is protected
+    assert cache.eviction_candidates(0).tolist() == [[0, 3]]
+    assert cache.eviction_candidates(0, protect_layer=0, protect=np.array([3])).tolist() == []
+    with pytest.raises(ValueError, match="never evicted"):
+        cache.evict(0, 5)
+    with pytest.raises(ValueError, match="pool"):
+        cache.assign(cache.take_free_slot(1), 0, 1, SlotState.USED)
+
+
+def test_evict_and_reuse_slot():
+    cache = ExpertCache(CacheConfig(2, 8, 1, pool="shared", slots=2))
+    a = cache.take_free_slot(0)
+    cache.assign(a, 1, 7, SlotState.USED)
+    s = cache.evict(1, 7)
+    assert s == a and cache.slot(1, 7) == -1 and cache.occupied() == 0
+    cache.assign(s, 0, 2, SlotState.COMPUTE)
+    assert cache.resident_set() == {(0, 2)}
+    with pytest.raises(ValueError, match="already holds"):
+        cache.assign(cache.take_free_slot(0), 0, 2, SlotState.USED)

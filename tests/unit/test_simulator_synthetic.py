@@ -1,0 +1,51 @@
+"""The synthetic trace generators have the structure they claim (others' tests rely on it)."""
+
+from __future__ import annotations
+
+import numpy as np
+from expertcast.inference.synthetic import markov_traces, random_traces, staged_traces, zipf_traces
+
+
+def _valid(tr):
+    m = tr.meta
+    for s in tr.sequences:
+        assert s.expert_ids.shape == (s.num_tokens, m.num_layers, m.top_k)
+        srt = np.sort(s.expert_ids.reshape(-1, m.top_k), axis=1)
+        assert (srt[:, 1:] != srt[:, :-1]).all()  # distinct experts per selection
+        w = s.expert_weights.astype(np.float32)
+        assert np.allclose(w.sum(-1), 1.0, atol=1e-2) and (np.diff(w, axis=-1) <= 1e-3).all()  # router order
+
+
+def test_markov_first_expert_follows_the_known_transition_matrix():
+    tr = markov_traces(1, 6000, num_layers=1, num_experts=4, top_k=2, stay=0.5, seed=1)
+    _valid(tr)
+    first = tr.sequences[0].expert_ids[:, 0, 0].astype(int)
+    counts = np.zeros((4, 4))
+    np.add.at(counts, (first[:-1], first[1:]), 1)
+    emp = counts / counts.sum(1, keepdims=True)
+    assert np.abs(emp - tr.transition[0]).max() < 0.05
+
+
+def test_zipf_and_random_popularity():
+    z = zipf_traces(1, 3000, num_layers=1, num_experts=8, top_k=1, alpha=1.2, seed=2)
+    _valid(z)
+    freq = np.bincount(z.sequences[0].expert_ids[:, 0, 0], minlength=8) / 3000
+    assert np.abs(freq - z.popularity[0]).max() < 0.03
+    r = random_traces(1, 3000, num_layers=1, num_experts=8, top_k=3, seed=3)
+    _valid(r)
+    freq = np.bincount(r.sequences[0].expert_ids.reshape(-1), minlength=8) / 3000
+    assert np.abs(freq - 3 / 8).max() < 0.04
+
+
+def test_staged_traces_plant_cues_at_stage_boundaries():
+    tr = staged_traces(2, 400, num_layers=2, num_experts=16, top_k=2, num_stages=3, hot=3, hot_mass=0.95, seed=4)
+    _valid(tr)
+    for s, st in zip(tr.sequences, tr.stage_ids, strict=True):
+        boundary = np.flatnonzero(np.diff(st) != 0) + 1
+        assert len(boundary) > 3
+        cues = set(np.flatnonzero(s.token_ids == tr.cue_token).tolist())
+        assert set(boundary.tolist()) <= cues and cues <= set(boundary.tolist()) | {0}
+        # within a stage, selections sit on that stage's hot experts
+        hot = tr.popularity[st, 0] > 0.2  # [T, E]
+        on_hot = hot[np.arange(len(st)), s.expert_ids[:, 0, 0]]
+        assert on_hot.mean() > 0.85
