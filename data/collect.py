@@ -178,6 +178,7 @@ def _completion_items(cfg: CollectConfig, tok) -> list[_Item]:
         raise FileNotFoundError(f"completions file {path} does not exist")
     templated = has_chat_template(tok) if cfg.chat_template is None else cfg.chat_template
     items: list[_Item] = []
+    seen: set[str] = set()
     skipped = 0
     with open(path, encoding="utf-8") as f:
         for ln, line in enumerate(f, 1):
@@ -208,6 +209,9 @@ def _completion_items(cfg: CollectConfig, tok) -> list[_Item]:
                 skipped += 1
                 continue
             sid = str(row.get("id", f"{path.stem}-{ln - 1:05d}"))
+            if sid in seen:  # keep sequence ids unique
+                sid = f"{sid}#line{ln}"
+            seen.add(sid)
             items.append(_Item(sid, prompt_ids, completion_ids=comp[:room], completion_text=text, prompt_text=ptext))
     if skipped:
         warnings.warn(f"{skipped} rows of {path} skipped: their prompt alone exceeds --max-tokens {cfg.max_tokens}",
@@ -343,6 +347,9 @@ def collect_traces(cfg: CollectConfig, model=None, tokenizer=None,
     n_shards = math.ceil(len(items) / cfg.shard_size)
     res = CollectResult(Path(cfg.out))
     eos = _eos_ids(model, tokenizer)
+    for s in range(n_shards):
+        if writer.is_done(s):
+            writer.check_done_shard(s, [it.seq_id for it in items[s * cfg.shard_size:(s + 1) * cfg.shard_size]])
     todo = [s for s in range(n_shards) if not writer.is_done(s)]
     res.shards_skipped = n_shards - len(todo)
     n_todo_items = sum(len(items[s * cfg.shard_size:(s + 1) * cfg.shard_size]) for s in todo)
@@ -359,8 +366,10 @@ def collect_traces(cfg: CollectConfig, model=None, tokenizer=None,
                 for it, c in zip(batch, comps, strict=True):
                     it.completion_ids = c
                     res.generated_tokens += len(c)
-                bar.set_postfix_str(f"pass 1 shard {s}")
+                bar.update(len(batch))  # benchmark mode: the bar follows generation, the slow pass
+                bar.set_postfix_str(f"shard {s}: generating")
             res.generate_seconds += time.perf_counter() - t0
+        bar.set_postfix_str(f"shard {s}: routing")
         t0 = time.perf_counter()
         full = [it.prompt_ids + list(it.completion_ids or []) for it in chunk]
         routed = route_sequences(model, full, cfg.router_probs, cfg.route_batch_tokens)
@@ -378,7 +387,8 @@ def collect_traces(cfg: CollectConfig, model=None, tokenizer=None,
         path = writer.write_shard(s, seqs)
         res.shards_written += 1
         res.sequences += len(seqs)
-        bar.update(len(chunk))
+        if cfg.completions:
+            bar.update(len(chunk))
         if on_shard is not None:
             on_shard(s, path)
     bar.close()

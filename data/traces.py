@@ -172,6 +172,12 @@ class TraceWriter:
         for p in self.dir.iterdir():
             if p.name.startswith(_TMP_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)
+        for key, entry in list(manifest["shards"].items()):
+            # a listed shard that is gone or whose files changed size is redone
+            d = self.dir / (SHARD_PREFIX + key)
+            if not d.is_dir() or ("files" in entry and _dir_sizes(d) != entry["files"]):
+                del manifest["shards"][key]
+                shutil.rmtree(d, ignore_errors=True)
         for p in sorted(self.dir.glob(f"{SHARD_PREFIX}*")):
             key = p.name[len(SHARD_PREFIX):]
             if key in manifest["shards"]:
@@ -180,7 +186,7 @@ class TraceWriter:
                 ds = _load_shard(p, self.meta)
                 manifest["shards"][key] = {
                     "num_sequences": len(ds), "num_tokens": int(sum(len(t) for t in ds["token_ids"])),
-                    "files": _dir_sizes(p),
+                    "seq_ids": [str(x) for x in ds["seq_id"]], "files": _dir_sizes(p),
                 }
             except TraceFormatError:
                 shutil.rmtree(p)  # unlisted and unreadable: redo it
@@ -194,6 +200,16 @@ class TraceWriter:
 
     def is_done(self, index: int) -> bool:
         return f"{index:05d}" in self.manifest["shards"]
+
+    def check_done_shard(self, index: int, seq_ids: list[str]) -> None:
+        """Raise TraceFormatError when finished shard ``index`` holds other sequences than ``seq_ids``
+        (the input changed since the interrupted run)."""
+        got = self.manifest["shards"][f"{index:05d}"].get("seq_ids")
+        if got is not None and list(got) != [str(x) for x in seq_ids]:
+            raise TraceFormatError(
+                f"finished shard {shard_name(index)} of {self.dir} holds sequences {got[:3]}... but this run's input "
+                f"puts {list(seq_ids)[:3]}... there: the input changed; use another --out or --overwrite"
+            )
 
     # -- writing -----------------------------------------------------------------------------------
     def write_shard(self, index: int, sequences: Iterable[TraceSequence]) -> Path:
@@ -222,6 +238,7 @@ class TraceWriter:
         self.manifest["shards"][f"{index:05d}"] = {
             "num_sequences": len(seqs),
             "num_tokens": int(sum(s.num_tokens for s in seqs)),
+            "seq_ids": [str(s.seq_id) for s in seqs],
             "files": _dir_sizes(final),
         }
         self.manifest["complete"] = False
@@ -401,6 +418,20 @@ def load_traces(path: str | os.PathLike, max_sequences: int | None = None) -> tu
     if not seqs:
         raise TraceFormatError(f"trace set {p} holds no sequences")
     return meta, seqs
+
+
+def check_model_compatible(meta: TraceMeta, model_or_spec: Any) -> None:
+    """Raise ValueError (naming both sides) unless the traces' L/E/K and MoE layers match the model.
+
+    ``model_or_spec``: a transformers MoE model or an :class:`expertcast.models.spec.MoESpec`.
+    """
+    from expertcast.models.spec import MoESpec
+
+    spec = model_or_spec if isinstance(model_or_spec, MoESpec) else MoESpec.from_model(model_or_spec)
+    meta.check_compatible(spec.num_layers, spec.num_experts, spec.top_k, what=f"model {spec.model_id!r}")
+    if meta.moe_layers is not None and list(meta.moe_layers) != list(spec.moe_layers):
+        raise ValueError(f"trace of {meta.model_id!r} has MoE layers {meta.moe_layers} but the model "
+                         f"{spec.model_id!r} has {spec.moe_layers}")
 
 
 def write_traces(out_dir: str | os.PathLike, meta: TraceMeta, sequences: Iterable[TraceSequence],

@@ -173,6 +173,7 @@ class ExpertCache:
         self._pool_of_layer = config.pool_of_layer
         self.num_slots = int(self.pool_start[-1])
         self.slot_pool = np.repeat(np.arange(len(caps)), caps).astype(np.int32)
+        self._bounds = [(int(self.pool_start[p]), int(self.pool_start[p + 1])) for p in range(len(caps))]
         self.reset()
 
     def reset(self) -> None:
@@ -233,13 +234,12 @@ class ExpertCache:
                             protect: np.ndarray | None = None) -> np.ndarray:
         """int [N, 2] (layer, expert) of the pool's Used slots that may be evicted: not Fetch/Compute and
         not in the selection ``protect`` of the running layer ``protect_layer``. Ordered by slot."""
-        a, b = int(self.pool_start[pool]), int(self.pool_start[pool + 1])
+        a, b = self._bounds[pool]
         ok = self.state[a:b] == USED
-        if protect is not None and len(protect) and protect_layer >= 0:
-            prot = self.slot_of[protect_layer, np.asarray(protect, dtype=np.int64)]
-            prot = prot[(prot >= a) & (prot < b)] - a
-            ok[prot] = False
-        idx = np.flatnonzero(ok) + a
+        if protect is not None and protect_layer >= 0 and len(protect):
+            prot = self.slot_of[protect_layer][protect] - a
+            ok[prot[(prot >= 0) & (prot < b - a)]] = False
+        idx = ok.nonzero()[0] + a
         out = np.empty((len(idx), 2), np.int64)
         out[:, 0] = self.slot_layer[idx]
         out[:, 1] = self.slot_expert[idx]

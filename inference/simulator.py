@@ -307,7 +307,7 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
                     if counted:
                         dropped[pl] += 1
                     continue
-                vl, ve = (int(v) for v in cands[policy.choose_victim(t, pl, cands, cache)])
+                vl, ve = (int(v) for v in cands[_victim(policy, t, pl, cands, cache)])
                 slot = cache.evict(vl, ve)
                 policy.on_evict(vl, ve)
             cache.assign(slot, pl, pe, FETCH, proactive=True)
@@ -376,7 +376,7 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
                         if len(cands) == 0:
                             action = MissAction.TEMP  # every slot holds a selected or in-flight expert
                         else:
-                            vl, ve = (int(v) for v in cands[policy.choose_victim(t, layer, cands, cache)])
+                            vl, ve = (int(v) for v in cands[_victim(policy, t, layer, cands, cache)])
                             slot = cache.evict(vl, ve)
                             policy.on_evict(vl, ve)
                 if action == MissAction.LOAD:
@@ -425,6 +425,13 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
     return ReplayResult(acc, hits, demand, temp, late, cpu, proactive, dropped, stall_total, compute_total,
                         stream.decoded_tokens, int(stream.step_counted.sum()), xbytes, "python",
                         time.perf_counter() - t0, cache.resident_set(), link.timeline)
+
+
+def _victim(policy: Policy, t: int, layer: int, cands: np.ndarray, cache: ExpertCache) -> int:
+    v = int(policy.choose_victim(t, layer, cands, cache))
+    if not 0 <= v < len(cands):
+        raise ValueError(f"{policy.name}.choose_victim returned index {v} for {len(cands)} candidates")
+    return v
 
 
 def _produced_tokens(stream: AccessStream, t: int, batch_start: int) -> list[int]:

@@ -120,16 +120,15 @@ def markov_traces(num_sequences: int = 4, num_tokens: int = 64, num_layers: int 
         raise ValueError(f"transition must be [L={L}, E={E}, E={E}], got {P.shape}")
     meta = _meta("markov", L, E, Kk, expert_bytes, {"seed": seed, "stay": stay})
     logP = np.log(np.maximum(P, 1e-30))
-    seqs = []
-    layers = np.arange(L)
-    for i in range(num_sequences):
-        ids = np.empty((num_tokens, L, Kk), np.int16)
-        w = np.empty((num_tokens, L, Kk), np.float16)
-        prev = rng.integers(0, E, L)
-        for t in range(num_tokens):
-            ids[t], w[t] = _topk_from_logits(logP[layers, prev], Kk, rng)
-            prev = ids[t, :, 0].astype(np.int64)
-        seqs.append(_seq(i, ids, w, prompt_len, rng, vocab))
+    N = num_sequences
+    ids = np.empty((N, num_tokens, L, Kk), np.int16)
+    w = np.empty((N, num_tokens, L, Kk), np.float16)
+    layers = np.arange(L)[None, :]
+    prev = rng.integers(0, E, (N, L))
+    for t in range(num_tokens):  # all sequences in lockstep
+        ids[:, t], w[:, t] = _topk_from_logits(logP[layers, prev], Kk, rng)
+        prev = ids[:, t, :, 0].astype(np.int64)
+    seqs = [_seq(i, ids[i], w[i], prompt_len, rng, vocab) for i in range(N)]
     return SyntheticTraces(meta, seqs, transition=P)
 
 

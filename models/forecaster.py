@@ -63,6 +63,8 @@ class ForecasterConfig:
     """Mamba2 scan chunk length (PyTorch path)."""
     use_mambapy: bool = False
     """Mamba-1 only: use the ``mambapy`` parallel scan in training when that package is installed."""
+    temperature: float = 1.0
+    """Calibration of :func:`activation_probs` (fitted on held-out data after training; ranking unaffected)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +85,8 @@ class ForecasterConfig:
             raise ValueError(f"top_k must be in [1, E-1={self.num_experts - 1}], got {self.top_k}")
         if self.trigger_layer is not None and not 0 <= self.trigger_layer < self.num_layers:
             raise ValueError(f"trigger_layer must be in [0, L-1={self.num_layers - 1}], got {self.trigger_layer}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.backbone not in BACKBONES:
             raise ValueError(f"unknown backbone {self.backbone!r}; choose one of {BACKBONES}")
         if self.backbone == "mamba2":
@@ -168,13 +172,33 @@ def predictions_to_input(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, top_i, top_w)
 
 
-def activation_probs(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Per-expert probability of being selected, from per-layer logits [..., L, E].
+def activation_probs(logits: torch.Tensor, top_k: int, temperature: float = 1.0, iters: int = 40) -> torch.Tensor:
+    """Per-expert probability of being among a layer's K selected experts, from logits [..., L, E].
 
-    The softmax q over a layer's experts is the model's routing distribution; the marginal inclusion
-    probabilities of a K-subset sum to K, so P(e active) is estimated as min(1, K·q_e).
+    The selection is modelled as K draws without replacement in proportion to w = softmax(logits / T)
+    (Plackett-Luce). Its inclusion probabilities follow from the exponential-clocks view of that
+    sampling, approximated with a per-layer time lambda: P(e) = 1 - exp(-lambda * w_e), with lambda
+    solved (bisection) so that the probabilities sum to K, as a K-subset's inclusion probabilities do.
+    ``temperature`` T is the calibration fitted on held-out data (:attr:`ForecasterConfig.temperature`).
     """
-    return (top_k * torch.softmax(logits.float(), dim=-1)).clamp_(max=1.0)
+    w = torch.softmax(logits.float() / temperature, dim=-1)
+    E = w.shape[-1]
+    if top_k >= E:
+        return torch.ones_like(w)
+    target = float(top_k)
+    lo = torch.zeros(w.shape[:-1] + (1,), device=w.device)
+    hi = torch.ones_like(lo)
+    for _ in range(60):  # grow hi until the sum reaches K (w_min > 0 so it always does)
+        done = (1 - torch.exp(-hi * w)).sum(-1, keepdim=True) >= target
+        if bool(done.all()):
+            break
+        hi = torch.where(done, hi, hi * 4)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        big = (1 - torch.exp(-mid * w)).sum(-1, keepdim=True) > target
+        hi = torch.where(big, mid, hi)
+        lo = torch.where(big, lo, mid)
+    return 1 - torch.exp(-hi * w)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,6 +413,10 @@ class ExpertForecaster(nn.Module):
         finally:
             state.copy_(saved)
         return torch.stack(out, dim=1)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Calibrated per-expert selection probabilities [..., L, E] from logits (see :func:`activation_probs`)."""
+        return activation_probs(logits, self.config.top_k, self.config.temperature)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

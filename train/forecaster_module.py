@@ -17,7 +17,12 @@ import lightning as pl
 import torch
 import torch.nn.functional as F
 
-from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig, predictions_to_input
+from expertcast.models.forecaster import (
+    ExpertForecaster,
+    ForecasterConfig,
+    activation_probs,
+    predictions_to_input,
+)
 from expertcast.models.forecaster_export import save_forecaster
 
 
@@ -51,6 +56,50 @@ def recall_at(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> torch.T
     return hit.float().mean(-1)
 
 
+def fit_temperature(logits: torch.Tensor, target_ids: torch.Tensor, top_k: int,
+                    grid: torch.Tensor | None = None) -> tuple[float, float]:
+    """Temperature T minimizing the binary cross-entropy of :func:`activation_probs` against the true selections.
+
+    Args:
+        logits: [N, L, E] one-step logits of held-out elements; target_ids: long [N, L, K] their true experts.
+    Returns:
+        (T, BCE at T).
+    """
+    member = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, target_ids, 1.0)
+    grid = grid if grid is not None else torch.exp(torch.linspace(math.log(0.05), math.log(20.0), 49))
+    best = (1.0, float("inf"))
+    for T in grid.tolist():
+        p = activation_probs(logits, top_k, T).clamp(1e-6, 1 - 1e-6)
+        bce = float(F.binary_cross_entropy(p, member))
+        if bce < best[1]:
+            best = (float(T), bce)
+    return best
+
+
+@torch.no_grad()
+def calibrate_on_loader(net: ExpertForecaster, loader: Any, max_elements: int = 4096) -> float:
+    """Fit ``net.config.temperature`` on the one-step logits of a loader's windows (held-out data). Returns T."""
+    was = net.training
+    net.eval()
+    logits, ids = [], []
+    n = 0
+    dev = next(net.parameters()).device
+    for batch in loader:
+        lg = net(batch["inputs"].to(dev)).float().cpu()
+        m = batch["mask"]
+        logits.append(lg[m])
+        ids.append(batch["target_ids"][m])
+        n += int(m.sum())
+        if n >= max_elements:
+            break
+    net.train(was)
+    if not logits:
+        return net.config.temperature
+    T, _ = fit_temperature(torch.cat(logits), torch.cat(ids), net.config.top_k)
+    net.config.temperature = T
+    return T
+
+
 class ForecasterModule(pl.LightningModule):
     """Trains an :class:`ExpertForecaster`. L, E, K and the trigger layer come from the data module when
     not given (they are then stored in the hyper-parameters, so checkpoints rebuild the same network).
@@ -65,6 +114,8 @@ class ForecasterModule(pl.LightningModule):
             after this share of steps and rises linearly to ``max_sampling_rate`` over the next share.
         loss_on_prefill: also train on targets inside the prompt (the routing there is a sequence too).
         export_dir: when set, the export is written there at the end of fit (and after each validation).
+        calibration_elements: held-out elements whose one-step logits fit the probability temperature after
+            each validation (:func:`fit_temperature`; stored in the export's config).
     """
 
     def __init__(self, backbone: str = "mamba2", hidden_size: int = 128, num_blocks: int = 2, state_size: int = 32,
@@ -75,10 +126,11 @@ class ForecasterModule(pl.LightningModule):
                  max_sampling_rate: float = 0.5, loss_on_prefill: bool = True, export_dir: str | None = None,
                  num_layers: int | None = None, num_experts: int | None = None, top_k: int | None = None,
                  trigger_layer: int | None = None, source: dict[str, Any] | None = None,
-                 split_info: dict[str, Any] | None = None):
+                 split_info: dict[str, Any] | None = None, calibration_elements: int = 4096):
         super().__init__()
         self.save_hyperparameters()
         self.net: ExpertForecaster | None = None
+        self._calib: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         if num_layers is not None and num_experts is not None and top_k is not None:
             self._build(num_layers, num_experts, top_k, trigger_layer)
 
@@ -170,8 +222,24 @@ class ForecasterModule(pl.LightningModule):
         n = int(sel.sum())
         r_k = recall_at(logits[sel].float(), batch["target_ids"][sel], K).mean()
         r_k3 = recall_at(logits[sel].float(), batch["target_ids"][sel], K + 3).mean()
+        if prefix == "val" and sum(x.shape[0] for x in self._calib[0]) < self.hparams.calibration_elements:
+            self._calib[0].append(logits[sel].detach().float().cpu())
+            self._calib[1].append(batch["target_ids"][sel].cpu())
         self.log(f"{prefix}/recall@K", r_k, prog_bar=True, batch_size=n, sync_dist=True)
         self.log(f"{prefix}/recall@K+3", r_k3, batch_size=n, sync_dist=True)
+
+    def on_validation_epoch_start(self) -> None:
+        self._calib = ([], [])
+
+    def calibrate(self) -> float | None:
+        """Fit the probability temperature on the logits kept from the last validation epoch."""
+        if self.net is None or not getattr(self, "_calib", None) or not self._calib[0]:
+            return None
+        T, bce = fit_temperature(torch.cat(self._calib[0]), torch.cat(self._calib[1]), self.net.config.top_k)
+        self.net.config.temperature = T
+        self.log("val/temperature", T, sync_dist=True)
+        self.log("val/bce", bce, sync_dist=True)
+        return T
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -209,6 +277,8 @@ class ForecasterModule(pl.LightningModule):
         return save_forecaster(self.net, path, source=self.hparams.source, extra=info)
 
     def on_validation_epoch_end(self) -> None:
+        if self._trainer is not None and not self.trainer.sanity_checking:
+            self.calibrate()
         if self.hparams.export_dir and self._trainer is not None and not self.trainer.sanity_checking \
                 and self.trainer.is_global_zero:
             metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}

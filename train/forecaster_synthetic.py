@@ -105,3 +105,33 @@ class ModeMarkovProcess:
                 hits += float(got.sum()) / self.top_k
                 n += self.num_layers
         return hits / max(n, 1)
+
+
+def fit_forecaster(meta: TraceMeta, seqs: list[TraceSequence], *, epochs: int = 10, batch_size: int = 16,
+                   window: int | None = None, val_fraction: float = 0.2, seed: int = 0, trigger_layer: int | None = None,
+                   **module_kwargs):
+    """Train a small forecaster on in-memory sequences with Lightning on CPU (tests, benchmarks).
+
+    Returns (ForecasterModule, ForecasterDataModule); the network is ``module.net`` (eval mode).
+    """
+    import lightning as pl
+
+    from expertcast.train.forecaster_data import ForecasterDataModule
+    from expertcast.train.forecaster_module import ForecasterModule
+
+    pl.seed_everything(seed, verbose=False)
+    T = max(s.num_tokens for s in seqs)
+    dm = ForecasterDataModule.from_sequences(meta, seqs, window=window or T, batch_size=batch_size,
+                                             val_fraction=val_fraction, split_seed=seed, trigger_layer=trigger_layer)
+    kw = dict(hidden_size=32, head_dim=16, state_size=16, num_blocks=1, chunk_size=32, lr=1e-2, kl_weight=0.1)
+    kw.update(module_kwargs)
+    module = ForecasterModule(**kw)
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+                         num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, dm)
+    from expertcast.train.forecaster_module import calibrate_on_loader
+
+    calibrate_on_loader(module.net, dm.val_dataloader() if dm.splits["val"] else dm.train_dataloader())
+    module.net.eval()
+    return module, dm

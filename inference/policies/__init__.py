@@ -64,7 +64,8 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
     cls = policy_class(name)
     policy = cls(**kwargs)
     policy.name = name.strip().lower()
-    opts = ",".join(f"{k}={v}" for k, v in kwargs.items() if not k.startswith("calibration"))
+    # scalar options name the run (lrfu(lam=0.1)); objects (replays, calibration data) do not
+    opts = ",".join(f"{k}={v}" for k, v in kwargs.items() if isinstance(v, (int, float, str, bool)))
     policy.label = f"{policy.name}({opts})" if opts else policy.name
     return policy
 

@@ -43,7 +43,6 @@ from expertcast.inference.prefetch import PrefetchScheduler, TransferEstimator, 
 from expertcast.models.forecaster import (
     ExpertForecaster,
     ForecasterState,
-    activation_probs,
     activation_vector,
     trigger_offset,
     trigger_sequence,
@@ -95,7 +94,7 @@ def precompute_forecasts(model: ExpertForecaster, expert_ids: np.ndarray, expert
             logits.append(lg)
         batch_state = ForecasterState.cat(states)
         roll = model.rollout(torch.cat(logits), batch_state, horizon)  # [b-a, H, L, E]
-        out[a:b] = activation_probs(roll, c.top_k).cpu().numpy()
+        out[a:b] = model.probs(roll).cpu().numpy()
     return out
 
 
@@ -286,7 +285,7 @@ class SeqMoEPolicy(Policy):
                 logits, _ = self.model.step(x, sub)
                 roll = self.model.rollout(logits, sub, self.horizon)
                 self._state.put_rows(rows, sub)
-                probs = activation_probs(roll, self.fc.top_k).cpu().numpy()
+                probs = self.model.probs(roll).cpu().numpy()
                 per_member = list(probs)
         if not per_member:
             return None

@@ -47,6 +47,7 @@ from expertcast.inference.runtime.store import (
     HostExpertStore,
     MoELayerRef,
     find_experts_modules,
+    layout_of,
     release_model_experts,
 )
 from expertcast.inference.runtime.transfer import Transfer, TransferEngine, make_transfer_engine
@@ -187,11 +188,14 @@ class OffloadedModel:
         mmap_path: keep the host store in this safetensors file, memory-mapped.
         num_temp_slots: temporary slots (TEMP loads, prefill streaming, selections larger than a pool).
         future: oracles only: the access stream (``simulator.build_stream``) of the run to come.
+        store: reuse the host store of an earlier OffloadedModel of this model (benchmarks: the model's
+            experts were released by it and are not packed again).
     """
 
     def __init__(self, model: nn.Module, policy: Policy, capacity: float | int, *, pool: str = "per-layer",
                  device: torch.device | str | None = None, link_gbps: float | None = None,
-                 mmap_path: str | None = None, num_temp_slots: int = 2, future: Any = None):
+                 mmap_path: str | None = None, num_temp_slots: int = 2, future: Any = None,
+                 store: HostExpertStore | None = None):
         self.model = model
         self.refs: list[MoELayerRef] = find_experts_modules(model)  # unsupported architecture -> error
         mod0 = self.refs[0].module
@@ -199,9 +203,7 @@ class OffloadedModel:
         self.E = int(mod0.num_experts)
         self.K = int(_top_k_of(model))
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        from expertcast.inference.runtime.store import layout_of
-
-        layout = layout_of(mod0)
+        layout = store.layout if store is not None else layout_of(mod0)
         kw = {"capacity": float(capacity)} if isinstance(capacity, float) else {"slots": int(capacity)}
         self.cache_config = CacheConfig(num_layers=self.L, num_experts=self.E, top_k=self.K, pool=pool,
                                         expert_bytes=layout.expert_bytes, **kw)  # capacity below top-K -> error
@@ -219,8 +221,13 @@ class OffloadedModel:
             policy.set_future(future)
         policy.warm_start(ExpertCache(self.cache_config))
 
-        self.store = HostExpertStore.from_model(model, pin_memory=self.device.type == "cuda", mmap_path=mmap_path,
-                                                refs=self.refs)
+        if store is None:
+            store = HostExpertStore.from_model(model, pin_memory=self.device.type == "cuda", mmap_path=mmap_path,
+                                               refs=self.refs)
+        elif (store.num_layers, store.num_experts) != (self.L, self.E):
+            raise ValueError(f"the given host store holds L={store.num_layers}, E={store.num_experts} experts but the "
+                             f"model has L={self.L}, E={self.E}")
+        self.store = store
         self.layout = self.store.layout
         release_model_experts(self.refs, self.layout)
         model.to(self.device)
@@ -287,7 +294,8 @@ class OffloadedModel:
                     delattr(r.module, a)
             for p in self.layout.parts:
                 getattr(r.module, p.name).data = getattr(r.module, p.name).data.to(self.device)
-        prev = (self._impl_before or {}).get("", None) or "grouped_mm"
+        prev = (self._impl_before or {}).get("", None)
+        prev = "grouped_mm" if prev in (None, X.IMPLEMENTATION_NAME) else prev
         self.model.set_experts_implementation(prev)
         return self.model
 
@@ -572,8 +580,8 @@ class OffloadedModel:
 
     # ------------------------------------------------------------------------------------------ compute
     def _decode_layer(self, module, layer, h, idx, w, t) -> torch.Tensor:
-        grouping = X.group_by_expert(idx, self.E)
-        sel, cnt = _selection(idx)
+        grouping = X.Grouping(idx, self.E)
+        sel, cnt = grouping.selected, grouping.selected_counts
         self._physical = True
         plan = self._access(t, layer, sel, cnt, counted=True)
         y = self._compute(module, layer, h, idx, w, grouping, plan, count_stall=True)
@@ -582,9 +590,9 @@ class OffloadedModel:
 
     def _prefill_layer(self, module, layer, h, idx, w) -> torch.Tensor:
         """Prompt compute: resident slots where the bytes are there, the rest streamed (uncounted)."""
-        grouping = X.group_by_expert(idx, self.E)
+        grouping = X.Grouping(idx, self.E)
         plan = {}
-        for e in grouping[2]:
+        for e in grouping.active:
             s = self.cache.slot(layer, e)
             ok = s >= 0 and self._phys[s] == (layer, e)
             plan[e] = ("slot", s) if ok else ("temp",)
@@ -592,7 +600,7 @@ class OffloadedModel:
 
     def _compute(self, module, layer, h, idx, w, grouping, plan, count_stall: bool) -> torch.Tensor:
         pool = self.pool
-        temps = [e for e in grouping[2] if plan[e][0] == "temp"]
+        temps = [e for e in grouping.active if plan[e][0] == "temp"]
         temp_slot: dict[int, int] = {}
         nxt = 0
         stall = 0.0
@@ -626,7 +634,7 @@ class OffloadedModel:
             kind = plan[e][0]
             return pool.views(plan[e][1] if kind == "slot" else temp_slot[e])
 
-        cpu = {e for e in grouping[2] if plan[e][0] == "cpu"}
+        cpu = {e for e in grouping.active if plan[e][0] == "cpu"}
         y = X.grouped_expert_compute(module, h, idx, w, weights_of, self.workspace, grouping=grouping,
                                      cpu_weights_of=lambda e: self.store.views(layer, e), cpu_experts=cpu,
                                      before_expert=before, after_expert=after)
@@ -903,10 +911,6 @@ def _selection_np(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     uniq, first, counts = np.unique(flat, return_index=True, return_counts=True)
     order = np.argsort(first, kind="stable")
     return uniq[order].astype(np.int64), counts[order].astype(np.int64)
-
-
-def _selection(idx: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    return _selection_np(idx.cpu().numpy())
 
 
 def _snapshot(st: RuntimeStats) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -72,20 +73,39 @@ def _expert_mlp(module: nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor], 
         out.add_(b2)
 
 
-def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Sort the flattened (token, k) pairs by expert.
+class Grouping:
+    """The (token, k) pairs of one layer-execution grouped by expert (expert-aligned repacking).
 
-    Args:
-        top_k_index: int [T, K].
-    Returns:
-        perm int [T*K] (position in the flattened routing of each sorted row), counts int [E] (a CPU
-        tensor), and the experts with at least one row, ascending.
+    Attributes:
+        flat: list [T*K] of expert ids (router order, token-major).
+        perm: int64 tensor [T*K] on the compute device: flattened index of each sorted row (by expert,
+            stable).
+        counts: list [E] rows routed to each expert.
+        active: experts with at least one row, ascending (the compute order).
+        selected / selected_counts: the union in first-appearance order and the tokens routed to each
+            (the policy's ``selected`` and ``counts``).
     """
-    flat = top_k_index.reshape(-1)
-    _, perm = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).cpu()
-    active = torch.nonzero(counts).flatten().tolist()
-    return perm, counts, active
+
+    __slots__ = ("flat", "perm", "counts", "active", "selected", "selected_counts")
+
+    def __init__(self, top_k_index: torch.Tensor, num_experts: int):
+        flat = top_k_index.reshape(-1).tolist()  # one host sync per layer: the runtime needs the routing
+        counts = [0] * num_experts
+        for e in flat:
+            counts[e] += 1
+        self.flat = flat
+        self.counts = counts
+        order = sorted(range(len(flat)), key=flat.__getitem__)  # stable
+        self.perm = torch.tensor(order, dtype=torch.long, device=top_k_index.device)
+        self.active = [e for e in range(num_experts) if counts[e]]
+        first = list(dict.fromkeys(flat))
+        self.selected = np.asarray(first, dtype=np.int64)
+        self.selected_counts = np.asarray([counts[e] for e in first], dtype=np.int64)
+
+
+def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> Grouping:
+    """Group the flattened (token, k) pairs of ``top_k_index`` int [T, K] by expert."""
+    return Grouping(top_k_index, num_experts)
 
 
 def grouped_expert_compute(
@@ -95,7 +115,7 @@ def grouped_expert_compute(
     top_k_weights: torch.Tensor,
     weights_of: Callable[[int], dict[str, torch.Tensor]],
     workspace: Workspace,
-    grouping: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
+    grouping: Grouping | None = None,
     cpu_weights_of: Callable[[int], dict[str, torch.Tensor]] | None = None,
     cpu_experts: frozenset[int] | set[int] = frozenset(),
     before_expert: Callable[[int], None] | None = None,
@@ -116,14 +136,14 @@ def grouped_expert_compute(
     T, H = hidden_states.shape
     K = top_k_index.shape[-1]
     S = T * K
-    perm, counts, active = grouping if grouping is not None else group_by_expert(top_k_index, module.num_experts)
+    g = grouping if grouping is not None else Grouping(top_k_index, module.num_experts)
+    perm, cnt, active = g.perm, g.counts, g.active
     dtype = workspace.dtype
     x = workspace.get("x", S, H)
     torch.index_select(hidden_states.to(dtype), 0, perm // K, out=x)
     y = workspace.get("y", S, H)
     gu_width = None
     start = 0
-    cnt = counts.tolist()
     for e in active:
         n = cnt[e]
         end = start + n

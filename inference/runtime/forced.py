@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
-
 from expertcast.data.trace_format import TraceSequence
 from expertcast.inference.runtime.store import find_experts_modules
+from torch import nn
 
 FORCED_NAME = "expertcast_forced"
 _ATTR = "_expertcast_forced"

@@ -118,7 +118,8 @@ def find_experts_modules(model: nn.Module) -> list[MoELayerRef]:
         if not (hasattr(mod, "is_transposed") and hasattr(mod, "has_gate") and hasattr(mod, "num_experts")):
             continue
         w = getattr(mod, "gate_up_proj" if mod.has_gate else "up_proj", None)
-        if not isinstance(w, torch.Tensor) or w.ndim != 3:
+        released = isinstance(w, torch.Tensor) and w.numel() == 0  # experts moved to a host store already
+        if not isinstance(w, torch.Tensor) or (w.ndim != 3 and not released):
             continue
         parts = name.split(".")
         dec = -1

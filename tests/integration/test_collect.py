@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from expertcast.data.collect import CollectConfig, collect_traces, generate_batch
 from expertcast.data.collect import main as collect_main
 from expertcast.data.traces import load_traces, read_manifest

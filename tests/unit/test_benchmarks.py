@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from expertcast.data.benchmarks import DatasetNotFoundError, gsm8k_gold_answer, load_benchmark
 from expertcast.data.prompts import build_prompt, instruction_for
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from expertcast.data.benchmarks import load_benchmark
 from expertcast.data.grading import (
     extract_gsm8k_answer,

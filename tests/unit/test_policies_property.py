@@ -1,5 +1,9 @@
 """Property: protect-rule Belady is an upper bound of every demand-paging policy at every capacity, and
-sequential Belady bounds protect-rule Belady."""
+sequential Belady bounds protect-rule Belady.
+
+Belady maximizes the hits of the whole replayed stream, so the bound is checked with every access
+counted (warm-up included). On decode-only counts it is the reference but not a strict bound: a policy
+can trade uncounted prefill hits for a few decode hits at the warm-up boundary."""
 
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ def cases(draw):
 def test_belady_bounds_every_demand_policy(case):
     meta, seqs, pool, slots, lam, k = case
     stream = build_stream(meta, seqs, batch_size=1)
+    stream.step_counted[:] = True  # count the warm-up too: Belady's objective is the whole stream
     cfg = CacheConfig(meta.num_layers, meta.num_experts, meta.top_k, pool=pool, slots=slots)
     bel = replay_kernel(stream, make_policy("belady"), cfg).hits.sum()
     for name, kw in [("lru", {}), ("fifo", {}), ("lfu", {}), ("lfu", {"history": "in-cache"}),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from expertcast.models.presets import build_tiny
 from expertcast.models.routing import RoutingRecorder, capture_routing, find_routers, record_routing
 
@@ -80,21 +79,23 @@ def test_weights_and_probs_are_the_native_ones(name):
             torch.testing.assert_close(w, picked, rtol=1e-4, atol=1e-5)
 
 
-def test_right_padding_does_not_change_real_tokens():
-    model = _model("olmoe-tiny")
+@pytest.mark.parametrize("name,side", [("olmoe-tiny", "right"), ("gpt_oss-tiny", "left"), ("deepseek_v3-tiny", "left")])
+def test_padding_does_not_change_real_tokens(name, side):
+    model = _model(name)
     g = torch.Generator().manual_seed(5)
-    a = torch.randint(4, 260, (1, 17), generator=g)
+    a = torch.randint(4, 260, (1, 20), generator=g)  # longer than GPT-OSS's sliding window
     b = torch.randint(4, 260, (1, 9), generator=g)
-    batch = torch.zeros((2, 17), dtype=torch.long)
-    mask = torch.zeros((2, 17), dtype=torch.long)
+    batch = torch.zeros((2, 20), dtype=torch.long)
+    mask = torch.zeros((2, 20), dtype=torch.long)
     batch[0], mask[0] = a[0], 1
-    batch[1, :9], mask[1, :9] = b[0], 1
+    real = slice(0, 9) if side == "right" else slice(11, 20)
+    batch[1, real], mask[1, real] = b[0], 1
     cap = capture_routing(model, batch, mask)
-    alone_b = capture_routing(model, b)
     alone_a = capture_routing(model, a)
+    alone_b = capture_routing(model, b)
     assert torch.equal(cap.expert_ids[0], alone_a.expert_ids[0])
-    assert torch.equal(cap.expert_ids[1, :9], alone_b.expert_ids[0])
-    torch.testing.assert_close(cap.expert_weights[1, :9], alone_b.expert_weights[0], rtol=1e-4, atol=1e-5)
+    assert torch.equal(cap.expert_ids[1, real], alone_b.expert_ids[0])
+    torch.testing.assert_close(cap.expert_weights[1, real], alone_b.expert_weights[0], rtol=1e-4, atol=1e-5)
 
 
 def test_errors():

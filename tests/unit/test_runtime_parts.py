@@ -130,8 +130,11 @@ def test_grouped_compute_matches_transformers_from_slots(gpt_oss):
     out = grouped_expert_compute(mod, h, idx, w, pool.views, ws)
     assert torch.equal(out, ref)
     # CPU execution of some experts from the host copy gives the same result
-    perm, counts, active = group_by_expert(idx, mod.num_experts)
-    assert sum(counts.tolist()) == T * K and active == sorted(set(idx.flatten().tolist()))
+    g = group_by_expert(idx, mod.num_experts)
+    active = g.active
+    assert sum(g.counts) == T * K and active == sorted(set(idx.flatten().tolist()))
+    assert g.selected.tolist() == list(dict.fromkeys(idx.flatten().tolist()))  # first-appearance order
+    assert [idx.flatten()[i].item() for i in g.perm.tolist()] == sorted(idx.flatten().tolist())
     out2 = grouped_expert_compute(mod, h, idx, w, pool.views, ws, cpu_weights_of=lambda e: store.views(0, e),
                                   cpu_experts={active[0], active[-1]})
     assert torch.equal(out2, ref)

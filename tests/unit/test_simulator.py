@@ -230,3 +230,20 @@ def test_cli_writes_table_json_csv_png(tmp_path, capsys):
     assert "belady_fraction" in capsys.readouterr().out
     assert main(["--synthetic", "zipf", "--policies", "nope", "--out", str(out)]) == 2
     assert main(["--synthetic", "zipf", "--slots", "1", "--synthetic-shape", "2,8,2,2,16", "--out", str(out)]) == 2
+
+
+def test_cli_resumes_after_an_interrupted_run(tmp_path, capsys):
+    from expertcast.inference.simulate_cli import main
+
+    out = tmp_path / "out"
+    common = ["--synthetic", "zipf", "--synthetic-shape", "2,8,2,2,24", "--capacity", "0.5", "--engine", "python",
+              "--out", str(out)]
+    # belady-seq cannot run on the python engine: the run stops after lru's record was saved
+    assert main(common + ["--policies", "lru,belady-seq"]) == 2
+    partial = json.loads((out / "simulate.partial.json").read_text())
+    assert [r["policy"] for r in partial["records"]] == ["lru"]
+    capsys.readouterr()
+    assert main(common + ["--policies", "lru,lfu"]) == 0
+    assert "resuming: 1 finished runs" in capsys.readouterr().out
+    recs = json.loads((out / "simulate.json").read_text())
+    assert [r["policy"] for r in recs] == ["lru", "lfu"] and recs[0] == partial["records"][0]

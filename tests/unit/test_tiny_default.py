@@ -118,3 +118,27 @@ def test_lr_schedule_warms_up_then_decays():
     assert td._lr_at(cfg, 50, 0.0) == pytest.approx(1.0)
     assert td._lr_at(cfg, 50, 0.5) == pytest.approx(0.55)
     assert td._lr_at(cfg, 50, 1.0) == pytest.approx(0.1)
+
+
+def test_yaml_recipe_matches_dataclass_defaults(tmp_path):
+    from expertcast.utils.paths import REPO_ROOT
+
+    assert td.TinyDefaultConfig.from_yaml(REPO_ROOT / "configs" / "tiny_default" / "default.yaml") == td.TinyDefaultConfig()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("vocab_size: 512\nnum_expert: 8\n")
+    with pytest.raises(ValueError, match="num_expert"):
+        td.TinyDefaultConfig.from_yaml(bad)
+
+
+def test_cli_builds_then_reuses(cache, tmp_path, capsys):
+    import yaml
+
+    y = tmp_path / "tiny.yaml"
+    y.write_text(yaml.safe_dump(dataclasses.asdict(dataclasses.replace(TINY, max_steps=4, eval_gsm8k_test=3, eval_cot=1))))
+    assert td.main(["--config", str(y), "--no-progress", "--threads", "1"]) == 0
+    first = capsys.readouterr().out
+    assert "parameters" in first and "default model:" in first and "gsm8k_test" in first
+    assert td.main(["--config", str(y), "--no-progress"]) == 0
+    second = capsys.readouterr().out
+    assert "parameters" not in second and "default model:" in second  # served from the cache
+    assert td.main(["--config", str(tmp_path / "missing.yaml")]) == 1

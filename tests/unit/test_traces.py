@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.data.trace_import import ImportFormatError, read_import_jsonl
 from expertcast.data.trace_stats import trace_stats
@@ -105,7 +104,18 @@ def test_resume_skips_finished_and_adopts_renamed_shards(tmp_path):
     assert not (d / ".tmp-shard-00003-x").exists()
     with pytest.raises(TraceFormatError, match="already finished"):
         w2.write_shard(1, seqs[2:4])
+    w2.check_done_shard(2, ["s4", "s5"])  # adopted shard: its ids were read back
+    with pytest.raises(TraceFormatError, match="input changed"):
+        w2.check_done_shard(1, ["s2", "sX"])
     w2.finalize()
+    _same(seqs, load_traces(d)[1])
+    # a finished shard damaged later is dropped on resume (and redone by the caller), the others kept
+    arrow = next((d / "shard-00001").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    w3 = TraceWriter(d, _meta(), run={"limit": 6})
+    assert w3.finished_shards == {0, 2} and not (d / "shard-00001").exists()
+    w3.write_shard(1, seqs[2:4])
+    w3.finalize()
     _same(seqs, load_traces(d)[1])
     # another model or other settings in the same directory: refused
     with pytest.raises(TraceFormatError, match="num_experts"):
@@ -166,6 +176,17 @@ def test_check_compatible_names_the_mismatch():
     with pytest.raises(ValueError, match="L=3, E=8, K=2 but the model has L=3, E=16, K=2"):
         _meta().check_compatible(3, 16, 2)
     _meta().check_compatible(3, 8, 2)
+    from expertcast.data.traces import check_model_compatible
+    from expertcast.models.presets import get_config
+    from expertcast.models.spec import MoESpec
+
+    spec = MoESpec.from_config(get_config("mixtral-tiny"))  # L=2, E=8, K=2
+    with pytest.raises(ValueError, match="L=3, E=8, K=2 but the model 'preset:mixtral-tiny' has L=2, E=8, K=2"):
+        check_model_compatible(_meta(), spec)
+    ok = TraceMeta("m", 2, 8, 2, 1, moe_layers=[0, 1])
+    check_model_compatible(ok, spec)
+    with pytest.raises(ValueError, match=r"MoE layers \[1, 2\]"):
+        check_model_compatible(TraceMeta("m", 2, 8, 2, 1, moe_layers=[1, 2]), spec)
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:

@@ -1,0 +1,318 @@
+"""Speed of the offloading runtime against the full-load model, measured in the same run.
+
+A random-weight MoE (Qwen3-MoE architecture; by default a CPU size whose MoE layer takes >= 1 ms at
+batch 1) replays routing traces with forced routing: recorded traces given by ``--traces`` (real
+routing patterns), else synthetic staged traces (planted stages with hot experts). Both the baseline
+and the runtime run the same tokens and routing, decode one token at a time (batch 1, KV cache).
+
+(a) overhead: every expert resident in the runtime's slots (capacity 1.0, warmed) vs the plain model
+    (all experts in the fused weights, transformers' grouped_mm kernel): ``overhead = full / runtime - 1``
+    (target <= 10%).
+(b) % of full-load tokens/s at 15/25/35/45% residency with the emulated host-device link (CPU: a
+    throttled transfer thread) set so that one expert transfer costs 1x, 2x and 4x one MoE layer's
+    compute, for LRU, the static placement, Belady (oracle bound) and each method's policy available
+    (``stage``; ``seqmoe`` with ``--forecaster``). Target: the best policy at 45% and 2x >= 80%.
+
+On CUDA the link is the real one (pinned memory, side stream): the ratio columns give the measured
+transfer/compute ratio instead. Results: a terminal table, JSON + CSV and a PNG under ``--out``.
+
+    python scripts/bench_runtime.py [--device cpu|cuda] [--tokens 48] [--quick] [--out runs/bench_runtime]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(var, "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from expertcast.inference.policies import make_policy  # noqa: E402
+from expertcast.inference.runtime.engine import OffloadedModel  # noqa: E402
+from expertcast.inference.runtime.forced import FullLoadReplayer  # noqa: E402
+from expertcast.inference.simulator import build_stream  # noqa: E402
+from expertcast.models.presets import build_from_config, get_config, list_presets  # noqa: E402
+from expertcast.utils.io import atomic_write_json, report  # noqa: E402
+
+
+def bench_config(args):
+    """The benchmark model's transformers config (a tiny preset, a real-shape preset or the CPU size)."""
+    if args.preset:
+        return get_config(args.preset)
+    return get_config("qwen3_moe-tiny", hidden_size=args.hidden, moe_intermediate_size=args.moe_intermediate,
+                      intermediate_size=2 * args.moe_intermediate, num_experts=args.experts,
+                      num_experts_per_tok=args.top_k, num_hidden_layers=args.layers, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=args.hidden // 8)
+
+
+def moe_layer_ms(model, device, K: int, reps: int = 60) -> float:
+    """Median time of one MoE experts forward at batch 1 (K experts) with all experts resident."""
+    from expertcast.inference.runtime.store import find_experts_modules
+
+    mod = find_experts_modules(model)[0].module
+    H = model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    dt = next(model.parameters()).dtype
+    times = []
+    for i in range(reps + 5):
+        h = torch.randn(1, H, generator=g).to(device, dt)
+        idx = torch.randperm(mod.num_experts, generator=g)[:K][None].to(device)
+        w = torch.full((1, K), 1.0 / K, dtype=dt, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        mod(h, idx, w)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
+def load_or_make_traces(args, L: int, E: int, K: int, vocab: int, expert_bytes: int):
+    if args.traces:
+        from expertcast.data.traces import load_traces
+
+        meta, seqs = load_traces(args.traces)
+        meta.check_compatible(L, E, K, what="benchmark model")
+        seqs = [s for s in seqs if s.num_tokens - s.prompt_len >= 4][: args.sequences]
+        if not seqs:
+            raise SystemExit(f"{args.traces}: no sequence with at least 4 decoded positions")
+        return meta, seqs, None, f"recorded traces {args.traces}"
+    from expertcast.inference.synthetic import staged_traces
+
+    syn = staged_traces(num_sequences=args.sequences, num_tokens=args.prompt + args.tokens, num_layers=L,
+                        num_experts=E, top_k=K, num_stages=3, hot=max(K, int(round(0.2 * E))), hot_mass=0.9,
+                        mean_stage_len=args.stage_len, prompt_len=args.prompt, seed=args.seed,
+                        expert_bytes=expert_bytes, vocab=vocab)
+    return syn.meta, syn.sequences, syn.cue_token, "synthetic staged traces"
+
+
+def make_bench_policy(name: str, traces, cue_token, args, latency_model):
+    """(policy, future) for one policy name, or None when it cannot run in this setting."""
+    if name == "static":
+        return make_policy("static", calibration=traces), None
+    if name == "belady":
+        return make_policy("belady"), "future"
+    if name == "stage":
+        if args.cue_set:
+            return make_policy("stage", cue_set=args.cue_set, latency=latency_model), None
+        if cue_token is None:
+            return None
+        cue = int(cue_token)
+        return make_policy("stage", cues="Alternatively", latency=latency_model,
+                           decoder=lambda i: b" Alternatively" if int(i) == cue else b" x"), None
+    if name == "seqmoe":
+        if not args.forecaster:
+            return None
+        return make_policy("seqmoe", forecaster=args.forecaster), None
+    return make_policy(name), None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default=None, help=f"a model preset instead of the CPU size ({', '.join(list_presets())})")
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--moe-intermediate", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    ap.add_argument("--traces", default=None, help="recorded trace directory (real routing) for forced replay")
+    ap.add_argument("--sequences", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=48, help="decode steps per sequence")
+    ap.add_argument("--prompt", type=int, default=8)
+    ap.add_argument("--stage-len", type=float, default=24.0)
+    ap.add_argument("--residency", type=float, nargs="+", default=[0.15, 0.25, 0.35, 0.45])
+    ap.add_argument("--ratios", type=float, nargs="+", default=[1.0, 2.0, 4.0],
+                    help="one expert transfer = ratio x one MoE layer's compute (CPU link emulation)")
+    ap.add_argument("--policies", nargs="+", default=["lru", "static", "belady", "stage", "seqmoe"])
+    ap.add_argument("--pool", default="per-layer", choices=["per-layer", "shared"])
+    ap.add_argument("--forecaster", default=None, help="forecaster export for the seqmoe policy")
+    ap.add_argument("--cue-set", default=None, help="calibrated cue set for the stage policy")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of (a) (best of each kept)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="one ratio (2x), residencies 0.25/0.45, fewer tokens")
+    ap.add_argument("--out", default="runs/bench_runtime")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.ratios, args.residency, args.tokens = [2.0], [0.25, 0.45], min(args.tokens, 32)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available")
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    cfg = bench_config(args)
+    model = build_from_config(cfg, seed=args.seed, dtype=dtype).to(device)
+    K = cfg.num_experts_per_tok
+    from expertcast.inference.runtime.store import find_experts_modules, layout_of
+
+    refs = find_experts_modules(model)
+    L, E = len(refs), int(refs[0].module.num_experts)
+    xbytes = layout_of(refs[0].module).expert_bytes
+    layer_ms = moe_layer_ms(model, device, K)
+    meta, seqs, cue_token, source = load_or_make_traces(args, L, E, K, model.get_input_embeddings().num_embeddings,
+                                                        xbytes)
+    print(f"model: L={L} E={E} K={K} hidden={cfg.hidden_size} expert={xbytes / 1e6:.2f} MB {str(dtype)[6:]} on "
+          f"{device}; MoE layer at batch 1: {layer_ms:.2f} ms; routing: {source} ({len(seqs)} x {args.tokens} "
+          "decode steps)")
+    if layer_ms < 1.0 and device.type == "cpu":
+        print(f"warning: the MoE layer takes {layer_ms:.2f} ms < 1 ms at batch 1; raise --hidden/--moe-intermediate")
+
+    # ---- baseline and (a): the plain model and the all-resident runtime under the same forced routing,
+    # interleaved (best of --repeats each) so that both see the same machine load
+    rep = FullLoadReplayer(model)
+    full = rep.replay(seqs, max_decode=args.tokens)  # warm-up
+    rep.close()
+    om = OffloadedModel(model, make_policy("lru"), 1.0, pool=args.pool, device=device)
+    store = om.store
+    om.replay(seqs, max_decode=args.tokens)  # warm: every used expert lands in its slot
+    om.close()
+    full = best_all = None
+    for _ in range(args.repeats):
+        if _released(model):
+            model = om.restore()  # the fused weights back for the plain model
+        rep = FullLoadReplayer(model)
+        r = rep.replay(seqs, max_decode=args.tokens)
+        rep.close()
+        full = r if full is None or r.tokens_per_s > full.tokens_per_s else full
+        om = OffloadedModel(model, make_policy("lru"), 1.0, pool=args.pool, device=device, store=store)
+        om.replay(seqs, max_decode=args.tokens)  # warm (not timed)
+        st = om.replay(seqs, max_decode=args.tokens)
+        best_all = st if best_all is None or st.tokens_per_s > best_all.tokens_per_s else best_all
+        mem_all = om.memory_report()
+        om.close()
+    print(f"full-load: {full.tokens_per_s:.1f} tokens/s; runtime with every expert resident: "
+          f"{best_all.tokens_per_s:.1f} tokens/s")
+    overhead = full.tokens_per_s / best_all.tokens_per_s - 1.0
+    rows_a = [{"config": "full-load (plain model)", "tokens_per_s": full.tokens_per_s, "ratio_vs_full": 1.0},
+              {"config": "runtime, all experts resident", "tokens_per_s": best_all.tokens_per_s,
+               "ratio_vs_full": best_all.tokens_per_s / full.tokens_per_s, "hit": best_all.hit,
+               "overhead_pct": 100 * overhead}]
+    report(rows_a, title="(a) all experts resident: runtime vs plain model", json_path=out / "overhead.json",
+           csv_path=out / "overhead.csv")
+
+    # ---- (b) residency x link x policy
+    from expertcast.inference.cpu_exec import LatencyModel
+
+    rows = []
+    ratios = args.ratios if device.type == "cpu" else [None]
+    mem_rows = []
+    for ratio in ratios:
+        link_gbps = None if ratio is None else xbytes / (ratio * layer_ms * 1e-3) / 1e9
+        transfer_ms = (ratio * layer_ms) if ratio is not None else xbytes / 25e9 * 1e3
+        lat = LatencyModel(transfer_ms=transfer_ms, cpu_expert_ms=layer_ms / K * 0.9, cpu_token_ms=layer_ms / K * 0.1)
+        for res in args.residency:
+            for name in args.policies:
+                try:
+                    made = make_bench_policy(name, seqs, cue_token, args, lat)
+                except ValueError as e:
+                    print(f"skip {name}: {e}")
+                    continue
+                if made is None:
+                    continue
+                pol, fut = made
+                future = build_stream(meta, [s for s in _truncate(seqs, args.tokens)], 1) if fut == "future" else None
+                pool = "per-layer" if name == "stage" else args.pool
+                try:
+                    om = OffloadedModel(model, pol, float(res), pool=pool, device=device, link_gbps=link_gbps,
+                                        future=future, store=store)
+                except ValueError as e:
+                    print(f"skip {name} at {res}: {e}")
+                    continue
+                st = om.replay(seqs, max_decode=args.tokens)
+                if name == "lru" and abs(res - max(args.residency)) < 1e-9:
+                    mem_rows.append(om.memory_report().to_dict())
+                om.close()
+                m = st.metrics()
+                rows.append({
+                    "policy": name, "residency": res, "link_ratio": ratio if ratio is not None else "real",
+                    "link_gbps": link_gbps, "tokens_per_s": st.tokens_per_s,
+                    "pct_full": 100.0 * st.tokens_per_s / full.tokens_per_s, "hit": st.hit, "adj_hit": st.adj_hit,
+                    "mb_per_token": st.mb_per_token, "stall_ms_per_token": m["stall_ms_per_token"],
+                    "cpu_exec": m["cpu_exec"], "late": m["late_prefetches"],
+                })
+                print(f"  ratio={ratio} residency={res:.2f} {name:>7}: {rows[-1]['pct_full']:5.1f}% of full-load "
+                      f"(hit {st.hit:.3f}, stall {m['stall_ms_per_token']:.2f} ms/token)", flush=True)
+    report(rows, title="(b) % of full-load tokens/s (decode, same routing, same run)",
+           json_path=out / "residency.json", csv_path=out / "residency.csv",
+           columns=["policy", "residency", "link_ratio", "tokens_per_s", "pct_full", "hit", "adj_hit", "mb_per_token",
+                    "stall_ms_per_token", "cpu_exec"])
+    if mem_rows:
+        atomic_write_json(out / "memory.json", {"all_resident": mem_all.to_dict(), "lru_max_residency": mem_rows[0]})
+        mr = mem_rows[0]
+        print(f"memory (lru @ {max(args.residency):.0%}): host experts {mr['host_expert_bytes'] / 1e6:.1f} MB; device "
+              f"non-expert {mr['device_non_expert_bytes'] / 1e6:.1f} MB + slots {mr['device_slot_bytes'] / 1e6:.1f} MB "
+              f"({mr['num_slots']}+{mr['num_temp_slots']} x {mr['expert_bytes'] / 1e6:.2f} MB) + workspace "
+              f"{mr['device_workspace_bytes'] / 1e6:.2f} MB; expert params left in the model: "
+              f"{mr['device_expert_param_bytes']} B")
+    _plot(rows, out / "residency.png", args)
+    # one clear line
+    target = [r for r in rows if r["residency"] == max(args.residency) and r["link_ratio"] in (2.0, "real")]
+    best = max(target, key=lambda r: r["pct_full"]) if target else None
+    line = (f"bench_runtime {device.type}: full-load {full.tokens_per_s:.1f} tok/s; all-resident overhead "
+            f"{100 * overhead:+.1f}% (target <= 10%)")
+    if best:
+        line += (f"; best at {best['residency']:.0%} residency, link {best['link_ratio']}x: {best['policy']} "
+                 f"{best['pct_full']:.1f}% of full-load (target >= 80%)")
+    print(line)
+    atomic_write_json(out / "summary.json", {"line": line, "layer_ms": layer_ms, "expert_bytes": xbytes,
+                                            "full_tokens_per_s": full.tokens_per_s, "overhead": overhead,
+                                            "source": source, "device": str(device)})
+    return 0
+
+
+def _released(model) -> bool:
+    from expertcast.inference.runtime.store import find_experts_modules
+
+    m = find_experts_modules(model)[0].module
+    return getattr(m, "gate_up_proj" if m.has_gate else "up_proj").numel() == 0
+
+
+def _truncate(seqs, tokens):
+    from expertcast.data.trace_format import TraceSequence
+
+    out = []
+    for s in seqs:
+        T = min(s.num_tokens, s.prompt_len + tokens)
+        out.append(TraceSequence(s.seq_id, s.token_ids[:T], s.prompt_len, s.expert_ids[:T], s.expert_weights[:T]))
+    return out
+
+
+def _plot(rows, path: Path, args) -> None:
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = sorted({r["link_ratio"] for r in rows}, key=str)
+    fig, axes = plt.subplots(1, len(ratios), figsize=(5 * len(ratios), 4), squeeze=False)
+    for ax, ratio in zip(axes[0], ratios, strict=True):
+        for pol in dict.fromkeys(r["policy"] for r in rows):
+            pts = sorted((r["residency"], r["pct_full"]) for r in rows if r["policy"] == pol and r["link_ratio"] == ratio)
+            if pts:
+                ax.plot([100 * p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+        ax.axhline(80, color="gray", ls="--", lw=0.8)
+        ax.set_title(f"transfer = {ratio}x layer compute" if ratio != "real" else "real link")
+        ax.set_xlabel("residency (% of experts)")
+        ax.set_ylabel("% of full-load tokens/s")
+        ax.set_ylim(0, 110)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Forecaster export: round trip without Lightning; foreign, corrupt and mismatched exports refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+from expertcast.models.forecaster_export import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    ForecasterExportError,
+    load_forecaster,
+    save_forecaster,
+)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def model() -> ExpertForecaster:
+    torch.manual_seed(0)
+    cfg = ForecasterConfig(num_layers=2, num_experts=8, top_k=2, trigger_layer=0, hidden_size=32, head_dim=16,
+                           state_size=8, num_blocks=1)
+    return ExpertForecaster(cfg).eval()
+
+
+def test_round_trip_same_predictions(tmp_path, model):
+    out = save_forecaster(model, tmp_path / "exp", source={"model_id": "tiny"}, extra={"note": 1})
+    exp = load_forecaster(out)
+    assert exp.config == model.config and exp.source["model_id"] == "tiny" and exp.extra["note"] == 1
+    x = torch.rand(2, 5, 2, 8)
+    with torch.no_grad():
+        assert torch.equal(exp.model(x), model(x))
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["format"] == "expertcast-forecaster" and cfg["format_version"] == 1
+    exp.check_compatible(2, 8, 2)
+    with pytest.raises(ValueError, match="another model"):
+        exp.check_compatible(48, 128, 8, what="trace")
+
+
+def test_foreign_json_refused(tmp_path, model):
+    out = save_forecaster(model, tmp_path / "exp")
+    (out / CONFIG_NAME).write_text(json.dumps({"format": "something-else", "format_version": 1}))
+    with pytest.raises(ForecasterExportError, match="not a forecaster export"):
+        load_forecaster(out)
+    (out / CONFIG_NAME).write_text("not json at all")
+    with pytest.raises(ForecasterExportError, match="not valid JSON"):
+        load_forecaster(out)
+    with pytest.raises(ForecasterExportError, match="not found"):
+        load_forecaster(tmp_path / "missing")
+
+
+def test_newer_version_refused(tmp_path, model):
+    out = save_forecaster(model, tmp_path / "exp")
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    cfg["format_version"] = 99
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ForecasterExportError, match="version 99"):
+        load_forecaster(out)
+
+
+def test_corrupt_weights_refused(tmp_path, model):
+    out = save_forecaster(model, tmp_path / "exp")
+    blob = bytearray((out / WEIGHTS_NAME).read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (out / WEIGHTS_NAME).write_bytes(bytes(blob))
+    with pytest.raises(ForecasterExportError, match="corrupt"):
+        load_forecaster(out)
+
+
+def test_config_weight_mismatch_refused(tmp_path, model):
+    out = save_forecaster(model, tmp_path / "exp")
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    cfg["config"]["hidden_size"] = 64
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ForecasterExportError, match="shape"):
+        load_forecaster(out)
+    cfg["config"]["hidden_size"] = 32
+    cfg["config"]["bogus"] = 1
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ForecasterExportError, match="bogus"):
+        load_forecaster(out)
