@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     _banner(2, f"routing traces on GSM8K test[:{args.limit}]")
     from expertcast.data.collect import CollectConfig, collect_traces
 
-    trace_dir = out / "traces" / "gsm8k-test"
+    trace_dir = out / "traces" / f"gsm8k-test-n{args.limit}-t{args.max_new_tokens}"
     cfg = CollectConfig(model=str(model_dir), out=str(trace_dir), benchmark="gsm8k", split="test",
                         limit=args.limit, max_new_tokens=args.max_new_tokens, batch_size=8,
                         shard_size=16, router_probs=True, data_dir=args.data_dir)

@@ -51,7 +51,7 @@ class CollectConfig:
     max_new_tokens: int = 256
     batch_size: int = 8
     """Sequences per generation batch (pass 1)."""
-    route_batch_tokens: int = 16384
+    route_batch_tokens: int = 4096
     """Pass 2 packs length-sorted sequences into batches of at most this many padded tokens."""
     shard_size: int = 64
     """Input items per shard."""
@@ -250,7 +250,7 @@ def generate_batch(model, tok, prompts: Sequence[list[int]], cfg: CollectConfig,
 
 
 def route_sequences(model, seqs: Sequence[list[int]], router_probs: bool = False,
-                    batch_tokens: int = 16384) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+                    batch_tokens: int = 4096) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
     """Pass 2: per sequence (expert_ids int16 [T, L, K], weights float16 [T, L, K], probs float16 [T, L, E] | None).
 
     Sequences are sorted by length and packed into right-padded batches of at most ``batch_tokens``
@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N items only")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per generation batch")
-    p.add_argument("--route-batch-tokens", type=int, default=16384, help="padded tokens per teacher-forced batch")
+    p.add_argument("--route-batch-tokens", type=int, default=4096, help="padded tokens per teacher-forced batch")
     p.add_argument("--shard-size", type=int, default=64, help="items per shard")
     p.add_argument("--router-probs", action="store_true", help="also store the full router distribution")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

@@ -92,6 +92,19 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def repair_samples(path: Path) -> None:
+    """Cut a torn last line (a write interrupted mid-line) so that appended rows start on a new line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    keep = data[: data.rfind(b"\n") + 1]
+    from expertcast.utils.io import atomic_write_bytes
+
+    atomic_write_bytes(path, keep)
+
+
 def _append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     """Append whole rows and fsync (a batch is either fully recorded or, if torn, dropped on resume)."""
     data = "".join(json.dumps(r, default=_jsonable) + "\n" for r in rows)
@@ -220,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_resume and samples_path.exists():
         samples_path.unlink()
     done = read_samples(samples_path)
+    repair_samples(samples_path)
     if done:
         prev = done[0].get("settings", {})
         diff = {k: (prev.get(k), v) for k, v in settings.items() if k in prev and prev.get(k) != v}

@@ -66,7 +66,6 @@ def _tiny_common(**overrides: Any) -> dict[str, Any]:
     return base
 
 
-
 _PRESETS: dict[str, Preset] = {}
 
 

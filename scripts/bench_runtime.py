@@ -108,9 +108,11 @@ def make_bench_policy(name: str, traces, cue_token, args, latency_model):
         return make_policy("stage", cues="Alternatively", latency=latency_model,
                            decoder=lambda i: b" Alternatively" if int(i) == cue else b" x"), None
     if name == "seqmoe":
-        if not args.forecaster:
+        fc = args.forecaster or getattr(args, "_trained_forecaster", None)
+        if fc is None:
             return None
-        return make_policy("seqmoe", forecaster=args.forecaster), None
+        return make_policy("seqmoe", forecaster=fc, transfer_layers=args._ratio or 2.0,
+                           layer_compute_ms=args._layer_ms), None
     return make_policy(name), None
 
 
@@ -135,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=["lru", "static", "belady", "stage", "seqmoe"])
     ap.add_argument("--pool", default="per-layer", choices=["per-layer", "shared"])
     ap.add_argument("--forecaster", default=None, help="forecaster export for the seqmoe policy")
+    ap.add_argument("--train-forecaster-epochs", type=int, default=12,
+                    help="synthetic routing only: train the seqmoe forecaster on held-out traces of the same "
+                         "process for this many epochs when no --forecaster is given (0: skip seqmoe)")
     ap.add_argument("--cue-set", default=None, help="calibrated cue set for the stage policy")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of (a) (best of each kept)")
     ap.add_argument("--seed", type=int, default=0)
@@ -201,6 +206,23 @@ def main(argv: list[str] | None = None) -> int:
     report(rows_a, title="(a) all experts resident: runtime vs plain model", json_path=out / "overhead.json",
            csv_path=out / "overhead.csv")
 
+    # ---- the SeqMoE forecaster: trained on held-out traces of the same process (synthetic routing only)
+    args._layer_ms, args._ratio = layer_ms, None
+    if "seqmoe" in args.policies and not args.forecaster and cue_token is not None and args.train_forecaster_epochs > 0:
+        from expertcast.inference.synthetic import staged_traces
+        from expertcast.train.forecaster_synthetic import fit_forecaster
+
+        held = staged_traces(num_sequences=24, num_tokens=args.prompt + args.tokens, num_layers=L, num_experts=E,
+                             top_k=K, num_stages=3, hot=max(K, int(round(0.2 * E))), hot_mass=0.9,
+                             mean_stage_len=args.stage_len, prompt_len=args.prompt, seed=args.seed,
+                             expert_bytes=xbytes, vocab=model.get_input_embeddings().num_embeddings)
+        # same stage profiles (same seed draws them first), new sequences: drop the benchmark's own
+        held_seqs = held.sequences[len(seqs):]
+        t0 = time.perf_counter()
+        module, _ = fit_forecaster(held.meta, held_seqs, epochs=args.train_forecaster_epochs, batch_size=8)
+        args._trained_forecaster = module.net
+        print(f"trained the seqmoe forecaster on {len(held_seqs)} held-out sequences in {time.perf_counter() - t0:.1f} s")
+
     # ---- (b) residency x link x policy
     from expertcast.inference.cpu_exec import LatencyModel
 
@@ -210,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     for ratio in ratios:
         link_gbps = None if ratio is None else xbytes / (ratio * layer_ms * 1e-3) / 1e9
         transfer_ms = (ratio * layer_ms) if ratio is not None else xbytes / 25e9 * 1e3
+        args._ratio = ratio
         lat = LatencyModel(transfer_ms=transfer_ms, cpu_expert_ms=layer_ms / K * 0.9, cpu_token_ms=layer_ms / K * 0.1)
         for res in args.residency:
             for name in args.policies:

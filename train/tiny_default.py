@@ -207,7 +207,7 @@ class _Corpus:
     n_cot: int
 
 
-def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path], tokenizer=None) -> _Corpus:
+def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path]) -> _Corpus:
     gsm = _read_jsonl(files["gsm8k_train"], cfg.gsm8k_train_limit)
     cot = _read_jsonl(files["cot_train"], cfg.cot_limit)
     chats = [gsm8k_messages(r, cfg.strip_calculator_notes) for r in gsm] + [cot_messages(r) for r in cot]

@@ -55,6 +55,17 @@ from torch import nn
 
 
 @dataclass
+class LivePrompt:
+    """What ``Policy.begin_batch`` receives for one sequence of a live generation: its id and prompt (the
+    completion is not known yet, so unlike a :class:`TraceSequence` it has no ``token_ids``/``expert_ids``)."""
+
+    seq_id: str
+    prompt_ids: np.ndarray
+    """int32 [P] prompt token ids."""
+    prompt_len: int
+
+
+@dataclass
 class RuntimeStats:
     """Counters of decode steps only (prefill is uncounted), per MoE layer int64 [L], plus timings.
 
@@ -76,6 +87,9 @@ class RuntimeStats:
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     prefill_tokens: int = 0
+    warmup_seconds: float = 0.0
+    """Replaying the prompt routing through the policy and copying the post-prefill resident set
+    (between the first token and the first decode step; in neither TTFT nor decode time)."""
     stall_seconds: float = 0.0
     """Host time blocked waiting for transfers (demand loads and late prefetches) in decode."""
     bytes_moved: int = 0
@@ -132,6 +146,7 @@ class RuntimeStats:
             "decoded_tokens": self.decoded_tokens,
             "tokens_per_s": self.tokens_per_s,
             "ttft_s": float(np.mean(self.ttft_seconds)) if self.ttft_seconds else float("nan"),
+            "warmup_s": self.warmup_seconds,
             "stall_ms_per_token": 1e3 * self.stall_seconds / max(self.decoded_tokens, 1),
             "transfer_mb": self.bytes_moved / 1e6,
         }
@@ -239,6 +254,7 @@ class OffloadedModel:
         """(layer, expert) whose bytes a slot holds (or will hold once its transfer lands)."""
         self._inflight: dict[int, Transfer] = {}
         """slot -> transfer not yet waited for."""
+        self._observe_routing = getattr(policy, "observe_routing", None)
         self._physical = True
         """False while the prefill routing is replayed through the policy (book-keeping only)."""
         for i, r in enumerate(self.refs):
@@ -365,7 +381,7 @@ class OffloadedModel:
         finally:
             rs, self._run_state = self._run_state, None
         total = time.perf_counter() - t0
-        self.stats.decode_seconds += max(total - rs.ttft, 0.0)
+        self.stats.decode_seconds += max(total - rs.ttft - rs.warmup, 0.0)
         self.stats.prefill_seconds += rs.ttft
         self.stats.ttft_seconds.append(rs.ttft)
         self.stats.prefill_tokens += int(lens.sum())
@@ -405,6 +421,7 @@ class OffloadedModel:
             try:
                 ids = torch.as_tensor(tok[None, :s.prompt_len], device=self.device)
                 out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                out.logits[:, -1].argmax(-1).cpu()
                 t1 = time.perf_counter()
                 for pos in range(s.prompt_len, T):
                     ids = torch.as_tensor(tok[None, pos:pos + 1], device=self.device)
@@ -416,7 +433,7 @@ class OffloadedModel:
             t2 = time.perf_counter()
             self.stats.prefill_seconds += t1 - t0
             self.stats.ttft_seconds.append(t1 - t0)
-            self.stats.decode_seconds += t2 - t1
+            self.stats.decode_seconds += t2 - t1 - rs.warmup
             self.stats.prefill_tokens += s.prompt_len
         return _diff(self.stats, before)
 
@@ -448,10 +465,12 @@ class OffloadedModel:
         else:
             h, idx, w = hidden, top_k_index, top_k_weights
         if rs.record or rs.prefill:
-            rs.log_routing(layer, idx, w)
+            rs.log_routing(layer, idx, w)  # prefill: replayed through the policy before decoding
         if rs.prefill:
             y = self._prefill_layer(module, layer, h, idx, w)
         else:
+            if self._observe_routing is not None:  # per-member routing (forecaster input)
+                self._observe_routing(rs.t, layer, *rs.member_routing(idx, w))
             y = self._decode_layer(module, layer, h, idx, w, rs.t)
         if rows is None:
             return y
@@ -460,14 +479,19 @@ class OffloadedModel:
 
     # ------------------------------------------------------------------------------------------ residency
     def _submit(self, slot: int, layer: int, expert: int, demand: bool) -> Transfer:
-        tr = self.transfer.submit((layer, expert), self.store.row(layer, expert), self.pool.row(slot), slot)
+        tr = self.transfer.submit((layer, expert), self.store.row(layer, expert), self.pool.row(slot), slot,
+                                  demand=demand)
         self._phys[slot] = (layer, expert)
         self._inflight[slot] = tr
         return tr
 
     def _wait_slot(self, slot: int) -> float:
         tr = self._inflight.pop(slot, None)
-        return 0.0 if tr is None else self.transfer.wait(tr)
+        if tr is None:
+            return 0.0
+        if not self.transfer.done(tr):
+            self.transfer.promote(tr)  # a late prefetch still queued goes ahead of the other prefetches
+        return self.transfer.wait(tr)
 
     def _issue(self, t: int, items, counted: bool) -> None:
         """Proactive loads, as the simulator's ``issue``: skip residents, take a free slot or evict."""
@@ -656,6 +680,13 @@ class OffloadedModel:
             members = [i for i, p in enumerate(rs.prompts) if len(p) > j]
             for layer in range(self.L):
                 idx = np.stack([rs.prefill_ids(i, layer, j) for i in members])
+                if self._observe_routing is not None:
+                    ids_b = np.zeros((rs.B, self.K), np.int64)
+                    w_b = np.zeros((rs.B, self.K), np.float32)
+                    for i in members:
+                        ids_b[i] = rs.prefill_ids(i, layer, j)
+                        w_b[i] = rs.prefill_weights(i, layer, j)
+                    self._observe_routing(t, layer, ids_b, w_b)
                 sel, cnt = _selection_np(idx)
                 self._access(t, layer, sel, cnt, counted=False)
                 self._after_compute(t, layer, sel, cnt, counted=False)
@@ -727,6 +758,7 @@ class _RunState:
         self.first_token = np.full(self.B, -1, np.int64)
         self.consumes_first = np.zeros(self.B, np.bool_)
         self.prefill_done = False
+        self.warmup = 0.0
         self._t_start = time.perf_counter()
         self.ttft = 0.0
         # routing logs: per sequence, per processed position: (ids [L, K], weights [L, K])
@@ -740,7 +772,8 @@ class _RunState:
         self._pos_rows: np.ndarray | None = None
         self.trace_like = batch_info is not None
         # replay: the recorded sequences (as the simulator passes them); generation: the prompt token ids
-        rt.policy.begin_batch(batch_info if batch_info is not None else [p.copy() for p in prompts])
+        rt.policy.begin_batch(batch_info if batch_info is not None else
+                              [LivePrompt(s, p.copy(), len(p)) for s, p in zip(seq_ids, prompts, strict=True)])
 
     # -- phases ------------------------------------------------------------------------------------
     def begin_forward(self, ids: torch.Tensor) -> None:
@@ -796,7 +829,10 @@ class _RunState:
         if self.prefill_done:
             return
         self.prefill_done = True
+        t0 = time.perf_counter()
         self.rt._replay_prefill(self)
+        self.warmup = time.perf_counter() - t0
+        self.rt.stats.warmup_seconds += self.warmup
 
     def finish(self) -> None:
         """End of the call: close the prefill if no decode step ran, flush the logs."""
@@ -824,8 +860,7 @@ class _RunState:
         ids = idx.cpu().numpy().astype(np.int64)
         if self.prefill:
             self._prefill_log[layer].append(ids)
-            if self.record:
-                self._prefill_wlog[layer].append(w.float().cpu().numpy())
+            self._prefill_wlog[layer].append(w.float().cpu().numpy())
             return
         ww = w.float().cpu().numpy()
         for r, i in enumerate(self._active_list):
@@ -843,6 +878,21 @@ class _RunState:
         """int [K] routing of prompt position ``j`` of sequence ``i`` at ``layer``."""
         off = sum(len(p) for p in self.prompts[:i])
         return self._prefill_cat(layer)[off + j]
+
+    def prefill_weights(self, i: int, layer: int, j: int) -> np.ndarray:
+        """float [K] routing weights of prompt position ``j`` of sequence ``i`` at ``layer``."""
+        off = sum(len(p) for p in self.prompts[:i])
+        if not hasattr(self, "_pwcat"):
+            self._pwcat = [np.concatenate(self._prefill_wlog[layer_]) for layer_ in range(self.rt.L)]
+        return self._pwcat[layer][off + j]
+
+    def member_routing(self, idx: torch.Tensor, w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int [B, K], weights float [B, K]) of this decode step, zeros for idle members."""
+        ids_b = np.zeros((self.B, self.rt.K), np.int64)
+        w_b = np.zeros((self.B, self.rt.K), np.float32)
+        ids_b[self._active_list] = idx.cpu().numpy()
+        w_b[self._active_list] = w.float().cpu().numpy()
+        return ids_b, w_b
 
     def _prefill_cat(self, layer: int) -> np.ndarray:
         if not hasattr(self, "_pcat"):

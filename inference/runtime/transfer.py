@@ -42,8 +42,13 @@ class TransferEngine:
     bytes_moved: int = 0
     transfers: int = 0
 
-    def submit(self, key: tuple[int, int], src: torch.Tensor, dst: torch.Tensor, slot: int) -> Transfer:
+    def submit(self, key: tuple[int, int], src: torch.Tensor, dst: torch.Tensor, slot: int,
+               demand: bool = False) -> Transfer:
+        """Start copying ``src`` into ``dst``; ``demand`` transfers go ahead of queued prefetches."""
         raise NotImplementedError
+
+    def promote(self, tr: Transfer) -> None:
+        """A queued prefetch is needed now (late prefetch): move it ahead of the other queued ones."""
 
     def done(self, tr: Transfer) -> bool:
         raise NotImplementedError
@@ -83,15 +88,21 @@ class ThreadTransferEngine(TransferEngine):
         self._error: BaseException | None = None
         self._link_free_at = 0.0
         self._busy = False
+        self._demand_queued = 0
+        """Leading entries of the queue that are demand loads."""
         self._thread = threading.Thread(target=self._run, name="expertcast-transfer", daemon=True)
         self._thread.start()
 
-    def submit(self, key, src, dst, slot) -> Transfer:
+    def submit(self, key, src, dst, slot, demand: bool = False) -> Transfer:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         tr = Transfer(key=key, slot=slot, nbytes=src.numel() * src.element_size(), event=threading.Event())
         with self._cv:
-            self._queue.append((tr, src, dst))
+            if demand:  # after the transfer on the wire and earlier demands, ahead of queued prefetches
+                self._queue.insert(self._demand_queued, (tr, src, dst))
+                self._demand_queued += 1
+            else:
+                self._queue.append((tr, src, dst))
             self._cv.notify_all()
         self.transfers += 1
         self.bytes_moved += tr.nbytes
@@ -106,6 +117,7 @@ class ThreadTransferEngine(TransferEngine):
                 if self._closed and not self._queue:
                     return
                 tr, src, dst = self._queue.popleft()
+                self._demand_queued = max(self._demand_queued - 1, 0)
                 self._busy = True
             try:
                 start = max(time.perf_counter(), self._link_free_at)
@@ -124,6 +136,16 @@ class ThreadTransferEngine(TransferEngine):
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
+
+    def promote(self, tr: Transfer) -> None:
+        with self._cv:
+            for i, item in enumerate(self._queue):
+                if item[0] is tr:
+                    if i >= self._demand_queued:
+                        del self._queue[i]
+                        self._queue.insert(self._demand_queued, item)
+                        self._demand_queued += 1
+                    return
 
     def done(self, tr: Transfer) -> bool:
         return tr.event.is_set()
@@ -163,19 +185,22 @@ class CudaTransferEngine(TransferEngine):
             raise RuntimeError("CudaTransferEngine needs CUDA")
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
+        self.demand_stream = torch.cuda.Stream(device=self.device, priority=-1)
+        """Demand loads: a high-priority stream, so they are scheduled ahead of queued prefetches."""
         self.bytes_moved = 0
         self.transfers = 0
         self._compute_event: torch.cuda.Event | None = None
 
-    def submit(self, key, src, dst, slot) -> Transfer:
+    def submit(self, key, src, dst, slot, demand: bool = False) -> Transfer:
         ev = torch.cuda.Event()
         tr = Transfer(key=key, slot=slot, nbytes=src.numel() * src.element_size(), event=ev)
-        with torch.cuda.stream(self.stream):
+        stream = self.demand_stream if demand else self.stream
+        with torch.cuda.stream(stream):
             if self._compute_event is not None:
                 # the slot's previous expert may still be read by queued kernels
-                self.stream.wait_event(self._compute_event)
+                stream.wait_event(self._compute_event)
             dst.copy_(src, non_blocking=True)
-            ev.record(self.stream)
+            ev.record(stream)
         self.transfers += 1
         self.bytes_moved += tr.nbytes
         return tr
@@ -200,6 +225,7 @@ class CudaTransferEngine(TransferEngine):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+        self.demand_stream.synchronize()
 
 
 def make_transfer_engine(device: torch.device, bandwidth_gbps: float | None = None) -> TransferEngine:

@@ -38,10 +38,18 @@ def _policy(name: str, traces, stream, K: int):
     if name == "stage":  # SAEM: stage refills + CPU execution of cold experts (CPU favoured for <= 3 tokens)
         lat = LatencyModel(transfer_ms=1.0, cpu_expert_ms=0.5, cpu_token_ms=0.15)
         return make_policy("stage", cues="a|e", decoder=lambda i: bytes([int(i) % 256]), latency=lat), None
+    if name == "seqmoe":  # forecaster-driven prefetch + probabilistic Belady (an untrained forecaster)
+        from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+
+        L = traces[0].expert_ids.shape[1]
+        E = int(stream.num_experts)
+        fc = ExpertForecaster(ForecasterConfig(num_layers=L, num_experts=E, top_k=K, hidden_size=32, num_blocks=1,
+                                               state_size=8, head_dim=16, chunk_size=16)).eval()
+        return make_policy("seqmoe", forecaster=fc), None
     return make_policy(name), None
 
 
-POLICIES = ["lru", "fifo", "lfu", "lrfu", "static", "belady", "belady-k", "stage"]
+POLICIES = ["lru", "fifo", "lfu", "lrfu", "static", "belady", "belady-k", "stage", "seqmoe"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -73,6 +81,8 @@ def test_offloaded_generation_equals_full_load(preset):
             assert om.stats.A > 0
             if name == "stage":
                 assert om.stats.metrics()["cpu_exec"] > 0  # cold experts executed in situ on the CPU
+            if name == "seqmoe":
+                assert om.stats.P > 0  # proactive loads were issued and served
             model = om.restore()
 
 

@@ -9,7 +9,7 @@ import pytest
 from expertcast.inference.eval_cli import SAMPLES, main, read_samples
 
 ARGS = ["--model", "qwen3_moe-tiny", "--benchmark", "gsm8k", "--policy", "lru", "--capacity", "0.25",
-        "--batch-size", "2", "--limit", "3", "--max-new-tokens", "6", "--no-progress", "--device", "cpu"]
+        "--batch-size", "2", "--limit", "3", "--max-new-tokens", "4", "--no-progress", "--device", "cpu"]
 
 
 def test_eval_outputs_and_resume(tmp_path, data_dir):

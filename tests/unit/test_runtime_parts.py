@@ -141,3 +141,21 @@ def test_grouped_compute_matches_transformers_from_slots(gpt_oss):
     n = ws.nbytes
     grouped_expert_compute(mod, h[:3], idx[:3], w[:3], pool.views, ws)
     assert ws.nbytes == n  # workspace reused, not reallocated
+
+
+def test_demand_loads_and_late_prefetches_go_ahead_of_queued_prefetches():
+    eng = ThreadTransferEngine(bandwidth_gbps=0.01)  # 4 ms per 40 KB transfer
+    try:
+        src = torch.randn(10_000)
+        d = [torch.zeros(10_000) for _ in range(4)]
+        a = eng.submit((0, 0), src, d[0], 0)  # on the wire first
+        b = eng.submit((0, 1), src, d[1], 1)
+        c = eng.submit((0, 2), src, d[2], 2)
+        dem = eng.submit((0, 3), src, d[3], 3, demand=True)
+        eng.promote(c)  # c is needed now: late prefetch
+        eng.synchronize()
+        order = sorted([a, b, c, dem], key=lambda t: t.finished)
+        assert order == [a, dem, c, b]
+        assert all(torch.equal(x, src) for x in d)
+    finally:
+        eng.close()
