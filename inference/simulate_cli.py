@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="runs/simulate", help="output directory")
     ap.add_argument("--json", default=None, help="JSON path (default OUT/simulate.json)")
     ap.add_argument("--no-resume", action="store_true", help="ignore OUT/simulate.partial.json")
+    ap.add_argument("--forecaster", default=None,
+                    help="forecaster export for the `seqmoe` policy (same as seqmoe:forecaster=PATH)")
     return ap
 
 
@@ -162,6 +164,12 @@ def _run(args) -> int:
     if not capacities and not spl:
         capacities = [0.15, 0.25, 0.35, 0.45]
     policies = split_policies(args.policies)
+    if args.forecaster:  # seqmoe reads its forecaster export (and the link, for its transfer-time estimate)
+        extra = f"forecaster={args.forecaster},bandwidth_gbps={args.bandwidth_gbps}"
+        if len(_floats(args.layer_compute_ms)) == 1:
+            extra += f",layer_compute_ms={_floats(args.layer_compute_ms)[0]}"
+        policies = [p + ("," if ":" in p else ":") + extra
+                    if p.split(":")[0].strip().lower() == "seqmoe" and "forecaster=" not in p else p for p in policies]
     from expertcast.inference.policies import parse_policy_spec, policy_class
 
     for p in policies:  # unknown names fail before any trace is loaded

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.utils.io import atomic_write_bytes, atomic_write_json
 

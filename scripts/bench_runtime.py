@@ -233,7 +233,16 @@ def main(argv: list[str] | None = None) -> int:
         link_gbps = None if ratio is None else xbytes / (ratio * layer_ms * 1e-3) / 1e9
         transfer_ms = (ratio * layer_ms) if ratio is not None else xbytes / 25e9 * 1e3
         args._ratio = ratio
-        lat = LatencyModel(transfer_ms=transfer_ms, cpu_expert_ms=layer_ms / K * 0.9, cpu_token_ms=layer_ms / K * 0.1)
+        # CPU execution of a cold expert, in the proportions of the simulator's default cost model
+        # (cpu_expert_ms / transfer_ms = 0.19 / 0.38; 0.01 ms per token): charged on the CPU "device"
+        lat = LatencyModel(transfer_ms=transfer_ms, cpu_expert_ms=0.5 * transfer_ms,
+                           cpu_token_ms=0.5 * transfer_ms / 19)
+        if device.type == "cpu":  # re-measure the baseline for each link setting: the lowest-noise one is kept
+            rep = FullLoadReplayer(_restored(model, store))
+            r = rep.replay(seqs, max_decode=args.tokens)
+            rep.close()
+            if r.tokens_per_s > full.tokens_per_s:
+                full = r
         for res in args.residency:
             for name in args.policies:
                 try:
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 pool = "per-layer" if name == "stage" else args.pool
                 try:
                     om = OffloadedModel(model, pol, float(res), pool=pool, device=device, link_gbps=link_gbps,
-                                        future=future, store=store)
+                                        future=future, store=store, cpu_exec_ms=lat.cpu_ms)
                 except ValueError as e:
                     print(f"skip {name} at {res}: {e}")
                     continue
@@ -266,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 })
                 print(f"  ratio={ratio} residency={res:.2f} {name:>7}: {rows[-1]['pct_full']:5.1f}% of full-load "
                       f"(hit {st.hit:.3f}, stall {m['stall_ms_per_token']:.2f} ms/token)", flush=True)
+    for r in rows:  # against the best (least disturbed) baseline of the run
+        r["pct_full"] = 100.0 * r["tokens_per_s"] / full.tokens_per_s
     report(rows, title="(b) % of full-load tokens/s (decode, same routing, same run)",
            json_path=out / "residency.json", csv_path=out / "residency.csv",
            columns=["policy", "residency", "link_ratio", "tokens_per_s", "pct_full", "hit", "adj_hit", "mb_per_token",
@@ -292,6 +303,20 @@ def main(argv: list[str] | None = None) -> int:
                                             "full_tokens_per_s": full.tokens_per_s, "overhead": overhead,
                                             "source": source, "device": str(device)})
     return 0
+
+
+def _restored(model, store):
+    """The model with its fused expert weights (put back from the host store when released)."""
+    if _released(model):
+        from expertcast.inference.runtime.store import find_experts_modules
+
+        refs = find_experts_modules(model)
+        store.restore_into(refs)
+        dev = next(model.parameters()).device
+        for r in refs:
+            for p in store.layout.parts:
+                getattr(r.module, p.name).data = getattr(r.module, p.name).data.to(dev)
+    return model
 
 
 def _released(model) -> bool:

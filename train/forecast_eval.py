@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import ExpertForecaster, activation_vector, trigger_offset, trigger_sequence
 

@@ -24,10 +24,9 @@ from typing import Any
 import lightning as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
-
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import activation_vector, trigger_offset, trigger_sequence
+from torch.utils.data import DataLoader, Dataset
 
 log = logging.getLogger(__name__)
 

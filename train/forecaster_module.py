@@ -16,7 +16,6 @@ from typing import Any
 import lightning as pl
 import torch
 import torch.nn.functional as F
-
 from expertcast.models.forecaster import (
     ExpertForecaster,
     ForecasterConfig,

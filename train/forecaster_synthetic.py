@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 
 
@@ -115,7 +114,6 @@ def fit_forecaster(meta: TraceMeta, seqs: list[TraceSequence], *, epochs: int = 
     Returns (ForecasterModule, ForecasterDataModule); the network is ``module.net`` (eval mode).
     """
     import lightning as pl
-
     from expertcast.train.forecaster_data import ForecasterDataModule
     from expertcast.train.forecaster_module import ForecasterModule
 

@@ -84,16 +84,16 @@ class TinyDefaultConfig:
     """Remove GSM8K's ``<<48/2=24>>`` calculator annotations from the solutions."""
 
     # --- optimisation
-    batch_size: int = 8
-    lr: float = 3e-3
+    batch_size: int = 4
+    lr: float = 4e-3
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr`` (end of the cosine)."""
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    time_budget_s: float = 480.0
+    time_budget_s: float = 450.0
     """Wall-clock seconds of optimisation (tokenizer training and evaluation come on top)."""
     max_steps: int | None = None
     """Optional cap on optimizer steps (None: train until the time budget is spent)."""

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-
 from expertcast.inference.cache import SlotState
 from expertcast.inference.policy import Policy
 from expertcast.inference.prefetch import PrefetchScheduler, TransferEstimator, generate_tasks

@@ -205,12 +205,16 @@ class OffloadedModel:
         future: oracles only: the access stream (``simulator.build_stream``) of the run to come.
         store: reuse the host store of an earlier OffloadedModel of this model (benchmarks: the model's
             experts were released by it and are not packed again).
+        cpu_exec_ms: CPU-device emulation only: ``n_tokens -> ms`` (e.g. ``LatencyModel.cpu_ms``), the time
+            an in-situ CPU execution of a cold expert takes at least. On a CPU-only machine the "device"
+            and the host are the same processor, so without it CPU execution would cost no more than a
+            resident expert; the link emulation (``link_gbps``) has the same max(real, modelled) rule.
     """
 
     def __init__(self, model: nn.Module, policy: Policy, capacity: float | int, *, pool: str = "per-layer",
                  device: torch.device | str | None = None, link_gbps: float | None = None,
                  mmap_path: str | None = None, num_temp_slots: int = 2, future: Any = None,
-                 store: HostExpertStore | None = None):
+                 store: HostExpertStore | None = None, cpu_exec_ms: Any = None):
         self.model = model
         self.refs: list[MoELayerRef] = find_experts_modules(model)  # unsupported architecture -> error
         mod0 = self.refs[0].module
@@ -254,6 +258,7 @@ class OffloadedModel:
         """(layer, expert) whose bytes a slot holds (or will hold once its transfer lands)."""
         self._inflight: dict[int, Transfer] = {}
         """slot -> transfer not yet waited for."""
+        self.cpu_exec_ms = cpu_exec_ms
         self._observe_routing = getattr(policy, "observe_routing", None)
         self._physical = True
         """False while the prefill routing is replayed through the policy (book-keeping only)."""
@@ -385,7 +390,8 @@ class OffloadedModel:
         self.stats.prefill_seconds += rs.ttft
         self.stats.ttft_seconds.append(rs.ttft)
         self.stats.prefill_tokens += int(lens.sum())
-        return GenerationResult(out, rs.traces() if record else None, rs.ttft, total)
+        seqs = out.sequences if hasattr(out, "sequences") else out  # return_dict_in_generate=True
+        return GenerationResult(seqs, rs.traces() if record else None, rs.ttft, total)
 
     # ------------------------------------------------------------------------------------------ replay
     @torch.no_grad()
@@ -640,15 +646,26 @@ class OffloadedModel:
 
         feed()
 
+        cpu_start = 0.0
+
         def before(e: int) -> None:
-            nonlocal stall
+            nonlocal stall, cpu_start
             kind = plan[e][0]
             if kind == "slot":
                 stall += self._wait_slot(plan[e][1])
             elif kind == "temp":
                 stall += self._wait_slot(temp_slot[e])
+            else:
+                cpu_start = time.perf_counter()
 
         def after(e: int) -> None:
+            nonlocal stall
+            if plan[e][0] == "cpu" and self.cpu_exec_ms is not None and self.device.type == "cpu":
+                # emulation: the host CPU is slower than the device it stands in for
+                left = self.cpu_exec_ms(grouping.counts[e]) * 1e-3 - (time.perf_counter() - cpu_start)
+                if left > 0:
+                    time.sleep(left)
+                    stall += left
             if plan[e][0] == "temp":
                 self.transfer.mark_compute()  # the temporary slot may be overwritten after this kernel
                 del temp_slot[e]

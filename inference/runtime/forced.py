@@ -73,7 +73,10 @@ class FullLoadReplayer:
         self.refs = find_experts_modules(model)
         self.device = next(model.parameters()).device
         before = model.get_experts_implementation().get("", None)
-        self.inner = inner or (before if before not in (None, "eager", FORCED_NAME) else "grouped_mm")
+        from expertcast.inference.runtime.experts import IMPLEMENTATION_NAME
+
+        own = (None, "eager", FORCED_NAME, IMPLEMENTATION_NAME)
+        self.inner = inner or (before if before not in own else "grouped_mm")
         for i, r in enumerate(self.refs):
             setattr(r.module, _ATTR, _Source(self, i, self.inner))
         self._before = before

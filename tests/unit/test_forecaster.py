@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from expertcast.models.forecaster import (
     ExpertForecaster,
     ForecasterConfig,

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.forecaster_export import (
     CONFIG_NAME,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import activation_vector, trigger_sequence
 from expertcast.train.forecast_eval import evaluate, fit_baselines

@@ -154,8 +154,8 @@ def test_demand_loads_and_late_prefetches_go_ahead_of_queued_prefetches():
         dem = eng.submit((0, 3), src, d[3], 3, demand=True)
         eng.promote(c)  # c is needed now: late prefetch
         eng.synchronize()
-        order = sorted([a, b, c, dem], key=lambda t: t.finished)
-        assert order == [a, dem, c, b]
+        # (whether ``a`` was already on the wire depends on thread scheduling; the rest does not)
+        assert dem.finished < c.finished < b.finished and a.finished < b.finished
         assert all(torch.equal(x, src) for x in d)
     finally:
         eng.close()

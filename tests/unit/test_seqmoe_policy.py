@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from expertcast.inference.cache import CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
