@@ -8,7 +8,8 @@ as in SAEM and the cache-aware routers) or one pool for all layers (``pool="shar
 expert can only take a slot of its own layer's pool.
 
 Capacity rule (checked when the config is resolved):
-* per-layer pool: every layer's budget must hold one token's selection, ``B_l >= K``, and ``B_l <= E``;
+* per-layer pool: every layer's budget must hold one token's selection, ``B_l >= K``, and ``B_l <= E``
+  (``allow_below_top_k`` relaxes this to ``B_l >= 1`` for policies that serve the excess elsewhere);
 * shared pool: ``K <= slots <= L * E`` (the running layer's selection must fit; other layers' experts
   are evictable between layers).
 When a batch's union at one layer is larger than the free and evictable slots of its pool, the excess
@@ -65,6 +66,10 @@ class CacheConfig:
     """Explicit per-layer budgets [L] (per-layer pool only)."""
     expert_bytes: int = 0
     """Bytes of one expert's weights (for MB/token and the cost model)."""
+    allow_below_top_k: bool = False
+    """Per-layer pool only: accept budgets 1 <= B_l < K (SAEM's 3.125% expert-cache ratio). The part of a
+    layer's selection that does not fit is served from the temporary slot or on the CPU, by whatever the
+    policy asks; policies that demand-load then hold at most B_l of the selection."""
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
@@ -101,10 +106,14 @@ class CacheConfig:
             what = "slots_per_layer"
         if self.pool == "per-layer":
             low = int(budgets.min())
-            if low < K:
+            if self.allow_below_top_k and low < 1:
+                raise ValueError(f"{what} gives {low} slots per layer: even below top-K every layer needs a slot "
+                                 f"(raise the capacity to at least 1/{E} = {1 / E:.4f})")
+            if low < K and not self.allow_below_top_k:
                 raise ValueError(
                     f"{what} gives {low} slots per layer, below top-K={K}: a layer's selection must fit in its "
-                    f"pool (raise the capacity to at least {K}/{E} = {K / E:.4f})")
+                    f"pool (raise the capacity to at least {K}/{E} = {K / E:.4f}, or set allow_below_top_k for "
+                    "policies that serve the excess on the CPU / from a temporary slot)")
             if int(budgets.max()) > E:
                 raise ValueError(f"{what} gives {int(budgets.max())} slots per layer, more than E={E} experts")
         else:

@@ -13,7 +13,8 @@ Model (per layer-execution, in ms):
   Stall of the layer = (end of the last transfer it waits for) - (layer start).
 * CPU-executed experts (``MissAction.CPU``) run one after another on the host, in parallel with the
   layer's device compute: ``cpu_ms(n) = cpu_expert_ms + n * cpu_token_ms`` for an expert routed ``n``
-  tokens; the part of the CPU time beyond the layer's compute time is stall.
+  tokens; the part of the CPU time beyond the layer's compute time is stall. With ``cpu_parallel`` they
+  start at the layer's start, also in parallel with its transfers.
 * Layer time = stall + max(compute, CPU time); full-load time = compute alone (every expert
   resident), so ``pct_full_speed = 100 * compute / (compute + stall)`` over the counted (decode) steps.
 
@@ -58,6 +59,11 @@ class CostConfig:
     """Fixed CPU time of executing one expert (reading its weights from host memory), ms."""
     cpu_token_ms: float = 0.01
     """CPU time per token routed to a CPU-executed expert, ms."""
+    cpu_parallel: bool = False
+    """CPU-executed experts start with the layer, in parallel with its transfers and device compute (SAEM
+    IV-2: the GPU-bound and CPU-bound token groups run in parallel and are merged before the next layer):
+    layer time = max(transfers + compute, CPU time). False: they start once the layer's transfers have
+    landed, beside the device compute only: layer time = transfers + max(compute, CPU time)."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_gbps <= 0:

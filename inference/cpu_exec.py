@@ -6,6 +6,13 @@ it: ``cpu_ms(n) = cpu_expert_ms + n * cpu_token_ms`` (reading the expert's weigh
 then per-token GEMM work) against ``transfer_ms = expert_bytes / bandwidth`` (device compute of the
 transferred expert is the same either way and not counted). Few tokens favour the CPU.
 
+When the CPU path runs in parallel with the layer's transfers (``parallel``, the cost model's
+``cpu_parallel``), the experts executed on the CPU within one layer queue behind each other, as do the
+transfers: :meth:`LatencyModel.prefer_cpu_queued` then compares when the layer would end either way,
+given the work already assigned to each path (greedy two-machine list scheduling). At batch 8 a layer
+misses many experts; sending all of them to the CPU because each alone is cheaper there would leave the
+link idle.
+
 The parameters are those of the simulator's cost model (:class:`expertcast.inference.cost_model.CostConfig`)
 by default, so decisions and modelled costs agree; :meth:`LatencyModel.measure_cpu` times a real SwiGLU
 expert on this machine's CPU with torch and fits the two CPU parameters by least squares.
@@ -31,12 +38,18 @@ class LatencyModel:
     """Fixed CPU cost of one expert execution (weights streamed from host memory)."""
     cpu_token_ms: float
     """CPU cost per token routed to the expert."""
+    parallel: bool = False
+    """CPU work runs in parallel with the layer's transfers and device compute (the cost model's
+    ``cpu_parallel``): decide by :meth:`prefer_cpu_queued`, balancing the two paths within a layer."""
+    device_ms: float = 0.0
+    """Device compute time of one layer (parallel mode: CPU work shorter than it is hidden)."""
 
     def __post_init__(self) -> None:
         if self.transfer_ms <= 0:
             raise ValueError(f"transfer_ms must be positive, got {self.transfer_ms}")
-        if self.cpu_expert_ms < 0 or self.cpu_token_ms < 0:
-            raise ValueError(f"CPU costs must be non-negative, got {self.cpu_expert_ms}, {self.cpu_token_ms}")
+        if self.cpu_expert_ms < 0 or self.cpu_token_ms < 0 or self.device_ms < 0:
+            raise ValueError(f"CPU and device costs must be non-negative, got {self.cpu_expert_ms}, "
+                             f"{self.cpu_token_ms}, {self.device_ms}")
 
     def cpu_ms(self, n_tokens: int | np.ndarray) -> float | np.ndarray:
         """CPU time of one expert for ``n_tokens`` routed tokens."""
@@ -48,6 +61,18 @@ class LatencyModel:
         if n_tokens < 1:
             raise ValueError(f"an accessed expert has at least one routed token, got {n_tokens}")
         return self.cpu_expert_ms + n_tokens * self.cpu_token_ms < self.transfer_ms
+
+    def prefer_cpu_queued(self, n_tokens: int, cpu_busy_ms: float, link_busy_ms: float) -> bool:
+        """Parallel mode, one decision of a layer's greedy split: ``cpu_busy_ms`` of CPU work and
+        ``link_busy_ms`` of transfers are already assigned in this layer. The layer ends at
+        ``max(link + device_ms, cpu)``; True when running this expert on the CPU ends it no later than
+        transferring it (ties go to the CPU: the link stays free for prefetches)."""
+        if n_tokens < 1:
+            raise ValueError(f"an accessed expert has at least one routed token, got {n_tokens}")
+        gpu = link_busy_ms + self.device_ms
+        on_cpu = max(gpu, cpu_busy_ms + self.cpu_expert_ms + n_tokens * self.cpu_token_ms)
+        on_link = max(gpu + self.transfer_ms, cpu_busy_ms)
+        return on_cpu <= on_link
 
     def crossover_tokens(self) -> int:
         """Largest token count for which the CPU is faster (0: never; a large number: always)."""
@@ -65,7 +90,8 @@ class LatencyModel:
         if eb <= 0:
             raise ValueError(f"expert_bytes must be positive, got {eb}")
         return cls(transfer_ms=float(cost.transfer_ms(eb)), cpu_expert_ms=float(cost.cpu_expert_ms),
-                   cpu_token_ms=float(cost.cpu_token_ms))
+                   cpu_token_ms=float(cost.cpu_token_ms), parallel=bool(getattr(cost, "cpu_parallel", False)),
+                   device_ms=float(np.mean(np.atleast_1d(np.asarray(cost.layer_compute_ms, np.float64)))))
 
     @classmethod
     def measure_cpu(cls, hidden: int, intermediate: int, transfer_ms: float, token_counts: Sequence[int] = (1, 2, 4, 8, 16),

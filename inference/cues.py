@@ -34,6 +34,10 @@ from expertcast.utils.io import atomic_write_json
 
 CUESET_FORMAT = "expertcast.saem.cueset"
 CUESET_FORMAT_VERSION = 1
+CUESET_FILENAME = "cues.json"
+"""Name of a model's cue set inside its directory (``<model dir>/cues.json``): where
+:func:`resolve_cue_set` and :class:`~expertcast.inference.policies.stage_aware.StageAwarePolicy` look when
+no cue set is given."""
 
 DEFAULT_CANDIDATES: tuple[str, ...] = (
     "Alternatively", "Instead", "Another way", "Another approach", "Wait", "But wait", "On second thought",
@@ -455,6 +459,25 @@ def calibrate(seqs: Sequence[CalibSequence], decoder: Callable[[int], bytes], nu
                      "selected": final.summary(), "all_candidates": full.summary(), "greedy": history},
         expert_frequency=expert_frequency(seqs, num_experts).tolist(),
     )
+
+
+def resolve_cue_set(cue_set: str | os.PathLike | None, model: str | os.PathLike | None = None) -> Path:
+    """The cue-set file to use: ``cue_set`` when given, else ``<model>/cues.json`` (the model's artifacts,
+    written by ``expertcast stages calibrate --out <model>/cues.json``). Raises FileNotFoundError naming
+    both places when neither exists."""
+    if cue_set is not None:
+        p = Path(cue_set)
+        if not p.is_file():
+            raise FileNotFoundError(f"cue set {p} does not exist (create it with `expertcast stages calibrate`)")
+        return p
+    if model is not None and Path(model).is_dir():
+        p = Path(model) / CUESET_FILENAME
+        if p.is_file():
+            return p
+        raise FileNotFoundError(f"no cue set given and the model directory {model} has no {CUESET_FILENAME}: run "
+                                f"`expertcast stages calibrate --model {model} --out {p}` or pass --cues")
+    raise FileNotFoundError("no cue set given (--cues) and no local model directory to find "
+                            f"{CUESET_FILENAME} in")
 
 
 def load_tokenizer(name_or_path: str) -> Any:

@@ -1,24 +1,41 @@
 """SAEM evaluation in the trace-driven simulator (`expertcast stages eval`).
 
-Policies: ``stage`` (stage-aware + CPU execution), ``stage-oracle`` (next stage's true frequencies at
-the same boundaries), the ablations ``stage-nocpu`` (temporary slot only) and ``stage-noupdate``
-(static calibration placement + CPU execution), and the baselines ``lru`` and ``static`` (static
-frequency placement, misses through a temporary slot). Per batch size and capacity (fraction of the
-experts of each layer, per-layer pools) the table gives:
+Policies (``--policies``): ``stage`` (stage-aware + CPU execution), ``stage-oracle`` (next stage's true
+frequencies at the same boundaries), the ablations ``stage-nocpu`` (temporary slot only) and
+``stage-noupdate`` (static calibration placement + CPU execution), and the baselines ``lru``
+(demand-loading, Mixtral-offloading style) and ``static`` (static-frequency placement from the
+calibration traces, misses through a temporary slot). Per batch size and capacity (fraction of the
+experts of each layer, per-layer pools; budgets below top-K are accepted, the excess of a selection
+then goes to the temporary slot or the CPU) the table gives:
 
 - ``hit``: resident hits / accesses (a CPU-executed access is not a hit, nor a transfer);
-- ``cpu_share``: CPU-executed accesses / accesses; ``transfers``: demand + proactive loads per token;
-- ``speed``: the cost model's % of full-load speed;
-- ``oracle_eff_hit`` / ``oracle_eff_speed``: stage-aware / oracle.
+- ``cpu_share``: CPU-executed accesses / accesses; ``transfers_per_token``: demand + proactive loads
+  per decoded token (``demand_per_token`` and ``proactive_per_token`` separately);
+- ``speed_pct``: the cost model's % of full-load speed, ``speedup_vs_lru``: speed / LRU's speed;
+- ``oracle_eff_hit`` / ``oracle_eff_speed``: stage-aware / oracle (rows of ``stage``);
+- ``updates``: stage updates (cache refills) of the stage policies.
+
+Costs: the traces' routing is replayed with the cost of an expert of ``--expert-bytes`` (default one
+Qwen3-30B-A3B expert in bf16, 9.44 MB), not the traced model's own expert size: the tiny default
+model's experts (0.2 MB) would make every transfer free. The policies' CPU-vs-transfer decisions use the
+same :class:`~expertcast.inference.cost_model.CostConfig` as the simulator's clock. CPU-executed experts run
+in parallel with the layer's transfers (``cpu_parallel``, SAEM IV-2) unless ``--cpu-serial`` is given.
+
+Long runs resume: finished (policy, capacity, batch) records are kept in ``<out-dir>/partial-<traces>.json``
+(written atomically after each record) and reused on the next invocation with the same arguments.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from expertcast.utils.io import report
+from expertcast.utils.io import atomic_write_json, report
+
+POLICIES = ("stage", "stage-oracle", "stage-nocpu", "stage-noupdate", "lru", "static")
+"""Policy labels of the evaluation, in table order."""
 
 
 def synthetic_cue_decoder(cue_token: int):
@@ -32,42 +49,106 @@ def synthetic_cue_decoder(cue_token: int):
 
 
 def make_policies(cues: list[str], decoder: Any, static_frequency: np.ndarray, calibration: np.ndarray,
-                  ignore_case: bool = False) -> list[Any]:
+                  ignore_case: bool = False, cost: Any = None, names: tuple[str, ...] | list[str] = POLICIES,
+                  ) -> list[Any]:
+    """The policies named in ``names`` (labels of :data:`POLICIES`).
+
+    Args:
+        static_frequency: float [L, E] calibration frequencies (stage policies: seed placement, tie-break,
+            the no-update ablation's placement).
+        calibration: int [L, E] calibration selection counts (the ``static`` baseline's placement).
+        cost: the :class:`~expertcast.inference.cost_model.CostConfig` the simulator uses.
+    """
+    from expertcast.inference.policies.classic import LRUPolicy
     from expertcast.inference.policies.stage_aware import StageAwarePolicy, StageOraclePolicy
     from expertcast.inference.policies.static import StaticFrequencyPolicy
 
-    kw = dict(cues=cues, decoder=decoder, static_frequency=static_frequency)
-    pols = [StageAwarePolicy(**kw), StageOraclePolicy(**kw), StageAwarePolicy(cpu_exec=False, **kw),
-            StageAwarePolicy(stage_updates=False, **kw)]
-    for p, lab in zip(pols, ["stage", "stage-oracle", "stage-nocpu", "stage-noupdate"], strict=True):
-        p.label = lab
-        p.ignore_case = ignore_case
-    st = StaticFrequencyPolicy(calibration=calibration)
-    st.label = "static"
-    return [*pols, "lru", st]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown SAEM eval policies {unknown}; choose from {', '.join(POLICIES)}")
+    kw = dict(cues=cues, decoder=decoder, static_frequency=static_frequency, cost=cost)
+    calib = np.asarray(calibration)
+    if calib.ndim != 2 or not np.issubdtype(calib.dtype, np.integer):
+        raise ValueError(f"static calibration must be int selection counts [L, E], got {calib.dtype} {calib.shape}")
+    build = {
+        "stage": lambda: StageAwarePolicy(**kw),
+        "stage-oracle": lambda: StageOraclePolicy(**kw),
+        "stage-nocpu": lambda: StageAwarePolicy(cpu_exec=False, **kw),
+        "stage-noupdate": lambda: StageAwarePolicy(stage_updates=False, **kw),
+        "lru": LRUPolicy,
+        "static": lambda: StaticFrequencyPolicy(calibration=calib),
+    }
+    out = []
+    for name in names:
+        p = build[name]()
+        p.label = name
+        if name.startswith("stage"):
+            p.ignore_case = ignore_case
+        out.append(p)
+    return out
+
+
+def counts_from_frequency(freq: np.ndarray, tokens: int) -> np.ndarray:
+    """int64 [L, E] selection counts from per-token selection frequencies [L, E] over ``tokens`` tokens."""
+    return np.rint(np.asarray(freq, np.float64) * max(int(tokens), 1)).astype(np.int64)
+
+
+def _row(name: str, bs: int, r: dict[str, Any]) -> dict[str, Any]:
+    A = max(r["accesses"], 1)
+    T = max(r["decoded_tokens"], 1)
+    row = {"traces": name, "batch": bs, "capacity": r["capacity_requested"], "slots_per_layer": r["slots_per_layer"],
+           "policy": r["policy"], "hit": r["resident_hit"], "cpu_share": r["cpu_exec"] / A,
+           "demand_per_token": r["demand_misses"] / T, "proactive_per_token": r["proactive_loads"] / T,
+           "transfers_per_token": (r["demand_misses"] + r["proactive_loads"]) / T,
+           "mb_per_token": r["mb_per_token"], "stall_ms_per_token": r["stall_ms_per_token"],
+           "speed_pct": r["pct_full_speed"]}
+    if "updates" in r:
+        row["updates"] = r["updates"]
+    return row
 
 
 def run_grid(name: str, traces: tuple[Any, list[Any]], cues: list[str], decoder: Any, static_frequency: np.ndarray,
-             calibration: np.ndarray, batch_sizes: list[int], capacities: list[float],
-             ignore_case: bool = False) -> list[dict[str, Any]]:
+             calibration: np.ndarray, batch_sizes: list[int], capacities: list[float], ignore_case: bool = False,
+             cost: Any = None, policies: tuple[str, ...] | list[str] = POLICIES, partial: Path | None = None,
+             progress: bool = True) -> list[dict[str, Any]]:
+    """Every policy at every batch size and capacity; one table row per run (see the module docstring).
+
+    ``partial``: JSON file of finished simulator records, reused when present and rewritten after each
+    new record (resume)."""
+    from expertcast.inference.cost_model import CostConfig
     from expertcast.inference.simulator import simulate
 
+    cost = cost or CostConfig()
+    done: dict[str, dict] = {}
+    if partial is not None and partial.is_file():
+        try:
+            done = {r["key"]: r for r in json.loads(partial.read_text(encoding="utf-8"))}
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"partial results {partial} are corrupt ({e}): delete the file to start over") from None
     rows = []
     for bs in batch_sizes:
-        pols = make_policies(cues, decoder, static_frequency, calibration, ignore_case)
-        recs = simulate(traces, pols, capacities=capacities, batch_size=bs, belady_fraction=False, progress=True)
-        by_cap: dict[float, dict[str, dict]] = {}
+        pols = make_policies(cues, decoder, static_frequency, calibration, ignore_case, cost, policies)
+        by_label = {p.label: p for p in pols}
+
+        def on_record(rec: dict[str, Any], by_label: dict[str, Any] = by_label) -> None:
+            pol = by_label.get(rec["policy"])
+            if pol is not None and hasattr(pol, "n_updates"):
+                rec["updates"] = int(pol.n_updates)
+            done[rec["key"]] = rec
+            if partial is not None:
+                atomic_write_json(partial, list(done.values()))
+
+        recs = simulate(traces, pols, capacities=capacities, batch_size=bs, cost=cost, belady_fraction=False,
+                        progress=progress, done=done, on_record=on_record, allow_below_top_k=True)
+        by_cap: dict[Any, dict[str, dict]] = {}
         for r in recs:
             by_cap.setdefault(r["capacity_requested"], {})[r["policy"]] = r
-        for cap, group in by_cap.items():
-            orc = group.get("stage-oracle")
+        for group in by_cap.values():
+            orc, lru = group.get("stage-oracle"), group.get("lru")
             for pol, r in group.items():
-                A = max(r["accesses"], 1)
-                row = {"traces": name, "batch": bs, "capacity": cap, "slots_per_layer": r["slots_per_layer"],
-                       "policy": pol, "hit": r["resident_hit"], "cpu_share": r["cpu_exec"] / A,
-                       "demand_per_token": r["demand_misses"] / max(r["decoded_tokens"], 1),
-                       "transfers_per_token": (r["demand_misses"] + r["proactive_loads"]) / max(r["decoded_tokens"], 1),
-                       "mb_per_token": r["mb_per_token"], "speed_pct": r["pct_full_speed"]}
+                row = _row(name, bs, r)
+                if lru is not None:
+                    row["speedup_vs_lru"] = r["pct_full_speed"] / lru["pct_full_speed"]
                 if pol == "stage" and orc is not None:
                     row["oracle_eff_hit"] = r["resident_hit"] / orc["resident_hit"] if orc["resident_hit"] else float("nan")
                     row["oracle_eff_speed"] = r["pct_full_speed"] / orc["pct_full_speed"]
@@ -82,18 +163,20 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     keys = sorted({(r["traces"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(2, len(keys), figsize=(5 * len(keys), 7), squeeze=False)
+    fig, axes = plt.subplots(3, len(keys), figsize=(5 * len(keys), 10), squeeze=False)
     for j, (tr, bs) in enumerate(keys):
         sub = [r for r in rows if r["traces"] == tr and r["batch"] == bs]
         for pol in dict.fromkeys(r["policy"] for r in sub):
-            pts = sorted((r["capacity"], r["hit"], r["speed_pct"]) for r in sub if r["policy"] == pol)
+            pts = sorted((r["capacity"], r["hit"], r["speed_pct"], r["transfers_per_token"]) for r in sub
+                         if r["policy"] == pol)
             x = [p[0] for p in pts]
-            axes[0, j].plot(x, [p[1] for p in pts], "o-", label=pol)
-            axes[1, j].plot(x, [p[2] for p in pts], "o-", label=pol)
+            for i in range(3):
+                axes[i, j].plot(x, [p[i + 1] for p in pts], "o-", label=pol)
         axes[0, j].set_title(f"{tr}, batch {bs}")
         axes[0, j].set_ylabel("resident hit")
         axes[1, j].set_ylabel("modelled % of full-load speed")
-        axes[1, j].set_xlabel("capacity (fraction of experts per layer)")
+        axes[2, j].set_ylabel("transfers per decoded token")
+        axes[2, j].set_xlabel("capacity (fraction of experts per layer)")
         for a in axes[:, j]:
             a.set_xscale("log")
     axes[0, 0].legend(fontsize=7)
@@ -104,39 +187,49 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(args: Any) -> int:
-    from expertcast.inference.cues import CueSet, load_tokenizer
+    from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig
+    from expertcast.inference.cues import CueSet, load_tokenizer, resolve_cue_set
     from expertcast.inference.policies.static import selection_counts
     from expertcast.inference.stages import TokenDecoder
 
     batch_sizes = [int(x) for x in str(args.batch_sizes).split(",")]
     capacities = [float(x) for x in str(args.capacities).split(",")]
+    policies = [p.strip() for p in str(getattr(args, "policies", ",".join(POLICIES))).split(",") if p.strip()]
+    eb = getattr(args, "expert_bytes", None) or QWEN3_30B_A3B_EXPERT_BYTES
+    cost = CostConfig(expert_bytes=int(eb), cpu_parallel=not getattr(args, "cpu_serial", False))
     rows: list[dict[str, Any]] = []
     out = Path(args.out_dir)
     if args.traces:
         from expertcast.data.traces import load_traces
 
         meta, seqs = load_traces(args.traces, max_sequences=args.max_sequences)
-        cs = CueSet.load(args.cues)
+        cs = CueSet.load(resolve_cue_set(args.cues, args.tokenizer or meta.model_id))
         cs.check_compatible(meta.num_layers, meta.num_experts)
         tok = load_tokenizer(args.tokenizer or cs.tokenizer or meta.model_id)
-        calib = np.asarray(cs.expert_frequency) if cs.expert_frequency is not None else None
-        if calib is None:
+        if cs.expert_frequency is None:
             raise ValueError(f"cue set {args.cues} has no expert_frequency (recalibrate with expertcast stages calibrate)")
-        rows += run_grid("cot", (meta, seqs), list(cs.cues), TokenDecoder(tok), calib, calib, batch_sizes, capacities,
-                         cs.ignore_case)
+        freq = np.asarray(cs.expert_frequency, np.float64)
+        counts = counts_from_frequency(freq, cs.calibration.get("decode_tokens", 1))
+        tag = "cot" if args.max_sequences is None else f"cot{args.max_sequences}"
+        rows += run_grid(tag, (meta, seqs), list(cs.cues), TokenDecoder(tok), freq, counts, batch_sizes, capacities,
+                         cs.ignore_case, cost, policies, out / f"partial-{tag}.json")
     if args.synthetic:
         from expertcast.inference.synthetic import staged_traces
 
         syn = staged_traces(num_sequences=16, num_tokens=512, num_layers=8, num_experts=64, top_k=2, num_stages=4,
                             hot=8, mean_stage_len=64.0, seed=1)
         # calibration (static placement) on 4 held-out sequences of the same generator run
-        freq = selection_counts(syn.sequences[:4], syn.meta.num_layers, syn.meta.num_experts).astype(np.float64)
+        cnt = selection_counts(syn.sequences[:4], syn.meta.num_layers, syn.meta.num_experts)
+        freq = cnt / max(sum(s.num_tokens for s in syn.sequences[:4]), 1)
         rows += run_grid("synthetic", (syn.meta, syn.sequences[4:]), ["Wait"], synthetic_cue_decoder(syn.cue_token),
-                         freq, freq, batch_sizes, capacities)
+                         freq, cnt, batch_sizes, capacities, False, cost, policies, out / "partial-synthetic.json")
     if not rows:
         raise ValueError("nothing to evaluate: give --traces (with --cues) and/or --synthetic")
-    report(rows, title="SAEM: stage-aware vs LRU vs static (per-layer pools, decode-only)",
-           json_path=out / "saem_eval.json", csv_path=out / "saem_eval.csv")
+    report(rows, title=f"SAEM: stage-aware vs LRU vs static (per-layer pools, decode-only; costs of a "
+           f"{int(eb) / 1e6:.2f} MB expert)", json_path=out / "saem_eval.json", csv_path=out / "saem_eval.csv",
+           columns=["traces", "batch", "capacity", "slots_per_layer", "policy", "hit", "cpu_share",
+                    "transfers_per_token", "proactive_per_token", "speed_pct", "speedup_vs_lru", "oracle_eff_hit",
+                    "oracle_eff_speed", "updates"])
     plot(rows, out / "saem_eval.png")
     print(f"wrote {out}")
     return 0

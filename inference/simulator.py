@@ -402,15 +402,17 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
             if link.timeline is not None:
                 if layer_stall > 0:
                     link.timeline.append(Event(t, layer, "stall", -1, now, wait))
-                cur = begin
-                for e, c in cpu_jobs:  # CPU experts run one after another beside the device compute
+                cur = now if cost.cpu_parallel else begin
+                for e, c in cpu_jobs:  # CPU experts run one after another beside the device work
                     link.timeline.append(Event(t, layer, "cpu", e, cur, cur + c))
                     cur += c
                 link.timeline.append(Event(t, layer, "compute", -1, begin, begin + compute[layer]))
-            layer_time = max(compute[layer], cpu_ms)
-            clock = begin + layer_time
+            if cost.cpu_parallel:  # CPU experts start with the layer, beside its transfers and compute
+                clock = max(begin + compute[layer], now + cpu_ms)
+            else:
+                clock = begin + max(compute[layer], cpu_ms)
             if counted:
-                stall_total += layer_stall + (layer_time - compute[layer])
+                stall_total += clock - now - compute[layer]
                 compute_total += compute[layer]
             for e in sel:
                 s = cache.slot(layer, int(e))
@@ -588,12 +590,13 @@ def _load(traces) -> tuple[TraceMeta, list[TraceSequence]]:
 
 
 def cache_configs(meta: TraceMeta, capacities: Sequence[Any] | None = None, pool: str = "per-layer",
-                  slots_per_layer: Sequence[int] | None = None) -> list[tuple[Any, CacheConfig]]:
+                  slots_per_layer: Sequence[int] | None = None,
+                  allow_below_top_k: bool = False) -> list[tuple[Any, CacheConfig]]:
     """(requested capacity, CacheConfig) for each capacity: a float is a fraction of L*E, an int is
     slots (per layer or shared), a list is per-layer budgets; ``slots_per_layer`` values are uniform
-    per-layer budgets (per-layer pool)."""
+    per-layer budgets (per-layer pool). ``allow_below_top_k``: see :class:`CacheConfig`."""
     common = dict(num_layers=meta.num_layers, num_experts=meta.num_experts, top_k=meta.top_k,
-                  expert_bytes=meta.expert_bytes)
+                  expert_bytes=meta.expert_bytes, allow_below_top_k=allow_below_top_k)
     out = []
     if slots_per_layer:
         if pool != "per-layer":
@@ -616,7 +619,7 @@ def simulate(traces, policies: Sequence[str | Policy], capacities: Sequence[Any]
              *, pool: str = "per-layer", slots_per_layer: Sequence[int] | None = None, batch_size: int = 1,
              cost: CostConfig | None = None, belady_fraction: bool = True, engine: str = "auto",
              calibration=None, progress: bool = True, done: dict[str, dict] | None = None,
-             on_record=None) -> list[dict[str, Any]]:
+             on_record=None, allow_below_top_k: bool = False) -> list[dict[str, Any]]:
     """Replay ``traces`` for every (policy, capacity) and return one record per pair.
 
     Args:
@@ -634,6 +637,8 @@ def simulate(traces, policies: Sequence[str | Policy], capacities: Sequence[Any]
         calibration: [L, E] counts or sequences for ``static`` (default: in-sample).
         done: records of an interrupted run keyed by :func:`record_key`; they are reused, not replayed.
         on_record: called with each new record (the CLI saves partial results with it).
+        allow_below_top_k: accept per-layer budgets below top-K (the excess of a selection goes to the
+            temporary slot or the CPU; SAEM's smallest expert-cache ratios).
 
     Returns:
         list of dicts with policy, pool, capacity (realized fraction of L*E), slots, hit, adj_hit,
@@ -642,7 +647,7 @@ def simulate(traces, policies: Sequence[str | Policy], capacities: Sequence[Any]
     meta, seqs = _load(traces)
     cost = cost or CostConfig()
     stream = build_stream(meta, seqs, batch_size)
-    configs = cache_configs(meta, capacities, pool, slots_per_layer)
+    configs = cache_configs(meta, capacities, pool, slots_per_layer, allow_below_top_k)
     pols = [_as_policy(p, calibration) for p in policies]
     runs = [(p, c) for c in configs for p in pols]
     belady_hit: dict[int, float] = {}

@@ -2,14 +2,18 @@
 
 - ``calibrate --traces DIR [--tokenizer M] [--cues FILE] --out cues.json``: score candidate cues on
   routing traces (frequency, segmentation noise, TCseq vs a uniform control), prune, save the cue set.
-- ``stats --traces DIR --cues cues.json``: stages per trace, stage lengths, TCseq per layer and overall
+- ``stats --traces DIR [--cues cues.json]``: stages per trace, stage lengths, TCseq per layer and overall
   against token-uniform and shuffled segmentations of the same lengths.
 - ``detect --gold labeled40.jsonl --tokenizer M [--cues cues.json]``: detector precision/recall against
   sentence labels, for the calibrated set vs the full candidate set (text only, no routing needed).
-- ``eval --traces DIR --cues cues.json``: stage-aware vs LRU vs static-frequency (and the oracle and
+- ``eval --traces DIR [--cues cues.json]``: stage-aware vs LRU vs static-frequency (and the oracle and
   ablations) in the trace-driven simulator (see :mod:`expertcast.inference.saem_eval`).
 
 Every command prints a table and writes JSON + CSV (and a PNG where useful) under ``--out-dir``.
+
+Where the cue set lives: ``calibrate --out <model dir>/cues.json`` saves it with the model's artifacts;
+``stats``, ``eval`` and the stage-aware policy (``tokenizer=<model dir>``) find it there when ``--cues``
+is not given (:func:`expertcast.inference.cues.resolve_cue_set`).
 """
 
 from __future__ import annotations
@@ -69,11 +73,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from expertcast.inference.cues import CueSet, segmentation_stats, sequences_from_traces, stage_starts
+    from expertcast.inference.cues import (CueSet, resolve_cue_set, segmentation_stats, sequences_from_traces,
+                                           stage_starts)
     from expertcast.inference.stages import StageDetector, TokenDecoder
 
     meta, seqs = _load_traces(args.traces, args.max_sequences)
-    cs = CueSet.load(args.cues)
+    cs = CueSet.load(resolve_cue_set(args.cues, args.tokenizer or meta.model_id))
     cs.check_compatible(meta.num_layers, meta.num_experts)
     if args.tokenizer is None and cs.tokenizer:
         args.tokenizer = cs.tokenizer
@@ -148,8 +153,7 @@ def _cmd_detect(args: argparse.Namespace) -> int:
     if cs is not None:
         sets.append((f"calibrated ({len(cs.cues)})", list(cs.cues), cs.ignore_case))
     sets.append((f"all candidates ({len(cands)})", list(cands), cs.ignore_case if cs else False))
-    if not cs:
-        sets.append(("paper cues (3)", ["Alternatively", "Instead", "Another way"], False))
+    sets.append(("paper cues (3)", ["Alternatively", "Instead", "Another way"], False))
     rows = []
     for name, cues, ic in sets:
         rows += [s.row() for s in score_cues(name, cues, gold, tk, dec, tols, ignore_case=ic)]
@@ -194,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stats", help="stage statistics and TCseq vs controls")
     common(p)
-    p.add_argument("--cues", required=True, help="cue-set JSON")
+    p.add_argument("--cues", default=None, help="cue-set JSON (default: cues.json in the model directory)")
     p.add_argument("--out-dir", default="results/stages")
     p.set_defaults(fn=_cmd_stats)
 
@@ -209,9 +213,16 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="stage-aware vs LRU vs static in the simulator")
     common(p, required=False)
-    p.add_argument("--cues", default=None, help="cue-set JSON (needed with --traces)")
+    p.add_argument("--cues", default=None, help="cue-set JSON (default with --traces: cues.json in the model directory)")
     p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--capacities", default="0.03,0.125,0.25,0.5")
+    p.add_argument("--capacities", default="0.03,0.125,0.25,0.5",
+                   help="fractions of each layer's experts (budgets below top-K allowed)")
+    p.add_argument("--policies", default="stage,stage-oracle,stage-nocpu,stage-noupdate,lru,static",
+                   help="comma-separated subset of the evaluated policies")
+    p.add_argument("--expert-bytes", type=int, default=None,
+                   help="expert size for the cost model (default: one Qwen3-30B-A3B expert, 9437184 bytes)")
+    p.add_argument("--cpu-serial", action="store_true",
+                   help="CPU-executed experts start after the layer's transfers (default: in parallel with them)")
     p.add_argument("--synthetic", action="store_true", help="also run on synthetic traces with planted stages")
     p.add_argument("--out-dir", default="results/stages")
     p.set_defaults(fn=_cmd_eval)

@@ -351,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default=None, help="output directory (default runs/forecast-eval/<export name>)")
+    ap.add_argument("--write-heldout", default=None,
+                    help="also write the evaluated sequences as a trace set here (e.g. for `expertcast simulate`)")
     return ap
 
 
@@ -396,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     if not evals:
         print(f"forecast-eval: the {split} split of {args.traces} holds no sequences", file=sys.stderr)
         return 2
+    if args.write_heldout:
+        from expertcast.data.traces import write_traces
+
+        write_traces(args.write_heldout, meta, evals, run={"source": "forecast-eval held-out", "split": split,
+                                                           "forecaster": str(args.forecaster)})
+        print(f"wrote the {len(evals)} {split} sequences to {args.write_heldout}")
     baselines = fit_baselines(train, meta, exp.config.p)
     print(f"evaluating {len(evals)} {split} sequences of {args.traces} (baselines fitted on {len(train)} sequences), "
           f"L={meta.num_layers} E={meta.num_experts} K={meta.top_k} trigger layer p={exp.config.p}")

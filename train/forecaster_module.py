@@ -100,8 +100,9 @@ def calibrate_on_loader(net: ExpertForecaster, loader: Any, max_elements: int = 
 
 
 class ForecasterModule(pl.LightningModule):
-    """Trains an :class:`ExpertForecaster`. L, E, K and the trigger layer come from the data module when
-    not given (they are then stored in the hyper-parameters, so checkpoints rebuild the same network).
+    """Trains an :class:`ExpertForecaster`. L, E, K and the trigger layer (``shape``: num_layers, num_experts,
+    top_k, trigger_layer) come from the data module when not given; they are then stored in the
+    hyper-parameters, so checkpoints rebuild the same network.
 
     Args:
         backbone / hidden_size / num_blocks / state_size / head_dim / expand / conv_kernel / n_groups /
@@ -123,15 +124,14 @@ class ForecasterModule(pl.LightningModule):
                  rank_weight: float = 1.0, kl_weight: float = 1.0, rank_negatives: int = 8,
                  teacher_forcing_fraction: float = 0.4, sampling_ramp_fraction: float = 0.4,
                  max_sampling_rate: float = 0.5, loss_on_prefill: bool = True, export_dir: str | None = None,
-                 num_layers: int | None = None, num_experts: int | None = None, top_k: int | None = None,
-                 trigger_layer: int | None = None, source: dict[str, Any] | None = None,
+                 shape: dict[str, Any] | None = None, source: dict[str, Any] | None = None,
                  split_info: dict[str, Any] | None = None, calibration_elements: int = 4096):
         super().__init__()
         self.save_hyperparameters()
         self.net: ExpertForecaster | None = None
         self._calib: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        if num_layers is not None and num_experts is not None and top_k is not None:
-            self._build(num_layers, num_experts, top_k, trigger_layer)
+        if shape:
+            self._build(shape["num_layers"], shape["num_experts"], shape["top_k"], shape.get("trigger_layer"))
 
     # --- construction ---
     def _build(self, L: int, E: int, K: int, trigger_layer: int | None) -> None:
@@ -141,7 +141,7 @@ class ForecasterModule(pl.LightningModule):
                                head_dim=h.head_dim, expand=h.expand, conv_kernel=h.conv_kernel, n_groups=h.n_groups,
                                chunk_size=h.chunk_size)
         self.net = ExpertForecaster(cfg)
-        self.hparams.update(num_layers=L, num_experts=E, top_k=K, trigger_layer=trigger_layer)
+        self.hparams.update(shape={"num_layers": L, "num_experts": E, "top_k": K, "trigger_layer": trigger_layer})
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
@@ -160,7 +160,7 @@ class ForecasterModule(pl.LightningModule):
                                         "expert_bytes": meta.expert_bytes, "dataset": meta.dataset},
                                 split_info=getattr(dm, "split_info", None))
         if self.net is None:
-            raise ValueError("ForecasterModule needs num_layers/num_experts/top_k or a ForecasterDataModule")
+            raise ValueError("ForecasterModule needs shape={num_layers, num_experts, top_k} or a ForecasterDataModule")
 
     # --- schedule ---
     def sampling_rate(self) -> float:

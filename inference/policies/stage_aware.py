@@ -14,7 +14,9 @@
 - between boundaries the cache content does not change: a non-resident expert is executed on the CPU
   when the :class:`~expertcast.inference.cpu_exec.LatencyModel` predicts that faster for its token count
   (``MissAction.CPU``: neither a hit nor a transfer), else served from a reserved temporary slot
-  (``MissAction.TEMP``: a transfer not retained);
+  (``MissAction.TEMP``: a transfer not retained); when the cost model runs the CPU in parallel with the
+  transfers (``CostConfig.cpu_parallel``), a layer's misses are split between the two paths so that the
+  layer ends soonest (:meth:`~expertcast.inference.cpu_exec.LatencyModel.prefer_cpu_queued`);
 - the prompt (prefill) is the first finished stage when the driver reports prefill accesses; the
   calibration's static expert frequencies (cue-set JSON) seed the cache when it starts empty.
 
@@ -39,12 +41,16 @@ from typing import Any
 
 import numpy as np
 from expertcast.inference.cpu_exec import LatencyModel
-from expertcast.inference.cues import CueSet
+from expertcast.inference.cues import CUESET_FILENAME, CueSet
 from expertcast.inference.policy import MissAction, Policy
 from expertcast.inference.stages import StageDetector, TokenDecoder
 
 
-def _resolve_cues(cue_set: str | Path | CueSet | None, cues: Sequence[str] | str | None) -> tuple[list[str], CueSet | None, bool]:
+def _resolve_cues(cue_set: str | Path | CueSet | None, cues: Sequence[str] | str | None,
+                  tokenizer: Any = None) -> tuple[list[str], CueSet | None, bool]:
+    if cue_set is None and cues is None and isinstance(tokenizer, (str, Path)) \
+            and (Path(tokenizer) / CUESET_FILENAME).is_file():
+        cue_set = Path(tokenizer) / CUESET_FILENAME  # the model's own calibrated cue set
     cs = CueSet.load(cue_set) if isinstance(cue_set, (str, Path)) else cue_set
     if cues is not None:
         lst = [c.strip() for c in cues.split("|")] if isinstance(cues, str) else list(cues)
@@ -59,7 +65,9 @@ class StageAwarePolicy(Policy):
 
     Args:
         cue_set: path of a calibrated cue-set JSON (``expertcast stages calibrate``) or a CueSet; gives
-            the cues, the tokenizer (unless ``tokenizer`` is given) and static expert frequencies.
+            the cues, the tokenizer (unless ``tokenizer`` is given) and static expert frequencies. When
+            neither ``cue_set`` nor ``cues`` is given and ``tokenizer`` is a model directory holding
+            ``cues.json`` (:data:`~expertcast.inference.cues.CUESET_FILENAME`), that file is used.
         cues: explicit cues (list, or one string separated by ``|``), overriding the cue set's.
         tokenizer: tokenizer directory / id (or a tokenizer object) used to decode the token ids.
         decoder: a ready token-id -> bytes function (overrides ``tokenizer``).
@@ -80,10 +88,10 @@ class StageAwarePolicy(Policy):
                  tokenizer: Any = None, decoder: Any = None, cpu_exec: bool = True, stage_updates: bool = True,
                  latency: LatencyModel | None = None, cost: Any = None, min_stage_steps: int = 1,
                  static_frequency: np.ndarray | None = None) -> None:
-        self.cues, self.cue_set, self.ignore_case = _resolve_cues(cue_set, cues)
+        self.cues, self.cue_set, self.ignore_case = _resolve_cues(cue_set, cues, tokenizer)
         if stage_updates and not self.cues:
-            raise ValueError("StageAwarePolicy needs cues: pass cue_set=CUES.json (expertcast stages calibrate) "
-                             "or cues='Wait|Alternatively|...'")
+            raise ValueError("StageAwarePolicy needs cues: pass cue_set=CUES.json (expertcast stages calibrate), "
+                             "tokenizer=MODEL_DIR holding cues.json, or cues='Wait|Alternatively|...'")
         self._tokenizer_spec = tokenizer if tokenizer is not None else (self.cue_set.tokenizer if self.cue_set else None)
         self._decoder = decoder
         self.cpu_exec = bool(cpu_exec)
@@ -136,6 +144,8 @@ class StageAwarePolicy(Policy):
             eb = int(getattr(config, "expert_bytes", 0) or QWEN3_30B_A3B_EXPERT_BYTES)
             self._latency = LatencyModel.from_cost(cost, eb)
         self._stage_counts = np.zeros((self.L, self.E), dtype=np.float64)
+        self._miss_at: tuple[int, int] = (-1, -1)
+        self._cpu_busy = self._link_busy = 0.0
         # tie-break: static frequencies (tiny weight), then expert id
         base = self.static_frequency if self.static_frequency is not None else np.zeros((self.L, self.E))
         self._tiebreak = base / (base.max() + 1.0) * 1e-3
@@ -262,7 +272,19 @@ class StageAwarePolicy(Policy):
         return ()
 
     def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: Any) -> MissAction:
-        if self.cpu_exec and self.latency.prefer_cpu(max(int(n_tokens), 1)):
+        n = max(int(n_tokens), 1)
+        lat = self.latency
+        if lat.parallel:
+            if self._miss_at != (t, layer):  # a new layer-execution: both paths idle
+                self._miss_at, self._cpu_busy, self._link_busy = (t, layer), 0.0, 0.0
+            use_cpu = self.cpu_exec and lat.prefer_cpu_queued(n, self._cpu_busy, self._link_busy)
+            if use_cpu:
+                self._cpu_busy += lat.cpu_ms(n)
+            else:
+                self._link_busy += lat.transfer_ms
+        else:
+            use_cpu = self.cpu_exec and lat.prefer_cpu(n)
+        if use_cpu:
             self.n_cpu += 1
             return MissAction.CPU
         self.n_temp += 1
@@ -273,7 +295,8 @@ class StageAwarePolicy(Policy):
         return int(np.argmin(self._priority[c[:, 0], c[:, 1]]))
 
     def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: Any) -> None:
-        np.add.at(self._stage_counts[layer], np.asarray(selected, dtype=np.int64), np.asarray(counts, np.float64))
+        # the experts of one layer-execution are distinct (the union of the batch's selections)
+        self._stage_counts[layer, np.asarray(selected, dtype=np.int64)] += counts
 
     # -- stage updates ----------------------------------------------------------------------------
     def _next_ranking(self, t: int) -> np.ndarray:

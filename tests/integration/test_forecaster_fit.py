@@ -57,7 +57,7 @@ def test_fit_resume_export_and_eval(tmp_path, traces, monkeypatch, caplog):
     assert f"Restoring states from the checkpoint path at {last}" in caplog.text
     ck = torch.load(last, weights_only=False, map_location="cpu")
     assert ck["global_step"] == step1 * 3 // 2
-    assert ck["hyper_parameters"]["num_experts"] == 8
+    assert ck["hyper_parameters"]["shape"]["num_experts"] == 8
 
     exp = load_forecaster(run / "export")
     assert exp.config.num_layers == 2 and exp.source["model_id"] == "synthetic/mode-markov"

@@ -90,3 +90,102 @@ def test_static_ablation_and_errors(syn):
     bad = CacheConfig(num_layers=2, num_experts=16, top_k=2, capacity=0.25)
     with pytest.raises(ValueError, match="another model"):
         StageAwarePolicy(cues=["Wait"], decoder=dec, static_frequency=freq).reset(bad)
+
+
+def test_budget_below_top_k_is_opt_in_and_served_off_cache(syn):
+    # 1 slot per layer < K=2 (SAEM's 3.125% ratio on a model with few experts)
+    with pytest.raises(ValueError, match="below top-K"):
+        CacheConfig(num_layers=3, num_experts=16, top_k=2, capacity=0.0625)
+    cfg = CacheConfig(num_layers=3, num_experts=16, top_k=2, capacity=0.0625, allow_below_top_k=True)
+    assert cfg.uniform_slots_per_layer == 1
+    with pytest.raises(ValueError, match="needs a slot"):
+        CacheConfig(num_layers=3, num_experts=16, top_k=2, capacity=0.01, allow_below_top_k=True)
+    dec = synthetic_cue_decoder(syn.cue_token)
+    pol = _labelled(StageAwarePolicy(cues=["Wait"], decoder=dec), "stage")
+    recs = simulate(syn, [pol, "lru"], capacities=[0.0625], batch_size=2, belady_fraction=False, engine="python",
+                    progress=False, allow_below_top_k=True)
+    r = {x["policy"]: x for x in recs}
+    for x in r.values():
+        assert x["slots_per_layer"] == 1
+        # at most one of a layer's two selected experts can be resident: hits <= accesses / 2
+        assert x["hits"] + x["late_prefetches"] <= x["accesses"] / 2
+    s, lru = r["stage"], r["lru"]
+    assert s["cpu_exec"] + s["temp_loads"] == s["accesses"] - s["hits"] - s["late_prefetches"]
+    assert lru["temp_loads"] > 0 and lru["cpu_exec"] == 0  # LRU keeps one, the rest through the temporary slot
+
+
+class _OneCpu(StageAwarePolicy):
+    """Test helper: expert 3 on the CPU, everything else demand-loaded."""
+
+    def __init__(self):
+        super().__init__(cues=["Wait"], decoder=lambda i: b"x")
+
+    def on_miss(self, t, layer, expert, n_tokens, cache):
+        from expertcast.inference.policy import MissAction
+
+        return MissAction.CPU if expert == 3 else MissAction.LOAD
+
+    def choose_victim(self, t, layer, candidates, cache):
+        return 0
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_cpu_parallel_cost_model(parallel):
+    from expertcast.data.trace_format import TraceMeta, TraceSequence
+    from expertcast.inference.cost_model import CostConfig
+    from expertcast.inference.simulator import build_stream, replay
+
+    # one decode step, L=1, K=2: expert 0 transferred (0.5 ms), expert 3 on the CPU (0.3 + 0.1 = 0.4 ms),
+    # layer compute 0.2 ms. Serial: 0.5 + max(0.2, 0.4) = 0.9 ms; parallel: max(0.5 + 0.2, 0.4) = 0.7 ms.
+    meta = TraceMeta("hand", 1, 4, 2, expert_bytes=1_000_000)
+    seq = TraceSequence("s", np.zeros(1, np.int32), 0, np.array([[[0, 3]]], np.int16), np.ones((1, 1, 2), np.float16))
+    cost = CostConfig(bandwidth_gbps=2.0, layer_compute_ms=0.2, cpu_expert_ms=0.3, cpu_token_ms=0.1,
+                      cpu_parallel=parallel)
+    r = replay(build_stream(meta, [seq]), _OneCpu(), CacheConfig(1, 4, 2, slots=2), cost, record_timeline=True)
+    assert r.stall_ms == pytest.approx(0.5 if parallel else 0.7)
+    cpu_ev = [e for e in r.timeline if e.kind == "cpu"]
+    assert cpu_ev[0].start == pytest.approx(0.0 if parallel else 0.5)
+
+
+def test_parallel_mode_splits_a_layers_misses(syn):
+    from expertcast.inference.cost_model import CostConfig
+
+    dec = synthetic_cue_decoder(syn.cue_token)
+    cost = CostConfig(cpu_parallel=True)
+    pols = [_labelled(StageAwarePolicy(cues=["Wait"], decoder=dec, cost=cost), "par"),
+            _labelled(StageAwarePolicy(cues=["Wait"], decoder=dec), "ser")]
+    r = {x["policy"]: x for x in simulate(syn, pols, capacities=[0.125], batch_size=4, cost=cost,
+                                          belady_fraction=False, engine="python", progress=False)}
+    # serial decisions send every (few-token) miss to the CPU; the parallel split also uses the link
+    assert r["ser"]["temp_loads"] == 0 and r["ser"]["cpu_exec"] > 0
+    assert r["par"]["temp_loads"] > 0 and r["par"]["cpu_exec"] > 0
+    assert r["par"]["pct_full_speed"] > r["ser"]["pct_full_speed"]
+
+
+def test_cue_set_found_beside_the_model(tmp_path):
+    from expertcast.inference.cues import CUESET_FILENAME, CueSet, resolve_cue_set
+
+    freq = np.full((3, 16), 0.1)
+    CueSet(cues=["Wait", "Alternatively"], expert_frequency=freq.tolist()).save(tmp_path / CUESET_FILENAME)
+    assert resolve_cue_set(None, tmp_path) == tmp_path / CUESET_FILENAME
+    with pytest.raises(FileNotFoundError, match="has no cues.json"):
+        resolve_cue_set(None, tmp_path / "x" if False else tmp_path.parent)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_cue_set(tmp_path / "nope.json", tmp_path)
+    pol = StageAwarePolicy(tokenizer=str(tmp_path), decoder=lambda i: b"x")
+    assert pol.cues == ["Wait", "Alternatively"] and pol.static_frequency.shape == (3, 16)
+
+
+def test_eval_static_baseline_needs_counts():
+    from expertcast.inference.saem_eval import counts_from_frequency, make_policies
+
+    freq = np.array([[0.5, 0.25, 0.125, 0.125]])
+    cnt = counts_from_frequency(freq, 1000)
+    assert cnt.tolist() == [[500, 250, 125, 125]]
+    pols = make_policies(["Wait"], lambda i: b"x", freq, cnt, names=["static", "lru"])
+    assert [p.label for p in pols] == ["static", "lru"]
+    assert pols[0].freq.tolist() == cnt.tolist()
+    with pytest.raises(ValueError, match="int selection counts"):
+        make_policies(["Wait"], lambda i: b"x", freq, freq, names=["static"])
+    with pytest.raises(ValueError, match="unknown"):
+        make_policies(["Wait"], lambda i: b"x", freq, cnt, names=["mru"])
