@@ -141,7 +141,8 @@ def test_cpu_parallel_cost_model(parallel):
     seq = TraceSequence("s", np.zeros(1, np.int32), 0, np.array([[[0, 3]]], np.int16), np.ones((1, 1, 2), np.float16))
     cost = CostConfig(bandwidth_gbps=2.0, layer_compute_ms=0.2, cpu_expert_ms=0.3, cpu_token_ms=0.1,
                       cpu_parallel=parallel)
-    r = replay(build_stream(meta, [seq]), _OneCpu(), CacheConfig(1, 4, 2, slots=2), cost, record_timeline=True)
+    r = replay(build_stream(meta, [seq]), _OneCpu(), CacheConfig(1, 4, 2, slots=2, expert_bytes=1_000_000), cost,
+               record_timeline=True)
     assert r.stall_ms == pytest.approx(0.5 if parallel else 0.7)
     cpu_ev = [e for e in r.timeline if e.kind == "cpu"]
     assert cpu_ev[0].start == pytest.approx(0.0 if parallel else 0.5)
@@ -168,8 +169,9 @@ def test_cue_set_found_beside_the_model(tmp_path):
     freq = np.full((3, 16), 0.1)
     CueSet(cues=["Wait", "Alternatively"], expert_frequency=freq.tolist()).save(tmp_path / CUESET_FILENAME)
     assert resolve_cue_set(None, tmp_path) == tmp_path / CUESET_FILENAME
+    (tmp_path / "other").mkdir()
     with pytest.raises(FileNotFoundError, match="has no cues.json"):
-        resolve_cue_set(None, tmp_path / "x" if False else tmp_path.parent)
+        resolve_cue_set(None, tmp_path / "other")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_cue_set(tmp_path / "nope.json", tmp_path)
     pol = StageAwarePolicy(tokenizer=str(tmp_path), decoder=lambda i: b"x")
