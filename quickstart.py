@@ -83,6 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(sim_dir / "results.json", records)
     summary["simulate"] = str(sim_dir / "results.json")
 
+    if not args.skip_offload:
+        _banner(6, "real expert offloading on GSM8K test (LRU, 25% of experts resident)")
+        from expertcast.inference.eval_cli import main as eval_main
+
+        eval_dir = out / "eval-lru-0.25"
+        rc = eval_main(["--model", str(model_dir), "--benchmark", "gsm8k", "--policy", "lru", "--capacity", "0.25",
+                        "--limit", "4", "--batch-size", "2", "--max-new-tokens", "64", "--out", str(eval_dir)]
+                       + (["--data-dir", args.data_dir] if args.data_dir else []))
+        if rc:
+            return rc
+        summary["offload_eval"] = str(eval_dir)
+
     summary["seconds"] = time.perf_counter() - t_all
     atomic_write_json(out / "summary.json", summary)
     print(f"\nquickstart finished in {summary['seconds']:.0f} s; outputs in {out}/")

@@ -247,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
 
     run = None
     if args.wandb:
-        import wandb
+        from expertcast.utils.tracking import start_wandb_run
 
-        run = wandb.init(project=args.wandb_project, config=settings, job_type="eval",
-                         name=f"eval-{args.benchmark}-{name}-{capacity}")
+        run = start_wandb_run(args.wandb_project, settings, job_type="eval",
+                              name=f"eval-{args.benchmark}-{name}-{capacity}")
 
     batches = [todo[i:i + args.batch_size] for i in range(0, len(todo), args.batch_size)]
     it = batches

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from expertcast.utils.io import report
+from expertcast.utils.io import atomic_write_json, report
 
 
 def _load_traces(path: str, max_sequences: int | None = None):
@@ -97,8 +97,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     st = segmentation_stats([s.expert_ids for s in cal], starts, meta.num_experts, args.min_stage_tokens)
     out = Path(args.out_dir)
     summ = st.summary()
-    report([summ], title=f"stages of {len(cal)} traces with {len(cs.cues)} cues",
-           json_path=out / "stage_stats.json", csv_path=out / "stage_stats.csv")
+    summ = {"cues": "|".join(cs.cues), **summ}
+    report([{"statistic": k, "value": v} for k, v in summ.items()],
+           title=f"stages of {len(cal)} traces with {len(cs.cues)} cues", json_path=None,
+           csv_path=out / "stage_stats.csv")
+    atomic_write_json(out / "stage_stats.json", summ)
     layers = [{"layer": i, "tcseq": float(a), "tcseq_uniform": float(b), "tcseq_shuffled": float(c)}
               for i, (a, b, c) in enumerate(zip(st.tcseq_layer, st.tcseq_uniform_layer, st.tcseq_shuffled_layer,
                                                 strict=True))]

@@ -217,7 +217,7 @@ def evaluate(model: ExpertForecaster | None, seqs: Sequence[TraceSequence], meta
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, desc="forecast-eval", unit="step", leave=False)
+        bar = tqdm(total=total, desc="forecast-eval", unit="step", leave=False, disable=None)
     for batch in batches:
         ids, w, lens, prompts = element_arrays(batch, L, p)
         B, T = ids.shape[:2]

@@ -28,7 +28,7 @@ def fitted(tmp_path_factory) -> Path:
         "--data.init_args.limit", "48", "--data.init_args.heldout", "8", "--data.init_args.max_length", "96",
         "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
         "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
-        "--trainer.enable_progress_bar", "false", "--ckpt_path", "null",
+        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out), "--ckpt_path", "null",
     ])
     assert rc == 0
     return out / "export"
