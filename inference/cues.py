@@ -252,7 +252,12 @@ class CalibrationConfig:
     max_noise: float = 0.35
     """Largest share of too-short stages, for a cue alone and for the growing cue set."""
     tcseq_tolerance: float = 0.01
-    """TCseq of the cue's (and the set's) stages may fall below the uniform control by at most this."""
+    """TCseq of the cue's (and the set's) stages may fall below the control by at most this."""
+    control: str = "uniform"
+    """Segmentation a cue's TCseq is compared with: ``uniform`` (the same number of equal-length stages)
+    or ``shuffled`` (stages of the same lengths in a random order). TCseq grows with stage length (longer
+    stages give smoother frequency vectors), so the uniform control also penalizes a cue for the spread of
+    its stage lengths; the shuffled control compares only where the boundaries fall."""
     max_cues: int = 12
     """Upper bound on the size of the calibrated set."""
     ignore_case: bool = False
@@ -271,7 +276,8 @@ class CueSet:
     ignore_case: bool = False
     candidates: list[str] = field(default_factory=list)
     scores: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per candidate: count, rate_per_1k, trace_share, noise, tcseq, tcseq_uniform, kept, reason."""
+    """Per candidate: count, rate_per_1k, trace_share, noise, tcseq, tcseq_uniform, tcseq_shuffled, kept,
+    reason."""
     calibration: dict[str, Any] = field(default_factory=dict)
     """Config, source traces and set-level statistics of the calibration run."""
     expert_frequency: list[list[float]] | None = None
@@ -399,6 +405,12 @@ def calibrate(seqs: Sequence[CalibSequence], decoder: Callable[[int], bytes], nu
     """Score every candidate alone, prune, and grow the cue set greedily (best TCseq margin first)
     while the set's noise and TCseq stay within the thresholds."""
     cfg = config or CalibrationConfig()
+    if cfg.control not in ("uniform", "shuffled"):
+        raise ValueError(f"calibration control must be 'uniform' or 'shuffled', got {cfg.control!r}")
+
+    def ctrl(st: SegmentationStats) -> float:
+        return st.tcseq_shuffled if cfg.control == "shuffled" else st.tcseq_uniform
+
     seqs = [s for s in seqs if len(s.token_ids)]
     if not seqs:
         raise ValueError("no calibration sequence has decode tokens")
@@ -410,14 +422,15 @@ def calibrate(seqs: Sequence[CalibSequence], decoder: Callable[[int], bytes], nu
         st, n_ev, n_with = _stats_for(seqs, raw, {i}, num_experts, cfg)
         rate = 1000.0 * n_ev / n_tok
         sc = {"count": n_ev, "rate_per_1k": rate, "trace_share": n_with / len(seqs), "noise": st.noise,
-              "tcseq": st.tcseq, "tcseq_uniform": st.tcseq_uniform, "kept": False}
-        margin = st.tcseq - st.tcseq_uniform if st.n_pairs else float("nan")
+              "tcseq": st.tcseq, "tcseq_uniform": st.tcseq_uniform, "tcseq_shuffled": st.tcseq_shuffled,
+              "kept": False}
+        margin = st.tcseq - ctrl(st) if st.n_pairs else float("nan")
         if rate < cfg.min_rate_per_1k:
             sc["reason"] = f"rare ({rate:.3f}/1k < {cfg.min_rate_per_1k})"
         elif st.noise > cfg.max_noise:
             sc["reason"] = f"noisy ({st.noise:.2f} of stages < {cfg.min_stage_tokens} tokens)"
         elif not margin >= -cfg.tcseq_tolerance:
-            sc["reason"] = f"incoherent (TCseq {st.tcseq:.4f} < uniform {st.tcseq_uniform:.4f} - {cfg.tcseq_tolerance})"
+            sc["reason"] = f"incoherent (TCseq {st.tcseq:.4f} < {cfg.control} {ctrl(st):.4f} - {cfg.tcseq_tolerance})"
         else:
             sc["reason"] = "eligible"
             eligible.append((margin, i))
@@ -431,7 +444,7 @@ def calibrate(seqs: Sequence[CalibSequence], decoder: Callable[[int], bytes], nu
             continue
         trial = chosen | {i}
         st, n_ev, _ = _stats_for(seqs, raw, trial, num_experts, cfg)
-        set_margin = st.tcseq - st.tcseq_uniform
+        set_margin = st.tcseq - ctrl(st)
         if st.noise > cfg.max_noise:
             scores[candidates[i]]["reason"] = f"set would be noisy ({st.noise:.2f})"
             continue
@@ -442,7 +455,7 @@ def calibrate(seqs: Sequence[CalibSequence], decoder: Callable[[int], bytes], nu
         scores[candidates[i]]["kept"] = True
         scores[candidates[i]]["reason"] = "kept"
         history.append({"added": candidates[i], "noise": st.noise, "tcseq": st.tcseq,
-                        "tcseq_uniform": st.tcseq_uniform, "boundaries": n_ev})
+                        "tcseq_uniform": st.tcseq_uniform, "tcseq_shuffled": st.tcseq_shuffled, "boundaries": n_ev})
     if not chosen:
         # keep the single most frequent candidate so the set stays usable, and say so
         best = max(range(len(candidates)), key=lambda i: scores[candidates[i]]["count"])

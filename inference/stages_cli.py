@@ -54,7 +54,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     cands = load_candidates(args.cues)
     cfg = CalibrationConfig(min_stage_tokens=args.min_stage_tokens, min_rate_per_1k=args.min_rate,
                             max_noise=args.max_noise, tcseq_tolerance=args.tcseq_tolerance, max_cues=args.max_cues,
-                            ignore_case=args.ignore_case)
+                            ignore_case=args.ignore_case, control=args.control)
     cs = calibrate(sequences_from_traces(seqs), TokenDecoder(tok), meta.num_experts, cands, cfg,
                    model_id=meta.model_id, tokenizer_id=tok_name, progress=True)
     cs.calibration["traces"] = str(Path(args.traces).resolve())
@@ -67,14 +67,20 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     sel, full = cs.calibration["selected"], cs.calibration["all_candidates"]
     report([{"set": "calibrated", "cues": len(cs.cues), **sel}, {"set": "all candidates", "cues": len(cands), **full}],
            title="segmentation of the calibration traces",
-           columns=["set", "cues", "stages", "stage_len_median", "stage_len_mean", "noise", "tcseq", "tcseq_uniform"])
+           columns=["set", "cues", "stages", "stage_len_median", "stage_len_mean", "noise", "tcseq", "tcseq_uniform",
+                    "tcseq_shuffled"])
     print(f"kept {len(cs.cues)} cues: {cs.cues}\nwrote {out}")
     return 0
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from expertcast.inference.cues import (CueSet, resolve_cue_set, segmentation_stats, sequences_from_traces,
-                                           stage_starts)
+    from expertcast.inference.cues import (
+        CueSet,
+        resolve_cue_set,
+        segmentation_stats,
+        sequences_from_traces,
+        stage_starts,
+    )
     from expertcast.inference.stages import StageDetector, TokenDecoder
 
     meta, seqs = _load_traces(args.traces, args.max_sequences)
@@ -197,6 +203,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tcseq-tolerance", type=float, default=0.01, help="allowed TCseq deficit vs uniform control")
     p.add_argument("--max-cues", type=int, default=12)
     p.add_argument("--ignore-case", action="store_true")
+    p.add_argument("--control", choices=("uniform", "shuffled"), default="uniform",
+                   help="segmentation a cue's TCseq is compared with (shuffled: same stage lengths)")
     p.set_defaults(fn=_cmd_calibrate)
 
     p = sub.add_parser("stats", help="stage statistics and TCseq vs controls")
