@@ -93,6 +93,25 @@ def counts_from_frequency(freq: np.ndarray, tokens: int) -> np.ndarray:
     return np.rint(np.asarray(freq, np.float64) * max(int(tokens), 1)).astype(np.int64)
 
 
+def run_settings(name: str, traces: tuple[Any, list[Any]], cues: list[str], static_frequency: np.ndarray,
+                 calibration: np.ndarray, ignore_case: bool, cost: Any) -> dict[str, Any]:
+    """What a partial result depends on beyond (policy, capacity, batch): traces, cues, calibration, costs."""
+    import dataclasses
+    import hashlib
+
+    meta, seqs = traces
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(str(s.seq_id).encode())
+        h.update(np.ascontiguousarray(s.token_ids).tobytes())
+        h.update(np.ascontiguousarray(s.expert_ids).tobytes())
+    h.update(np.ascontiguousarray(static_frequency, np.float64).tobytes())
+    h.update(np.ascontiguousarray(calibration, np.int64).tobytes())
+    return {"traces": name, "model": meta.model_id, "sequences": len(seqs), "data_sha256": h.hexdigest(),
+            "cues": list(cues), "ignore_case": bool(ignore_case),
+            "cost": json.loads(json.dumps(dataclasses.asdict(cost)))}
+
+
 def _row(name: str, bs: int, r: dict[str, Any]) -> dict[str, Any]:
     A = max(r["accesses"], 1)
     T = max(r["decoded_tokens"], 1)
@@ -119,12 +138,18 @@ def run_grid(name: str, traces: tuple[Any, list[Any]], cues: list[str], decoder:
     from expertcast.inference.simulator import simulate
 
     cost = cost or CostConfig()
+    settings = run_settings(name, traces, cues, static_frequency, calibration, ignore_case, cost)
     done: dict[str, dict] = {}
     if partial is not None and partial.is_file():
         try:
-            done = {r["key"]: r for r in json.loads(partial.read_text(encoding="utf-8"))}
+            saved = json.loads(partial.read_text(encoding="utf-8"))
+            old, done = saved["settings"], {r["key"]: r for r in saved["records"]}
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"partial results {partial} are corrupt ({e}): delete the file to start over") from None
+        if old != settings:
+            diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            raise ValueError(f"partial results {partial} were made with other settings ({', '.join(diff)} differ): "
+                             "delete the file or choose another --out-dir")
     rows = []
     for bs in batch_sizes:
         pols = make_policies(cues, decoder, static_frequency, calibration, ignore_case, cost, policies)
@@ -136,7 +161,7 @@ def run_grid(name: str, traces: tuple[Any, list[Any]], cues: list[str], decoder:
                 rec["updates"] = int(pol.n_updates)
             done[rec["key"]] = rec
             if partial is not None:
-                atomic_write_json(partial, list(done.values()))
+                atomic_write_json(partial, {"settings": settings, "records": list(done.values())})
 
         recs = simulate(traces, pols, capacities=capacities, batch_size=bs, cost=cost, belady_fraction=False,
                         progress=progress, done=done, on_record=on_record, allow_below_top_k=True)
@@ -214,15 +239,20 @@ def main(args: Any) -> int:
         rows += run_grid(tag, (meta, seqs), list(cs.cues), TokenDecoder(tok), freq, counts, batch_sizes, capacities,
                          cs.ignore_case, cost, policies, out / f"partial-{tag}.json")
     if args.synthetic:
+        from expertcast.inference.saem_synthetic import drifting_stage_traces
         from expertcast.inference.synthetic import staged_traces
 
-        syn = staged_traces(num_sequences=16, num_tokens=512, num_layers=8, num_experts=64, top_k=2, num_stages=4,
-                            hot=8, mean_stage_len=64.0, seed=1)
-        # calibration (static placement) on 4 held-out sequences of the same generator run
-        cnt = selection_counts(syn.sequences[:4], syn.meta.num_layers, syn.meta.num_experts)
-        freq = cnt / max(sum(s.num_tokens for s in syn.sequences[:4]), 1)
-        rows += run_grid("synthetic", (syn.meta, syn.sequences[4:]), ["Wait"], synthetic_cue_decoder(syn.cue_token),
-                         freq, cnt, batch_sizes, capacities, False, cost, policies, out / "partial-synthetic.json")
+        shape = dict(num_sequences=16, num_tokens=512, num_layers=8, num_experts=64, top_k=2, hot=8,
+                     mean_stage_len=64.0, seed=1)
+        # "synthetic": every stage draws a profile different from the finished one (SAEM's premise violated);
+        # "synthetic-drift": a boundary swaps 2 of a layer's 8 hot experts (adjacent stages coherent)
+        for tag, syn in (("synthetic", staged_traces(num_stages=4, **shape)),
+                         ("synthetic-drift", drifting_stage_traces(keep=6, **shape))):
+            # calibration (static placement) on 4 held-out sequences of the same generator run
+            cnt = selection_counts(syn.sequences[:4], syn.meta.num_layers, syn.meta.num_experts)
+            freq = cnt / max(sum(s.num_tokens for s in syn.sequences[:4]), 1)
+            rows += run_grid(tag, (syn.meta, syn.sequences[4:]), ["Wait"], synthetic_cue_decoder(syn.cue_token),
+                             freq, cnt, batch_sizes, capacities, False, cost, policies, out / f"partial-{tag}.json")
     if not rows:
         raise ValueError("nothing to evaluate: give --traces (with --cues) and/or --synthetic")
     report(rows, title=f"SAEM: stage-aware vs LRU vs static (per-layer pools, decode-only; costs of a "

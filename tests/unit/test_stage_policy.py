@@ -191,3 +191,52 @@ def test_eval_static_baseline_needs_counts():
         make_policies(["Wait"], lambda i: b"x", freq, freq, names=["static"])
     with pytest.raises(ValueError, match="unknown"):
         make_policies(["Wait"], lambda i: b"x", freq, cnt, names=["mru"])
+
+
+def _tcseq(traces) -> float:
+    from expertcast.inference.cues import adjacent_cosine, stage_counts
+
+    vals = []
+    for s, st in zip(traces.sequences, traces.stage_ids, strict=True):
+        starts = np.flatnonzero(np.diff(st, prepend=-1) != 0)
+        vals.append(adjacent_cosine(stage_counts(np.asarray(s.expert_ids), starts, traces.meta.num_experts)).ravel())
+    return float(np.concatenate(vals).mean())
+
+
+def test_drifting_stages_plant_adjacent_coherence():
+    from expertcast.inference.saem_synthetic import drifting_stage_traces
+
+    kw = dict(num_sequences=3, num_tokens=400, num_layers=2, num_experts=32, top_k=2, hot=8, mean_stage_len=50.0,
+              seed=0)
+    drift = drifting_stage_traces(keep=6, **kw)
+    indep = staged_traces(num_stages=4, **kw)
+    for s, st in zip(drift.sequences, drift.stage_ids, strict=True):
+        starts = np.flatnonzero(np.diff(st) != 0) + 1
+        assert len(starts) > 2 and (s.token_ids[starts] == drift.cue_token).all()
+        assert (s.token_ids[1:] == drift.cue_token).sum() == len(starts)
+    # adjacent stages share 6 of 8 hot experts: far more alike than independent profiles
+    assert _tcseq(drift) > _tcseq(indep) + 0.15
+    assert _tcseq(drifting_stage_traces(keep=0, **kw)) < _tcseq(drift) - 0.15
+    with pytest.raises(ValueError, match="keep"):
+        drifting_stage_traces(keep=9, **kw)
+
+
+def test_stage_updates_track_drifting_stages():
+    from expertcast.inference.policies.static import selection_counts
+    from expertcast.inference.saem_synthetic import drifting_stage_traces
+
+    d = drifting_stage_traces(num_sequences=4, num_tokens=300, num_layers=2, num_experts=32, top_k=2, hot=8, keep=6,
+                              mean_stage_len=50.0, seed=2)
+    dec = synthetic_cue_decoder(d.cue_token)
+    freq = selection_counts(d.sequences[:1], 2, 32).astype(np.float64)
+    kw = dict(cues=["Wait"], decoder=dec, static_frequency=freq)
+    pols = [_labelled(StageAwarePolicy(**kw), "stage"), _labelled(StageOraclePolicy(**kw), "oracle"),
+            _labelled(StageAwarePolicy(stage_updates=False, **kw), "noupdate"), "lru"]
+    r = {x["policy"]: x for x in simulate((d.meta, d.sequences[1:]), pols, capacities=[0.25], batch_size=1,
+                                          belady_fraction=False, engine="python", progress=False)}
+    # the finished stage's hot set predicts most of the next one; a placement that never moves does not
+    assert r["stage"]["resident_hit"] > r["noupdate"]["resident_hit"] + 0.2
+    assert r["oracle"]["resident_hit"] > r["stage"]["resident_hit"]
+    # refills at boundaries only: far fewer transfers than demand paging
+    st_tr = r["stage"]["demand_misses"] + r["stage"]["proactive_loads"]
+    assert st_tr < 0.5 * r["lru"]["demand_misses"]

@@ -100,12 +100,16 @@ def test_calibrate_stats_detect_eval(setup, capsys):
         assert lru["cpu_share"] == 0 and lru["speedup_vs_lru"] == pytest.approx(1.0)
     # resume: a second run reuses every record of the partial file
     partial = json.loads((out / "partial-cot.json").read_text())
-    assert len(partial) == len(rows)
+    assert len(partial["records"]) == len(rows) and partial["settings"]["cues"] == ["So"]
     capsys.readouterr()
     assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2",
                  "--capacities", "0.03,0.25", "--policies", "stage,stage-oracle,lru,static",
                  "--out-dir", str(out)]) == 0
     assert json.loads((out / "saem_eval.json").read_text()) == rows
+    # other settings (another expert size) must not silently reuse those records
+    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", "--capacities", "0.25",
+                 "--policies", "lru", "--expert-bytes", "1000000", "--out-dir", str(out)]) == 2
+    assert "other settings (cost differ)" in capsys.readouterr().err
 
 
 def test_errors_name_the_problem(setup, tmp_path, capsys):
