@@ -202,8 +202,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         axes[1, j].set_ylabel("modelled % of full-load speed")
         axes[2, j].set_ylabel("transfers per decoded token")
         axes[2, j].set_xlabel("capacity (fraction of experts per layer)")
+        caps = sorted({r["capacity"] for r in sub})
         for a in axes[:, j]:
             a.set_xscale("log")
+            a.minorticks_off()
+            a.set_xticks(caps)
+            a.set_xticklabels([f"{c:g}" for c in caps])
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -244,46 +244,51 @@ def gsm8k_accuracy(model, tok, n: int, data_dir: str | None, max_new_tokens: int
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Trade-off PNG: hit vs held-out LM loss, MB/token vs LM loss (one point per sw, annotated), and
+    the concentration of native expert use vs sw. Base budget only; full at its Table-2 R."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    base_B = _base_budget(rows)
     lm_ref = next((r["heldout_lm"] for r in rows if r["train_mode"] == "lm_only"), None)
     for rmode, pol, marker in (("temporal", "router-temporal", "o"), ("full", "router-full", "s")):
-        pts = sorted((r for r in rows if r["train_mode"] == rmode and r["policy"] == pol
-                      and r["B"] == rows[0]["B"] and r["R"] in ("-", _main_R(rows))),
-                     key=lambda r: r["sw"])
+        pts = sorted((r for r in rows if r["train_mode"] == rmode and r["policy"] == pol and r["B"] == base_B
+                      and r["R"] == _table_R(rows, r["run"], base_B)), key=lambda r: r["sw"])
         pts = _dedupe(pts)
         if not pts:
             continue
         sw = [r["sw"] for r in pts]
-        axes[0].plot([r["heldout_lm"] for r in pts], [100 * r["hit"] for r in pts], marker=marker, label=f"{rmode} (hit)")
+        lm = [r["heldout_lm"] for r in pts]
+        axes[0].plot(lm, [100 * r["hit"] for r in pts], marker=marker, label=f"{rmode} (hit)")
+        axes[1].plot(lm, [r["mb_per_token"] for r in pts], marker=marker, label=rmode)
         for r in pts:
             axes[0].annotate(f"sw={r['sw']:g}", (r["heldout_lm"], 100 * r["hit"]), fontsize=7)
-        axes[1].plot(sw, [r["mb_per_token"] for r in pts], marker=marker, label=rmode)
+            axes[1].annotate(f"sw={r['sw']:g}", (r["heldout_lm"], r["mb_per_token"]), fontsize=7)
         axes[2].plot(sw, [100 * r["max_freq"] for r in pts], marker=marker, label=f"{rmode} max freq")
         axes[2].plot(sw, [100 * r["topB_mass"] for r in pts], marker=marker, linestyle="--", label=f"{rmode} top-B mass")
-    lru = next((r for r in rows if r["train_mode"] == "lm_only" and r["policy"] == "lru"), None)
+    lru = next((r for r in rows if r["train_mode"] == "lm_only" and r["policy"] == "lru" and r["B"] == base_B), None)
     if lru:
         axes[0].scatter([lru["heldout_lm"]], [100 * lru["hit"]], c="k", marker="x", label="LM-only + LRU")
-        axes[1].axhline(lru["mb_per_token"], color="k", linestyle=":", label="LM-only + LRU")
+        axes[1].scatter([lru["heldout_lm"]], [lru["mb_per_token"]], c="k", marker="x", label="LM-only + LRU")
     if lm_ref:
-        axes[0].axvline(lm_ref * 1.02, color="grey", linestyle=":", label="LM-only loss +2%")
+        for a in axes[:2]:
+            a.axvline(lm_ref * 1.02, color="grey", linestyle=":", label="LM-only loss +2%")
     axes[0].set_xlabel("held-out LM loss")
     axes[0].set_ylabel("hit rate (%)")
-    axes[0].set_title("quality vs hit (sw sweep)")
-    axes[1].set_xlabel("sw")
-    axes[1].set_ylabel("MB / token")
-    axes[1].set_xscale("symlog", linthresh=0.1)
-    axes[1].set_title("traffic vs sw")
+    axes[0].set_title(f"quality vs hit (sw sweep, B={base_B})")
+    axes[1].set_xlabel("held-out LM loss")
+    axes[1].set_ylabel("MB / token (real expert bytes)")
+    axes[1].set_title("quality vs traffic (sw sweep)")
     axes[2].set_xlabel("sw")
     axes[2].set_ylabel("%")
     axes[2].set_xscale("symlog", linthresh=0.1)
     axes[2].set_title("concentration of native expert use")
     for a in axes:
-        a.legend(fontsize=7)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7)
         a.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -291,9 +296,18 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _main_R(rows):
-    Rs = [r["R"] for r in rows if r["R"] != "-"]
-    return Rs[0] if Rs else None
+def _base_budget(rows) -> int:
+    """The budget most rows were evaluated at (the study's base B)."""
+    return max((r["B"] for r in rows), key=lambda b: sum(1 for r in rows if r["B"] == b))
+
+
+def _table_R(rows, run: str, B: int):
+    """The R shown for ``run`` in Table 2 and the plot: of the R values evaluated, the one closest to
+    0.75*B (the paper's ratio, R=15 of B=20; ties to the larger); "-" for runs without R."""
+    Rs = sorted({r["R"] for r in rows if r["run"] == run and r["B"] == B and r["R"] != "-"})
+    if not Rs:
+        return "-"
+    return min(Rs, key=lambda R: (abs(R - 0.75 * B), -R))
 
 
 def _dedupe(rows):
@@ -305,8 +319,17 @@ def _dedupe(rows):
     return out
 
 
-COLUMNS = ["run", "policy", "sw", "B", "R", "hit", "adj_hit", "mb_per_token", "mb_per_token_q3", "heldout_lm",
-           "lm_vs_lm_only_pct", "max_freq", "topB_mass", "entropy"]
+def add_lru_deltas(rows: list[dict[str, Any]]) -> None:
+    """``d_hit_vs_lru_pts``: a row's hit minus LRU's hit on the same export and B (percentage points),
+    the honest comparison (same adapted weights); ``lm_vs_lm_only_pct`` is set by the caller."""
+    lru = {(r["run"], r["B"]): r["hit"] for r in rows if r["policy"] == "lru"}
+    for r in rows:
+        ref = lru.get((r["run"], r["B"]))
+        r["d_hit_vs_lru_pts"] = 100 * (r["hit"] - ref) if ref is not None else float("nan")
+
+
+COLUMNS = ["run", "policy", "sw", "B", "R", "hit", "d_hit_vs_lru_pts", "adj_hit", "belady_fraction", "mb_per_token",
+           "mb_per_token_q3", "heldout_lm", "lm_vs_lm_only_pct", "max_freq", "topB_mass", "entropy"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,25 +389,24 @@ def main(argv: list[str] | None = None) -> int:
         E = _num_experts(d)
         B = int(info.get("budget") or resolve_budget(args.budget, E))
         Rs = args.R or [max(1, int(round(0.75 * B)))]
-        cache_file = out / "eval" / f"{d.name}.json"
-        if cache_file.is_file() and json.loads(cache_file.read_text()).get("key") == _eval_key(args, B, Rs):
-            rows += json.loads(cache_file.read_text())["rows"]
-            continue
-        r = evaluate_run(d, examples, B, Rs, args)
-        atomic_write_json(cache_file, {"key": _eval_key(args, B, Rs), "rows": r})
-        rows += r
+        rows += _evaluate_cached(d, examples, B, Rs, args, out / "eval" / f"{d.name}.json")
+        if info.get("mode") == "lm_only":  # the LM-only reference under LRU at every budget of the B sweep
+            for b in sorted({resolve_budget(x, E) for x in args.budgets} - {B}):
+                rows += _evaluate_cached(d, examples, b, [], args, out / "eval" / f"{d.name}@B{b}.json")
     lm_ref = next((r["heldout_lm"] for r in rows if r["train_mode"] == "lm_only"), None)
     for r in rows:
         r["lm_vs_lm_only_pct"] = 100 * (r["heldout_lm"] / lm_ref - 1) if lm_ref else float("nan")
         if not args.gsm8k:
             r["gsm8k_acc"] = "n/a (tiny model)"
-    base_B = max((r["B"] for r in rows), key=lambda b: sum(1 for r in rows if r["B"] == b))
-    t2 = [r for r in rows if r["B"] == base_B and (r["R"] == "-" or r["R"] == _first_R(rows, r["run"]))]
-    t3 = [r for r in rows if r["train_mode"] in ("temporal", "full") and r["policy"] != "lru"
-          and (r["sw"] == 0.1)]
+    add_lru_deltas(rows)
+    base_B = _base_budget(rows)
+    t2 = [r for r in rows if r["B"] == base_B and r["R"] == _table_R(rows, r["run"], base_B)]
+    t3 = sorted((r for r in rows if r["train_mode"] == "lm_only"
+                 or (r["train_mode"] in ("temporal", "full") and r["sw"] == 0.1)),
+                key=lambda r: (r["B"], r["run"], r["policy"] != "lru", str(r["R"])))
     report(t2, title=f"Table 2: modes and sw (B={base_B} per layer, decode-only, held-out text)",
            json_path=out / "table2.json", csv_path=out / "table2.csv", columns=COLUMNS)
-    report(t3, title="Table 3: budget B and refinement R (sw=0.1)", json_path=out / "table3.json",
+    report(t3, title="Table 3: budget B and refinement R (sw=0.1; LRU on the same weights beside each run)", json_path=out / "table3.json",
            csv_path=out / "table3.csv", columns=COLUMNS)
     _plot(rows, out / "tradeoff.png")
     atomic_write_json(out / "all_rows.json", rows)
@@ -394,9 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _first_R(rows, run):
-    Rs = [r["R"] for r in rows if r["run"] == run and r["R"] != "-"]
-    return Rs[0] if Rs else "-"
+def _evaluate_cached(d: Path, examples, B: int, Rs: list[int], args, cache_file: Path) -> list[dict[str, Any]]:
+    """evaluate_run with its rows cached in ``cache_file`` (reused while the evaluation key matches)."""
+    key = _eval_key(args, B, Rs)
+    if cache_file.is_file() and json.loads(cache_file.read_text()).get("key") == key:
+        return json.loads(cache_file.read_text())["rows"]
+    rows = evaluate_run(d, examples, B, Rs, args)
+    atomic_write_json(cache_file, {"key": key, "rows": rows})
+    return rows
 
 
 def _eval_key(args, B, Rs) -> str:

@@ -38,6 +38,7 @@ def _config(tmp_path: Path, traces: Path, epochs: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_fit_resume_export_and_eval(tmp_path, traces, monkeypatch, caplog):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -77,6 +77,7 @@ def test_online_forecasts_equal_precomputed():
         assert runs[True][k] == runs[False][k], k
 
 
+@pytest.mark.slow
 def test_trained_forecaster_beats_lru_and_closes_belady_gap(tmp_path):
     """Measured: 25%: hit 0.664 vs LRU 0.616 (Belady 0.674), 82% of the LRU->Belady demand-miss gap closed;
     45%: 0.876 vs 0.743, fewer demand misses than Belady (paying proactive loads)."""
