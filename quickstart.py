@@ -5,7 +5,7 @@ Steps (each reuses what an earlier run left in ``--out``, so a second run is qui
 2. collect routing traces on a slice of GSM8K test (two-pass: generate, then teacher-forced routing);
 3. print trace statistics (per-layer expert frequency, entropy, step-to-step overlap);
 4. simulate the expert cache on those traces (classic policies vs Belady);
-5. train a tiny forecaster and evaluate it (SeqMoE), when that module is installed;
+5. train a tiny SeqMoE forecaster on those traces and report its recall by horizon vs baselines;
 6. run the model with real expert offloading on a few GSM8K problems.
 """
 
@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--capacity", default="0.15,0.25,0.35,0.45", help="cache capacities to simulate")
     p.add_argument("--policies", default="lru,lfu,fifo,static,belady")
+    p.add_argument("--forecaster-steps", type=int, default=60,
+                   help="training steps of the tiny SeqMoE forecaster (0 skips step 5)")
     p.add_argument("--skip-offload", action="store_true", help="stop after the simulation")
     p.add_argument("--data-dir", default=None, help="local benchmark jsonl directory (default: $EXPERTCAST_DATA_DIR)")
     return p
@@ -82,6 +84,30 @@ def main(argv: list[str] | None = None) -> int:
     print_table(records, title="simulated decode hit rate", columns=cols)
     atomic_write_json(sim_dir / "results.json", records)
     summary["simulate"] = str(sim_dir / "results.json")
+
+    if args.forecaster_steps > 0:
+        _banner(5, f"SeqMoE forecaster: {args.forecaster_steps} training steps, then recall by horizon")
+        from expertcast.train.cli import build_cli
+        from expertcast.train.forecast_eval import main as forecast_eval_main
+
+        fc_root = out / "forecaster"
+        export = fc_root / "export"
+        if not (export / "forecaster.json").is_file():
+            from expertcast.utils.paths import REPO_ROOT
+
+            build_cli(["fit", "--config", str(REPO_ROOT / "configs" / "forecaster" / "tiny.yaml"),
+                       "--data.init_args.traces", str(trace_dir),
+                       "--model.init_args.export_dir", str(export),
+                       "--trainer.default_root_dir", str(fc_root),
+                       "--trainer.max_steps", str(args.forecaster_steps),
+                       "--trainer.check_val_every_n_epoch", "1",
+                       "--trainer.logger", "false", "--trainer.callbacks", "[]",
+                       "--ckpt_path", "null"])
+        rc = forecast_eval_main(["--forecaster", str(export), "--traces", str(trace_dir),
+                                 "--out", str(out / "forecast-eval")])
+        if rc:
+            return rc
+        summary["forecaster"] = str(export)
 
     if not args.skip_offload:
         _banner(6, "real expert offloading on GSM8K test (LRU, 25% of experts resident)")

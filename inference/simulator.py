@@ -277,6 +277,8 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
     policy.reset(config)
     if policy.needs_future:
         policy.set_future(stream)
+    if stream.sequences and hasattr(policy, "prepare_sequences"):
+        policy.prepare_sequences(stream.sequences)  # optional hook: per-replay setup over all sequences (seqmoe)
     for layer, expert in policy.warm_start(cache):
         slot = cache.take_free_slot(cache.pool_of(layer))
         if slot < 0:

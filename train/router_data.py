@@ -185,7 +185,11 @@ class RouterLMDataModule(pl.LightningDataModule):
 
     def _loader(self, data: list[LMExample], shuffle: bool) -> DataLoader:
         pad = self.pad_id
-        return DataLoader(data, batch_size=self.hparams.batch_size, shuffle=shuffle,
+        # the shuffle has its own generator seeded by ``seed``: every training mode sees the same batches
+        # in the same order, whatever the global RNG went through before (building the auxiliary routers
+        # draws from it), so LM-loss differences between modes are not data-order noise
+        gen = torch.Generator().manual_seed(int(self.hparams.seed)) if shuffle else None
+        return DataLoader(data, batch_size=self.hparams.batch_size, shuffle=shuffle, generator=gen,
                           num_workers=self.hparams.num_workers, collate_fn=lambda b: collate(b, pad),
                           persistent_workers=self.hparams.num_workers > 0)
 

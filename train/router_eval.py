@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             r["gsm8k_acc"] = "n/a (tiny model)"
     add_lru_deltas(rows)
     base_B = _base_budget(rows)
-    t2 = [r for r in rows if r["B"] == base_B and r["R"] == _table_R(rows, r["run"], base_B)]
+    t2 = [r for r in rows if r["B"] == base_B and (r["policy"] == "lru" or r["R"] == _table_R(rows, r["run"], base_B))]
     t3 = sorted((r for r in rows if r["train_mode"] == "lm_only"
                  or (r["train_mode"] in ("temporal", "full") and r["sw"] == 0.1)),
                 key=lambda r: (r["B"], r["run"], r["policy"] != "lru", str(r["R"])))
