@@ -11,7 +11,11 @@ Qwen3-30B-A3B's 9.44 MB, the held-out LM loss (token mean over the solutions), a
 of native expert use (max frequency, top-B mass, entropy). Prefill is replayed uncounted.
 
 Outputs in ``--out``: ``runs/<name>/`` exports, ``table2.{csv,json}`` (modes and sw sweep, shaped like
-the paper's Table 2), ``table3.{csv,json}`` (B and R sweeps), ``tradeoff.png``.
+the paper's Table 2; full/spatio at the evaluated R closest to 0.75*B), ``table3.{csv,json}`` (B and R
+sweeps, with the LM-only model under LRU at every B), ``tradeoff.png`` (hit and MB/token against held-out
+LM loss over the sw sweep; concentration of expert use against sw). Every router row carries
+``d_hit_vs_lru_pts``: its hit minus LRU's on the *same* adapted weights and B, the honest comparison
+(adaptation alone already raises LRU's hit by concentrating expert use).
 GSM8K accuracy is reported only with ``--gsm8k N`` (greedy generation on N test problems); the
 embedded tiny model cannot solve GSM8K, so it is off by default.
 """
