@@ -22,6 +22,7 @@ REGISTRY: dict[str, str] = {
     "belady-k": "expertcast.inference.policies.oracle:BeladyKPolicy",
     "belady-seq": "expertcast.inference.policies.oracle:SequentialBeladyPolicy",
     "seqmoe": "expertcast.inference.policies.seqmoe:SeqMoEPolicy",
+    "seqmoe-async": "expertcast.inference.runtime.async_forecast:AsyncSeqMoEPolicy",
     "stage": "expertcast.inference.policies.stage_aware:StageAwarePolicy",
     "stage-oracle": "expertcast.inference.policies.stage_aware:StageOraclePolicy",
     "router-temporal": "expertcast.inference.policies.router:TemporalRetentionPolicy",
