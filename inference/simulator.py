@@ -42,6 +42,7 @@ from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference import _kernels as K
 from expertcast.inference.cache import COMPUTE, FETCH, USED, CacheConfig, ExpertCache
 from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Event, Link
+from expertcast.inference.metrics import CacheMetricsMixin
 from expertcast.inference.policy import MissAction, Policy
 
 WARMUP_NOTE = "decode-only; prefill replayed through the policy uncounted"
@@ -173,7 +174,7 @@ def build_stream(meta: TraceMeta, sequences: Sequence[TraceSequence], batch_size
 # Results
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class ReplayResult:
+class ReplayResult(CacheMetricsMixin):
     """Counters of one replay (decode steps only), per layer: int64 [L] each."""
 
     accesses: np.ndarray
@@ -193,30 +194,6 @@ class ReplayResult:
     seconds: float = 0.0
     resident: set[tuple[int, int]] | None = None
     timeline: list[Event] | None = None
-
-    @property
-    def A(self) -> int:
-        return int(self.accesses.sum())
-
-    @property
-    def D(self) -> int:
-        return int(self.demand.sum())
-
-    @property
-    def P(self) -> int:
-        return int(self.proactive.sum())
-
-    @property
-    def hit(self) -> float:
-        return 1.0 - self.D / self.A if self.A else float("nan")
-
-    @property
-    def adj_hit(self) -> float:
-        return (self.A - self.D) / (self.A + self.P) if self.A else float("nan")
-
-    @property
-    def mb_per_token(self) -> float:
-        return (self.D + self.P) * self.expert_bytes / 1e6 / max(self.decoded_tokens, 1)
 
     @property
     def per_layer_hit(self) -> list[float]:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference.cache import CacheConfig, ExpertCache, SlotState
+from expertcast.inference.metrics import CacheMetricsMixin
 from expertcast.inference.policy import MissAction, Policy
 from expertcast.inference.runtime import experts as X
 from expertcast.inference.runtime.slots import SlotPool
@@ -66,7 +67,7 @@ class LivePrompt:
 
 
 @dataclass
-class RuntimeStats:
+class RuntimeStats(CacheMetricsMixin):
     """Counters of decode steps only (prefill is uncounted), per MoE layer int64 [L], plus timings.
 
     Same names and meaning as :class:`expertcast.inference.simulator.ReplayResult`.
@@ -101,30 +102,6 @@ class RuntimeStats:
         for name in ("accesses", "hits", "demand", "temp", "late", "cpu", "proactive", "dropped"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(self.num_layers, np.int64))
-
-    @property
-    def A(self) -> int:
-        return int(self.accesses.sum())
-
-    @property
-    def D(self) -> int:
-        return int(self.demand.sum())
-
-    @property
-    def P(self) -> int:
-        return int(self.proactive.sum())
-
-    @property
-    def hit(self) -> float:
-        return 1.0 - self.D / self.A if self.A else float("nan")
-
-    @property
-    def adj_hit(self) -> float:
-        return (self.A - self.D) / (self.A + self.P) if self.A else float("nan")
-
-    @property
-    def mb_per_token(self) -> float:
-        return (self.D + self.P) * self.expert_bytes / 1e6 / max(self.decoded_tokens, 1)
 
     @property
     def tokens_per_s(self) -> float:
