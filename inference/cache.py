@@ -311,3 +311,25 @@ class ExpertCache:
         """{(layer, expert)} of every occupied slot (tests, debugging)."""
         idx = np.flatnonzero(self.slot_layer >= 0)
         return {(int(self.slot_layer[i]), int(self.slot_expert[i])) for i in idx}
+
+
+def acquire_slot(cache: ExpertCache, policy, t: int, layer: int, pool: int,
+                 selected: np.ndarray | None = None) -> int:
+    """A slot for a new expert of ``layer`` (the one step both the simulator and the runtime take for
+    demand and proactive loads): an Empty slot of ``pool`` if there is one, else the slot of the
+    resident the policy chooses among the evictable ones (``policy.on_evict`` is called). When
+    ``selected`` is given (a demand load), the running layer's selection is protected. Returns -1 when
+    no slot can be freed (every slot holds a protected or in-flight expert)."""
+    slot = cache.take_free_slot(pool)
+    if slot >= 0:
+        return slot
+    cands = cache.eviction_candidates(pool) if selected is None else cache.eviction_candidates(pool, layer, selected)
+    if len(cands) == 0:
+        return -1
+    v = int(policy.choose_victim(t, layer, cands, cache))
+    if not 0 <= v < len(cands):
+        raise ValueError(f"{policy.name}.choose_victim returned index {v} for {len(cands)} candidates")
+    vl, ve = int(cands[v][0]), int(cands[v][1])
+    slot = cache.evict(vl, ve)
+    policy.on_evict(vl, ve)
+    return slot

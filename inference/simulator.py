@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference import _kernels as K
-from expertcast.inference.cache import COMPUTE, FETCH, USED, CacheConfig, ExpertCache
+from expertcast.inference.cache import COMPUTE, FETCH, USED, CacheConfig, ExpertCache, acquire_slot
 from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Event, Link
 from expertcast.inference.metrics import CacheMetricsMixin
 from expertcast.inference.policy import MissAction, Policy
@@ -278,17 +278,11 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
                 raise ValueError(f"{policy.name} asked to prefetch ({pl}, {pe}) outside L={L}, E={E}")
             if cache.contains(pl, pe):
                 continue
-            pool = cache.pool_of(pl)
-            slot = cache.take_free_slot(pool)
+            slot = acquire_slot(cache, policy, t, pl, cache.pool_of(pl))
             if slot < 0:
-                cands = cache.eviction_candidates(pool)
-                if len(cands) == 0:
-                    if counted:
-                        dropped[pl] += 1
-                    continue
-                vl, ve = (int(v) for v in cands[_victim(policy, t, pl, cands, cache)])
-                slot = cache.evict(vl, ve)
-                policy.on_evict(vl, ve)
+                if counted:
+                    dropped[pl] += 1
+                continue
             cache.assign(slot, pl, pe, FETCH, proactive=True)
             policy.on_insert(pl, pe, True)
             later = pl > cur_layer or (pl == cur_layer and not after)
@@ -349,15 +343,9 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
                 action = MissAction(policy.on_miss(t, layer, e, cnt_of[e], cache))
                 slot = -1
                 if action == MissAction.LOAD:
-                    slot = cache.take_free_slot(pool)
+                    slot = acquire_slot(cache, policy, t, layer, pool, sel)
                     if slot < 0:
-                        cands = cache.eviction_candidates(pool, layer, sel)
-                        if len(cands) == 0:
-                            action = MissAction.TEMP  # every slot holds a selected or in-flight expert
-                        else:
-                            vl, ve = (int(v) for v in cands[_victim(policy, t, layer, cands, cache)])
-                            slot = cache.evict(vl, ve)
-                            policy.on_evict(vl, ve)
+                        action = MissAction.TEMP  # every slot holds a selected or in-flight expert
                 if action == MissAction.LOAD:
                     cache.assign(slot, layer, e, COMPUTE)
                     policy.on_insert(layer, e, False)
@@ -406,13 +394,6 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
     return ReplayResult(acc, hits, demand, temp, late, cpu, proactive, dropped, stall_total, compute_total,
                         stream.decoded_tokens, int(stream.step_counted.sum()), xbytes, "python",
                         time.perf_counter() - t0, cache.resident_set(), link.timeline)
-
-
-def _victim(policy: Policy, t: int, layer: int, cands: np.ndarray, cache: ExpertCache) -> int:
-    v = int(policy.choose_victim(t, layer, cands, cache))
-    if not 0 <= v < len(cands):
-        raise ValueError(f"{policy.name}.choose_victim returned index {v} for {len(cands)} candidates")
-    return v
 
 
 def _produced_tokens(stream: AccessStream, t: int, batch_start: int) -> list[int]:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache import CacheConfig, ExpertCache, SlotState
+from expertcast.inference.cache import CacheConfig, ExpertCache, SlotState, acquire_slot
 from expertcast.inference.metrics import CacheMetricsMixin
 from expertcast.inference.policy import MissAction, Policy
 from expertcast.inference.runtime import experts as X
@@ -485,17 +485,11 @@ class OffloadedModel:
                 raise ValueError(f"{policy.name} asked to prefetch ({pl}, {pe}) outside L={L}, E={E}")
             if cache.contains(pl, pe):
                 continue
-            pool = cache.pool_of(pl)
-            slot = cache.take_free_slot(pool)
+            slot = acquire_slot(cache, policy, t, pl, cache.pool_of(pl))
             if slot < 0:
-                cands = cache.eviction_candidates(pool)
-                if len(cands) == 0:
-                    if counted:
-                        self.stats.dropped[pl] += 1
-                    continue
-                vl, ve = (int(v) for v in cands[policy.choose_victim(t, pl, cands, cache)])
-                slot = cache.evict(vl, ve)
-                policy.on_evict(vl, ve)
+                if counted:
+                    self.stats.dropped[pl] += 1
+                continue
             cache.assign(slot, pl, pe, SlotState.FETCH, proactive=True)
             policy.on_insert(pl, pe, True)
             if self._physical:
@@ -546,15 +540,9 @@ class OffloadedModel:
             action = MissAction(policy.on_miss(t, layer, e, cnt_of[e], cache))
             slot = -1
             if action == MissAction.LOAD:
-                slot = cache.take_free_slot(pool)
+                slot = acquire_slot(cache, policy, t, layer, pool, sel)
                 if slot < 0:
-                    cands = cache.eviction_candidates(pool, layer, sel)
-                    if len(cands) == 0:
-                        action = MissAction.TEMP
-                    else:
-                        vl, ve = (int(v) for v in cands[policy.choose_victim(t, layer, cands, cache)])
-                        slot = cache.evict(vl, ve)
-                        policy.on_evict(vl, ve)
+                    action = MissAction.TEMP
             if action == MissAction.LOAD:
                 cache.assign(slot, layer, e, SlotState.COMPUTE)
                 policy.on_insert(layer, e, False)
