@@ -203,15 +203,7 @@ class ReplayResult(CacheMetricsMixin):
     def metrics(self) -> dict[str, Any]:
         total = self.compute_ms + self.stall_ms
         return {
-            "accesses": self.A,
-            "hits": int(self.hits.sum()),
-            "late_prefetches": int(self.late.sum()),
-            "demand_misses": self.D,
-            "temp_loads": int(self.temp.sum()),
-            "proactive_loads": self.P,
-            "dropped_prefetches": int(self.dropped.sum()),
-            "cpu_exec": int(self.cpu.sum()),
-            "hit": self.hit,
+            **self.counter_metrics(),
             "resident_hit": int(self.hits.sum()) / self.A if self.A else float("nan"),
             "adj_hit": self.adj_hit,
             "mb_per_token": self.mb_per_token,

@@ -109,15 +109,7 @@ class RuntimeStats(CacheMetricsMixin):
 
     def metrics(self) -> dict[str, Any]:
         return {
-            "accesses": self.A,
-            "hits": int(self.hits.sum()),
-            "late_prefetches": int(self.late.sum()),
-            "demand_misses": self.D,
-            "temp_loads": int(self.temp.sum()),
-            "proactive_loads": self.P,
-            "dropped_prefetches": int(self.dropped.sum()),
-            "cpu_exec": int(self.cpu.sum()),
-            "hit": self.hit,
+            **self.counter_metrics(),
             "adj_hit": self.adj_hit,
             "mb_per_token": self.mb_per_token,
             "decoded_tokens": self.decoded_tokens,
