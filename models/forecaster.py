@@ -65,6 +65,10 @@ class ForecasterConfig:
     """Mamba-1 only: use the ``mambapy`` parallel scan in training when that package is installed."""
     temperature: float = 1.0
     """Calibration of :func:`activation_probs` (fitted on held-out data after training; ranking unaffected)."""
+    direct_horizons: int = 1
+    """H_d: elements ahead predicted directly by the output head from one hidden state (head j predicts
+    element i+j). 1 is the paper's forecaster: every horizon beyond the first comes from recursive
+    rollout. With H_d > 1, horizons 1..H_d need no rollout and longer ones roll out from head H_d."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,6 +89,8 @@ class ForecasterConfig:
             raise ValueError(f"top_k must be in [1, E-1={self.num_experts - 1}], got {self.top_k}")
         if self.trigger_layer is not None and not 0 <= self.trigger_layer < self.num_layers:
             raise ValueError(f"trigger_layer must be in [0, L-1={self.num_layers - 1}], got {self.trigger_layer}")
+        if self.direct_horizons < 1:
+            raise ValueError(f"direct_horizons must be >= 1, got {self.direct_horizons}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.backbone not in BACKBONES:
@@ -101,6 +107,7 @@ class ForecasterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ForecasterConfig:
+        """Inverse of :meth:`to_dict`; keys added after format version 1 (``direct_horizons``) take their defaults."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -297,7 +304,9 @@ class ExpertForecaster(nn.Module):
     """Input projection -> Mamba backbone -> per-layer expert logits.
 
     ``forward(x)``: x [B, T, L, E] (or [B, T, L·E]) -> logits [B, T, L, E], where logits[:, i] predict
-    element i+1 (see :func:`trigger_sequence`). With ``state`` the window continues from it and the
+    element i+1 (see :func:`trigger_sequence`). With ``all_horizons=True`` it returns
+    [B, T, H_d, L, E], entry [:, i, j] predicting element i+1+j (the direct heads,
+    :attr:`ForecasterConfig.direct_horizons`). With ``state`` the window continues from it and the
     state is advanced in place (inference; no autograd through the state).
     """
 
@@ -326,7 +335,7 @@ class ExpertForecaster(nn.Module):
                 bos_token_id=0, eos_token_id=0, use_cache=False,
             )
             self.backbone = MambaModel(bcfg)
-        self.head = nn.Linear(c.hidden_size, c.input_size)
+        self.head = nn.Linear(c.hidden_size, c.input_size * c.direct_horizons)
 
     # --- state ---
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> ForecasterState:
@@ -356,8 +365,9 @@ class ExpertForecaster(nn.Module):
             raise ValueError(f"forecaster input must be [B, T, L·E={c.input_size}] or [B, T, L, E], got {tuple(x.shape)}")
         return x.to(self.in_proj.weight.dtype)
 
-    def forward(self, x: torch.Tensor, state: ForecasterState | None = None) -> torch.Tensor:
-        """x [B, T, L, E] or [B, T, L·E] -> logits [B, T, L, E]."""
+    def forward(self, x: torch.Tensor, state: ForecasterState | None = None, all_horizons: bool = False
+                ) -> torch.Tensor:
+        """x [B, T, L, E] or [B, T, L·E] -> logits [B, T, L, E] (or [B, T, H_d, L, E] with ``all_horizons``)."""
         x = self._flat(x)
         B, T, _ = x.shape
         h = self.in_proj(x)
@@ -374,42 +384,60 @@ class ExpertForecaster(nn.Module):
             else:
                 out = self.backbone(inputs_embeds=h, cache=state, use_cache=True).last_hidden_state
             state.steps += T
-        return self.head(out).view(B, T, self.config.num_layers, self.config.num_experts)
+        c = self.config
+        if all_horizons:
+            return self.head(out).view(B, T, c.direct_horizons, c.num_layers, c.num_experts)
+        n = c.input_size  # only the next-element rows of the head
+        return nn.functional.linear(out, self.head.weight[:n], self.head.bias[:n]).view(B, T, c.num_layers,
+                                                                                          c.num_experts)
 
     @torch.no_grad()
-    def step(self, x_t: torch.Tensor, state: ForecasterState) -> tuple[torch.Tensor, ForecasterState]:
-        """One element: x_t [B, L, E] or [B, L·E] -> (logits [B, L, E] for the next element, state advanced in place)."""
+    def step(self, x_t: torch.Tensor, state: ForecasterState, all_horizons: bool = False
+             ) -> tuple[torch.Tensor, ForecasterState]:
+        """One element: x_t [B, L, E] or [B, L·E] -> (logits [B, L, E] for the next element, or [B, H_d, L, E]
+        for the next H_d with ``all_horizons``; the state advanced in place)."""
         if x_t.dim() == 3:
             x_t = x_t.unsqueeze(1)
         elif x_t.dim() == 2:
             x_t = x_t.unsqueeze(1)
         else:
             raise ValueError(f"step input must be [B, L, E] or [B, L·E], got {tuple(x_t.shape)}")
-        return self.forward(x_t, state)[:, 0], state
+        return self.forward(x_t, state, all_horizons=all_horizons)[:, 0], state
 
     @torch.no_grad()
     def rollout(self, logits: torch.Tensor, state: ForecasterState, horizon: int) -> torch.Tensor:
-        """Recursive multi-step forecast (SeqMoE 5.3).
+        """Multi-step forecast (SeqMoE 5.3).
 
         Args:
-            logits: [B, L, E] the one-step prediction just returned by :meth:`step`.
+            logits: the prediction just returned by :meth:`step`: [B, L, E] (next element only) or
+                [B, H_d, L, E] (``step(..., all_horizons=True)``: every direct head).
             state: the state after that step; saved before and restored after, so it is unchanged.
             horizon: number of future elements H >= 1.
         Returns:
-            logits [B, H, L, E]; entry 0 is ``logits`` itself, entry j comes from feeding the
-            predictions of entries < j back as inputs.
+            logits [B, H, L, E]. Entries [0, D) are the given heads (D = 1 or H_d); entry j >= D comes from
+            feeding the next-element predictions of the previous entries back as inputs (recursive rollout)
+            and reading the last direct head, so with D = 1 this is the paper's recursive rollout.
         """
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
-        out = [logits]
-        if horizon == 1:
-            return logits.unsqueeze(1)
+        c = self.config
+        if logits.dim() == 3:
+            logits = logits.unsqueeze(1)
+        if logits.dim() != 4 or tuple(logits.shape[-2:]) != (c.num_layers, c.num_experts):
+            raise ValueError(f"rollout needs logits [B, L, E] or [B, D, L, E], got {tuple(logits.shape)}")
+        D = logits.shape[1]
+        if D not in (1, c.direct_horizons):
+            raise ValueError(f"rollout got {D} heads; the forecaster has 1 or {c.direct_horizons}")
+        if horizon <= D:
+            return logits[:, :horizon]
+        out = list(logits.unbind(1))
         saved = state.clone()
         try:
             cur = logits
-            for _ in range(horizon - 1):
-                cur, _ = self.step(predictions_to_input(cur, self.config.top_k), state)
-                out.append(cur)
+            for _ in range(horizon - D):
+                cur, _ = self.step(predictions_to_input(cur[:, 0], c.top_k), state, all_horizons=D > 1)
+                cur = cur if cur.dim() == 4 else cur.unsqueeze(1)
+                out.append(cur[:, D - 1])
         finally:
             state.copy_(saved)
         return torch.stack(out, dim=1)
@@ -424,7 +452,7 @@ class ExpertForecaster(nn.Module):
     def step_flops(self) -> int:
         """Approximate multiply-add FLOPs (2 per MAC) of one :meth:`step` at batch 1 (linear layers + SSM update)."""
         c = self.config
-        macs = c.input_size * c.hidden_size * 2  # in_proj + head
+        macs = c.input_size * c.hidden_size * (1 + c.direct_horizons)  # in_proj + head
         for block in self.backbone.layers:
             m = block.mixer
             for mod in m.modules():

@@ -5,7 +5,8 @@ Measured in the same run (ratios against baselines of this machine and process):
 
 * ``step``: one forecaster step (one element in, next-element logits out) at batch 1, for the tiny config
   (the embedded default model's shape) and the Qwen3-30B-A3B config; ``step+rollout``: the step plus the
-  c-1 rollout steps the seqmoe policy runs per decode step. Baseline: one decode step (batch 1, KV cache)
+  rollout steps the seqmoe policy runs per decode step for a c-step forecast: c-1 for the paper's recursive
+  rollout (``heads=1``), none when the direct heads cover the horizon (``heads=c``). Baseline: one decode step (batch 1, KV cache)
   of the embedded default model on the same CPU, when it is available (``--model``), so ``x decode`` says
   how many of the served model's decode steps one forecaster step costs here.
 * FLOPs: the forecaster's multiply-adds per step+rollout against a Qwen3-30B-A3B decode step at
@@ -54,13 +55,15 @@ def model_cfg(path: Path, **shape) -> ForecasterConfig:
 
     init = yaml.safe_load(path.read_text())["model"]["init_args"]
     keys = ("backbone", "hidden_size", "num_blocks", "state_size", "head_dim", "expand", "conv_kernel", "n_groups",
-            "chunk_size")
-    return ForecasterConfig(**shape, **{k: init[k] for k in keys if k in init})
+            "chunk_size", "direct_horizons")
+    kw = {k: init[k] for k in keys if k in init}
+    kw.update(shape)
+    return ForecasterConfig(**kw)
 
 
 @torch.no_grad()
 def time_step(m: ExpertForecaster, horizon: int, reps: int, device: str) -> tuple[float, float]:
-    """(ms per step, ms per step + (horizon-1) rollout steps) at batch 1."""
+    """(ms per step, ms per step + the rollout steps of a ``horizon``-element forecast) at batch 1."""
     c = m.config
     st = m.init_state(1, device)
     x = torch.zeros(1, c.num_layers, c.num_experts, device=device)
@@ -76,8 +79,9 @@ def time_step(m: ExpertForecaster, horizon: int, reps: int, device: str) -> tupl
     step_ms = (time.perf_counter() - t0) / reps * 1e3
     t0 = time.perf_counter()
     for _ in range(max(1, reps // horizon)):
-        lg, _ = m.step(predictions_to_input(lg, c.top_k), st)
+        lg, _ = m.step(predictions_to_input(lg, c.top_k), st, all_horizons=True)
         m.rollout(lg, st, horizon)
+        lg = lg[:, 0]
     sync()
     roll_ms = (time.perf_counter() - t0) / max(1, reps // horizon) * 1e3
     return step_ms, roll_ms
@@ -188,13 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {"tiny": (REPO / "configs/forecaster/tiny.yaml", dict(num_layers=4, num_experts=32, top_k=4)),
               "qwen3-30b-a3b": (REPO / "configs/forecaster/qwen3-30b-a3b.yaml",
                                 dict(num_layers=qshape["layers"], num_experts=qshape["experts"], top_k=qshape["top_k"]))}
-    for name, (path, shape) in shapes.items():
-        m = ExpertForecaster(model_cfg(path, **shape)).to(args.device).eval()
+    for (name, (path, shape)), heads in [(kv, h) for kv in shapes.items() for h in (1, args.horizon)]:
+        m = ExpertForecaster(model_cfg(path, **shape, direct_horizons=heads)).to(args.device).eval()
         step_ms, roll_ms = time_step(m, args.horizon, args.reps, args.device)
         fl = m.step_flops()
-        row = {"config": name, "params": m.num_parameters(), "step_ms": step_ms, "step+rollout_ms": roll_ms,
-               "step_MFLOP": fl / 1e6, "step+rollout_MFLOP": fl * args.horizon / 1e6,
-               "qwen3_decode_GFLOP": qflops / 1e9, "fraction_of_qwen3_step": fl * args.horizon / qflops}
+        fl_all = fl * (1 + max(0, args.horizon - heads))
+        row = {"config": name, "heads": heads, "params": m.num_parameters(), "step_ms": step_ms,
+               "step+rollout_ms": roll_ms, "step_MFLOP": fl / 1e6, "step+rollout_MFLOP": fl_all / 1e6,
+               "qwen3_decode_GFLOP": qflops / 1e9, "fraction_of_qwen3_step": fl_all / qflops}
         if decode_ms:
             row["default_decode_ms"] = decode_ms
             row["step_x_decode"] = step_ms / decode_ms

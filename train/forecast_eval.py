@@ -9,7 +9,14 @@ Reported per horizon, per layer and overall, for:
 - ``repeat-last``: element i's experts for every horizon (ties broken by training frequency);
 - ``frequency``: per-layer expert frequency of the training sequences;
 - ``transition``: first-order per-layer transition counts from the training sequences, propagated
-  h steps as a Markov chain over the current element's weights.
+  h steps as a Markov chain over the current element's weights;
+- ``recent-freq``: per-layer expert frequency of this sequence so far (an exponential moving average of
+  the elements seen, half-life ``RecentFrequencyBaseline.half_life`` elements, training frequency as the
+  prior): the stronger baseline at long horizons, where the next steps' experts are mostly the ones the
+  sequence has been using.
+
+``--horizons`` forecasts come from the forecaster's direct heads where it has them and from recursive
+rollout beyond (:meth:`~expertcast.models.forecaster.ExpertForecaster.rollout`).
 
 Baselines are fitted on the training split of the export's own traces (or ``--fit-traces``); the
 held-out sequences are found again from the split settings written into the export.
@@ -70,9 +77,15 @@ def element_arrays(seqs: Sequence[TraceSequence], num_layers: int, p: int) -> tu
 
 
 class Baseline:
-    """A stateless predictor: scores for elements i+1..i+H from element i alone."""
+    """A predictor of elements i+1..i+H from element i (stateless unless it overrides :meth:`reset`)."""
 
     name = "baseline"
+
+    def reset(self, batch_size: int) -> None:
+        """A new batch of sequences starts (stateful baselines clear their per-sequence state)."""
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Element x [B, L, E] was seen without a forecast being scored (prompt warm-up)."""
 
     def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
         """x float [B, L, E] (element i) -> scores [B, H, L, E]."""
@@ -143,13 +156,42 @@ class TransitionBaseline(Baseline):
         return torch.stack(out, dim=1)
 
 
+class RecentFrequencyBaseline(Baseline):
+    """Per-layer expert frequency of the current sequence: an exponential moving average of its elements
+    (half-life ``half_life`` elements) plus ``prior`` x the training frequency, the same for every horizon."""
+
+    name = "recent-freq"
+
+    def __init__(self, freq: torch.Tensor, half_life: float = 16.0, prior: float = 0.05):
+        self.freq = freq
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.prior = prior
+        self.ema: torch.Tensor | None = None
+
+    def reset(self, batch_size: int) -> None:
+        self.ema = torch.zeros(batch_size, *self.freq.shape)
+
+    def observe(self, x: torch.Tensor) -> None:
+        if self.ema is None or self.ema.shape[0] != x.shape[0]:
+            self.reset(x.shape[0])
+        v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
+        self.ema.mul_(self.decay).add_(v, alpha=1 - self.decay)
+
+    def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
+        self.observe(x)
+        assert self.ema is not None
+        score = self.ema + self.prior * (1 - self.decay) * self.freq
+        return score.unsqueeze(1).expand(-1, horizons, -1, -1)
+
+
 def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int) -> list[Baseline]:
-    """The three baselines of DESIGN.md, fitted on ``train``."""
+    """The three baselines of DESIGN.md plus the sequence's recent frequency, fitted on ``train``."""
     if not train:
         raise ValueError("no training sequences to fit the baselines on")
     L, E = meta.num_layers, meta.num_experts
     freq = _frequency(train, L, E, p)
-    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), TransitionBaseline(train, L, E, p, freq)]
+    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), TransitionBaseline(train, L, E, p, freq),
+            RecentFrequencyBaseline(freq)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,6 +269,10 @@ def evaluate(model: ExpertForecaster | None, seqs: Sequence[TraceSequence], meta
         warm = min(warm, T - 1)
         if model is not None and warm > 0:
             model(activation_vector(ids[:, :warm], w[:, :warm], E).to(device), state)
+        for b in baselines:
+            b.reset(B)
+            for i in range(warm):
+                b.observe(activation_vector(ids[:, i], w[:, i], E))
         if bar is not None:
             bar.update(warm)
         hidx = torch.arange(1, horizons + 1)
@@ -237,13 +283,14 @@ def evaluate(model: ExpertForecaster | None, seqs: Sequence[TraceSequence], meta
             valid = ((i + hidx).unsqueeze(0) < lens.unsqueeze(1)) & (i + 1 >= prompts).unsqueeze(1)
             tgt_ids = ids[:, tgt]  # [B, H, L, K]
             if model is not None:
-                logits, _ = model.step(x.to(device), state)
+                logits, _ = model.step(x.to(device), state, all_horizons=True)
                 if bool(valid.any()):
                     scores = model.rollout(logits, state, horizons).float().cpu()
                     _accumulate(tables["forecaster"], scores, tgt_ids, valid, K)
-            if bool(valid.any()):
-                for b in baselines:
-                    _accumulate(tables[b.name], b.predict(x, horizons), tgt_ids, valid, K)
+            for b in baselines:  # every element is predicted (stateful baselines see it), scored when valid
+                pred = b.predict(x, horizons)
+                if bool(valid.any()):
+                    _accumulate(tables[b.name], pred, tgt_ids, valid, K)
             if bar is not None:
                 bar.update(1)
         if bar is not None:

@@ -116,6 +116,9 @@ class ForecasterModule(pl.LightningModule):
         export_dir: when set, the export is written there at the end of fit (and after each validation).
         calibration_elements: held-out elements whose one-step logits fit the probability temperature after
             each validation (:func:`fit_temperature`; stored in the export's config).
+        direct_horizons: H_d output heads, head j trained on element i+j of the same window (multi-horizon
+            sequence-to-sequence training; 1 = next element only, longer horizons by recursive rollout).
+        ahead_weight: weight of the mean loss of heads 2..H_d relative to the next-element head.
     """
 
     def __init__(self, backbone: str = "mamba2", hidden_size: int = 128, num_blocks: int = 2, state_size: int = 32,
@@ -125,7 +128,8 @@ class ForecasterModule(pl.LightningModule):
                  teacher_forcing_fraction: float = 0.4, sampling_ramp_fraction: float = 0.4,
                  max_sampling_rate: float = 0.5, loss_on_prefill: bool = True, export_dir: str | None = None,
                  shape: dict[str, Any] | None = None, source: dict[str, Any] | None = None,
-                 split_info: dict[str, Any] | None = None, calibration_elements: int = 4096):
+                 split_info: dict[str, Any] | None = None, calibration_elements: int = 4096,
+                 direct_horizons: int = 1, ahead_weight: float = 1.0):
         super().__init__()
         self.save_hyperparameters()
         self.net: ExpertForecaster | None = None
@@ -139,7 +143,7 @@ class ForecasterModule(pl.LightningModule):
         cfg = ForecasterConfig(num_layers=L, num_experts=E, top_k=K, trigger_layer=trigger_layer, backbone=h.backbone,
                                hidden_size=h.hidden_size, num_blocks=h.num_blocks, state_size=h.state_size,
                                head_dim=h.head_dim, expand=h.expand, conv_kernel=h.conv_kernel, n_groups=h.n_groups,
-                               chunk_size=h.chunk_size)
+                               chunk_size=h.chunk_size, direct_horizons=h.direct_horizons)
         self.net = ExpertForecaster(cfg)
         self.hparams.update(shape={"num_layers": L, "num_experts": E, "top_k": K, "trigger_layer": trigger_layer})
 
@@ -175,12 +179,31 @@ class ForecasterModule(pl.LightningModule):
 
     # --- steps ---
     def _losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], use: torch.Tensor) -> dict[str, torch.Tensor]:
-        lg = logits[use]
-        ids = batch["target_ids"][use]
-        rank = ranking_loss(lg.float(), ids, self.hparams.rank_negatives).mean()
-        kl = kl_loss(lg, batch["target_dist"][use]).mean()
-        loss = self.hparams.rank_weight * rank + self.hparams.kl_weight * kl
-        return {"loss": loss, "rank": rank, "kl": kl}
+        """Losses of next-element logits [B, W, L, E] (or all heads [B, W, H_d, L, E]) on the targets selected by
+        ``use`` [B, W]. Head j (0-based) at position i is scored against the target of position i+j, i.e.
+        element i+1+j of the window; positions whose element i+1+j lies outside the window are skipped."""
+        if logits.dim() == 4:
+            logits = logits.unsqueeze(2)
+        h = self.hparams
+        out: dict[str, torch.Tensor] = {}
+        ahead = []
+        W = logits.shape[1]
+        for j in range(logits.shape[2]):
+            sel = use[:, j:]
+            if not bool(sel.any()):
+                continue
+            lg = logits[:, : W - j, j][sel]
+            rank = ranking_loss(lg.float(), batch["target_ids"][:, j:][sel], h.rank_negatives).mean()
+            kl = kl_loss(lg, batch["target_dist"][:, j:][sel]).mean()
+            part = h.rank_weight * rank + h.kl_weight * kl
+            if j == 0:
+                out.update(loss=part, rank=rank, kl=kl)
+            else:
+                ahead.append(part)
+        if ahead:
+            out["ahead"] = torch.stack(ahead).mean()
+            out["loss"] = out["loss"] + h.ahead_weight * out["ahead"]
+        return out
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.net is not None
@@ -195,7 +218,7 @@ class ForecasterModule(pl.LightningModule):
             replace[:, 1:] &= batch["mask"][:, :-1]
             x = x.clone()
             x[:, 1:][replace[:, 1:]] = pred[replace[:, 1:]]
-        logits = self.net(x)
+        logits = self.net(x, all_horizons=self.net.config.direct_horizons > 1)
         use = batch["mask"] if self.hparams.loss_on_prefill else batch["mask"] & batch["decode"]
         if not bool(use.any()):
             use = batch["mask"]
@@ -204,14 +227,18 @@ class ForecasterModule(pl.LightningModule):
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=bs)
         self.log("train/rank", out["rank"], batch_size=bs)
         self.log("train/kl", out["kl"], batch_size=bs)
+        if "ahead" in out:
+            self.log("train/ahead", out["ahead"], batch_size=bs)
         self.log("train/sampling_rate", rate, batch_size=bs)
         return out["loss"]
 
     def _eval_step(self, batch: dict[str, torch.Tensor], prefix: str) -> None:
         assert self.net is not None
-        logits = self.net(batch["inputs"])
+        H = self.net.config.direct_horizons
+        all_logits = self.net(batch["inputs"], all_horizons=H > 1)
         use = batch["mask"]
-        out = self._losses(logits, batch, use)
+        out = self._losses(all_logits, batch, use)
+        logits = all_logits[:, :, 0] if H > 1 else all_logits
         bs = batch["inputs"].shape[0]
         self.log(f"{prefix}/loss", out["loss"], prog_bar=True, batch_size=bs, sync_dist=True)
         self.log(f"{prefix}/kl", out["kl"], batch_size=bs, sync_dist=True)
@@ -226,6 +253,13 @@ class ForecasterModule(pl.LightningModule):
             self._calib[1].append(batch["target_ids"][sel].cpu())
         self.log(f"{prefix}/recall@K", r_k, prog_bar=True, batch_size=n, sync_dist=True)
         self.log(f"{prefix}/recall@K+3", r_k3, batch_size=n, sync_dist=True)
+        if H > 1:  # the farthest direct head, scored on the targets H-1 positions later
+            sel_h = sel[:, H - 1:]
+            if bool(sel_h.any()):
+                W = all_logits.shape[1]
+                r_h = recall_at(all_logits[:, : W - H + 1, H - 1][sel_h].float(),
+                                batch["target_ids"][:, H - 1:][sel_h], K).mean()
+                self.log(f"{prefix}/recall@K_h{H}", r_h, batch_size=int(sel_h.sum()), sync_dist=True)
 
     def on_validation_epoch_start(self) -> None:
         self._calib = ([], [])

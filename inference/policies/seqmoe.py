@@ -88,7 +88,7 @@ def precompute_forecasts(model: ExpertForecaster, expert_ids: np.ndarray, expert
         b = min(n, a + chunk)
         states, logits = [], []
         for i in range(a, b):
-            lg, _ = model.step(el[i:i + 1], state)
+            lg, _ = model.step(el[i:i + 1], state, all_horizons=True)
             states.append(state.clone())
             logits.append(lg)
         batch_state = ForecasterState.cat(states)
@@ -115,6 +115,8 @@ def precompute_forecasts_many(model: ExpertForecaster, routing: Sequence[tuple[n
     dev = model.head.weight.device
     if not routing:
         return []
+    if c.direct_horizons >= horizon:
+        return _precompute_direct(model, routing, horizon)
     els = []
     for ids, w in routing:
         ids_t = torch.from_numpy(np.asarray(ids, dtype=np.int64))
@@ -133,7 +135,7 @@ def precompute_forecasts_many(model: ExpertForecaster, routing: Sequence[tuple[n
         b_end = min(n_max, a + per_chunk)
         states, logits, rows = [], [], []
         for i in range(a, b_end):
-            lg, _ = model.step(x[:, i], state)
+            lg, _ = model.step(x[:, i], state, all_horizons=True)
             live = np.flatnonzero(lengths > i)
             states.append(state.select(live.tolist()))
             logits.append(lg[torch.from_numpy(live).to(dev)])
@@ -142,6 +144,40 @@ def precompute_forecasts_many(model: ExpertForecaster, routing: Sequence[tuple[n
         probs = model.probs(roll).cpu().numpy()
         for r, (s, i) in enumerate(rows):
             outs[s][i] = probs[r]
+    return outs
+
+
+@torch.no_grad()
+def _precompute_direct(model: ExpertForecaster, routing: Sequence[tuple[np.ndarray, np.ndarray]], horizon: int,
+                       max_rows: int = 16384) -> list[np.ndarray]:
+    """:func:`precompute_forecasts_many` when the direct heads cover ``horizon``: no rollout, so every forecast of
+    a sequence comes from one parallel (chunked-scan) forward pass over it, equal to the recurrent steps up to
+    float rounding. Sequences are batched up to ``max_rows`` padded elements (causal: padding at the end never
+    changes earlier outputs)."""
+    c = model.config
+    dev = model.head.weight.device
+    els = []
+    for ids, w in routing:
+        ids_t = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        w_t = torch.from_numpy(np.asarray(w, dtype=np.float32))
+        els.append(trigger_sequence(activation_vector(ids_t, w_t, c.num_experts), c.p))
+    outs: list[np.ndarray] = [np.zeros((0,))] * len(els)
+    order = sorted(range(len(els)), key=lambda i: len(els[i]))
+    a = 0
+    while a < len(order):
+        b = a + 1
+        while b < len(order) and len(els[order[b]]) * (b - a + 1) <= max_rows:
+            b += 1
+        group = order[a:b]
+        n_max = max(len(els[i]) for i in group)
+        x = torch.zeros(len(group), n_max, c.num_layers, c.num_experts)
+        for r, i in enumerate(group):
+            x[r, : len(els[i])] = els[i]
+        logits = model(x.to(dev), all_horizons=True)[:, :, :horizon]  # [G, n, H, L, E]
+        probs = model.probs(logits).cpu().numpy()
+        for r, i in enumerate(group):
+            outs[i] = np.ascontiguousarray(probs[r, : len(els[i])])
+        a = b
     return outs
 
 
@@ -363,7 +399,7 @@ class SeqMoEPolicy(Policy):
             if rows:
                 sub = self._state.select(rows)
                 x = torch.from_numpy(self._latest[rows]).to(self.device)
-                logits, _ = self.model.step(x, sub)
+                logits, _ = self.model.step(x, sub, all_horizons=True)
                 roll = self.model.rollout(logits, sub, self.horizon)
                 self._state.put_rows(rows, sub)
                 probs = self.model.probs(roll).cpu().numpy().astype(np.float16)  # as stored when precomputed

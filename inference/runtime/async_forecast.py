@@ -95,7 +95,7 @@ class _ForecastWorker:
                 if gen != self.generation or pol._state is None:
                     continue  # an element of a batch that has ended
                 sub = pol._state.select(rows)
-                logits, _ = model.step(torch.from_numpy(x).to(pol.device), sub)
+                logits, _ = model.step(torch.from_numpy(x).to(pol.device), sub, all_horizons=True)
                 self.steps += 1
                 last = self.jobs.unfinished_tasks <= 1  # nothing newer queued: forecast from here
                 if last or pol.blocking:

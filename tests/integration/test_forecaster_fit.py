@@ -70,7 +70,7 @@ def test_fit_resume_export_and_eval(tmp_path, traces, monkeypatch, caplog):
     summary = json.loads((out / "recall_summary.json").read_text())
     assert summary["split"] == "val" and summary["sequences"] >= 3
     names = {r["predictor"] for r in summary["rows"]}
-    assert names == {"forecaster", "repeat-last", "frequency", "transition"}
+    assert names == {"forecaster", "repeat-last", "frequency", "transition", "recent-freq"}
     assert (out / "recall.png").stat().st_size > 1000 and (out / "recall.csv").exists()
     # a forecaster for another model is refused with a clear message
     other = ModeMarkovProcess.random(num_modes=3, num_layers=3, num_experts=8, top_k=2, seed=2)

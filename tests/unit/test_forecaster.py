@@ -145,3 +145,39 @@ def test_step_flops_counts_linear_layers():
     m = ExpertForecaster(_cfg())
     n_lin = sum(mod.in_features * mod.out_features for mod in m.modules() if isinstance(mod, torch.nn.Linear))
     assert m.step_flops() >= 2 * n_lin
+
+
+def test_direct_heads_forward_step_and_rollout():
+    """H_d direct heads: head 0 is the next-element forecast of the plain forward; rollout up to H_d reads the
+    heads without touching the state; beyond H_d it feeds next-element predictions back and reads head H_d."""
+    m = ExpertForecaster(_cfg(direct_horizons=3)).eval()
+    x = _inputs(2, 7)
+    with torch.no_grad():
+        allh = m(x, all_horizons=True)
+        assert allh.shape == (2, 7, 3, 3, 8)
+        assert torch.allclose(m(x), allh[:, :, 0], atol=1e-6)
+    st = m.init_state(2)
+    for i in range(7):
+        lg, _ = m.step(x[:, i], st, all_horizons=True)
+    assert lg.shape == (2, 3, 3, 8) and torch.allclose(lg, allh[:, -1], atol=1e-4)
+    before = st.clone()
+    short = m.rollout(lg, st, horizon=2)
+    assert torch.equal(short, lg[:, :2])
+    long = m.rollout(lg, st, horizon=5)
+    assert long.shape == (2, 5, 3, 8) and torch.equal(long[:, :3], lg)
+    manual = st.clone()
+    a, _ = m.step(predictions_to_input(lg[:, 0], 2), manual, all_horizons=True)
+    b, _ = m.step(predictions_to_input(a[:, 0], 2), manual, all_horizons=True)
+    assert torch.allclose(long[:, 3], a[:, 2], atol=1e-6) and torch.allclose(long[:, 4], b[:, 2], atol=1e-6)
+    for s, t in zip(st.conv + st.ssm, before.conv + before.ssm, strict=True):
+        assert torch.equal(s, t)  # rollout restored the state
+    with pytest.raises(ValueError, match="heads"):
+        m.rollout(lg[:, :2], st, horizon=4)
+    with pytest.raises(ValueError, match="direct_horizons"):
+        _cfg(direct_horizons=0)
+
+
+def test_config_from_older_export_gets_single_head():
+    d = _cfg().to_dict()
+    d.pop("direct_horizons")
+    assert ForecasterConfig.from_dict(d).direct_horizons == 1

@@ -93,6 +93,26 @@ def test_batched_precompute_equals_per_sequence():
         assert got[:, 1:].std() > 0  # the rollout really differs per position
 
 
+def test_direct_heads_precompute_is_one_parallel_pass_equal_to_steps():
+    """With direct heads covering the horizon, the tables come from one parallel forward pass per group of
+    sequences (no rollout) and equal the recurrent step-by-step forecasts."""
+    _, seqs = _process()
+    torch.manual_seed(0)
+    model = ExpertForecaster(ForecasterConfig(num_layers=3, num_experts=8, top_k=2, trigger_layer=1, hidden_size=32,
+                                              head_dim=16, state_size=8, num_blocks=1, chunk_size=8,
+                                              direct_horizons=4)).eval()
+    routing = [(s.expert_ids[:n], s.expert_weights[:n]) for s, n in ((seqs[0], 21), (seqs[1], 13), (seqs[2], 30))]
+    for H in (3, 4):
+        many = precompute_forecasts_many(model, routing, horizon=H)
+        for (ids, w), got in zip(routing, many, strict=True):
+            want = precompute_forecasts(model, ids, w, horizon=H)
+            assert got.shape == want.shape == (len(ids) - 1, H, 3, 8)
+            np.testing.assert_allclose(got, want, atol=1e-4)
+    # beyond the heads it rolls out (the step path), still equal per sequence
+    many = precompute_forecasts_many(model, routing[:1], horizon=6)
+    np.testing.assert_allclose(many[0], precompute_forecasts(model, *routing[0], horizon=6), atol=1e-4)
+
+
 @pytest.mark.slow
 def test_trained_forecaster_beats_lru_and_closes_belady_gap(tmp_path):
     """Measured: 25%: hit 0.664 vs LRU 0.616 (Belady 0.674), 82% of the LRU->Belady demand-miss gap closed;
