@@ -29,17 +29,23 @@ def build_cli(args: list[str], run: bool = True):
     from lightning.pytorch.cli import LightningCLI
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return LightningCLI(
-        pl.LightningModule,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-        args=args,
-        run=run,
-    )
+    # ``args`` is the whole command line: hide the process's own argv (e.g. `expertcast fit ...` or
+    # `expertcast quickstart`), which LightningCLI would otherwise warn about
+    saved, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        return LightningCLI(
+            pl.LightningModule,
+            pl.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=args,
+            run=run,
+        )
+    finally:
+        sys.argv = saved
 
 
 def main(argv: list[str] | None = None) -> int:
