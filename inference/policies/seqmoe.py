@@ -192,7 +192,9 @@ class SeqMoEPolicy(Policy):
             process: gamma 0.5 matched Belady, 0.9 fell to LRU's level at 25% capacity).
         prefetch: issue proactive loads (False: eviction only, a demand-only policy).
         max_tasks_per_layer: prefetch tasks per layer per forecast (default K).
-        min_confidence: tasks below this probability are not generated.
+        min_confidence: tasks below this probability are not generated. 0.2 measured on the default model's CoT
+            routing (12 held-out sequences): vs 0.05, at 25% capacity Hit 0.844 vs 0.850 with 1.19 vs 1.78
+            MB/token (LRU 0.546, 1.43); at 45% Hit 0.956 vs 0.944 with 0.48 vs 0.76 MB/token.
         lookahead: layer-executions of link time kept queued by the scheduler.
         transfer_layers: initial transfer-time estimate in layer-executions (default: from the cache's
             expert bytes with ``bandwidth_gbps`` and ``layer_compute_ms``).
@@ -207,7 +209,7 @@ class SeqMoEPolicy(Policy):
     needs_future = False
 
     def __init__(self, forecaster: Any = None, horizon: int = 8, gamma: float = 0.5, prefetch: bool = True,
-                 max_tasks_per_layer: int | None = None, min_confidence: float = 0.05, lookahead: float = 2.0,
+                 max_tasks_per_layer: int | None = None, min_confidence: float = 0.2, lookahead: float = 2.0,
                  transfer_layers: float | None = None, bandwidth_gbps: float = 25.0, layer_compute_ms: float = 0.15,
                  ema_alpha: float = 0.2, precompute: bool = True, device: str = "cpu",
                  forecast_cache_mb: float = 1024.0):
