@@ -435,8 +435,7 @@ class ExpertForecaster(nn.Module):
         try:
             cur = logits
             for _ in range(horizon - D):
-                cur, _ = self.step(predictions_to_input(cur[:, 0], c.top_k), state, all_horizons=D > 1)
-                cur = cur if cur.dim() == 4 else cur.unsqueeze(1)
+                cur, _ = self.step(predictions_to_input(cur[:, 0], c.top_k), state, all_horizons=True)
                 out.append(cur[:, D - 1])
         finally:
             state.copy_(saved)

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     om = OffloadedModel(model, make_policy("lru"), 1.0, pool=args.pool, device=device)
     store = om.store
     om.replay(seqs, max_decode=args.tokens)  # warm: every used expert lands in its slot
-    om.close()
+    model = om.restore()  # every runtime run below ends the same way: fused weights back for the plain model
     # interleaved full, runtime, full, runtime, ..., full: each runtime run is compared with the mean of the
     # full-load runs right before and after it (the machine's speed drifts over tens of seconds on shared
     # hosts; a pair sees the same speed), the median of those paired ratios is reported
@@ -238,9 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     fulls, alls = [], []
 
     def _full_run():
-        nonlocal model
-        if _released(model):
-            model = om.restore()  # the fused weights back for the plain model
         rep = FullLoadReplayer(model)
         r = rep.replay(seqs, max_decode=args.tokens)
         rep.close()
@@ -252,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         om.replay(seqs, max_decode=args.tokens)  # warm (not timed)
         alls.append(om.replay(seqs, max_decode=args.tokens))
         mem_all = om.memory_report()
-        om.close()
+        model = om.restore()
         fulls.append(_full_run())
     full = max(fulls, key=lambda r: r.tokens_per_s)
     best_all = max(alls, key=lambda r: r.tokens_per_s)
@@ -322,14 +319,11 @@ def main(argv: list[str] | None = None) -> int:
                     st = om.replay(seqs, max_decode=args.tokens)
                     if name == "lru" and abs(res - max(args.residency)) < 1e-9 and not mem_rows:
                         mem_rows.append(om.memory_report().to_dict())
-                    om.close()
+                    model = om.restore()
                     if hasattr(pol, "close"):  # the asynchronous forecaster's worker thread
                         pol.close()
                     m = st.metrics()
-                    model = _restored(model, store)
-                    rep = FullLoadReplayer(model)  # the paired baseline: same sequences, right after
-                    pair = rep.replay(seqs, max_decode=args.tokens)
-                    rep.close()
+                    pair = _full_run()  # the paired baseline: same sequences, right after
                     if pair.tokens_per_s > full.tokens_per_s:
                         full = pair
                     rows.append({
@@ -387,27 +381,6 @@ def _median_of_repeats(rows: list[dict]) -> list[dict]:
         mid.pop("repeat", None)
         out.append(mid)
     return out
-
-
-def _restored(model, store):
-    """The model with its fused expert weights (put back from the host store when released)."""
-    if _released(model):
-        from expertcast.inference.runtime.store import find_experts_modules
-
-        refs = find_experts_modules(model)
-        store.restore_into(refs)
-        dev = next(model.parameters()).device
-        for r in refs:
-            for p in store.layout.parts:
-                getattr(r.module, p.name).data = getattr(r.module, p.name).data.to(dev)
-    return model
-
-
-def _released(model) -> bool:
-    from expertcast.inference.runtime.store import find_experts_modules
-
-    m = find_experts_modules(model)[0].module
-    return getattr(m, "gate_up_proj" if m.has_gate else "up_proj").numel() == 0
 
 
 def _truncate(seqs, tokens):

@@ -267,12 +267,13 @@ def evaluate(model: ExpertForecaster | None, seqs: Sequence[TraceSequence], meta
         # elements before the first evaluated one only warm the state up (one parallel window)
         warm = max(0, int(prompts.min()) - 1)
         warm = min(warm, T - 1)
+        x_warm = activation_vector(ids[:, :warm], w[:, :warm], E)  # [B, warm, L, E]
         if model is not None and warm > 0:
-            model(activation_vector(ids[:, :warm], w[:, :warm], E).to(device), state)
+            model(x_warm.to(device), state)
         for b in baselines:
             b.reset(B)
             for i in range(warm):
-                b.observe(activation_vector(ids[:, i], w[:, i], E))
+                b.observe(x_warm[:, i])
         if bar is not None:
             bar.update(warm)
         hidx = torch.arange(1, horizons + 1)

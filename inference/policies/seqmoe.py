@@ -115,13 +115,13 @@ def precompute_forecasts_many(model: ExpertForecaster, routing: Sequence[tuple[n
     dev = model.head.weight.device
     if not routing:
         return []
-    if c.direct_horizons >= horizon:
-        return _precompute_direct(model, routing, horizon)
     els = []
     for ids, w in routing:
         ids_t = torch.from_numpy(np.asarray(ids, dtype=np.int64))
         w_t = torch.from_numpy(np.asarray(w, dtype=np.float32))
         els.append(trigger_sequence(activation_vector(ids_t, w_t, c.num_experts), c.p))
+    if c.direct_horizons >= horizon:
+        return _precompute_direct(model, els, horizon)
     lengths = np.array([len(e) for e in els])
     B, n_max = len(els), int(lengths.max())
     x = torch.zeros(B, n_max, c.num_layers, c.num_experts)
@@ -148,19 +148,14 @@ def precompute_forecasts_many(model: ExpertForecaster, routing: Sequence[tuple[n
 
 
 @torch.no_grad()
-def _precompute_direct(model: ExpertForecaster, routing: Sequence[tuple[np.ndarray, np.ndarray]], horizon: int,
+def _precompute_direct(model: ExpertForecaster, els: list[torch.Tensor], horizon: int,
                        max_rows: int = 16384) -> list[np.ndarray]:
     """:func:`precompute_forecasts_many` when the direct heads cover ``horizon``: no rollout, so every forecast of
-    a sequence comes from one parallel (chunked-scan) forward pass over it, equal to the recurrent steps up to
-    float rounding. Sequences are batched up to ``max_rows`` padded elements (causal: padding at the end never
-    changes earlier outputs)."""
+    a sequence comes from one parallel (chunked-scan) forward pass over its elements ``els`` ([T', L, E] each),
+    equal to the recurrent steps up to float rounding. Sequences are batched up to ``max_rows`` padded elements
+    (causal: padding at the end never changes earlier outputs)."""
     c = model.config
     dev = model.head.weight.device
-    els = []
-    for ids, w in routing:
-        ids_t = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-        w_t = torch.from_numpy(np.asarray(w, dtype=np.float32))
-        els.append(trigger_sequence(activation_vector(ids_t, w_t, c.num_experts), c.p))
     outs: list[np.ndarray] = [np.zeros((0,))] * len(els)
     order = sorted(range(len(els)), key=lambda i: len(els[i]))
     a = 0
