@@ -12,16 +12,16 @@ import sys
 
 # name -> (module, one-line help). Modules expose main(argv) -> int | None.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("expertcast.quickstart", "run the whole pipeline on the embedded default model (CPU)"),
-    "build-default": ("expertcast.train.tiny_default", "train (or load the cached) embedded default MoE model"),
-    "collect": ("expertcast.data.collect", "generate completions and record routing traces (two-pass)"),
-    "traces": ("expertcast.data.traces_cli", "traces import | stats"),
-    "simulate": ("expertcast.inference.simulate_cli", "trace-driven expert-cache simulation"),
-    "fit": ("expertcast.train.cli", "LightningCLI training (forecaster or router adaptation) from a YAML"),
-    "forecast-eval": ("expertcast.train.forecast_eval", "recall@K of the forecaster vs baselines by horizon"),
-    "router-eval": ("expertcast.train.router_eval", "cache-aware router adaptation: hit rate vs quality"),
-    "stages": ("expertcast.inference.stages_cli", "SAEM stage cues: calibrate | stats | detect"),
-    "eval": ("expertcast.inference.eval_cli", "offloaded inference on GSM8K / MATH-500"),
+    "quickstart": ("expertcast.commands.quickstart", "run the whole pipeline on the embedded default model (CPU)"),
+    "build-default": ("expertcast.commands.build_default", "train (or load the cached) embedded default MoE model"),
+    "collect": ("expertcast.commands.collect", "generate completions and record routing traces (two-pass)"),
+    "traces": ("expertcast.commands.traces", "traces import | stats"),
+    "simulate": ("expertcast.commands.simulate", "trace-driven expert-cache simulation"),
+    "fit": ("expertcast.commands.fit", "LightningCLI training (forecaster or router adaptation) from a YAML"),
+    "forecast-eval": ("expertcast.commands.forecast_eval", "recall@K of the forecaster vs baselines by horizon"),
+    "router-eval": ("expertcast.commands.router_eval", "cache-aware router adaptation: hit rate vs quality"),
+    "stages": ("expertcast.commands.stages", "SAEM stages: calibrate | stats | detect | eval"),
+    "eval": ("expertcast.commands.evaluate", "offloaded inference on GSM8K / MATH-500"),
 }
 
 

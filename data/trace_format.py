@@ -95,3 +95,16 @@ class TraceSequence:
     def decode_expert_ids(self) -> np.ndarray:
         """[T - prompt_len, L, K] routing of the decoded positions."""
         return self.expert_ids[self.prompt_len:]
+
+
+def sequences_fingerprint(sequences: list[TraceSequence]) -> str:
+    """sha256 of a set of traced sequences: their ids with their token ids and routing (order-free).
+
+    Two trace sets with the same fingerprint hold the same sequences with the same routing, whatever
+    their shard layout; exports record it so a run can say exactly which data trained it.
+    """
+    from expertcast.utils.provenance import trace_fingerprint
+
+    return trace_fingerprint([s.seq_id for s in sequences],
+                             [s.token_ids.tobytes() + b"|" + s.expert_ids.tobytes() + b"|" + str(s.prompt_len).encode()
+                              for s in sequences])

@@ -1,0 +1,235 @@
+"""What every command shares: its parser, its error handling, model names and capacity flags.
+
+* :class:`CommandParser`: argparse with every default shown in ``--help`` and a one-line error
+  (``expertcast <cmd>: error: ...``, exit 2) instead of usage + error.
+* :func:`run_command`: runs a command body; a :class:`~expertcast.utils.errors.UsageError` (or another
+  input error listed in ``USER_ERRORS``) becomes one line on stderr and exit status 2. Set
+  ``EXPERTCAST_DEBUG=1`` to see the traceback instead.
+* :func:`resolve_model`: the one model-name resolver (``tiny-default``/``default``, tiny presets, local
+  Hugging Face directories, Hub ids) used by every command that takes ``--model``.
+* :func:`add_capacity_args` / :func:`capacities_from_args`: ``--capacity`` is always a fraction of all
+  experts in (0, 1]; ``--slots`` is always a slot count. The unit is in the flag, never in the number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from expertcast.utils.errors import UsageError
+
+DEFAULT_MODEL_NAMES = ("tiny-default", "default")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for ``expertcast <command>``: defaults shown, one-line errors with exit status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:  # noqa: D401 - argparse API
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean "the input is wrong" rather than "expertcast has a bug"."""
+    errs: list[type[BaseException]] = [UsageError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                                       PermissionError]
+    try:
+        from expertcast.models.spec import UnsupportedModelError
+
+        errs.append(UnsupportedModelError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errs)
+
+
+def run_command(prog: str, body: Callable[[], int | None]) -> int:
+    """Run ``body``; input errors -> one line on stderr and 2; KeyboardInterrupt -> 130."""
+    try:
+        return int(body() or 0)
+    except user_errors() as exc:
+        if os.environ.get("EXPERTCAST_DEBUG"):
+            raise
+        msg = str(exc) if not isinstance(exc, OSError) or not exc.filename else (
+            f"{exc.strerror or exc}: {exc.filename}" if exc.strerror else str(exc))
+        print(f"{prog}: error: {' '.join(msg.split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+# -- validated argument types ------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text}")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite non-negative number, got {text}")
+    return v
+
+
+# -- capacities ---------------------------------------------------------------------------------------
+def parse_fractions(text: str, flag: str = "--capacity") -> list[float]:
+    """``"0.15,0.25"`` -> [0.15, 0.25]; each a fraction of all experts in (0, 1] (``1`` = all experts)."""
+    import math
+
+    out = []
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        try:
+            v = float(part)
+        except ValueError:
+            raise UsageError(f"{flag}: {part!r} is not a number (capacities are fractions of all experts in (0, 1]; "
+                             f"use --slots for slot counts)") from None
+        if not math.isfinite(v) or not 0 < v <= 1:
+            raise UsageError(f"{flag}: {part} is outside (0, 1]: capacities are fractions of all experts "
+                             f"(use --slots for a number of slots)")
+        out.append(v)
+    if not out:
+        raise UsageError(f"{flag}: no value given")
+    return out
+
+
+def parse_counts(text: str, flag: str = "--slots") -> list[int]:
+    """``"8,16"`` -> [8, 16]; positive integers."""
+    out = []
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        try:
+            v = int(part)
+        except ValueError:
+            raise UsageError(f"{flag}: {part!r} is not an integer slot count") from None
+        if v < 1:
+            raise UsageError(f"{flag}: {v} slots; a slot count must be at least 1")
+        out.append(v)
+    if not out:
+        raise UsageError(f"{flag}: no value given")
+    return out
+
+
+def add_capacity_args(p: argparse.ArgumentParser, *, multiple: bool, default: str | None = None) -> None:
+    """``--capacity`` (fractions of all L*E experts) and ``--slots`` (slot counts: per layer for the
+    per-layer pool, in all for the shared pool); ``multiple`` allows comma lists."""
+    s = "comma list of " if multiple else ""
+    p.add_argument("--capacity", default=default,
+                   help=f"{s}fraction(s) of all experts kept resident, in (0, 1] (1 = every expert)")
+    p.add_argument("--slots", default=None,
+                   help=f"{s}slot count(s) instead of a fraction: per layer (per-layer pool) or in all (shared pool)")
+
+
+def capacities_from_args(args: argparse.Namespace, *, multiple: bool) -> list[dict[str, Any]]:
+    """CacheConfig keyword dicts (``{"capacity": f}`` or ``{"slots": n}``) from the capacity flags."""
+    if args.capacity is not None and args.slots is not None and not multiple:
+        raise UsageError("give --capacity (a fraction) or --slots (a count), not both")
+    out: list[dict[str, Any]] = []
+    if args.capacity is not None:
+        out += [{"capacity": v} for v in parse_fractions(args.capacity)]
+    if args.slots is not None:
+        out += [{"slots": v} for v in parse_counts(args.slots)]
+    if not multiple and len(out) > 1:
+        raise UsageError("this command takes one capacity; give a single --capacity or --slots value")
+    return out
+
+
+# -- models -------------------------------------------------------------------------------------------
+def resolve_model(name: str, *, announce: bool = True) -> str:
+    """The one resolver of ``--model``: returns what :func:`expertcast.models.backbone.load_moe_model`
+    loads.
+
+    * ``tiny-default`` / ``default``: the embedded default model (trained once, then cached; the run
+      says in one line when it reuses the cached build);
+    * a tiny preset name (``qwen3_moe-tiny``, ...) or a real-size preset: kept as is;
+    * a local Hugging Face directory: must exist and hold ``config.json``;
+    * anything else that looks like ``owner/name``: a Hub id (``trust_remote_code`` stays off).
+    """
+    from expertcast.models.presets import is_preset
+
+    name = str(name).strip()
+    if not name:
+        raise UsageError("--model is empty")
+    if name in DEFAULT_MODEL_NAMES:
+        from expertcast.train.tiny_default import ensure_default_model
+
+        path = Path(ensure_default_model())
+        if announce:
+            print(f"model: embedded default model at {path}", file=sys.stderr)
+        return str(path)
+    if is_preset(name):
+        return name
+    p = Path(name).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise UsageError(f"--model {name}: is a file; expected a Hugging Face model directory")
+        if not (p / "config.json").is_file():
+            raise UsageError(f"--model {name}: folder has no config.json (not a Hugging Face model directory)")
+        return str(p)
+    looks_local = name.startswith(("/", "./", "../", "~", ".")) or name.count("/") != 1
+    if looks_local:
+        from expertcast.models.presets import list_presets
+
+        raise UsageError(f"--model {name}: no such local directory, preset or Hub id (presets: "
+                         f"{', '.join(list_presets())}; or 'tiny-default')")
+    return name
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> cuda when available, else cpu; refuses ``cuda`` without CUDA with one line."""
+    import torch
+
+    d = str(device)
+    if d == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if d.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {d}: CUDA is not available on this machine (use --device cpu)")
+    if not (d == "cpu" or d.startswith("cuda") or d == "mps"):
+        raise UsageError(f"--device {d}: expected auto, cpu or cuda[:N]")
+    return d

@@ -1,0 +1,3 @@
+"""`expertcast stages` (moving here from expertcast.inference.stages_cli)."""
+
+from expertcast.inference.stages_cli import main  # noqa: F401

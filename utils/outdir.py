@@ -1,0 +1,193 @@
+"""Output folders that never clobber foreign files and never mix two runs.
+
+Every command that writes a folder claims it first with :func:`claim_output_dir`:
+
+* the folder must be empty, absent, or already carry this command kind's marker file
+  ``.expertcast-output.json`` (written when the command first claimed it);
+* the working directory, the home folder, the file-system root and the project checkout are refused;
+* ``overwrite=True`` removes only the entries the marker lists as written by expertcast, never a
+  foreign file;
+* a lock file (``.expertcast.lock``, ``fcntl.flock``) held for the command's lifetime makes a second
+  concurrent run on the same folder fail fast with a message naming the holder's pid.
+
+Commands register what they write with :meth:`OutputDir.track` (a file or a sub-folder name relative
+to the folder), so ``--overwrite`` knows what is theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from expertcast.utils.errors import OutputDirError
+
+MARKER = ".expertcast-output.json"
+LOCK = ".expertcast.lock"
+_INTERNAL = {MARKER, LOCK}
+
+
+def _protected(path: Path) -> str | None:
+    """Why ``path`` must never be an output folder, or None."""
+    from expertcast.utils.paths import REPO_ROOT
+
+    p = path.resolve()
+    if p == Path(p.anchor):
+        return "the file-system root"
+    if p == Path.cwd().resolve():
+        return "the current working directory"
+    if p == Path.home().resolve():
+        return "the home folder"
+    if p == REPO_ROOT.resolve():
+        return "the expertcast checkout"
+    if p in REPO_ROOT.resolve().parents:
+        return "a folder containing the expertcast checkout"
+    for sub in ("commands", "configs", "data", "docs", "inference", "models", "scripts", "tests", "train", "utils",
+                ".git"):
+        if p == (REPO_ROOT / sub).resolve():
+            return f"the checkout's {sub}/ folder"
+    return None
+
+
+class OutputDir:
+    """A claimed output folder (use as a context manager, or call :meth:`release`)."""
+
+    def __init__(self, path: Path, kind: str, lock_fd: int | None):
+        self.path = path
+        self.kind = kind
+        self._lock_fd = lock_fd
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _read_marker(self) -> dict[str, Any]:
+        return read_marker(self.path) or {"kind": self.kind, "written": []}
+
+    def track(self, *names: str | os.PathLike) -> None:
+        """Record ``names`` (relative to the folder, or absolute paths inside it) as written by us."""
+        from expertcast.utils.io import atomic_write_json
+
+        m = self._read_marker()
+        written = list(m.get("written", []))
+        for n in names:
+            rel = Path(n)
+            if rel.is_absolute():
+                try:
+                    rel = rel.resolve().relative_to(self.path.resolve())
+                except ValueError:
+                    raise OutputDirError(f"{n} is outside the output folder {self.path}") from None
+            first = rel.parts[0] if rel.parts else ""
+            if first and first not in written and first not in _INTERNAL:
+                written.append(first)
+        if written != m.get("written"):
+            m["written"] = written
+            atomic_write_json(self.path / MARKER, m)
+
+    def file(self, name: str) -> Path:
+        """``folder / name``, tracked as ours."""
+        self.track(name)
+        return self.path / name
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            import fcntl
+
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def __enter__(self) -> OutputDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The marker of an expertcast output folder, or None when it has none (or it is unreadable)."""
+    f = Path(path) / MARKER
+    if not f.is_file():
+        return None
+    try:
+        m = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        raise OutputDirError(f"{f}: marker file is corrupt; remove the folder {Path(path)} by hand") from None
+    return m if isinstance(m, dict) else None
+
+
+def _take_lock(path: Path, kind: str) -> int:
+    import fcntl
+
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        finally:
+            os.close(fd)
+        raise OutputDirError(f"{path} is in use by another expertcast run (pid {holder}); wait for it to finish "
+                             f"or choose another --out") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {kind}\n".encode())
+    return fd
+
+
+def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = False, lock: bool = True) -> OutputDir:
+    """Claim ``path`` as the output folder of a ``kind`` command (e.g. ``"simulate"``).
+
+    Raises :class:`OutputDirError` (one line, names the folder and the cause) when the folder holds
+    foreign files, another kind's output, is a protected path, or is locked by a concurrent run. With
+    ``overwrite`` the entries this kind wrote before are deleted (foreign files are never touched: a
+    folder that also holds foreign files is refused).
+    """
+    p = Path(path).expanduser()
+    why = _protected(p)
+    if why:
+        raise OutputDirError(f"refusing to use {why} ({p.resolve()}) as an output folder; give a dedicated --out")
+    if p.exists() and not p.is_dir():
+        raise OutputDirError(f"output path {p} exists and is not a folder")
+    p.mkdir(parents=True, exist_ok=True)
+    marker = read_marker(p)
+    entries = [e.name for e in p.iterdir() if e.name not in _INTERNAL]
+    if marker is None:
+        if entries:
+            shown = ", ".join(sorted(entries)[:5]) + (" ..." if len(entries) > 5 else "")
+            raise OutputDirError(f"output folder {p} is not empty and was not written by expertcast ({shown}); "
+                                 f"choose an empty or new folder")
+    elif marker.get("kind") != kind:
+        raise OutputDirError(f"output folder {p} holds the output of `expertcast {marker.get('kind')}`, not of "
+                             f"`expertcast {kind}`; choose another folder")
+    else:
+        ours = set(marker.get("written", []))
+        foreign = [e for e in entries if e not in ours]
+        if foreign and overwrite:
+            raise OutputDirError(f"output folder {p} also holds files expertcast did not write "
+                                 f"({', '.join(sorted(foreign)[:5])}); --overwrite only removes its own output, "
+                                 f"so move those first or choose another folder")
+    fd = _take_lock(p, kind) if lock else None
+    try:
+        from expertcast.utils.io import atomic_write_json
+
+        if marker is not None and overwrite:
+            for name in marker.get("written", []):
+                t = p / name
+                if t.is_dir() and not t.is_symlink():
+                    shutil.rmtree(t)
+                elif t.exists() or t.is_symlink():
+                    t.unlink()
+            marker = None
+        if marker is None:
+            atomic_write_json(p / MARKER, {"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                           "written": []})
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    return OutputDir(p, kind, fd)

@@ -1,0 +1,142 @@
+"""Provenance: content hashes, settings keys for resume, sequence-identity splits, leakage checks.
+
+* :func:`sha256_file` / :func:`sha256_files` hash artefacts (exports, calibration traces, models).
+* :func:`settings_key` + :func:`check_resume` make every resumable job resume only on an exact
+  match of the settings that determine its results, naming the first setting that differs.
+* :func:`split_of` assigns a sequence to train/val/test by a hash of its id, so the split of a
+  sequence never depends on ``--limit``, shard order or how many other sequences exist.
+* :func:`check_overlap` refuses (or, when allowed, reports) evaluation on sequences a model was
+  trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from expertcast.utils.errors import OverlapError, ResumeMismatchError
+
+CODE_FORMAT = 1
+"""Bumped when a change in expertcast alters the numbers a resumable job writes for the same settings."""
+
+
+# -- hashes -----------------------------------------------------------------------------------------
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def sha256_files(root: str | os.PathLike, names: Iterable[str] | None = None) -> str:
+    """One sha256 over the files ``names`` under ``root`` (default: every regular file below ``root``,
+    hidden files excluded), each hashed with its relative path, in sorted order."""
+    root = Path(root)
+    if names is None:
+        names = [str(p.relative_to(root)) for p in root.rglob("*")
+                 if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    h = hashlib.sha256()
+    for n in sorted(names):
+        h.update(n.encode() + b"\0" + sha256_file(root / n).encode() + b"\n")
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# -- resume keys ------------------------------------------------------------------------------------
+def settings_key(**settings: Any) -> dict[str, Any]:
+    """The settings of a resumable job as a JSON-normalised dict (plus the code format version)."""
+    return json.loads(json.dumps({"code_format": CODE_FORMAT, **settings}, sort_keys=True, default=str))
+
+
+def diff_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Human-readable differences, one per setting: ``"seed: 0 -> 1"``."""
+    out = []
+    for k in sorted(set(saved) | set(current)):
+        a, b = saved.get(k, "<unset>"), current.get(k, "<unset>")
+        if a != b:
+            sa, sb = json.dumps(a, default=str), json.dumps(b, default=str)
+            out.append(f"{k}: {sa[:80]} (saved) vs {sb[:80]} (now)")
+    return out
+
+
+def check_resume(saved: Mapping[str, Any] | None, current: Mapping[str, Any], where: str | os.PathLike) -> None:
+    """Raise :class:`ResumeMismatchError` unless ``saved`` equals ``current`` (both from :func:`settings_key`)."""
+    if saved is None:
+        raise ResumeMismatchError(f"{where} records no settings (written by an older expertcast?); cannot resume "
+                                  f"from it: use --overwrite or another --out")
+    diff = diff_settings(saved, current)
+    if diff:
+        more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+        raise ResumeMismatchError(f"cannot resume {where}: it was produced with other settings: {diff[0]}{more}; "
+                                  f"use --overwrite to start over or another --out")
+
+
+# -- splits by sequence identity -------------------------------------------------------------------
+def unit_hash(seq_id: str, seed: int = 0) -> float:
+    """A number in [0, 1) fixed by ``seq_id`` and ``seed`` alone."""
+    d = hashlib.sha256(f"{seed}\0{seq_id}".encode()).digest()
+    return int.from_bytes(d[:8], "big") / 2.0**64
+
+
+def split_of(seq_id: str, val_fraction: float, test_fraction: float = 0.0, seed: int = 0) -> str:
+    """``"train"``, ``"val"`` or ``"test"`` for a sequence, by a hash of its id: stable under
+    ``--limit`` (a larger set contains the smaller one with the same assignments) and shard order."""
+    if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
+        raise ValueError(f"split fractions must be >= 0 with val + test < 1 (got val={val_fraction}, "
+                         f"test={test_fraction})")
+    u = unit_hash(seq_id, seed)
+    if u < test_fraction:
+        return "test"
+    if u < test_fraction + val_fraction:
+        return "val"
+    return "train"
+
+
+# -- train/test leakage -----------------------------------------------------------------------------
+def check_overlap(evaluated: Iterable[str], trained: Iterable[str] | None, *, what: str,
+                  allow_overlap: bool = False) -> dict[str, Any]:
+    """Compare the evaluated sequence ids with a model's training ids.
+
+    Returns ``{"overlap": n, "evaluated": m, "allowed": bool}`` for the output's header. Raises
+    :class:`OverlapError` when they overlap and ``allow_overlap`` is False. ``trained=None`` (an
+    artefact that records no training ids) is an error too unless allowed: the check cannot be made.
+    """
+    ev = list(dict.fromkeys(evaluated))
+    if trained is None:
+        if not allow_overlap:
+            raise OverlapError(f"{what} records no training sequence ids, so leakage into this evaluation cannot "
+                               f"be ruled out; retrain it with this expertcast or pass --allow-overlap")
+        return {"overlap": None, "evaluated": len(ev), "allowed": True}
+    tr = set(trained)
+    both = [s for s in ev if s in tr]
+    if both and not allow_overlap:
+        ex = ", ".join(both[:3]) + (" ..." if len(both) > 3 else "")
+        raise OverlapError(f"{len(both)} of the {len(ev)} evaluated sequences were used to train {what} ({ex}); "
+                           f"evaluate on held-out sequences or pass --allow-overlap (reported in the output)")
+    return {"overlap": len(both), "evaluated": len(ev), "allowed": bool(allow_overlap)}
+
+
+def trace_fingerprint(seq_ids: Iterable[str], contents: Iterable[bytes] | None = None) -> str:
+    """sha256 over a trace set's sequence ids (sorted) and, when given, their contents in the same order."""
+    h = hashlib.sha256()
+    ids = list(seq_ids)
+    if contents is None:
+        for s in sorted(ids):
+            h.update(s.encode() + b"\n")
+    else:
+        for s, c in sorted(zip(ids, contents, strict=True)):
+            h.update(s.encode() + b"\0" + hashlib.sha256(c).digest())
+    return h.hexdigest()
+
+
+def finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
