@@ -140,3 +140,64 @@ def trace_fingerprint(seq_ids: Iterable[str], contents: Iterable[bytes] | None =
 
 def finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# -- export integrity -------------------------------------------------------------------------------
+EXPORT_MANIFEST = "export_manifest.json"
+"""Written last into every export folder: the sha256 of each file of the export (JSON configs included)."""
+
+
+def safe_member(root: str | os.PathLike, name: str) -> Path:
+    """``root / name`` for a file name read from an export's JSON, refusing names that leave ``root``
+    (absolute paths, ``..``, symlinks pointing outside)."""
+    from expertcast.utils.errors import UsageError
+
+    root_p = Path(root).resolve()
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise UsageError(f"{root}: export entry {name!r} must be a relative file name inside the export")
+    target = (root_p / name).resolve()
+    if root_p != target and root_p not in target.parents:
+        raise UsageError(f"{root}: export entry {name!r} points outside the export folder")
+    return target
+
+
+def write_export_manifest(root: str | os.PathLike, files: Iterable[str]) -> str:
+    """Write ``EXPORT_MANIFEST`` listing the sha256 of ``files`` (relative names); returns the export
+    hash (sha256 over the listed files), which outputs record as the export's identity."""
+    from expertcast.utils.io import atomic_write_json
+
+    root = Path(root)
+    names = sorted(set(files))
+    entry = {n: sha256_file(safe_member(root, n)) for n in names}
+    export_hash = sha256_files(root, names)
+    atomic_write_json(root / EXPORT_MANIFEST, {"format": "expertcast-export-manifest", "format_version": 1,
+                                               "files": entry, "export_hash": export_hash})
+    return export_hash
+
+
+def verify_export_manifest(root: str | os.PathLike) -> str:
+    """Check every file the manifest lists (and that it lists every file of the export); returns the
+    export hash. Raises UsageError naming the first file that is missing, extra or altered."""
+    from expertcast.utils.errors import UsageError
+
+    root = Path(root)
+    mf = root / EXPORT_MANIFEST
+    if not mf.is_file():
+        raise UsageError(f"{root}: no {EXPORT_MANIFEST} (not an export of this expertcast, or an incomplete one)")
+    try:
+        m = json.loads(mf.read_text(encoding="utf-8"))
+        files = dict(m["files"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError):
+        raise UsageError(f"{mf}: corrupt export manifest") from None
+    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
+               and p.name != EXPORT_MANIFEST and not p.name.startswith(".")}
+    extra = sorted(present - set(files))
+    if extra:
+        raise UsageError(f"{root}: file {extra[0]} is not part of the export (its manifest does not list it)")
+    for name, digest in sorted(files.items()):
+        p = safe_member(root, name)
+        if not p.is_file():
+            raise UsageError(f"{root}: export file {name} is missing")
+        if sha256_file(p) != digest:
+            raise UsageError(f"{root}: export file {name} was modified after export (sha256 mismatch)")
+    return str(m.get("export_hash") or sha256_files(root, list(files)))
