@@ -22,9 +22,6 @@ from typing import Any, NoReturn
 
 from expertcast.utils.errors import UsageError
 
-DEFAULT_MODEL_NAMES = ("tiny-default", "default")
-
-
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     pass
 
@@ -180,45 +177,8 @@ def capacities_from_args(args: argparse.Namespace, *, multiple: bool) -> list[di
     return out
 
 
-# -- models -------------------------------------------------------------------------------------------
-def resolve_model(name: str, *, announce: bool = True) -> str:
-    """The one resolver of ``--model``: returns what :func:`expertcast.models.backbone.load_moe_model`
-    loads.
-
-    * ``tiny-default`` / ``default``: the embedded default model (trained once, then cached; the run
-      says in one line when it reuses the cached build);
-    * a tiny preset name (``qwen3_moe-tiny``, ...) or a real-size preset: kept as is;
-    * a local Hugging Face directory: must exist and hold ``config.json``;
-    * anything else that looks like ``owner/name``: a Hub id (``trust_remote_code`` stays off).
-    """
-    from expertcast.models.presets import is_preset
-
-    name = str(name).strip()
-    if not name:
-        raise UsageError("--model is empty")
-    if name in DEFAULT_MODEL_NAMES:
-        from expertcast.train.tiny_default import ensure_default_model
-
-        path = Path(ensure_default_model())
-        if announce:
-            print(f"model: embedded default model at {path}", file=sys.stderr)
-        return str(path)
-    if is_preset(name):
-        return name
-    p = Path(name).expanduser()
-    if p.exists():
-        if not p.is_dir():
-            raise UsageError(f"--model {name}: is a file; expected a Hugging Face model directory")
-        if not (p / "config.json").is_file():
-            raise UsageError(f"--model {name}: folder has no config.json (not a Hugging Face model directory)")
-        return str(p)
-    looks_local = name.startswith(("/", "./", "../", "~", ".")) or name.count("/") != 1
-    if looks_local:
-        from expertcast.models.presets import list_presets
-
-        raise UsageError(f"--model {name}: no such local directory, preset or Hub id (presets: "
-                         f"{', '.join(list_presets())}; or 'tiny-default')")
-    return name
+# -- models ---------------------------------------------------------------------------------------------
+from expertcast.train.model_names import DEFAULT_MODEL_NAMES, resolve_model  # noqa: E402,F401  (the one resolver)
 
 
 def resolve_device(device: str) -> str:

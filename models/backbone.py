@@ -3,7 +3,7 @@ directory or a Hub id. ``trust_remote_code`` is always off: only architectures t
 itself implements (:func:`supported_families`) are accepted.
 
     >>> model, tok = load_moe_model("qwen3_moe-tiny")      # random-init tiny preset + byte tokenizer
-    >>> model, tok = load_moe_model("tiny-default")        # the trained embedded default (cached)
+    >>> model, tok = load_moe_model(resolve_model("tiny-default"))   # the embedded default (cached dir)
     >>> model, tok = load_moe_model("/models/Qwen3-30B-A3B", dtype="bfloat16", device="cuda")
 """
 
@@ -18,7 +18,9 @@ from expertcast.models.presets import build_tiny, get_preset, is_preset
 from expertcast.models.spec import SUPPORTED_FAMILIES, UnsupportedModelError, unsupported_message
 
 DEFAULT_MODEL_NAMES = ("tiny-default", "default")
-"""Names that resolve to the embedded default model (trained on first use, then cached)."""
+"""Names of the embedded default model: resolve them first with
+:func:`expertcast.train.model_names.resolve_model` (the command layer does), which returns its cached
+directory; ``models/`` never builds it."""
 
 
 def supported_families() -> list[str]:
@@ -55,9 +57,10 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, bool]:
     exist and for a directory without ``config.json``."""
     name = str(name_or_path)
     if name in DEFAULT_MODEL_NAMES:
-        from expertcast.train.tiny_default import ensure_default_model
+        from expertcast.utils.errors import UsageError
 
-        return str(ensure_default_model()), True
+        raise UsageError(f"model name {name!r} names the embedded default model: resolve it with "
+                         f"expertcast.train.model_names.resolve_model (every command does) and load its directory")
     p = Path(name).expanduser()
     if p.exists():
         if not p.is_dir():
