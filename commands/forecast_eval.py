@@ -1,3 +1,188 @@
-"""`expertcast forecast_eval` (moving here from expertcast.train.forecast_eval)."""
+"""``expertcast forecast-eval``: recall@K of a forecaster export by horizon against four baselines.
 
-from expertcast.train.forecast_eval import main  # noqa: F401
+    expertcast forecast-eval --forecaster runs/forecaster/tiny/export --traces runs/traces/gsm8k
+
+Evaluates, by default (``--split auto``), only the sequences of ``--traces`` the export never saw:
+the export records its training and validation sequence ids (``expertcast fit``). Whatever is
+evaluated (``--split val|test|all`` too) is checked against those ids: an overlap is an error unless
+``--allow-overlap``, which reports it in the table title and in ``recall_summary.json``. The baselines
+are fitted on the export's training sequences (or ``--fit-traces``, checked the same way).
+
+Writes ``recall.csv`` (per predictor, horizon and layer), ``recall_summary.json`` and ``recall.png``
+into ``--out`` (claimed for this command: a concurrent run on it fails at once). See
+:mod:`expertcast.train.forecast_eval` for the predictors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from expertcast.commands.common import CommandParser, positive_int, resolve_device, run_command
+from expertcast.utils.errors import UsageError
+
+PROG = "expertcast forecast-eval"
+
+
+def build_parser() -> CommandParser:
+    from expertcast.train.forecast_eval import SPLIT_CHOICES
+
+    ap = CommandParser(prog=PROG, description="Recall@K of a forecaster export by horizon vs baselines.",
+                       epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--forecaster", required=True, help="forecaster export directory (written by `expertcast fit`)")
+    ap.add_argument("--traces", required=True, help="trace directory to evaluate on")
+    ap.add_argument("--split", default="auto", choices=SPLIT_CHOICES,
+                    help="auto: the sequences the export never saw; val/test: the export's split of --traces; "
+                         "all: every sequence (overlap with the export's training ids needs --allow-overlap)")
+    ap.add_argument("--allow-overlap", action="store_true",
+                    help="evaluate even sequences the export was trained or validated on (reported)")
+    ap.add_argument("--fit-traces", default=None,
+                    help="traces to fit the baselines on (unset: the export's training sequences)")
+    ap.add_argument("--horizons", type=positive_int, default=8, help="forecast steps ahead to score")
+    ap.add_argument("--batch-size", type=positive_int, default=32, help="sequences per forecaster batch")
+    ap.add_argument("--max-sequences", type=positive_int, default=None, help="evaluate at most N sequences")
+    ap.add_argument("--device", default="cpu", help="device of the forecaster: cpu, cuda[:N] or auto")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (unset: torch's choice)")
+    ap.add_argument("--out", default=None, help="output folder (unset: runs/forecast-eval/<export folder name>)")
+    ap.add_argument("--write-heldout", default=None,
+                    help="also write the evaluated sequences as a trace set here (e.g. for `expertcast simulate`)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help or a one-line argparse error: return its status to in-process callers
+        return int(e.code or 0)
+    return run_command(PROG, lambda: run(args))
+
+
+def split_info(exp) -> dict[str, Any]:
+    """The export's split settings (``split_seed``, ``val_fraction``, ``test_fraction``, ``traces``)."""
+    t = exp.training or {}
+    if isinstance(t.get("split"), dict):
+        s = t["split"]
+        return {"split_seed": s.get("seed", 0), "val_fraction": s.get("val_fraction", 0.1),
+                "test_fraction": s.get("test_fraction", 0.0), "traces": t.get("traces")}
+    return dict((exp.extra or {}).get("split") or {})
+
+
+def _load(paths, flag: str):
+    from expertcast.train.forecaster_data import load_trace_dirs
+
+    try:
+        return load_trace_dirs(paths)
+    except ValueError as e:  # a trace dir of another model among several
+        raise UsageError(f"{flag} {paths}: {e}") from None
+
+
+def baseline_sequences(args, exp, seqs, trained: set[str] | None, evaluated_split: str) -> tuple[list, str]:
+    """(sequences the baselines are fitted on, where they come from)."""
+    if args.fit_traces:
+        return _load(args.fit_traces, "--fit-traces")[1], str(args.fit_traces)
+    if trained is not None:
+        mine = [s for s in seqs if s.seq_id in trained]
+        if mine:
+            return mine, f"the export's training sequences in {args.traces}"
+        recorded = split_info(exp).get("traces")
+        if recorded and all(Path(r).is_dir() for r in (recorded if isinstance(recorded, list) else [recorded])):
+            return [s for s in _load(recorded, "recorded traces")[1] if s.seq_id in trained], f"{recorded}"
+        return [], ""
+    from expertcast.train.forecaster_data import split_sequences
+
+    info = split_info(exp)
+    parts = split_sequences(seqs, int(info.get("split_seed", 0)), float(info.get("val_fraction", 0.1)),
+                            float(info.get("test_fraction", 0.0)))
+    return (parts["train"], f"the training split of {args.traces}") if evaluated_split != "all" else ([], "")
+
+
+def run(args) -> int:
+    import torch
+    from expertcast.models.forecaster_export import load_forecaster, training_ids
+    from expertcast.train.forecast_eval import evaluate, evaluation_split, fit_baselines
+    from expertcast.utils.provenance import check_overlap
+
+    device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    exp = load_forecaster(args.forecaster, device=device)
+    trained = training_ids(args.forecaster)
+    meta, seqs = _load(args.traces, "--traces")
+    try:
+        exp.check_compatible(meta.num_layers, meta.num_experts, meta.top_k, what=f"trace set {args.traces}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    evals, split = evaluation_split(seqs, args.split, trained, split_info(exp))
+    if args.max_sequences:
+        evals = evals[: args.max_sequences]
+    if not evals:
+        raise UsageError(_nothing_to_evaluate(args, split, trained))
+    ids = [s.seq_id for s in evals]
+    overlap = {"forecaster": check_overlap(ids, trained, what=f"the forecaster {args.forecaster}",
+                                           allow_overlap=args.allow_overlap)}
+    train, train_src = baseline_sequences(args, exp, seqs, trained, split)
+    if not train:
+        raise UsageError("no sequences to fit the baselines on (the export's training traces are not at hand); "
+                         "pass --fit-traces")
+    overlap["baselines"] = check_overlap(ids, [s.seq_id for s in train], what=f"the baselines (fitted on {train_src})",
+                                         allow_overlap=args.allow_overlap)
+    from expertcast.utils.outdir import claim_output_dir
+
+    out_path = Path(args.out or Path("runs") / "forecast-eval" / Path(args.forecaster).resolve().name)
+    with claim_output_dir(out_path, "forecast-eval") as out:
+        if args.write_heldout:
+            from expertcast.data.traces import write_traces
+
+            write_traces(args.write_heldout, meta, evals, run={"source": "forecast-eval", "split": split,
+                                                               "forecaster": str(args.forecaster)})
+            print(f"wrote the {len(evals)} {split} sequences to {args.write_heldout}")
+        baselines = fit_baselines(train, meta, exp.config.p)
+        print(f"evaluating {len(evals)} sequences of {args.traces} (split: {split}; baselines fitted on {len(train)} "
+              f"sequences of {train_src}), L={meta.num_layers} E={meta.num_experts} K={meta.top_k} "
+              f"trigger layer p={exp.config.p}")
+        tables = evaluate(exp.model, evals, meta, baselines, horizons=args.horizons, batch_size=args.batch_size,
+                          device=device)
+        _write(out, args, exp, meta, split, evals, tables, overlap)
+    return 0
+
+
+def _nothing_to_evaluate(args, split: str, trained: set[str] | None) -> str:
+    if split == "held-out":
+        return (f"every sequence of {args.traces} was used to train or validate {args.forecaster} "
+                f"({len(trained or ())} ids): evaluate on other traces, train with a test split "
+                f"(data.test_fraction), or pass --split val --allow-overlap")
+    return f"the {split} split of {args.traces} holds no sequences"
+
+
+def overlap_note(overlap: dict[str, dict[str, Any]]) -> str | None:
+    """One line naming each allowed overlap, or None."""
+    parts = []
+    for who, o in overlap.items():
+        if o.get("overlap") is None and o.get("allowed"):
+            parts.append(f"the {who} records no training ids (--allow-overlap)")
+        elif o.get("overlap"):
+            parts.append(f"{who} trained on {o['overlap']} of the {o['evaluated']} evaluated sequences "
+                         f"(--allow-overlap)")
+    return "; ".join(parts) or None
+
+
+def _write(out, args, exp, meta, split, evals, tables, overlap) -> None:
+    from expertcast.train.forecast_eval import long_rows, plot, summary_rows
+    from expertcast.utils.io import atomic_write_json, print_table, write_csv
+
+    rows = summary_rows(tables)
+    shown = ["predictor"] + [f"R@K h{h}" for h in (1, 2, 4, 8) if h <= args.horizons] + \
+        [f"R@K+3 h{h}" for h in (1, 8) if h <= args.horizons] + ["targets h1"]
+    note = overlap_note(overlap)
+    if note:
+        print(f"note: {note}")
+    title = f"forecast recall ({split} sequences, decode targets)" + (f"; {note}" if note else "")
+    print_table(rows, title=title, columns=shown)
+    write_csv(out.file("recall.csv"), long_rows(tables))
+    atomic_write_json(out.file("recall_summary.json"), {
+        "split": split, "traces": str(args.traces), "forecaster": str(args.forecaster),
+        "export_hash": exp.export_hash, "sequences": len(evals), "overlap": overlap, "rows": rows})
+    plot(tables, out.file("recall.png"), f"forecast recall by horizon ({meta.model_id}, {split})"
+         + (f"; {note}" if note else ""))
+    print(f"wrote {out.path / 'recall.csv'}, {out.path / 'recall_summary.json'}, {out.path / 'recall.png'}")

@@ -1,3 +1,103 @@
-"""`expertcast router_eval` (moving here from expertcast.train.router_eval)."""
+"""`expertcast router-eval`: cache-aware router adaptation, hit rate and traffic against quality.
 
-from expertcast.train.router_eval import main  # noqa: F401
+Trains the study's runs on the default model (or takes ``--exports``), evaluates each on held-out
+texts only (checked against every export's training texts; ``--allow-overlap`` to evaluate anyway,
+reported in every row) and writes Table 2/3-style tables and a trade-off plot into ``--out``. The
+study logic is :mod:`expertcast.train.router_eval`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from expertcast.commands.common import (
+    CommandParser,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    resolve_model,
+    run_command,
+)
+
+PROG = "expertcast router-eval"
+
+
+def heldout_fraction(text: str) -> float:
+    """argparse type: a fraction in (0, 1)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}") from None
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text} (texts are held out by a hash "
+                                         f"of their id; a count is no longer accepted)")
+    return v
+
+
+def build_parser() -> CommandParser:
+    p = CommandParser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p.add_argument("--model", default="default",
+                   help="backbone of the runs trained here: tiny-default/default, a tiny preset or a model folder")
+    p.add_argument("--out", default="runs/router-eval", help="output folder (exports, tables, plot); reused to resume")
+    p.add_argument("--overwrite", action="store_true", help="remove this command's earlier output in --out first")
+    p.add_argument("--exports", nargs="+", default=None, metavar="DIR",
+                   help="evaluate these router-adaptation exports only (no training)")
+    p.add_argument("--steps", type=positive_int, default=150, help="optimizer steps per training run")
+    p.add_argument("--budget", type=positive_float, default=0.25,
+                   help="per-layer router budget B of the base runs: a fraction of E (< 1) or a number of experts")
+    p.add_argument("--budgets", type=positive_float, nargs="*", default=[],
+                   help="B sweep (each value trains temporal and full runs)")
+    p.add_argument("--sw-sweep", type=nonneg_float, nargs="*", default=[0.3, 1.0, 2.0],
+                   help="coverage-loss weights sw of the sweep (temporal and full runs)")
+    p.add_argument("--R", type=positive_int, nargs="*", default=None,
+                   help="top-R values of the full/spatio policies; when omitted: 0.75*B")
+    p.add_argument("--modes", nargs="*", default=None, help="train/evaluate only these run names; when omitted: every run of the study")
+    p.add_argument("--tau", type=positive_float, default=0.02, help="temperature of the soft top-B coverage loss")
+    p.add_argument("--lr", type=positive_float, default=5e-4, help="backbone learning rate")
+    p.add_argument("--router-lr", type=positive_float, default=3e-3, help="learning rate of the cache routers")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="texts per batch (training and evaluation)")
+    p.add_argument("--max-length", type=positive_int, default=320, help="tokens per text (prompt + solution)")
+    p.add_argument("--heldout", type=heldout_fraction, default=0.05,
+                   help="fraction of the texts held out, chosen by a hash of each text's id (stable under --limit)")
+    p.add_argument("--eval-limit", type=nonneg_int, default=96,
+                   help="evaluate the first N held-out texts (0: all of them)")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N texts of the source")
+    p.add_argument("--source", default="gsm8k",
+                   help="LM text source: gsm8k, math500, a datasets Hub id or a local .json/.jsonl/.parquet/.txt file")
+    p.add_argument("--data-dir", default=None, help="local benchmark folder; when omitted: $EXPERTCAST_DATA_DIR, else ../shared/data")
+    p.add_argument("--gsm8k", type=nonneg_int, default=0, help="also measure GSM8K accuracy on N test problems")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of training, data order and held-out split")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads; when omitted: torch's choice")
+    p.add_argument("--allow-overlap", action="store_true",
+                   help="evaluate even when an export was trained on evaluated texts (reported in every row)")
+    p.add_argument("--progress", action="store_true", help="Lightning progress bars while training")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        import torch
+        from expertcast.train.router_eval import StudyConfig, given_exports, run_study, select_runs
+        from expertcast.utils.outdir import claim_output_dir
+
+        cfg = StudyConfig(
+            model=args.model, steps=args.steps, budget=args.budget, budgets=list(args.budgets),
+            sw_sweep=list(args.sw_sweep), R=args.R or None, modes=args.modes or None, tau=args.tau, lr=args.lr,
+            router_lr=args.router_lr, batch_size=args.batch_size, max_length=args.max_length, heldout=args.heldout,
+            eval_limit=args.eval_limit or None, limit=args.limit, source=args.source, data_dir=args.data_dir,
+            gsm8k=args.gsm8k, seed=args.seed, progress=args.progress, allow_overlap=args.allow_overlap)
+        # input errors (exports, run names, model) fail before the output folder is claimed
+        exports = given_exports(args.exports) if args.exports else None
+        if exports is None:
+            select_runs(cfg)
+            cfg.model = resolve_model(args.model)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        with claim_output_dir(args.out, "router-eval", overwrite=args.overwrite) as out:
+            run_study(cfg, out, exports=exports)
+        return 0
+
+    return run_command(PROG, body)

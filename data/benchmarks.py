@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from expertcast.utils.errors import UsageError
 from expertcast.utils.paths import data_dir as _default_data_dir
 
 
@@ -74,10 +75,10 @@ def gsm8k_gold_answer(solution: str) -> str:
 
 def _check(name: str, split: str) -> BenchmarkSpec:
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+        raise UsageError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     spec = BENCHMARKS[name]
     if split not in spec.splits:
-        raise ValueError(f"benchmark {name!r} has no split {split!r}; splits: {', '.join(spec.splits)}")
+        raise UsageError(f"benchmark {name!r} has no split {split!r}; splits: {', '.join(spec.splits)}")
     return spec
 
 
@@ -89,7 +90,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+                    raise UsageError(f"{path}:{i}: not valid JSON ({e.msg})") from None
     return rows
 
 
@@ -107,7 +108,7 @@ def _to_problems(name: str, split: str, rows: Iterable[dict[str, Any]], where: s
                     {k: r[k] for k in ("subject", "level") if k in r},
                 ))
         except KeyError as e:
-            raise ValueError(f"{where}: row {i} has no field {e.args[0]!r}; is this the {name} release?") from None
+            raise UsageError(f"{where}: row {i} has no field {e.args[0]!r}; is this the {name} release?") from None
     if not out:
         raise DatasetNotFoundError(f"{name} {split}: {where} holds no rows")
     return out
@@ -125,8 +126,11 @@ def load_benchmark(
     Looks in ``data_dir`` (else ``$EXPERTCAST_DATA_DIR``, else ``../shared/data``) for
     ``<local_dir>/<split>.jsonl``; when no local directory is configured (or ``use_hub=True``) it
     loads the Hub dataset. Raises :class:`DatasetNotFoundError` with one line naming where it looked.
+    ``limit``: the first N problems (N >= 1; None = all).
     """
     spec = _check(name, split)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise UsageError(f"--limit must be a positive integer (or absent for all problems), got {limit!r}")
     root = _default_data_dir(data_dir)
     if use_hub is None:
         use_hub = root is None

@@ -1,15 +1,25 @@
-"""``expertcast collect``: routing traces by the two-pass method (SeqMoE 5.1; DESIGN.md "Routing traces").
+"""Routing traces by the two-pass method (SeqMoE 5.1; docs/design.md "Routing traces").
 
 Pass 1 generates completions for a benchmark split in batches with LEFT padding (greedy, or sampled
 with a seed that depends on the shard so a resumed run makes the same samples). Pass 2 runs one
 teacher-forced forward over prompt + completion with the routers observed
 (:func:`expertcast.models.routing.capture_routing`); sequences are sorted by length and batched with
 RIGHT padding and an attention mask, so pads only ever come after a sequence's real tokens and never
-change their routing. With ``--completions FILE`` pass 1 is skipped: the text someone else wrote
-(e.g. the R1 chain-of-thought traces of ``../shared/data/cot/``) is tokenized and routed.
+change their routing. With ``completions`` pass 1 is skipped: the text someone else wrote (e.g. the
+R1 chain-of-thought traces of ``../shared/data/cot/``) is tokenized and routed.
 
-Shards of ``--shard-size`` input items are written atomically by
-:class:`expertcast.data.traces.TraceWriter`; rerunning the same command skips finished shards.
+Shards of ``shard_size`` input items are written atomically by
+:class:`expertcast.data.traces.TraceWriter` into an output folder claimed with
+:func:`expertcast.utils.outdir.claim_output_dir`. Rerunning the same command resumes: only when every
+setting that changes the traces matches exactly (:func:`run_settings`; the model is identified by
+preset name + init seed, the content hash of a local directory, or a Hub id + resolved commit).
+``limit`` is the one setting a resume may change, and only upwards: shard i always holds input items
+[i*S, (i+1)*S), so every full shard already written is exactly what the larger run would write (its
+sequence ids and per-item input digests are checked); a partial last shard is redone; a smaller
+limit is refused.
+
+Sequence ids are identities: a benchmark problem keeps its id; a completions row uses its ``id``
+field, else ``sha256-`` + the first 16 hex digits of the sha256 of its prompt and completion text.
 
 A trace position is every token of prompt + completion (the completion includes its end-of-sequence
 token when one was generated). During real decoding the last generated token is never fed back, so
@@ -18,21 +28,24 @@ its routing is the only one here that decoding would not have observed.
 
 from __future__ import annotations
 
-import argparse
+import hashlib
 import json
 import math
-import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.data.traces import TraceWriter
+from expertcast.data.traces import OUTPUT_KIND, TraceWriter
+from expertcast.utils.errors import UsageError
+
+PRESET_INIT_SEED = 0
+"""Seed of the random init of tiny presets (:func:`expertcast.models.backbone.load_moe_model`)."""
 
 
 @dataclass
@@ -40,14 +53,15 @@ class CollectConfig:
     """Settings of one trace collection."""
 
     model: str
-    """Preset name (e.g. ``qwen3_moe-tiny``), local model directory or Hub id."""
+    """Preset name (e.g. ``qwen3_moe-tiny``), local model directory or Hub id (already resolved: see
+    :func:`expertcast.commands.common.resolve_model`)."""
     out: str
     """Output trace directory."""
     benchmark: str = "gsm8k"
     """``gsm8k`` or ``math500`` (ignored with ``completions``)."""
     split: str = "test"
     limit: int | None = None
-    """Use only the first N items (benchmark problems or completion rows)."""
+    """Use only the first N items (benchmark problems or completion rows); None = all."""
     max_new_tokens: int = 256
     batch_size: int = 8
     """Sequences per generation batch (pass 1)."""
@@ -78,20 +92,25 @@ class CollectConfig:
     overwrite: bool = False
     progress: bool = True
 
-    def run_settings(self) -> dict[str, Any]:
-        """Settings that change the traces (a resumed run must match them); batch sizes do not."""
-        keep = ("model", "benchmark", "split", "limit", "max_new_tokens", "shard_size", "router_probs", "do_sample",
-                "temperature", "top_p", "seed", "completions", "text_field", "prompt_field", "completion_prefix",
-                "max_tokens", "chat_template", "dtype")
-        d = {k: v for k, v in asdict(self).items() if k in keep}
-        if self.completions:
-            for k in ("benchmark", "split", "max_new_tokens", "do_sample", "temperature", "top_p", "seed"):
-                d.pop(k)
-            d["completions"] = str(Path(self.completions).resolve())
-        else:
-            for k in ("completions", "text_field", "prompt_field", "completion_prefix", "max_tokens"):
-                d.pop(k)
-        return d
+    def validate(self) -> None:
+        """UsageError naming the first setting out of range."""
+        checks = [("limit", self.limit is None or (_is_int(self.limit) and self.limit >= 1), "a positive integer"),
+                  ("max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "a positive integer"),
+                  ("batch_size", _is_int(self.batch_size) and self.batch_size >= 1, "a positive integer"),
+                  ("route_batch_tokens", _is_int(self.route_batch_tokens) and self.route_batch_tokens >= 1,
+                   "a positive integer"),
+                  ("shard_size", _is_int(self.shard_size) and self.shard_size >= 1, "a positive integer"),
+                  ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "a positive integer"),
+                  ("seed", _is_int(self.seed) and self.seed >= 0, "a non-negative integer"),
+                  ("temperature", math.isfinite(self.temperature) and self.temperature > 0, "a finite number > 0"),
+                  ("top_p", math.isfinite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")]
+        for name, ok, what in checks:
+            if not ok:
+                raise UsageError(f"--{name.replace('_', '-')} must be {what}, got {getattr(self, name)!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -101,6 +120,7 @@ class CollectResult:
     out: Path
     shards_written: int = 0
     shards_skipped: int = 0
+    shards_redone: int = 0
     sequences: int = 0
     tokens: int = 0
     generated_tokens: int = 0
@@ -124,24 +144,111 @@ class _Item:
     seq_id: str
     prompt_ids: list[int]
     completion_ids: list[int] | None = None
-    completion_text: str | None = None
+    """Given (completions mode) or generated by pass 1."""
     prompt_text: str | None = None
     gold: str | None = None
+    input_sha256: str = ""
+    """sha256 of the inputs, fixed at creation: id, prompt ids and the given completion ids (what
+    :meth:`expertcast.data.traces.TraceWriter.reconcile` compares on resume)."""
+
+    def __post_init__(self) -> None:
+        blob = json.dumps([self.seq_id, self.prompt_ids, self.completion_ids], separators=(",", ":"))
+        self.input_sha256 = hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass
+class _Row:
+    """One validated row of a completions file (read before the model loads)."""
+
+    line: int
+    seq_id: str
+    prompt: str | None
+    text: str
 
 
 # -- model ---------------------------------------------------------------------------------------------
 def load_model(name: str, device: str = "auto", dtype: str | None = None):
-    """(model, tokenizer) for a preset name, ``tiny-default``, local directory or Hub id
+    """(model, tokenizer) for a preset name, local directory or Hub id
     (:func:`expertcast.models.backbone.load_moe_model`), in eval mode on ``device``."""
     from expertcast.models.backbone import load_moe_model
 
-    return load_moe_model(name, dtype=dtype or "auto", device=resolve_device(device))
+    return load_moe_model(name, dtype=dtype or "auto", device=_device(device), seed=PRESET_INIT_SEED)
 
 
-def resolve_device(device: str) -> torch.device:
+def _device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def model_identity(name: str, model) -> dict[str, Any]:
+    """What identifies the weights behind ``name``: a tiny preset's name and init seed, a local
+    directory's content hash (every file: weights, config, tokenizer), or a Hub id with the commit
+    the loader resolved."""
+    from expertcast.models.presets import get_preset, is_preset
+
+    if is_preset(name):
+        preset = get_preset(name)
+        if preset.size == "tiny":
+            return {"preset": name, "init_seed": PRESET_INIT_SEED}
+        name = str(preset.hub_id)
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return {"local_sha256": _dir_sha256(p)}
+    return {"hub_id": name, "revision": getattr(getattr(model, "config", None), "_commit_hash", None)}
+
+
+def _dir_sha256(root: Path) -> str:
+    """sha256 over every non-hidden file below ``root`` with its relative path (as
+    :func:`expertcast.utils.provenance.sha256_files`), each file's digest cached by (real path, size,
+    mtime) under the cache folder so a many-GB model is hashed once."""
+    from expertcast.utils.io import atomic_write_json
+    from expertcast.utils.paths import cache_dir
+    from expertcast.utils.provenance import sha256_file
+
+    cache_file = cache_dir() / "sha256-cache.json"
+    try:
+        cache = json.loads(cache_file.read_text(encoding="utf-8"))
+        cache = cache if isinstance(cache, dict) else {}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        cache = {}
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    h = hashlib.sha256()
+    changed = False
+    for n in names:
+        real = (root / n).resolve()
+        st = real.stat()
+        key = f"{real}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in cache:
+            cache[key], changed = sha256_file(real), True
+        h.update(n.encode() + b"\0" + cache[key].encode() + b"\n")
+    if changed:
+        atomic_write_json(cache_file, cache)
+    return h.hexdigest()
+
+
+def run_settings(cfg: CollectConfig, model, templated: bool) -> dict[str, Any]:
+    """Everything that changes the traces (a resumed run must match it exactly), except ``limit``
+    (see the module doc). Batch sizes and the device are included: on GPUs in low precision they
+    change the numbers."""
+    from expertcast.utils.provenance import sha256_file
+
+    param = next(model.parameters())
+    d: dict[str, Any] = {
+        "model": model_identity(cfg.model, model), "dtype": str(param.dtype), "device": param.device.type,
+        "shard_size": cfg.shard_size, "router_probs": cfg.router_probs, "route_batch_tokens": cfg.route_batch_tokens,
+        "chat_template": templated,
+    }
+    if cfg.completions:
+        d.update(completions_sha256=sha256_file(cfg.completions), text_field=cfg.text_field,
+                 prompt_field=cfg.prompt_field, completion_prefix=cfg.completion_prefix, max_tokens=cfg.max_tokens)
+    else:
+        d.update(benchmark=cfg.benchmark, split=cfg.split, max_new_tokens=cfg.max_new_tokens,
+                 batch_size=cfg.batch_size, do_sample=cfg.do_sample,
+                 temperature=cfg.temperature if cfg.do_sample else None,
+                 top_p=cfg.top_p if cfg.do_sample else None, seed=cfg.seed if cfg.do_sample else None)
+    return d
 
 
 def _eos_ids(model, tok) -> set[int]:
@@ -155,14 +262,21 @@ def _eos_ids(model, tok) -> set[int]:
 
 
 # -- inputs --------------------------------------------------------------------------------------------
+def _use_chat_template(cfg: CollectConfig, tok) -> bool:
+    from expertcast.data.prompts import has_chat_template
+
+    if cfg.chat_template and not has_chat_template(tok):
+        raise UsageError(f"--chat-template: the tokenizer of {cfg.model} has no chat template")
+    return has_chat_template(tok) if cfg.chat_template is None else cfg.chat_template
+
+
 def _encode_prompt(tok, text: str, templated: bool) -> list[int]:
     return list(tok(text, add_special_tokens=not templated)["input_ids"])
 
 
-def _benchmark_items(cfg: CollectConfig, tok, problems: list) -> list[_Item]:
-    from expertcast.data.prompts import build_prompt, has_chat_template
+def _benchmark_items(cfg: CollectConfig, tok, problems: list, templated: bool) -> list[_Item]:
+    from expertcast.data.prompts import build_prompt
 
-    templated = has_chat_template(tok) if cfg.chat_template is None else cfg.chat_template
     items = []
     for p in problems:
         text = build_prompt(tok, p.question, cfg.benchmark, use_chat_template=templated)
@@ -170,54 +284,79 @@ def _benchmark_items(cfg: CollectConfig, tok, problems: list) -> list[_Item]:
     return items
 
 
-def _completion_items(cfg: CollectConfig, tok) -> list[_Item]:
-    from expertcast.data.prompts import has_chat_template
+def _row_id(row: dict[str, Any], prompt: str | None, text: str, where: str) -> str:
+    """The row's ``id`` (a non-empty string or an integer), else a sha256 of prompt and completion."""
+    if "id" in row:
+        v = row["id"]
+        if (_is_int(v)) or (isinstance(v, str) and v.strip()):
+            return str(v)
+        raise UsageError(f"{where}: field 'id' must be a non-empty string or an integer, got {json.dumps(v)}")
+    digest = hashlib.sha256(json.dumps([prompt, text]).encode()).hexdigest()
+    return f"sha256-{digest[:16]}"
 
-    path = Path(cfg.completions)
+
+def read_completion_rows(cfg: CollectConfig) -> list[_Row]:
+    """The first ``limit`` rows of the completions file, validated (JSON objects, text and prompt fields
+    non-empty strings, unique sequence ids); UsageError naming ``file:line``."""
+    path = Path(str(cfg.completions))
     if not path.is_file():
         raise FileNotFoundError(f"completions file {path} does not exist")
-    templated = has_chat_template(tok) if cfg.chat_template is None else cfg.chat_template
-    items: list[_Item] = []
-    seen: set[str] = set()
-    skipped = 0
+    rows: list[_Row] = []
+    seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as f:
         for ln, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            if cfg.limit is not None and len(items) + skipped >= cfg.limit:
+            if cfg.limit is not None and len(rows) >= cfg.limit:
                 break
+            where = f"{path}:{ln}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg})") from None
-            if cfg.text_field not in row:
-                raise ValueError(f"{path}:{ln}: no field {cfg.text_field!r} (fields: {', '.join(row)})")
-            prompt_ids: list[int] = []
-            ptext = None
-            if cfg.prompt_field:
-                if cfg.prompt_field not in row:
-                    raise ValueError(f"{path}:{ln}: no field {cfg.prompt_field!r} (fields: {', '.join(row)})")
-                ptext = str(row[cfg.prompt_field])
-                if templated:
-                    ptext = tok.apply_chat_template([{"role": "user", "content": ptext}], tokenize=False,
-                                                    add_generation_prompt=True)
-                prompt_ids = _encode_prompt(tok, ptext, templated)
-            text = cfg.completion_prefix + str(row[cfg.text_field])
-            comp = list(tok(text, add_special_tokens=not prompt_ids, verbose=False)["input_ids"])
-            room = cfg.max_tokens - len(prompt_ids)
-            if room < 1:
-                skipped += 1
-                continue
-            sid = str(row.get("id", f"{path.stem}-{ln - 1:05d}"))
-            if sid in seen:  # keep sequence ids unique
-                sid = f"{sid}#line{ln}"
-            seen.add(sid)
-            items.append(_Item(sid, prompt_ids, completion_ids=comp[:room], completion_text=text, prompt_text=ptext))
+                raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise UsageError(f"{where}: expected a JSON object")
+            fields = [cfg.text_field] + ([cfg.prompt_field] if cfg.prompt_field else [])
+            for name in fields:
+                if name not in row:
+                    raise UsageError(f"{where}: no field {name!r} (fields: {', '.join(row)})")
+                if not isinstance(row[name], str) or not row[name].strip():
+                    raise UsageError(f"{where}: field {name!r} must be a non-empty string")
+            prompt = row[cfg.prompt_field] if cfg.prompt_field else None
+            sid = _row_id(row, prompt, row[cfg.text_field], where)
+            if sid in seen:
+                raise UsageError(f"{where}: sequence id {sid!r} repeats line {seen[sid]} (ids must be unique)")
+            seen[sid] = ln
+            rows.append(_Row(ln, sid, prompt, row[cfg.text_field]))
+    if not rows:
+        raise UsageError(f"{path} holds no completions")
+    return rows
+
+
+def _completion_items(cfg: CollectConfig, tok, rows: list[_Row], templated: bool) -> list[_Item]:
+    items: list[_Item] = []
+    skipped = []
+    for r in rows:
+        prompt_ids: list[int] = []
+        ptext = r.prompt
+        if ptext is not None:
+            if templated:
+                ptext = tok.apply_chat_template([{"role": "user", "content": ptext}], tokenize=False,
+                                                add_generation_prompt=True)
+            prompt_ids = _encode_prompt(tok, ptext, templated)
+        text = cfg.completion_prefix + r.text
+        comp = list(tok(text, add_special_tokens=not prompt_ids, verbose=False)["input_ids"])
+        room = cfg.max_tokens - len(prompt_ids)
+        if room < 1:
+            skipped.append(r.line)
+            continue
+        items.append(_Item(r.seq_id, prompt_ids, completion_ids=comp[:room], prompt_text=ptext))
     if skipped:
-        warnings.warn(f"{skipped} rows of {path} skipped: their prompt alone exceeds --max-tokens {cfg.max_tokens}",
+        warnings.warn(f"{len(skipped)} rows of {cfg.completions} skipped (lines {', '.join(map(str, skipped[:5]))}"
+                      f"{' ...' if len(skipped) > 5 else ''}): their prompt alone exceeds --max-tokens {cfg.max_tokens}",
                       stacklevel=2)
     if not items:
-        raise ValueError(f"{path} holds no usable completions")
+        raise UsageError(f"{cfg.completions}: no usable completion (every prompt exceeds --max-tokens {cfg.max_tokens})")
     return items
 
 
@@ -290,7 +429,7 @@ def route_sequences(model, seqs: Sequence[list[int]], router_probs: bool = False
 
 
 # -- driver --------------------------------------------------------------------------------------------
-def make_meta(model, cfg: CollectConfig) -> TraceMeta:
+def make_meta(model, cfg: CollectConfig, templated: bool | None = None) -> TraceMeta:
     """Trace metadata from the model's routers, cross-checked against its :class:`MoESpec`."""
     from expertcast.models.routing import find_routers
     from expertcast.models.spec import MoESpec
@@ -310,7 +449,7 @@ def make_meta(model, cfg: CollectConfig) -> TraceMeta:
         gen = {"source": "generate", "max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.do_sample,
                "temperature": cfg.temperature if cfg.do_sample else None,
                "top_p": cfg.top_p if cfg.do_sample else None, "seed": cfg.seed if cfg.do_sample else None,
-               "chat_template": cfg.chat_template}
+               "chat_template": cfg.chat_template if templated is None else templated}
     return TraceMeta(
         model_id=cfg.model,
         revision=getattr(getattr(model, "config", None), "_commit_hash", None),
@@ -324,67 +463,63 @@ def make_meta(model, cfg: CollectConfig) -> TraceMeta:
 
 def collect_traces(cfg: CollectConfig, model=None, tokenizer=None,
                    on_shard: Callable[[int, Path], None] | None = None) -> CollectResult:
-    """Run a collection (resuming a partial one in ``cfg.out``); ``on_shard(index, path)`` after each shard."""
-    from tqdm.auto import tqdm
+    """Run a collection (resuming a partial one in ``cfg.out``); ``on_shard(index, path)`` after each shard.
 
-    if cfg.shard_size < 1 or cfg.batch_size < 1:
-        raise ValueError(f"--shard-size and --batch-size must be >= 1 (got {cfg.shard_size}, {cfg.batch_size})")
-    if not cfg.completions and cfg.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    problems = None
-    if not cfg.completions:  # fail fast on a missing dataset, before loading the model
+    Inputs are validated before the output folder is claimed, and the folder is claimed before the
+    model loads, so a wrong flag, a foreign folder or a concurrent run fails in seconds.
+    """
+    from expertcast.utils.outdir import claim_output_dir
+
+    cfg.validate()
+    problems = rows = None
+    if cfg.completions:
+        rows = read_completion_rows(cfg)
+    else:
         from expertcast.data.benchmarks import load_benchmark
 
         problems = load_benchmark(cfg.benchmark, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit)
-    elif not Path(cfg.completions).is_file():
-        raise FileNotFoundError(f"completions file {cfg.completions} does not exist")
-    if model is None or tokenizer is None:
-        model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
-    model.eval()
-    meta = make_meta(model, cfg)
-    items = _completion_items(cfg, tokenizer) if cfg.completions else _benchmark_items(cfg, tokenizer, problems)
-    writer = TraceWriter(cfg.out, meta, run=cfg.run_settings(), overwrite=cfg.overwrite)
-    n_shards = math.ceil(len(items) / cfg.shard_size)
-    res = CollectResult(Path(cfg.out))
-    eos = _eos_ids(model, tokenizer)
-    for s in range(n_shards):
-        if writer.is_done(s):
-            writer.check_done_shard(s, [it.seq_id for it in items[s * cfg.shard_size:(s + 1) * cfg.shard_size]])
-    todo = [s for s in range(n_shards) if not writer.is_done(s)]
-    res.shards_skipped = n_shards - len(todo)
-    n_todo_items = sum(len(items[s * cfg.shard_size:(s + 1) * cfg.shard_size]) for s in todo)
-    bar = tqdm(total=n_todo_items, desc="collect", unit="seq", disable=not cfg.progress, dynamic_ncols=True)
+    with claim_output_dir(cfg.out, OUTPUT_KIND, overwrite=cfg.overwrite) as out:
+        if model is None or tokenizer is None:
+            model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
+        model.eval()
+        templated = _use_chat_template(cfg, tokenizer)
+        items = (_completion_items(cfg, tokenizer, rows, templated) if rows is not None
+                 else _benchmark_items(cfg, tokenizer, problems, templated))
+        plan = [items[s:s + cfg.shard_size] for s in range(0, len(items), cfg.shard_size)]
+        with TraceWriter(out, make_meta(model, cfg, templated), run=run_settings(cfg, model, templated)) as writer:
+            res = CollectResult(Path(cfg.out))
+            res.shards_redone = len(writer.reconcile([[(it.seq_id, it.input_sha256) for it in c] for c in plan]))
+            todo = [s for s in range(len(plan)) if not writer.is_done(s)]
+            res.shards_skipped = len(plan) - len(todo)
+            _run_shards(cfg, model, tokenizer, writer, plan, todo, res, on_shard)
+            res.rows = _summary_rows(res, cfg)
+            if todo or not writer.manifest.get("complete"):  # a finished run keeps its summary
+                writer.finalize(collect=res.rows, limit=cfg.limit, sequences=len(items))
+    return res
+
+
+def _run_shards(cfg: CollectConfig, model, tok, writer: TraceWriter, plan: list[list[_Item]], todo: list[int],
+                res: CollectResult, on_shard: Callable[[int, Path], None] | None) -> None:
+    """Generate (benchmark mode), route and write the shards ``todo`` of ``plan``, counting into ``res``."""
+    from tqdm.auto import tqdm
+
+    eos = _eos_ids(model, tok)
+    bar = tqdm(total=sum(len(plan[s]) for s in todo), desc="collect", unit="seq", disable=not cfg.progress,
+               dynamic_ncols=True)
     for s in todo:
-        chunk = items[s * cfg.shard_size:(s + 1) * cfg.shard_size]
+        chunk = plan[s]
         if not cfg.completions:
-            if cfg.do_sample:
-                torch.manual_seed(cfg.seed * 1_000_003 + s)
-            t0 = time.perf_counter()
-            for b in range(0, len(chunk), cfg.batch_size):
-                batch = chunk[b:b + cfg.batch_size]
-                comps = generate_batch(model, tokenizer, [it.prompt_ids for it in batch], cfg, eos)
-                for it, c in zip(batch, comps, strict=True):
-                    it.completion_ids = c
-                    res.generated_tokens += len(c)
-                bar.update(len(batch))  # benchmark mode: the bar follows generation, the slow pass
-                bar.set_postfix_str(f"shard {s}: generating")
-            res.generate_seconds += time.perf_counter() - t0
+            _generate_shard(cfg, model, tok, chunk, s, eos, res, bar)
         bar.set_postfix_str(f"shard {s}: routing")
         t0 = time.perf_counter()
         full = [it.prompt_ids + list(it.completion_ids or []) for it in chunk]
         routed = route_sequences(model, full, cfg.router_probs, cfg.route_batch_tokens)
         res.route_seconds += time.perf_counter() - t0
-        seqs = []
-        for it, toks, (e, w, p) in zip(chunk, full, routed, strict=True):
-            seqs.append(TraceSequence(it.seq_id, np.asarray(toks, dtype=np.int32), len(it.prompt_ids), e, w, p))
-            res.tokens += len(toks)
-            if it.gold is not None and not cfg.completions:
-                from expertcast.data.grading import grade
-
-                text = tokenizer.decode(it.completion_ids or [], skip_special_tokens=True)
-                res.graded += 1
-                res.correct += int(grade(cfg.benchmark, text, it.gold))
-        path = writer.write_shard(s, seqs)
+        seqs = [TraceSequence(it.seq_id, np.asarray(toks, dtype=np.int32), len(it.prompt_ids), e, w, p)
+                for it, toks, (e, w, p) in zip(chunk, full, routed, strict=True)]
+        res.tokens += sum(len(t) for t in full)
+        _grade(cfg, tok, chunk, res)
+        path = writer.write_shard(s, seqs, inputs=[it.input_sha256 for it in chunk])
         res.shards_written += 1
         res.sequences += len(seqs)
         if cfg.completions:
@@ -392,9 +527,35 @@ def collect_traces(cfg: CollectConfig, model=None, tokenizer=None,
         if on_shard is not None:
             on_shard(s, path)
     bar.close()
-    res.rows = _summary_rows(res, cfg)
-    writer.finalize(collect=res.rows)
-    return res
+
+
+def _generate_shard(cfg: CollectConfig, model, tok, chunk: list[_Item], shard: int, eos: set[int],
+                    res: CollectResult, bar) -> None:
+    """Pass 1 for one shard: fills ``completion_ids`` of ``chunk`` (sampling seeded by shard index)."""
+    if cfg.do_sample:
+        torch.manual_seed(cfg.seed * 1_000_003 + shard)
+    t0 = time.perf_counter()
+    for b in range(0, len(chunk), cfg.batch_size):
+        batch = chunk[b:b + cfg.batch_size]
+        comps = generate_batch(model, tok, [it.prompt_ids for it in batch], cfg, eos)
+        for it, c in zip(batch, comps, strict=True):
+            it.completion_ids = c
+            res.generated_tokens += len(c)
+        bar.update(len(batch))  # benchmark mode: the bar follows generation, the slow pass
+        bar.set_postfix_str(f"shard {shard}: generating")
+    res.generate_seconds += time.perf_counter() - t0
+
+
+def _grade(cfg: CollectConfig, tok, chunk: list[_Item], res: CollectResult) -> None:
+    if cfg.completions:
+        return
+    from expertcast.data.grading import grade
+
+    for it in chunk:
+        if it.gold is not None:
+            text = tok.decode(it.completion_ids or [], skip_special_tokens=True)
+            res.graded += 1
+            res.correct += int(grade(cfg.benchmark, text, it.gold))
 
 
 def _summary_rows(res: CollectResult, cfg: CollectConfig) -> list[dict[str, Any]]:
@@ -405,69 +566,3 @@ def _summary_rows(res: CollectResult, cfg: CollectConfig) -> list[dict[str, Any]
     rows.append({"pass": "2 route (teacher-forced)", "sequences": res.sequences, "tokens": res.tokens,
                  "seconds": round(res.route_seconds, 3), "tokens_per_s": round(res.route_tokens_per_s, 1)})
     return rows
-
-
-# -- CLI -----------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="expertcast collect", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="preset name, local model directory or Hub id")
-    p.add_argument("--out", required=True, help="output trace directory (resumed when it exists)")
-    p.add_argument("--benchmark", default="gsm8k", choices=["gsm8k", "math500"])
-    p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, default=None, help="first N items only")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per generation batch")
-    p.add_argument("--route-batch-tokens", type=int, default=4096, help="padded tokens per teacher-forced batch")
-    p.add_argument("--shard-size", type=int, default=64, help="items per shard")
-    p.add_argument("--router-probs", action="store_true", help="also store the full router distribution")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--completions", default=None, help="JSONL of completions to route (no generation)")
-    p.add_argument("--text-field", default="thinking")
-    p.add_argument("--prompt-field", default=None)
-    p.add_argument("--completion-prefix", default="", help="text between prompt and completion (e.g. '<think>\\n')")
-    p.add_argument("--max-tokens", type=int, default=4096, help="completions mode: truncate sequences to N tokens")
-    p.add_argument("--data-dir", default=None, help="local benchmark directory (else $EXPERTCAST_DATA_DIR or the Hub)")
-    tpl = p.add_mutually_exclusive_group()
-    tpl.add_argument("--chat-template", dest="chat_template", action="store_true", default=None)
-    tpl.add_argument("--no-chat-template", dest="chat_template", action="store_false")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--overwrite", action="store_true", help="delete an existing trace set in --out first")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, help="also write the summary as JSON here")
-    p.add_argument("--csv", default=None, help="also write the summary as CSV here")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    from expertcast.data.benchmarks import DatasetNotFoundError
-    from expertcast.data.traces import TraceFormatError
-    from expertcast.utils.io import report
-
-    a = build_parser().parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    cfg = CollectConfig(
-        model=a.model, out=a.out, benchmark=a.benchmark, split=a.split, limit=a.limit,
-        max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, route_batch_tokens=a.route_batch_tokens,
-        shard_size=a.shard_size, router_probs=a.router_probs, do_sample=a.sample, temperature=a.temperature,
-        top_p=a.top_p, seed=a.seed, completions=a.completions, text_field=a.text_field,
-        prompt_field=a.prompt_field, completion_prefix=a.completion_prefix, max_tokens=a.max_tokens,
-        data_dir=a.data_dir, chat_template=a.chat_template, device=a.device, dtype=a.dtype,
-        overwrite=a.overwrite, progress=not a.no_progress,
-    )
-    try:
-        res = collect_traces(cfg)
-    except (DatasetNotFoundError, TraceFormatError, FileNotFoundError, ValueError) as e:
-        print(f"expertcast collect: error: {e}", file=sys.stderr)
-        return 2
-    title = f"collect {cfg.model} -> {cfg.out} ({res.shards_written} shards written, {res.shards_skipped} resumed)"
-    rows = res.rows
-    report(rows, title=title, json_path=a.json, csv_path=a.csv)
-    if res.graded:
-        print(f"accuracy of the generated completions: {res.correct}/{res.graded} = {res.correct / res.graded:.3f}")
-    return 0

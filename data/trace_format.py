@@ -1,4 +1,4 @@
-"""In-memory form of routing traces (DESIGN.md, "Routing traces").
+"""In-memory form of routing traces (docs/design.md, "Routing traces").
 
 On disk a trace set is a directory of Arrow shards written through `datasets` (see
 :mod:`expertcast.data.traces`); in memory every consumer (simulator, forecaster data, SAEM, runtime

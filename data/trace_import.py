@@ -1,19 +1,25 @@
-"""Import routing traces made elsewhere (vLLM, llama.cpp hooks) from the JSONL format of DESIGN.md.
+"""Import routing traces made elsewhere (vLLM, llama.cpp hooks) from the JSONL format of docs/design.md.
 
 One JSON object per (sequence, token, MoE layer)::
 
     {"seq": id, "token": t, "layer": l, "experts": [...K ids], "weights": [...K], "phase": "prefill"|"decode"}
 
-Optional: ``token_id`` (the vocabulary id at that position; -1 when absent) and ``weights``
-(uniform 1/K when absent, with a warning). L is the largest layer index + 1 (or ``num_layers``),
-K the length of ``experts`` (the same on every row). Tokens missing a layer are dropped with a
-warning. Prefill tokens must come before decode tokens of the same sequence; their count is
-``prompt_len``.
+Optional: ``token_id`` (the vocabulary id at that position; -1 when absent), ``weights`` (uniform
+1/K when absent, with a warning) and ``phase`` (``decode`` when absent). L is the largest layer
+index + 1 (or ``num_layers``), K the length of ``experts`` (the same on every row). Tokens missing a
+layer are dropped with a warning. Prefill tokens must come before decode tokens of the same
+sequence; their count is ``prompt_len``.
+
+Rows are validated, never coerced: ``seq`` is a string or an integer; ``token``, ``layer``, expert
+ids and ``token_id`` are JSON integers (not strings, floats or booleans) in range; weights are finite
+numbers in [0, 65504] (stored as float16). Every error is an :class:`ImportFormatError` naming
+``file:line``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -21,20 +27,104 @@ from typing import Any
 
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
+from expertcast.utils.errors import UsageError
+
+FLOAT16_MAX = 65504.0
+INT16_MAX = 32767
+INT32_MAX = 2**31 - 1
 
 
-class ImportFormatError(ValueError):
+class ImportFormatError(UsageError):
     """A JSONL import row is malformed (the message names the file and line)."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_field(v: Any, what: str, where: str, lo: int, hi: int) -> int:
+    """``v`` if it is a JSON integer in [lo, hi], else ImportFormatError."""
+    if not _is_int(v):
+        raise ImportFormatError(f"{where}: {what} must be an integer, got {json.dumps(v)}")
+    if not lo <= v <= hi:
+        raise ImportFormatError(f"{where}: {what} {v} outside [{lo}, {hi}]")
+    return v
+
+
+def _seq_id(v: Any, where: str) -> str:
+    if _is_int(v) or (isinstance(v, str) and v):
+        return str(v)
+    raise ImportFormatError(f"{where}: seq must be a non-empty string or an integer, got {json.dumps(v)}")
+
+
+def _experts(v: Any, num_experts: int, where: str) -> list[int]:
+    if not isinstance(v, list) or not v:
+        raise ImportFormatError(f"{where}: experts must be a non-empty list of integers, got {json.dumps(v)}")
+    out = []
+    for e in v:
+        if not _is_int(e):
+            raise ImportFormatError(f"{where}: experts must be a list of integers, got {json.dumps(e)} in {json.dumps(v)}")
+        if not 0 <= e < num_experts:
+            raise ImportFormatError(f"{where}: expert id(s) {[x for x in v if _is_int(x) and not 0 <= x < num_experts]} "
+                                    f"outside [0, E={num_experts})")
+        out.append(e)
+    if len(set(out)) != len(out):
+        raise ImportFormatError(f"{where}: repeated expert in {out}")
+    return out
+
+
+def _weights(v: Any, k: int, where: str) -> list[float]:
+    if not isinstance(v, list):
+        raise ImportFormatError(f"{where}: weights must be a list of numbers, got {json.dumps(v)}")
+    for w in v:
+        if isinstance(w, bool) or not isinstance(w, (int, float)):
+            raise ImportFormatError(f"{where}: weights must be numbers, got {json.dumps(w)}")
+        if not math.isfinite(w):
+            raise ImportFormatError(f"{where}: weight {w} is not finite")
+        if not 0 <= w <= FLOAT16_MAX:
+            raise ImportFormatError(f"{where}: weight {w} outside [0, {FLOAT16_MAX:g}] (weights are stored as float16)")
+    if len(v) != k:
+        raise ImportFormatError(f"{where}: {len(v)} weights for {k} experts")
+    return [float(w) for w in v]
+
+
+def _parse_row(r: Any, where: str, num_experts: int, num_layers: int | None, k: int | None):
+    """(seq id, token, layer, experts, weights | None, phase, token_id) of one validated row; ``k``: the
+    number of experts of the earlier rows (None on the first row)."""
+    if not isinstance(r, dict):
+        raise ImportFormatError(f"{where}: expected a JSON object")
+    missing = [k for k in ("seq", "token", "layer", "experts") if k not in r]
+    if missing:
+        raise ImportFormatError(f"{where}: missing field(s) {', '.join(missing)}")
+    sid = _seq_id(r["seq"], where)
+    t = _int_field(r["token"], "token", where, 0, INT32_MAX)
+    max_layer = (num_layers - 1) if num_layers is not None else INT16_MAX
+    if _is_int(r["layer"]) and num_layers is not None and r["layer"] >= num_layers:
+        raise ImportFormatError(f"{where}: layer {r['layer']} but --num-layers is {num_layers}")
+    li = _int_field(r["layer"], "layer", where, 0, max_layer)
+    experts = _experts(r["experts"], num_experts, where)
+    if k is not None and len(experts) != k:
+        raise ImportFormatError(f"{where}: {len(experts)} experts, earlier rows have K={k}")
+    weights = _weights(r["weights"], len(experts), where) if r.get("weights") is not None else None
+    phase = r.get("phase", "decode")
+    if phase not in ("prefill", "decode"):
+        raise ImportFormatError(f"{where}: phase must be 'prefill' or 'decode', got {json.dumps(phase)}")
+    token_id = _int_field(r.get("token_id", -1), "token_id", where, -1, INT32_MAX)
+    return sid, t, li, experts, weights, phase, token_id
 
 
 def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int | None = None,
                       ) -> tuple[list[TraceSequence], dict[str, int]]:
-    """Parse ``path`` into sequences; returns them and counts (rows, dropped_tokens, ...)."""
+    """Parse ``path`` into sequences; returns them and counts (rows, sequences, num_layers, top_k,
+    dropped_tokens, decode_tokens)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"import file {path} does not exist")
-    if num_experts < 1:
-        raise ValueError(f"--num-experts must be >= 1, got {num_experts}")
+    if not 1 <= num_experts <= INT16_MAX + 1:
+        raise UsageError(f"--num-experts must be in [1, {INT16_MAX + 1}] (expert ids are stored as int16), "
+                         f"got {num_experts}")
+    if num_layers is not None and num_layers < 1:
+        raise UsageError(f"--num-layers must be >= 1, got {num_layers}")
     seqs: dict[str, dict[int, dict[int, tuple[list[int], list[float] | None, str, int]]]] = {}
     K: int | None = None
     max_layer = -1
@@ -49,53 +139,17 @@ def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int
                 r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ImportFormatError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(r, dict):
-                raise ImportFormatError(f"{where}: expected a JSON object")
-            missing = [k for k in ("seq", "token", "layer", "experts") if k not in r]
-            if missing:
-                raise ImportFormatError(f"{where}: missing field(s) {', '.join(missing)}")
-            try:
-                sid, t, li = str(r["seq"]), int(r["token"]), int(r["layer"])
-                experts = [int(e) for e in r["experts"]]
-            except (TypeError, ValueError):
-                raise ImportFormatError(f"{where}: token/layer must be integers and experts a list of integers") from None
-            if t < 0 or li < 0:
-                raise ImportFormatError(f"{where}: negative token or layer index")
-            if num_layers is not None and li >= num_layers:
-                raise ImportFormatError(f"{where}: layer {li} but --num-layers is {num_layers}")
-            if K is None:
-                K = len(experts)
-                if K < 1:
-                    raise ImportFormatError(f"{where}: empty experts list")
-            if len(experts) != K:
-                raise ImportFormatError(f"{where}: {len(experts)} experts, earlier rows have K={K}")
-            if len(set(experts)) != K:
-                raise ImportFormatError(f"{where}: repeated expert in {experts}")
-            bad = [e for e in experts if not 0 <= e < num_experts]
-            if bad:
-                raise ImportFormatError(f"{where}: expert id(s) {bad} outside [0, E={num_experts})")
-            weights = r.get("weights")
-            if weights is None:
-                no_weights += 1
-            else:
-                try:
-                    weights = [float(w) for w in weights]
-                except (TypeError, ValueError):
-                    raise ImportFormatError(f"{where}: weights must be a list of numbers") from None
-                if len(weights) != K:
-                    raise ImportFormatError(f"{where}: {len(weights)} weights for {K} experts")
-            phase = r.get("phase", "decode")
-            if phase not in ("prefill", "decode"):
-                raise ImportFormatError(f"{where}: phase must be 'prefill' or 'decode', got {phase!r}")
+            sid, t, li, experts, weights, phase, token_id = _parse_row(r, where, num_experts, num_layers, K)
+            K = len(experts)
+            no_weights += weights is None
             tok = seqs.setdefault(sid, {}).setdefault(t, {})
             if li in tok:
                 raise ImportFormatError(f"{where}: duplicate row for seq {sid!r} token {t} layer {li}")
-            tok[li] = (experts, weights, phase, int(r.get("token_id", -1)))
+            tok[li] = (experts, weights, phase, token_id)
             max_layer = max(max_layer, li)
             rows += 1
-    if not rows:
+    if not rows or K is None:
         raise ImportFormatError(f"{path} holds no rows")
-    assert K is not None
     L = num_layers if num_layers is not None else max_layer + 1
     if no_weights:
         warnings.warn(f"{no_weights} rows of {path} have no weights: using 1/K", stacklevel=2)
@@ -108,26 +162,7 @@ def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int
         if not complete:
             dropped_seqs += 1
             continue
-        ids = np.zeros((len(complete), L, K), dtype=np.int16)
-        w = np.full((len(complete), L, K), 1.0 / K, dtype=np.float32)
-        token_ids = np.full(len(complete), -1, dtype=np.int32)
-        phases = []
-        for i, t in enumerate(complete):
-            layer_phases = {toks[t][li][2] for li in range(L)}
-            if len(layer_phases) != 1:
-                raise ImportFormatError(f"{path}: seq {sid!r} token {t} has phase {sorted(layer_phases)} across layers")
-            phases.append(layer_phases.pop())
-            token_ids[i] = toks[t][0][3]
-            for li in range(L):
-                experts, weights, _, _ = toks[t][li]
-                ids[i, li] = experts
-                if weights is not None:
-                    w[i, li] = weights
-        prompt_len = phases.count("prefill")
-        if any(p == "decode" for p in phases[:prompt_len]):
-            first_dec = complete[phases.index("decode")]
-            raise ImportFormatError(f"{path}: seq {sid!r} has a prefill token after decode token {first_dec}")
-        out.append(TraceSequence(sid, token_ids, prompt_len, ids, w.astype(np.float16)))
+        out.append(_sequence(path, sid, toks, complete, L, K))
     if dropped:
         warnings.warn(
             f"{path}: dropped {dropped} incomplete token(s) (fewer than L={L} layers)"
@@ -136,21 +171,62 @@ def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int
         )
     if not out:
         raise ImportFormatError(f"{path}: no complete token (every token misses a layer of L={L})")
-    return out, {"rows": rows, "sequences": len(out), "num_layers": L, "top_k": K, "dropped_tokens": dropped}
+    decode = sum(s.num_tokens - s.prompt_len for s in out)
+    if decode == 0:
+        warnings.warn(f"{path}: every token is prefill; decode-only metrics (simulate, forecasters) will refuse "
+                      f"these traces", stacklevel=2)
+    return out, {"rows": rows, "sequences": len(out), "num_layers": L, "top_k": K, "dropped_tokens": dropped,
+                 "decode_tokens": decode}
+
+
+def _sequence(path: Path, sid: str, toks: dict, complete: list[int], L: int, K: int) -> TraceSequence:
+    """One :class:`TraceSequence` from the complete tokens ``complete`` of sequence ``sid``."""
+    ids = np.zeros((len(complete), L, K), dtype=np.int16)
+    w = np.full((len(complete), L, K), 1.0 / K, dtype=np.float32)
+    token_ids = np.full(len(complete), -1, dtype=np.int32)
+    phases = []
+    for i, t in enumerate(complete):
+        layer_phases = {toks[t][li][2] for li in range(L)}
+        if len(layer_phases) != 1:
+            raise ImportFormatError(f"{path}: seq {sid!r} token {t} has phase {sorted(layer_phases)} across layers")
+        phases.append(layer_phases.pop())
+        token_ids[i] = toks[t][0][3]
+        for li in range(L):
+            experts, weights, _, _ = toks[t][li]
+            ids[i, li] = experts
+            if weights is not None:
+                w[i, li] = weights
+    prompt_len = phases.count("prefill")
+    if any(p == "decode" for p in phases[:prompt_len]):
+        first_dec = complete[phases.index("decode")]
+        raise ImportFormatError(f"{path}: seq {sid!r} has a prefill token after decode token {first_dec}")
+    return TraceSequence(sid, token_ids, prompt_len, ids, w.astype(np.float16))
 
 
 def import_jsonl(path: str | os.PathLike, out: str | os.PathLike, num_experts: int, expert_bytes: int = 0,
                  model_id: str | None = None, num_layers: int | None = None, shard_size: int = 256,
-                 overwrite: bool = True) -> tuple[TraceMeta, dict[str, Any]]:
-    """Read ``path`` and write the trace set ``out``; returns its meta and the import counts."""
-    from expertcast.data.traces import write_traces
+                 overwrite: bool = False) -> tuple[TraceMeta, dict[str, Any]]:
+    """Read ``path`` and write the trace set ``out``; returns its meta and the import counts.
 
+    The file is validated before ``out`` is touched. ``out`` is claimed as a ``traces`` output folder;
+    one that already holds a trace set is refused unless ``overwrite`` (which removes only what
+    expertcast wrote there).
+    """
+    from expertcast.data.traces import OUTPUT_KIND, is_trace_dir, write_traces
+    from expertcast.utils.outdir import claim_output_dir
+    from expertcast.utils.provenance import sha256_file
+
+    if expert_bytes < 0:
+        raise UsageError(f"--expert-bytes must be >= 0, got {expert_bytes}")
     seqs, counts = read_import_jsonl(path, num_experts, num_layers)
     meta = TraceMeta(
         model_id=model_id or "imported", num_layers=counts["num_layers"], num_experts=num_experts,
         top_k=counts["top_k"], expert_bytes=int(expert_bytes), dataset=Path(path).name,
         generation={"source": "import", "file": str(path)},
     )
-    write_traces(out, meta, seqs, shard_size=shard_size, run={"import": str(Path(path).resolve())},
-                 overwrite=overwrite)
+    with claim_output_dir(out, OUTPUT_KIND, overwrite=overwrite) as od:
+        if is_trace_dir(od.path):
+            raise UsageError(f"{od.path} already holds a trace set (pass --overwrite to replace it)")
+        write_traces(od, meta, seqs, shard_size=shard_size,
+                     run={"import": str(Path(path).resolve()), "sha256": sha256_file(path)})
     return meta, counts

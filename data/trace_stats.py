@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
+from expertcast.utils.errors import UsageError
 
 PHASES = ("decode", "prefill")
 
@@ -100,7 +101,7 @@ def trace_stats(meta: TraceMeta, seqs: Iterable[TraceSequence]) -> tuple[list[di
             "overlap": float(a.overlap_sum.sum() / (a.pairs * meta.num_layers)) if a.pairs else float("nan"),
         })
     if not rows:
-        raise ValueError("no routed positions in these traces")
+        raise UsageError("no routed positions in these traces")
     return rows, freqs
 
 

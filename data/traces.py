@@ -1,15 +1,21 @@
-"""Routing traces on disk: a directory of Arrow shards written through `datasets` (DESIGN.md).
+"""Routing traces on disk: a directory of Arrow shards written through `datasets` (docs/design.md).
 
 Layout of a trace set ``DIR``::
 
     DIR/trace_meta.json          TraceMeta (also in every shard's dataset info)
-    DIR/manifest.json            finished shards: rows, tokens, file sizes; the run's settings; complete flag
+    DIR/manifest.json            finished shards (rows, tokens, size and sha256 of every file, the ids and
+                                 input digests of their sequences), the run's settings, complete flag
     DIR/shard-00000/             Dataset.save_to_disk output (one row per sequence)
     DIR/shard-00001/ ...
+    DIR/.expertcast-output.json  marker of the output folder (what expertcast wrote; utils/outdir.py)
 
-A shard is written to a temporary directory and renamed into place, then the manifest is updated
-atomically; an interrupted run therefore leaves only whole shards, and :class:`TraceWriter` resumes
-from them (a shard that was renamed but not yet listed in the manifest is checked and adopted).
+The folder is claimed with :func:`expertcast.utils.outdir.claim_output_dir` (kind ``"traces"``): a
+foreign folder is refused, ``overwrite`` removes only what expertcast wrote there, and a lock makes a
+second concurrent writer fail fast. A shard is written into the scratch folder ``DIR/.tmp-shards/``,
+hashed, renamed into place, then the manifest is updated atomically; an interrupted run therefore
+leaves only whole shards. On resume every listed shard is verified against its recorded sha256 (a
+mismatch is an error naming the file), a listed shard that is gone is redone, and a shard renamed
+but not yet listed (killed between the two steps) is removed and redone.
 
 Row schema: ``seq_id`` string, ``prompt_len`` int32, ``token_ids`` int32 [T], ``expert_ids`` int16
 [T, L, K], ``expert_weights`` float16 [T, L, K], optional ``router_probs`` float16 [T, L, E].
@@ -19,25 +25,32 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from expertcast.data.trace_format import TRACE_FORMAT_VERSION, TraceMeta, TraceSequence
+from expertcast.utils.errors import ResumeMismatchError, UsageError
 from expertcast.utils.io import atomic_write_json
+from expertcast.utils.outdir import OutputDir, claim_output_dir, read_marker
+from expertcast.utils.provenance import check_resume, settings_key, sha256_file
 
 META_FILE = "trace_meta.json"
 MANIFEST_FILE = "manifest.json"
 SHARD_PREFIX = "shard-"
-_TMP_PREFIX = ".tmp-shard-"
+OUTPUT_KIND = "traces"
+_SCRATCH = ".tmp-shards"
+_SHARD_RE = re.compile(rf"^{SHARD_PREFIX}(\d{{5}})$")
 _INFO_TAG = "expertcast-trace-meta:"
 
 
-class TraceFormatError(ValueError):
+class TraceFormatError(UsageError):
     """A trace directory or shard is missing, corrupt, truncated, empty or from another run."""
 
 
@@ -78,8 +91,27 @@ def _quiet_datasets():
         ds_logging.set_verbosity(level)
 
 
-def _dir_sizes(d: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(d.iterdir()) if p.is_file()}
+def _file_records(d: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """(size, sha256) of every file of shard directory ``d``, by file name."""
+    files = sorted(p for p in d.iterdir() if p.is_file())
+    return {p.name: p.stat().st_size for p in files}, {p.name: sha256_file(p) for p in files}
+
+
+def verify_shard_files(shard: Path, entry: dict[str, Any]) -> None:
+    """Check the files of ``shard`` against its manifest ``entry`` (sizes, then sha256); TraceFormatError
+    naming the shard file that is missing, truncated or altered."""
+    for fname, size in entry.get("files", {}).items():
+        f = shard / fname
+        if not f.is_file():
+            raise TraceFormatError(f"shard {shard.name} of {shard.parent} is incomplete: {f} is missing")
+        if f.stat().st_size != size:
+            raise TraceFormatError(f"shard {shard.name} of {shard.parent} is truncated or corrupt: {f} has "
+                                   f"{f.stat().st_size} bytes, the manifest recorded {size}")
+    for fname, digest in entry.get("sha256", {}).items():
+        f = shard / fname
+        if sha256_file(f) != digest:
+            raise TraceFormatError(f"shard {shard.name} of {shard.parent} is corrupt: {f} does not match the sha256 "
+                                   f"recorded in {MANIFEST_FILE}")
 
 
 def _check_sequence(seq: TraceSequence, meta: TraceMeta) -> None:
@@ -92,6 +124,8 @@ def _check_sequence(seq: TraceSequence, meta: TraceMeta) -> None:
         )
     if seq.expert_ids.size and (seq.expert_ids.min() < 0 or seq.expert_ids.max() >= E):
         raise ValueError(f"sequence {seq.seq_id}: expert ids outside [0, E={E})")
+    if not np.isfinite(np.asarray(seq.expert_weights, dtype=np.float32)).all():
+        raise ValueError(f"sequence {seq.seq_id}: non-finite expert weights")
     if meta.has_router_probs:
         if seq.router_probs is None or seq.router_probs.shape[1:] != (L, E):
             got = None if seq.router_probs is None else seq.router_probs.shape
@@ -116,83 +150,84 @@ def _row(seq: TraceSequence, with_probs: bool) -> dict[str, Any]:
 def _meta_diff(a: TraceMeta, b: TraceMeta) -> list[str]:
     keys = ("model_id", "num_layers", "num_experts", "top_k", "has_router_probs", "dataset", "split", "format_version")
     da, db = a.to_dict(), b.to_dict()
-    return [f"{k}: {da[k]!r} vs {db[k]!r}" for k in keys if da[k] != db[k]]
+    return [f"{k}: {da[k]!r} (saved) vs {db[k]!r} (now)" for k in keys if da[k] != db[k]]
 
 
 class TraceWriter:
-    """Writes a trace set shard by shard, resumably.
+    """Writes a trace set shard by shard, resumably (use as a context manager, or call :meth:`close`).
 
-    ``run`` is a JSON-able dict of the settings that produced the traces (model, benchmark, limit,
-    generation settings, shard size...): resuming into a directory whose manifest holds different
-    settings or a different :class:`TraceMeta` is refused unless ``overwrite=True`` (which deletes
-    the old trace set first).
+    ``out_dir``: a folder to claim (kind ``"traces"``; ``overwrite`` removes what expertcast wrote
+    there before), or an :class:`~expertcast.utils.outdir.OutputDir` the caller claimed and releases.
+    ``run``: a JSON-able dict of the settings that produced the traces; resuming into a folder whose
+    manifest holds other settings or another :class:`TraceMeta` raises
+    :class:`~expertcast.utils.errors.ResumeMismatchError` naming the first difference.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, meta: TraceMeta, run: dict[str, Any] | None = None,
+    def __init__(self, out_dir: str | os.PathLike | OutputDir, meta: TraceMeta, run: dict[str, Any] | None = None,
                  overwrite: bool = False):
-        self.dir = Path(out_dir)
         self.meta = meta
-        self.run = json.loads(json.dumps(run or {}, default=str))
+        self.run = settings_key(**(run or {}))
         self.features = trace_features(meta.num_layers, meta.top_k, meta.num_experts if meta.has_router_probs else None)
-        if overwrite and self.dir.exists():
-            if self.dir.is_dir() and not (self.dir / META_FILE).exists() and any(self.dir.iterdir()):
-                raise TraceFormatError(f"refusing to overwrite {self.dir}: it is not empty and not a trace set")
-            shutil.rmtree(self.dir)
-        if self.dir.exists() and not self.dir.is_dir():
-            raise TraceFormatError(f"{self.dir} exists and is not a directory")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.manifest = self._open()
+        self._owns = not isinstance(out_dir, OutputDir)
+        self.out = claim_output_dir(out_dir, OUTPUT_KIND, overwrite=overwrite) if self._owns else out_dir
+        self.dir = self.out.path
+        try:
+            self.manifest = self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the output folder (when this writer claimed it)."""
+        if self._owns:
+            self.out.release()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- set-up / resume -------------------------------------------------------------------------
     def _open(self) -> dict[str, Any]:
-        meta_path = self.dir / META_FILE
-        man_path = self.dir / MANIFEST_FILE
-        if meta_path.exists():
-            old = read_meta(self.dir)
-            diff = _meta_diff(old, self.meta)
+        self.out.track(META_FILE, MANIFEST_FILE, _SCRATCH)
+        self._drop_leftovers()
+        if (self.dir / META_FILE).exists():
+            diff = _meta_diff(read_meta(self.dir), self.meta)
             if diff:
-                raise TraceFormatError(
-                    f"{self.dir} holds traces of another run ({'; '.join(diff)}); use another --out or --overwrite"
-                )
-            manifest = _read_json(man_path) if man_path.exists() else {"shards": {}}
-            old_run = manifest.get("run", {})
-            if old_run and self.run and old_run != self.run:
-                changed = sorted(k for k in set(old_run) | set(self.run) if old_run.get(k) != self.run.get(k))
-                raise TraceFormatError(
-                    f"{self.dir} holds a run with other settings (changed: {', '.join(changed)}); "
-                    f"use another --out or --overwrite"
-                )
+                raise ResumeMismatchError(f"cannot resume {self.dir}: it holds traces of another model or data "
+                                          f"({'; '.join(diff)}); use --overwrite or another --out")
+            manifest = read_manifest(self.dir)
+            check_resume(manifest.get("run"), self.run, self.dir)
         else:
-            if any(p.name.startswith(SHARD_PREFIX) for p in self.dir.iterdir()):
+            if any(_SHARD_RE.match(p.name) for p in self.dir.iterdir()):
                 raise TraceFormatError(f"{self.dir} holds shards but no {META_FILE}: not a trace set of expertcast")
             manifest = {"shards": {}}
-        manifest.update(format_version=TRACE_FORMAT_VERSION, run=self.run or manifest.get("run", {}))
+        manifest.update(format_version=TRACE_FORMAT_VERSION, run=self.run)
         manifest.setdefault("complete", False)
-        # leftovers of an interrupted write: temp dirs are dropped, renamed-but-unlisted shards adopted
-        for p in self.dir.iterdir():
-            if p.name.startswith(_TMP_PREFIX):
-                shutil.rmtree(p, ignore_errors=True)
         for key, entry in list(manifest["shards"].items()):
-            # a listed shard that is gone or whose files changed size is redone
             d = self.dir / (SHARD_PREFIX + key)
-            if not d.is_dir() or ("files" in entry and _dir_sizes(d) != entry["files"]):
+            if d.is_dir():
+                verify_shard_files(d, entry)
+            else:  # removed by hand: redo it
                 del manifest["shards"][key]
-                shutil.rmtree(d, ignore_errors=True)
-        for p in sorted(self.dir.glob(f"{SHARD_PREFIX}*")):
-            key = p.name[len(SHARD_PREFIX):]
-            if key in manifest["shards"]:
-                continue
-            try:
-                ds = _load_shard(p, self.meta)
-                manifest["shards"][key] = {
-                    "num_sequences": len(ds), "num_tokens": int(sum(len(t) for t in ds["token_ids"])),
-                    "seq_ids": [str(x) for x in ds["seq_id"]], "files": _dir_sizes(p),
-                }
-            except TraceFormatError:
-                shutil.rmtree(p)  # unlisted and unreadable: redo it
-        atomic_write_json(meta_path, self.meta.to_dict())
+                manifest["complete"] = False
+        ours = set((read_marker(self.dir) or {}).get("written", []))
+        for p in self.dir.iterdir():  # renamed into place but never listed: unverified, redo it
+            m = _SHARD_RE.match(p.name)
+            if m and m.group(1) not in manifest["shards"] and p.name in ours:
+                shutil.rmtree(p)
+        # the manifest first: a meta file without a manifest would read as a run that records no settings
         atomic_write_json(self.dir / MANIFEST_FILE, manifest)
+        atomic_write_json(self.dir / META_FILE, self.meta.to_dict())
         return manifest
+
+    def _drop_leftovers(self) -> None:
+        """Remove the scratch folder and temp files of atomic writes an interrupted run left behind."""
+        shutil.rmtree(self.dir / _SCRATCH, ignore_errors=True)
+        for name in (META_FILE, MANIFEST_FILE):
+            for p in self.dir.glob(f".{name}.*.tmp"):
+                p.unlink(missing_ok=True)
 
     @property
     def finished_shards(self) -> set[int]:
@@ -201,24 +236,63 @@ class TraceWriter:
     def is_done(self, index: int) -> bool:
         return f"{index:05d}" in self.manifest["shards"]
 
-    def check_done_shard(self, index: int, seq_ids: list[str]) -> None:
-        """Raise TraceFormatError when finished shard ``index`` holds other sequences than ``seq_ids``
-        (the input changed since the interrupted run)."""
-        got = self.manifest["shards"][f"{index:05d}"].get("seq_ids")
-        if got is not None and list(got) != [str(x) for x in seq_ids]:
-            raise TraceFormatError(
-                f"finished shard {shard_name(index)} of {self.dir} holds sequences {got[:3]}... but this run's input "
-                f"puts {list(seq_ids)[:3]}... there: the input changed; use another --out or --overwrite"
-            )
+    def reconcile(self, planned: Sequence[Sequence[tuple[str, str]]]) -> list[int]:
+        """Match the finished shards with this run's plan; returns the shards dropped to be redone.
+
+        ``planned[i]``: (sequence id, input digest) of every item of shard i, in order. A finished shard
+        is kept when it holds exactly its planned items. A finished *partial* shard (the last of a run
+        with a smaller ``--limit``) whose items are a prefix of its planned items is dropped and redone,
+        since a shard's batches (and sampling seed) would differ. Anything else (a shard the plan does
+        not have, other sequences, a changed input) raises ResumeMismatchError naming the sequence.
+        """
+        dropped = []
+        for key in sorted(self.manifest["shards"]):
+            index, entry = int(key), self.manifest["shards"][key]
+            got = list(zip(entry["seq_ids"], entry.get("inputs") or [None] * len(entry["seq_ids"]), strict=True))
+            if index >= len(planned):
+                raise ResumeMismatchError(
+                    f"cannot resume {self.dir}: it holds {shard_name(index)} (sequences {', '.join(entry['seq_ids'][:2])}"
+                    f"...) that this run does not produce (a smaller --limit or fewer input rows); use --overwrite "
+                    f"or another --out")
+            want = [tuple(x) for x in planned[index]]
+            if got == want:
+                continue
+            if len(got) < len(want) and got == want[:len(got)]:
+                self.drop_shard(index)
+                dropped.append(index)
+                continue
+            i = next((j for j, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), min(len(got), len(want)))
+            if i < min(len(got), len(want)) and got[i][0] == want[i][0]:
+                why = f"the input of sequence {got[i][0]} changed (prompt, completion text, tokenizer or chat template)"
+            else:
+                have = got[i][0] if i < len(got) else "nothing"
+                put = want[i][0] if i < len(want) else "nothing"
+                why = f"position {i} holds {have} where this run puts {put} (another --limit or input file?)"
+            raise ResumeMismatchError(f"cannot resume {self.dir}: in {shard_name(index)} {why}; use --overwrite "
+                                      f"or another --out")
+        return dropped
+
+    def drop_shard(self, index: int) -> None:
+        """Forget finished shard ``index`` and delete its directory (it will be written again)."""
+        self.manifest["shards"].pop(f"{index:05d}", None)
+        self.manifest["complete"] = False
+        atomic_write_json(self.dir / MANIFEST_FILE, self.manifest)
+        shutil.rmtree(self.dir / shard_name(index), ignore_errors=True)
 
     # -- writing -----------------------------------------------------------------------------------
-    def write_shard(self, index: int, sequences: Iterable[TraceSequence]) -> Path:
-        """Write ``sequences`` as shard ``index`` (atomic) and record it in the manifest."""
+    def write_shard(self, index: int, sequences: Iterable[TraceSequence], inputs: Sequence[str] | None = None) -> Path:
+        """Write ``sequences`` as shard ``index`` (atomic) and record it in the manifest.
+
+        ``inputs``: one digest per sequence of what produced it (prompt and completion ids), which
+        :meth:`reconcile` compares on resume.
+        """
         from datasets import Dataset, DatasetInfo
 
         seqs = list(sequences)
         if not seqs:
             raise ValueError(f"shard {index}: no sequences to write")
+        if inputs is not None and len(inputs) != len(seqs):
+            raise ValueError(f"shard {index}: {len(inputs)} input digests for {len(seqs)} sequences")
         for s in seqs:
             _check_sequence(s, self.meta)
         final = self.dir / shard_name(index)
@@ -226,11 +300,14 @@ class TraceWriter:
             raise TraceFormatError(f"shard {final.name} is already finished in {self.dir}")
         info = DatasetInfo(description=_INFO_TAG + json.dumps(self.meta.to_dict()), features=self.features)
         ds = Dataset.from_list([_row(s, self.meta.has_router_probs) for s in seqs], features=self.features, info=info)
-        tmp = Path(tempfile.mkdtemp(dir=self.dir, prefix=f"{_TMP_PREFIX}{index:05d}-"))
+        self.out.track(final.name)
+        (self.dir / _SCRATCH).mkdir(exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=self.dir / _SCRATCH, prefix=f"{final.name}-"))
         try:
             with _quiet_datasets():
                 ds.save_to_disk(str(tmp / "d"))
-            if final.exists():  # an unlisted leftover that failed validation was removed in _open
+            sizes, digests = _file_records(tmp / "d")
+            if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp / "d", final)
         finally:
@@ -239,7 +316,9 @@ class TraceWriter:
             "num_sequences": len(seqs),
             "num_tokens": int(sum(s.num_tokens for s in seqs)),
             "seq_ids": [str(s.seq_id) for s in seqs],
-            "files": _dir_sizes(final),
+            **({"inputs": list(inputs)} if inputs is not None else {}),
+            "files": sizes,
+            "sha256": digests,
         }
         self.manifest["complete"] = False
         atomic_write_json(self.dir / MANIFEST_FILE, self.manifest)
@@ -250,6 +329,7 @@ class TraceWriter:
         if not self.manifest["shards"]:
             raise TraceFormatError(f"{self.dir}: no shard was written (empty input?)")
         self.manifest["complete"] = True
+        shutil.rmtree(self.dir / _SCRATCH, ignore_errors=True)
         if summary:
             self.manifest["summary"] = json.loads(json.dumps(summary, default=str))
         atomic_write_json(self.dir / MANIFEST_FILE, self.manifest)
@@ -259,7 +339,7 @@ class TraceWriter:
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TraceFormatError(f"{path} is unreadable or not valid JSON ({e})") from None
 
 
@@ -280,8 +360,11 @@ def read_meta(path: str | os.PathLike) -> TraceMeta:
     d = _read_json(p / META_FILE)
     try:
         meta = TraceMeta.from_dict(d)
-    except TypeError as e:
+    except (TypeError, AttributeError) as e:
         raise TraceFormatError(f"{p / META_FILE} is not a trace meta file ({e})") from None
+    dims = (meta.num_layers, meta.num_experts, meta.top_k)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in dims) or meta.top_k > meta.num_experts:
+        raise TraceFormatError(f"{p / META_FILE}: L, E, K must be positive integers with K <= E (got {dims})")
     if meta.format_version > TRACE_FORMAT_VERSION:
         raise TraceFormatError(
             f"{p} has trace format version {meta.format_version}; this expertcast reads up to {TRACE_FORMAT_VERSION}"
@@ -289,25 +372,31 @@ def read_meta(path: str | os.PathLike) -> TraceMeta:
     return meta
 
 
+def _check_manifest(m: Any, where: Path) -> dict[str, Any]:
+    """``m`` if it has the manifest's structure, else TraceFormatError naming ``where``."""
+    shards = m.get("shards") if isinstance(m, dict) else None
+    ok = isinstance(shards, dict) and all(
+        isinstance(e, dict) and isinstance(e.get("seq_ids"), list) and isinstance(e.get("files", {}), dict)
+        and isinstance(e.get("sha256", {}), dict) and isinstance(e.get("num_sequences"), int) and re.fullmatch(r"\d{5}", k)
+        for k, e in shards.items())
+    if not ok:
+        raise TraceFormatError(f"{where} is corrupt: not a trace manifest (expected shards by 5-digit index with "
+                               f"their seq_ids, files and sha256)")
+    return m
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of trace set ``path`` (``{"shards": {}}`` when it has none yet)."""
     p = Path(path) / MANIFEST_FILE
-    return _read_json(p) if p.exists() else {"shards": {}}
+    return _check_manifest(_read_json(p), p) if p.exists() else {"shards": {}}
 
 
 def _load_shard(shard: Path, meta: TraceMeta, expected: dict[str, Any] | None = None):
     """Load and validate one shard directory; TraceFormatError naming it on any problem."""
     from datasets import load_from_disk
 
-    if expected and "files" in expected:
-        for fname, size in expected["files"].items():
-            f = shard / fname
-            if not f.is_file():
-                raise TraceFormatError(f"shard {shard.name} of {shard.parent} is incomplete: {fname} is missing")
-            if f.stat().st_size != size:
-                raise TraceFormatError(
-                    f"shard {shard.name} of {shard.parent} is truncated or corrupt: {fname} has "
-                    f"{f.stat().st_size} bytes, the manifest recorded {size}"
-                )
+    if expected:
+        verify_shard_files(shard, expected)
     try:
         with _quiet_datasets():
             ds = load_from_disk(str(shard))
@@ -344,7 +433,7 @@ def shard_paths(path: str | os.PathLike) -> list[Path]:
     p = Path(path)
     manifest = read_manifest(p)
     listed = sorted(manifest.get("shards", {}))
-    on_disk = sorted(q.name[len(SHARD_PREFIX):] for q in p.glob(f"{SHARD_PREFIX}*") if q.is_dir())
+    on_disk = sorted(q.name[len(SHARD_PREFIX):] for q in p.iterdir() if _SHARD_RE.match(q.name) and q.is_dir())
     keys = listed or on_disk
     missing = [k for k in listed if k not in on_disk]
     if missing:
@@ -365,13 +454,13 @@ def _decode_shard(ds, meta: TraceMeta) -> Iterator[TraceSequence]:
                 seq_id=str(b["seq_id"][i]),
                 token_ids=np.asarray(b["token_ids"][i], dtype=np.int32),
                 prompt_len=int(b["prompt_len"][i]),
-                expert_ids=_as3d(b["expert_ids"][i], np.int16, meta),
-                expert_weights=_as3d(b["expert_weights"][i], np.float16, meta),
-                router_probs=_as3d(b["router_probs"][i], np.float16, meta) if meta.has_router_probs else None,
+                expert_ids=_as3d(b["expert_ids"][i], np.int16),
+                expert_weights=_as3d(b["expert_weights"][i], np.float16),
+                router_probs=_as3d(b["router_probs"][i], np.float16) if meta.has_router_probs else None,
             )
 
 
-def _as3d(x: Any, dtype, meta: TraceMeta) -> np.ndarray:
+def _as3d(x: Any, dtype) -> np.ndarray:
     a = np.asarray(x)
     if a.dtype == object:  # ragged batches can come back as nested objects
         a = np.stack([np.asarray(v) for v in a])
@@ -379,7 +468,8 @@ def _as3d(x: Any, dtype, meta: TraceMeta) -> np.ndarray:
 
 
 def iter_traces(path: str | os.PathLike, meta: TraceMeta | None = None) -> Iterator[TraceSequence]:
-    """Lazily yield the sequences of trace set ``path``, one shard in memory at a time."""
+    """Lazily yield the sequences of trace set ``path``, one shard in memory at a time; every shard's
+    files are checked against the sha256 its manifest recorded."""
     p = Path(path)
     meta = meta or read_meta(p)
     manifest = read_manifest(p)
@@ -401,14 +491,12 @@ def load_traces(path: str | os.PathLike, max_sequences: int | None = None) -> tu
     """All sequences of trace set ``path`` (TraceFormatError on a missing/corrupt/empty set).
 
     A set whose manifest is not marked complete (an interrupted collect) loads its finished shards
-    with a warning.
+    with a warning. Consumers that replay decode steps call :func:`require_decode_tokens` on the result.
     """
     p = Path(path)
     meta = read_meta(p)
     manifest = read_manifest(p)
     if manifest.get("shards") and not manifest.get("complete", False):
-        import warnings
-
         warnings.warn(f"trace set {p} is incomplete (interrupted run?): loading its finished shards", stacklevel=2)
     seqs: list[TraceSequence] = []
     for s in iter_traces(p, meta):
@@ -418,6 +506,16 @@ def load_traces(path: str | os.PathLike, max_sequences: int | None = None) -> tu
     if not seqs:
         raise TraceFormatError(f"trace set {p} holds no sequences")
     return meta, seqs
+
+
+def require_decode_tokens(meta: TraceMeta, seqs: Sequence[TraceSequence], where: str | os.PathLike) -> int:
+    """The number of decode positions (``>= prompt_len``) in ``seqs``; TraceFormatError naming ``where``
+    when there is none (decode-only metrics such as hit rates would be undefined)."""
+    n = sum(s.num_tokens - s.prompt_len for s in seqs)
+    if n == 0:
+        raise TraceFormatError(f"trace set {where} ({meta.model_id}, {len(seqs)} sequences) holds no decode tokens: "
+                               f"every position is prefill, so decode-only metrics are undefined")
+    return n
 
 
 def check_model_compatible(meta: TraceMeta, model_or_spec: Any) -> None:
@@ -434,20 +532,24 @@ def check_model_compatible(meta: TraceMeta, model_or_spec: Any) -> None:
                          f"{spec.model_id!r} has {spec.moe_layers}")
 
 
-def write_traces(out_dir: str | os.PathLike, meta: TraceMeta, sequences: Iterable[TraceSequence],
+def write_traces(out_dir: str | os.PathLike | OutputDir, meta: TraceMeta, sequences: Iterable[TraceSequence],
                  shard_size: int = 256, run: dict[str, Any] | None = None, overwrite: bool = True) -> Path:
-    """Write a whole trace set in one go (used by import and tests); returns ``out_dir``."""
+    """Write a whole trace set in one go (used by import and tests); returns its folder.
+
+    ``overwrite`` replaces a trace set expertcast wrote in ``out_dir`` before; a folder holding foreign
+    files is refused either way (:func:`expertcast.utils.outdir.claim_output_dir`).
+    """
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-    w = TraceWriter(out_dir, meta, run=run, overwrite=overwrite)
-    buf: list[TraceSequence] = []
-    idx = 0
-    for s in sequences:
-        buf.append(s)
-        if len(buf) == shard_size:
+    with TraceWriter(out_dir, meta, run=run, overwrite=overwrite) as w:
+        buf: list[TraceSequence] = []
+        idx = 0
+        for s in sequences:
+            buf.append(s)
+            if len(buf) == shard_size:
+                w.write_shard(idx, buf)
+                idx, buf = idx + 1, []
+        if buf:
             w.write_shard(idx, buf)
-            idx, buf = idx + 1, []
-    if buf:
-        w.write_shard(idx, buf)
-    w.finalize()
-    return Path(out_dir)
+        w.finalize()
+        return w.dir

@@ -1,4 +1,5 @@
-"""Compiled (numba) fast paths of the simulator: classic policies and oracles over a flattened stream.
+"""Compiled (numba) fast paths of the simulator: classic policies and oracles over a flattened stream,
+the demand-only ceiling of ``belady_fraction`` (:func:`ceiling_kernel`) and the stream builder.
 
 The generic Python engine (:mod:`expertcast.inference.simulator`) drives any
 :class:`~expertcast.inference.policy.Policy` through its hooks; the kernels here replay the same
@@ -323,84 +324,196 @@ def next_use_kernel(experts, exec_ptr, num_layers, num_experts, by_access):
 
 
 @njit(cache=True)
-def build_batch_stream(flat_ids, seq_off, seq_T, seq_prompt, batch_members, batch_ptr, L, K, E):
-    """Build the stream of a run of batches (sequences decoded in lockstep).
+def build_batch_stream(flat_ids, seq_off, step_seq, step_pos, L, K, E):
+    """Flatten scheduled steps into the access stream.
+
+    The schedule (which member processes which position at each step) comes from
+    :func:`expertcast.inference.driver.stream_schedule`, the one definition of the lockstep batch
+    schedule; this kernel only gathers the routing.
 
     Args:
         flat_ids: int16 [sum T * L * K] all sequences' expert ids, concatenated.
-        seq_off: int64 [N] offset of each sequence in ``flat_ids``; seq_T, seq_prompt: int64 [N].
-        batch_members: int64 [M] sequence indices, batch after batch; batch_ptr: int64 [nb+1].
+        seq_off: int64 [N] offset of each sequence in ``flat_ids``.
+        step_seq: int64 [S, Bmax] sequence index of each member slot at each step (-1 = idle).
+        step_pos: int64 [S, Bmax] position that member processes.
 
-    Per batch: prefill steps p = 0 .. max(prompt_len)-1 (members with prompt_len > p, position p),
-    then decode steps d = 0 .. max(T - prompt_len)-1 (members with T - prompt_len > d, position
-    prompt_len + d); finished sequences drop out. Each layer-execution accesses the union of the
-    active members' top-K in first-appearance order (members in batch order, each in router order),
-    with the number of tokens routed to each expert.
+    Each layer-execution accesses the union of the active members' top-K in first-appearance order
+    (members in batch order, each in router order), with the number of tokens routed to each expert.
 
-    Returns (experts int16 [A], counts int32 [A], exec_ptr int64 [X+1], step_counted bool [S],
-    step_tokens int32 [S], step_batch int32 [S]).
+    Returns (experts int16 [A], counts int32 [A], exec_ptr int64 [S*L+1], step_tokens int32 [S]).
     """
-    nb = batch_ptr.shape[0] - 1
-    n_steps = 0
-    for b in range(nb):
-        mp = 0
-        md = 0
-        for i in range(batch_ptr[b], batch_ptr[b + 1]):
-            s = batch_members[i]
-            mp = max(mp, seq_prompt[s])
-            md = max(md, seq_T[s] - seq_prompt[s])
-        n_steps += mp + md
+    n_steps = step_seq.shape[0]
+    bmax = step_seq.shape[1]
     cap = 0
-    for i in range(batch_members.shape[0]):
-        cap += seq_T[batch_members[i]] * L * K
+    for st in range(n_steps):
+        for i in range(bmax):
+            if step_seq[st, i] >= 0:
+                cap += L * K
     experts = np.empty(cap, np.int16)
     counts = np.empty(cap, np.int32)
     exec_ptr = np.zeros(n_steps * L + 1, np.int64)
-    step_counted = np.zeros(n_steps, np.bool_)
     step_tokens = np.zeros(n_steps, np.int32)
-    step_batch = np.zeros(n_steps, np.int32)
     where = np.full(E, -1, np.int64)
     a = 0
-    st = 0
-    for b in range(nb):
-        mp = 0
-        md = 0
-        for i in range(batch_ptr[b], batch_ptr[b + 1]):
-            s = batch_members[i]
-            mp = max(mp, seq_prompt[s])
-            md = max(md, seq_T[s] - seq_prompt[s])
-        for j in range(mp + md):
-            decode = j >= mp
-            ntok = 0
-            for layer in range(L):
-                x = st * L + layer
-                start = a
-                for i in range(batch_ptr[b], batch_ptr[b + 1]):
-                    s = batch_members[i]
-                    if decode:
-                        if j - mp >= seq_T[s] - seq_prompt[s]:
-                            continue
-                        pos = seq_prompt[s] + j - mp
+    for st in range(n_steps):
+        for i in range(bmax):
+            if step_seq[st, i] >= 0:
+                step_tokens[st] += 1
+        for layer in range(L):
+            start = a
+            for i in range(bmax):
+                s = step_seq[st, i]
+                if s < 0:
+                    continue
+                off = seq_off[s] + (step_pos[st, i] * L + layer) * K
+                for k in range(K):
+                    e = flat_ids[off + k]
+                    w = where[e]
+                    if w >= start:
+                        counts[w] += 1
                     else:
-                        if j >= seq_prompt[s]:
-                            continue
-                        pos = j
-                    if layer == 0:
-                        ntok += 1
-                    off = seq_off[s] + (pos * L + layer) * K
-                    for k in range(K):
-                        e = flat_ids[off + k]
-                        w = where[e]
-                        if w >= start:
-                            counts[w] += 1
-                        else:
-                            where[e] = a
-                            experts[a] = e
-                            counts[a] = 1
-                            a += 1
-                exec_ptr[x + 1] = a
-            step_counted[st] = decode
-            step_tokens[st] = ntok
-            step_batch[st] = b
-            st += 1
-    return experts[:a].copy(), counts[:a].copy(), exec_ptr, step_counted, step_tokens, step_batch
+                        where[e] = a
+                        experts[a] = e
+                        counts[a] = 1
+                        a += 1
+            exec_ptr[st * L + layer + 1] = a
+    return experts[:a].copy(), counts[:a].copy(), exec_ptr, step_tokens
+
+
+@njit(cache=True)
+def ceiling_kernel(experts, exec_ptr, step_counted, num_layers, num_experts, pool_of_layer, pool_cap, next_use,
+                   out_acc, out_hit):
+    """Hits of the offline optimum of every demand-only policy on the counted steps (the ceiling of
+    ``belady_fraction``).
+
+    A demand-only policy (no proactive loads, every miss a transfer) starts each counted segment (the
+    decode steps after uncounted prefill steps, or the start of the stream) from a cache it shaped
+    for free (warm start, uncounted prefill loads), and after a layer-execution keeps a subset of what
+    it held plus what was just selected (a miss is inserted or, from a temporary slot, not). The
+    relaxation computed here allows every such choice, so its hits bound every demand-only policy:
+
+    * at the start of each counted segment each pool is refilled for free with the experts whose
+      first use in the segment comes soonest;
+    * after each counted layer-execution, each pool keeps the ``cap`` experts with the nearest next use
+      among its residents and the selection (furthest-next-use eviction, bypass allowed; the
+      protect rule is relaxed too).
+
+    Keeping the nearest next uses is optimal for this relaxation (Belady's exchange argument; experts
+    next used at the same layer-execution are interchangeable). Uncounted steps are skipped.
+
+    Args:
+        experts, exec_ptr, step_counted, pool_of_layer, pool_cap: as :func:`replay_kernel`.
+        next_use: int64 [A] next layer-execution selecting the same (layer, expert), NEVER if none.
+        out_acc, out_hit: int64 [L] counted accesses and hits (misses = accesses - hits).
+    """
+    L = num_layers
+    E = num_experts
+    n_items = L * E
+    P = pool_cap.shape[0]
+    cap_max = 0
+    for p in range(P):
+        if pool_cap[p] > cap_max:
+            cap_max = pool_cap[p]
+    H = 2 * cap_max + 16
+    hk1 = np.empty((P, H), np.float64)
+    hk2 = np.empty((P, H), np.float64)
+    hid = np.empty((P, H), np.int32)
+    hver = np.empty((P, H), np.int32)
+    hsize = np.zeros(P, np.int64)
+    slot_item = np.full((P, cap_max), -1, np.int32)
+    occ = np.zeros(P, np.int64)
+    res = np.zeros(n_items, np.int8)
+    slot = np.full(n_items, -1, np.int64)
+    k1 = np.zeros(n_items, np.float64)
+    k2 = np.arange(n_items).astype(np.float64)  # ties: the lower id is evicted first
+    ver = np.zeros(n_items, np.int32)
+    hit_at = np.full(n_items, -1, np.int64)
+    X = exec_ptr.shape[0] - 1
+    for x in range(X):
+        st = x // L
+        layer = x % L
+        if not step_counted[st]:
+            continue
+        if layer == 0 and (st == 0 or not step_counted[st - 1]):
+            # a counted segment starts: every pool refilled for free, soonest first use first
+            for it in range(n_items):
+                if res[it] == 1:
+                    res[it] = 0
+                    slot[it] = -1
+                    ver[it] += 1
+            for p in range(P):
+                occ[p] = 0
+                hsize[p] = 0
+                for s in range(cap_max):
+                    slot_item[p, s] = -1
+            full = 0
+            for p in range(P):
+                if pool_cap[p] == 0:
+                    full += 1
+            y = x
+            while y < X and step_counted[y // L] and full < P:
+                base_y = (y % L) * E
+                py = pool_of_layer[y % L]
+                for a in range(exec_ptr[y], exec_ptr[y + 1]):
+                    it = base_y + experts[a]
+                    if res[it] == 1 or occ[py] >= pool_cap[py]:
+                        continue
+                    s = occ[py]
+                    occ[py] = s + 1
+                    if occ[py] == pool_cap[py]:
+                        full += 1
+                    _ceiling_place(it, s, py, float(y), res, slot, slot_item, k1, k2, ver,
+                                   hk1, hk2, hid, hver, hsize, H, occ)
+                y += 1
+        p = pool_of_layer[layer]
+        base = layer * E
+        a0 = exec_ptr[x]
+        a1 = exec_ptr[x + 1]
+        for a in range(a0, a1):  # hits first (their keys move on to their next use)
+            it = base + experts[a]
+            out_acc[layer] += 1
+            if res[it] == 1:
+                out_hit[layer] += 1
+                hit_at[it] = x
+                k1[it] = -float(next_use[a])
+                ver[it] += 1
+                if hsize[p] >= H:
+                    _rebuild(hk1, hk2, hid, hver, hsize, p, slot_item, occ, k1, k2, ver)
+                _push(hk1, hk2, hid, hver, hsize, p, k1[it], k2[it], it, ver[it])
+        for a in range(a0, a1):  # then the misses: kept when needed sooner than the pool's furthest
+            it = base + experts[a]
+            if hit_at[it] == x:
+                continue
+            nxt = float(next_use[a])
+            if occ[p] < pool_cap[p]:
+                s = occ[p]
+                occ[p] = s + 1
+                _ceiling_place(it, s, p, nxt, res, slot, slot_item, k1, k2, ver, hk1, hk2, hid, hver, hsize, H, occ)
+                continue
+            victim = -1
+            while hsize[p] > 0:
+                v, vv = _pop(hk1, hk2, hid, hver, hsize, p)
+                if res[v] == 1 and vv == ver[v]:
+                    victim = v
+                    break
+            if victim >= 0 and -k1[victim] > nxt:  # the victim is needed later than the newcomer: swap
+                s = slot[victim]
+                res[victim] = 0
+                slot[victim] = -1
+                ver[victim] += 1
+                _ceiling_place(it, s, p, nxt, res, slot, slot_item, k1, k2, ver, hk1, hk2, hid, hver, hsize, H, occ)
+            elif victim >= 0:  # bypass: the newcomer is served from a temporary slot
+                _push(hk1, hk2, hid, hver, hsize, p, k1[victim], k2[victim], victim, ver[victim])
+
+
+@njit(cache=True)
+def _ceiling_place(it, s, p, nxt, res, slot, slot_item, k1, k2, ver, hk1, hk2, hid, hver, hsize, H, occ):
+    """Put ``it`` into slot ``s`` of pool ``p`` with next use ``nxt``."""
+    slot_item[p, s] = it
+    slot[it] = s
+    res[it] = 1
+    k1[it] = -nxt
+    ver[it] += 1
+    if hsize[p] >= H:
+        _rebuild(hk1, hk2, hid, hver, hsize, p, slot_item, occ, k1, k2, ver)
+    _push(hk1, hk2, hid, hver, hsize, p, k1[it], k2[it], it, ver[it])

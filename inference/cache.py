@@ -1,5 +1,5 @@
-"""The expert cache: a slot table shared by the simulator and the offloading runtime (DESIGN.md, cache
-semantics; slot states of SeqMoE 7.2).
+"""The expert cache: a slot table shared by the simulator and the offloading runtime (docs/design.md, "Cache
+semantics"; slot states of SeqMoE 7.2).
 
 The cache holds no weights. It maps ``(layer, expert)`` to a slot index and tracks each slot's state;
 the runtime keeps the weights of slot ``i`` at index ``i`` of its device buffer, the simulator keeps

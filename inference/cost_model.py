@@ -18,6 +18,9 @@ Model (per layer-execution, in ms):
 * Layer time = stall + max(compute, CPU time); full-load time = compute alone (every expert
   resident), so ``pct_full_speed = 100 * compute / (compute + stall)`` over the counted (decode) steps.
 
+:class:`ModelledTransport` is this model as the transport of the policy driver
+(:mod:`expertcast.inference.driver`) in the simulator.
+
 Defaults (documented assumptions):
 * ``bandwidth_gbps = 25``: effective host-to-device copy rate of PCIe 4.0 x16 from pinned memory
   (31.5 GB/s theoretical; measured ``cudaMemcpy`` H2D rates are typically 24-26 GB/s).
@@ -37,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from expertcast.inference.driver import Transport
 
 QWEN3_30B_A3B_EXPERT_BYTES = 3 * 2048 * 768 * 2
 """9,437,184 bytes: one Qwen3-30B-A3B routed expert in bf16."""
@@ -192,3 +196,74 @@ class Link:
         if self.timeline is not None:
             self.timeline.append(Event(step, layer, kind, expert, start, end))
         return end
+
+
+class ModelledTransport(Transport):
+    """The driver's transport in the simulator: the :class:`Link` above with the layer clock of this
+    module (a layer starts when the previous one ends; it waits for its demand and late transfers;
+    CPU experts run beside its compute).
+
+    Args:
+        cost: the cost-model parameters; num_layers: L; expert_bytes: bytes per transfer.
+        record_timeline: keep every :class:`Event`.
+    """
+
+    def __init__(self, cost: CostConfig, num_layers: int, expert_bytes: int, record_timeline: bool = False):
+        self.cost = cost
+        self.layer_ms = cost.compute_ms(num_layers)
+        self.link = Link(cost.transfer_ms(expert_bytes), cost.queue, timeline=[] if record_timeline else None)
+        self.timeline = self.link.timeline
+        self.clock = 0.0
+        """End of the last computed layer (ms)."""
+        self.stall_ms = 0.0
+        self.compute_ms = 0.0
+        self._start = 0.0
+        self._wait = 0.0
+        self._cpu: list[tuple[int, float]] = []
+        self._fetch: dict[int, _Transfer] = {}
+
+    def begin_layer(self, x: int) -> list[tuple[int, int]]:
+        self._start = self._wait = self.clock
+        self._cpu = []
+        out = []
+        for tr in self.link.advance(self.clock):
+            if self._fetch.get(tr.slot) is tr:
+                del self._fetch[tr.slot]
+                out.append((tr.layer, tr.expert))
+        return out
+
+    def prefetch(self, slot: int, layer: int, expert: int, t: int, deadline: int) -> None:
+        self._fetch[slot] = self.link.issue_prefetch(slot, layer, expert, self.clock, deadline, t)
+
+    def late(self, slot: int, layer: int, expert: int, t: int) -> None:
+        tr = self._fetch.pop(slot)
+        self._wait = max(self._wait, self.link.wait_for(tr, self._start))
+        self.link.inflight.remove(tr)
+        if self.timeline is not None:
+            self.timeline.append(Event(t, layer, "late", expert, self._start, tr.end))
+
+    def demand(self, slot: int, layer: int, expert: int, t: int) -> None:
+        kind = "demand" if slot >= 0 else "temp"
+        self._wait = max(self._wait, self.link.demand(layer, expert, self._start, t, kind=kind))
+
+    def cpu(self, layer: int, expert: int, n_tokens: int, t: int) -> None:
+        self._cpu.append((expert, self.cost.cpu_ms(n_tokens)))
+
+    def compute(self, t: int, layer: int, counted: bool) -> None:
+        now, begin, comp = self._start, self._wait, float(self.layer_ms[layer])
+        cpu_ms = sum(c for _, c in self._cpu)
+        if self.timeline is not None:
+            if begin > now:
+                self.timeline.append(Event(t, layer, "stall", -1, now, begin))
+            cur = now if self.cost.cpu_parallel else begin
+            for e, c in self._cpu:  # CPU experts run one after another beside the device work
+                self.timeline.append(Event(t, layer, "cpu", e, cur, cur + c))
+                cur += c
+            self.timeline.append(Event(t, layer, "compute", -1, begin, begin + comp))
+        if self.cost.cpu_parallel:  # CPU experts start with the layer, beside its transfers and compute
+            self.clock = max(begin + comp, now + cpu_ms)
+        else:
+            self.clock = begin + max(comp, cpu_ms)
+        if counted:
+            self.stall_ms += self.clock - now - comp
+            self.compute_ms += comp

@@ -1,4 +1,4 @@
-"""Latency model of in-situ CPU execution vs transfer of a cold expert (SAEM IV-2, DESIGN.md "SAEM").
+"""Latency model of in-situ CPU execution vs transfer of a cold expert (SAEM IV-2, docs/design.md "SAEM").
 
 For a selected expert that is not resident, SAEM either transfers it over the host-device link or runs
 it on the CPU where its host copy lives, whichever is predicted faster for the ``n`` tokens routed to

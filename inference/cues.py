@@ -5,7 +5,7 @@ measured for each candidate. Calibration runs the streaming detector once per ca
 all candidates (``all_matches`` mode), then scores every candidate alone and every greedy cue subset
 from those matches (:func:`select_boundaries` reproduces the detector's output for any subset).
 
-Definitions used throughout (DESIGN.md "SAEM"; the paper does not spell out TCseq, we follow its
+Definitions used throughout (docs/design.md "SAEM"; the paper does not spell out TCseq, we follow its
 wording "similarity of per-layer expert-frequency vectors of adjacent stages"):
 
 - stages of a sequence: its decode positions cut at the start token of every detected cue; stage k
@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 from expertcast.inference.stages import BoundaryEvent, StageDetector, TokenDecoder
+from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_json
 
 CUESET_FORMAT = "expertcast.saem.cueset"
@@ -118,7 +119,7 @@ def stage_counts(expert_ids: np.ndarray, starts: np.ndarray, num_experts: int) -
     S = len(starts)
     e = expert_ids.astype(np.int64)
     if e.size and (e.min() < 0 or e.max() >= num_experts):
-        raise ValueError(f"expert ids outside [0, {num_experts}): the trace does not match E={num_experts}")
+        raise UsageError(f"expert ids outside [0, {num_experts}): the trace does not match E={num_experts}")
     flat = (stage_of[:, None, None] * L + np.arange(L)[None, :, None]) * num_experts + e
     return np.bincount(flat.ravel(), minlength=S * L * num_experts).reshape(S, L, num_experts)
 
@@ -299,31 +300,35 @@ class CueSet:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CueSet:
+        """Read and validate a cue-set JSON; one-line errors (FileNotFoundError, UsageError) name the file."""
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"cue set {p} does not exist (create it with `expertcast stages calibrate`)")
         try:
             d = json.loads(p.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cue set {p} is not valid JSON: {e}") from None
+            raise UsageError(f"cue set {p} is not valid JSON: {e}") from None
         return cls.from_dict(d, source=str(p))
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "cue set") -> CueSet:
         if not isinstance(d, dict) or d.get("format") != CUESET_FORMAT:
-            raise ValueError(f"{source} is not an expertcast cue set (missing \"format\": \"{CUESET_FORMAT}\")")
+            raise UsageError(f"{source} is not an expertcast cue set (missing \"format\": \"{CUESET_FORMAT}\")")
         ver = d.get("format_version")
         if not isinstance(ver, int) or ver > CUESET_FORMAT_VERSION or ver < 1:
-            raise ValueError(f"{source} has cue-set format_version {ver!r}; this expertcast reads versions "
+            raise UsageError(f"{source} has cue-set format_version {ver!r}; this expertcast reads versions "
                              f"1..{CUESET_FORMAT_VERSION}")
         cues = d.get("cues")
         if not isinstance(cues, list) or not cues or not all(isinstance(c, str) and c for c in cues):
-            raise ValueError(f"{source}: \"cues\" must be a non-empty list of strings")
+            raise UsageError(f"{source}: \"cues\" must be a non-empty list of strings")
         freq = d.get("expert_frequency")
         if freq is not None:
-            arr = np.asarray(freq, dtype=np.float64)
+            try:
+                arr = np.asarray(freq, dtype=np.float64)
+            except (TypeError, ValueError):
+                raise UsageError(f"{source}: expert_frequency must be a [L][E] list of numbers") from None
             if arr.ndim != 2:
-                raise ValueError(f"{source}: expert_frequency must be [L][E], got shape {arr.shape}")
+                raise UsageError(f"{source}: expert_frequency must be [L][E], got shape {arr.shape}")
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -333,8 +338,23 @@ class CueSet:
             return
         L, E = np.asarray(self.expert_frequency).shape
         if (L, E) != (num_layers, num_experts):
-            raise ValueError(f"cue set of {self.model_id!r} holds expert frequencies for L={L}, E={E} but the {what} "
+            raise UsageError(f"cue set of {self.model_id!r} holds expert frequencies for L={L}, E={E} but the {what} "
                              f"has L={num_layers}, E={num_experts}: calibrated on another model")
+
+    def check_model(self, model_id: str | None, source: str = "cue set", what: str = "the traces") -> None:
+        """Raise a UsageError naming both models when the cue set was calibrated on a model other than
+        ``model_id`` (the same string, or two paths of one folder, count as the same model)."""
+        if not self.model_id or not model_id or _same_model(self.model_id, model_id):
+            return
+        raise UsageError(f"{source} was calibrated on model {self.model_id!r} but {what} come from model "
+                         f"{model_id!r}; calibrate a cue set on this model's traces (expertcast stages calibrate)")
+
+
+def _same_model(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 @dataclass
@@ -406,14 +426,14 @@ def calibrate(seqs: Sequence[CalibSequence], decoder: Callable[[int], bytes], nu
     while the set's noise and TCseq stay within the thresholds."""
     cfg = config or CalibrationConfig()
     if cfg.control not in ("uniform", "shuffled"):
-        raise ValueError(f"calibration control must be 'uniform' or 'shuffled', got {cfg.control!r}")
+        raise UsageError(f"calibration control must be 'uniform' or 'shuffled', got {cfg.control!r}")
 
     def ctrl(st: SegmentationStats) -> float:
         return st.tcseq_shuffled if cfg.control == "shuffled" else st.tcseq_uniform
 
     seqs = [s for s in seqs if len(s.token_ids)]
     if not seqs:
-        raise ValueError("no calibration sequence has decode tokens")
+        raise UsageError("no calibration sequence has decode tokens")
     raw = raw_matches(seqs, decoder, candidates, cfg.ignore_case, progress=progress)
     n_tok = sum(len(s.token_ids) for s in seqs)
     scores: dict[str, dict[str, Any]] = {}
@@ -494,13 +514,26 @@ def resolve_cue_set(cue_set: str | os.PathLike | None, model: str | os.PathLike 
 
 
 def load_tokenizer(name_or_path: str) -> Any:
-    """A local tokenizer (transformers AutoTokenizer, remote code off)."""
+    """The tokenizer of a model: the byte-level tokenizer for a tiny preset name, else transformers'
+    AutoTokenizer of a model folder or Hub id (remote code off). Resolve user-given model names with
+    :func:`expertcast.commands.common.resolve_model` first."""
+    from expertcast.models.presets import get_preset, is_preset
+
+    name = str(name_or_path)
+    if is_preset(name):
+        preset = get_preset(name)
+        if preset.size == "tiny":
+            from expertcast.models.tokenizer import byte_level_tokenizer
+
+            return byte_level_tokenizer()
+        name = preset.hub_id
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
-    except OSError as e:
-        raise FileNotFoundError(f"cannot load a tokenizer from {name_or_path!r}: {e}") from None
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise FileNotFoundError(f"cannot load a tokenizer from {name!r}: {first}") from None
 
 
 def decoder_for(name_or_path: str) -> TokenDecoder:

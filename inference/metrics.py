@@ -1,5 +1,5 @@
 """Cache metrics shared by the simulator's :class:`ReplayResult` and the runtime's :class:`RuntimeStats`
-(DESIGN.md, cache semantics): both hold per-layer int64 [L] counters ``accesses``, ``hits``,
+(docs/design.md, "Cache semantics"): both hold per-layer int64 [L] counters ``accesses``, ``hits``,
 ``demand``, ``temp``, ``late``, ``cpu``, ``proactive``, ``dropped`` plus ``expert_bytes`` and ``decoded_tokens``, so they compute Hit/AdjHit/MB-per-token the
 same way."""
 

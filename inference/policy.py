@@ -1,24 +1,30 @@
 """The cache-policy interface shared by the simulator and the offloading runtime.
 
-A policy never knows whether the cache it manages is simulated or holds real weights. The driver
-(simulator engine or runtime) owns an :class:`~expertcast.inference.cache.ExpertCache` and calls the
-policy's hooks in this order for every decode step ``t`` and MoE layer ``l``::
+A policy never knows whether the cache it manages is simulated or holds real weights. One driver,
+:class:`expertcast.inference.driver.Driver`, owns an :class:`~expertcast.inference.cache.ExpertCache`
+and calls the hooks; its module docstring lists the exact order. In short, for every step ``t`` and
+MoE layer ``l``::
 
-    policy.on_step(t)                                   # once per decode step, before layer 0
+    policy.on_step(t, info)                             # once per step, before layer 0
     for l in range(L):
+        policy.observe_routing(t, l, ids, weights)      # per-member routing, when the driver has it
         loads = policy.before_layer(t, l, cache)        # proactive loads to issue now (may be [])
         action = policy.on_miss(t, l, e, n_tokens, cache) for each non-resident selected e
         victim = policy.choose_victim(t, l, candidates, cache) whenever a slot must be freed
-        policy.on_access(t, l, selected, counts, cache) # after the layer's routing is known
+        policy.on_access(t, l, selected, counts, cache) # after the layer ran
         loads = policy.after_layer(t, l, cache)         # proactive loads after the layer ran
+    policy.observe_tokens(t, tokens)                    # the tokens the step produced
 
 Experts are addressed as ``(layer, expert)``. Candidates for eviction never include experts of the
-running layer's selection, nor slots in state Fetch/Compute (the driver filters them: DESIGN.md,
-cache semantics). Oracles receive the future through :meth:`Policy.set_future`.
+running layer's selection, nor slots in state Fetch/Compute (the driver filters them: docs/design.md,
+cache semantics). Oracles receive the future through :meth:`Policy.set_future`. Where each member of
+the batch is comes from the driver (:class:`~expertcast.inference.driver.StepInfo`): no policy
+rebuilds the lockstep schedule.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -27,6 +33,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache import CacheConfig, ExpertCache
+    from expertcast.inference.driver import StepInfo
 
 
 class MissAction(IntEnum):
@@ -61,14 +68,23 @@ class Policy:
         """Oracles only: the accesses still to come (the driver's representation, documented there)."""
 
     def begin_batch(self, batch: Any) -> None:
-        """A new batch of sequences starts decoding (simulator: the :class:`TraceSequence` objects of the
-        batch, so policies fed by recorded side information can look it up; runtime: the prompts)."""
+        """A new batch of sequences starts (the :class:`TraceSequence` objects of the batch when the
+        routing was recorded, so policies fed by recorded side information can look it up; a live
+        generation: :class:`~expertcast.inference.runtime.run_state.LivePrompt` objects). Both have
+        ``seq_id`` and ``prompt_len``."""
 
-    def on_step(self, t: int) -> None:
-        """Decode step ``t`` begins (before layer 0)."""
+    def on_step(self, t: int, info: StepInfo) -> None:
+        """Step ``t`` begins (before layer 0); ``info`` says where every member of the batch is
+        (``info.positions`` int [B], -1 when idle; ``info.prefill``; ``info.schedule``)."""
 
-    def observe_tokens(self, t: int, token_ids: Sequence[int]) -> None:
-        """Token ids produced at step ``t`` (one per sequence of the batch; SAEM stage detection)."""
+    def observe_routing(self, t: int, layer: int, expert_ids: np.ndarray, weights: np.ndarray) -> None:
+        """Per-member routing of (t, layer): ``expert_ids`` int [B, K], ``weights`` float [B, K] (rows of
+        idle members are zeros). Called before the layer is served, only for policies overriding it."""
+
+    def observe_tokens(self, t: int, token_ids: Sequence[int | None]) -> None:
+        """Tokens of step ``t``, one entry per member of the batch: the token fed to the member's next
+        position (a prompt token during prefill, the generated token after), None when the member has
+        no next position (idle or finished). SAEM stage detection."""
 
     def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
         """Proactive loads ``(layer, expert)`` to issue before ``layer`` routes at step ``t``."""
@@ -99,3 +115,22 @@ class Policy:
         """Experts ``(layer, expert)`` to place before anything runs (e.g. a static placement), loaded
         like prefill: never counted. Default: none."""
         return ()
+
+
+def check_policy_compatible(policy: Policy, num_layers: int, num_experts: int, top_k: int, what: str) -> None:
+    """Raise ValueError when ``policy`` (or an artifact it holds: forecaster export, router export, cue
+    set...) was made for a model of another shape. Policies may define ``check_compatible(L, E, K, what)``;
+    artifacts held as attributes are checked through their own ``check_compatible``."""
+    objs = [policy] + [v for v in vars(policy).values() if v is not policy]
+    for obj in objs:
+        fn = getattr(obj, "check_compatible", None)
+        if not callable(fn):
+            continue
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # pragma: no cover
+            params = {}
+        if "top_k" in params:
+            fn(num_layers, num_experts, top_k, what=what)
+        elif "num_experts" in params:
+            fn(num_layers, num_experts, what=what)

@@ -1,4 +1,4 @@
-"""Deadline-aware prefetch scheduling (SeqMoE 6; DESIGN.md "Forecaster", Prefetch).
+"""Deadline-aware prefetch scheduling (SeqMoE 6; docs/design.md "Forecaster", Prefetch).
 
 Time is counted in *layer-executions*: execution ``x = step * L + layer`` starts at time ``x`` and
 ends at ``x + 1``. A prefetch task for expert ``(layer, expert)`` has a confidence (the forecast

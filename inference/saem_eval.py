@@ -4,9 +4,9 @@ Policies (``--policies``): ``stage`` (stage-aware + CPU execution), ``stage-orac
 frequencies at the same boundaries), the ablations ``stage-nocpu`` (temporary slot only) and
 ``stage-noupdate`` (static calibration placement + CPU execution), and the baselines ``lru``
 (demand-loading, Mixtral-offloading style) and ``static`` (static-frequency placement from the
-calibration traces, misses through a temporary slot). Per batch size and capacity (fraction of the
-experts of each layer, per-layer pools; budgets below top-K are accepted, the excess of a selection
-then goes to the temporary slot or the CPU) the table gives:
+calibration traces, misses through a temporary slot). Per batch size and capacity (a fraction of the
+experts, or a slot count per layer; per-layer pools; budgets below top-K are accepted, the excess of a
+selection then goes to the temporary slot or the CPU) the table gives:
 
 - ``hit``: resident hits / accesses (a CPU-executed access is not a hit, nor a transfer);
 - ``cpu_share``: CPU-executed accesses / accesses; ``transfers_per_token``: demand + proactive loads
@@ -21,18 +21,25 @@ model's experts (0.2 MB) would make every transfer free. The policies' CPU-vs-tr
 same :class:`~expertcast.inference.cost_model.CostConfig` as the simulator's clock. CPU-executed experts run
 in parallel with the layer's transfers (``cpu_parallel``, SAEM IV-2) unless ``--cpu-serial`` is given.
 
-Long runs resume: finished (policy, capacity, batch) records are kept in ``<out-dir>/partial-<traces>.json``
-(written atomically after each record) and reused on the next invocation with the same arguments.
+Long runs resume: finished (policy, capacity, batch) records are kept in ``partial-<traces>.json`` of the
+output folder (written atomically after each record, with the settings key of everything they depend
+on) and reused on the next invocation only when that key matches exactly.
+
+:func:`evaluate_saem` is the library entry point (``expertcast stages eval`` parses the flags, loads
+traces and cue set, and calls it).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_json, report
+from expertcast.utils.provenance import check_resume, settings_key
 
 POLICIES = ("stage", "stage-oracle", "stage-nocpu", "stage-noupdate", "lru", "static")
 """Policy labels of the evaluation, in table order."""
@@ -65,7 +72,7 @@ def make_policies(cues: list[str], decoder: Any, static_frequency: np.ndarray, c
 
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
-        raise ValueError(f"unknown SAEM eval policies {unknown}; choose from {', '.join(POLICIES)}")
+        raise UsageError(f"unknown SAEM eval policies {unknown}; choose from {', '.join(POLICIES)}")
     kw = dict(cues=cues, decoder=decoder, static_frequency=static_frequency, cost=cost)
     calib = np.asarray(calibration)
     if calib.ndim != 2 or not np.issubdtype(calib.dtype, np.integer):
@@ -95,7 +102,8 @@ def counts_from_frequency(freq: np.ndarray, tokens: int) -> np.ndarray:
 
 def run_settings(name: str, traces: tuple[Any, list[Any]], cues: list[str], static_frequency: np.ndarray,
                  calibration: np.ndarray, ignore_case: bool, cost: Any) -> dict[str, Any]:
-    """What a partial result depends on beyond (policy, capacity, batch): traces, cues, calibration, costs."""
+    """What a partial result depends on beyond (policy, capacity, batch): traces, cues, calibration, costs
+    (a :func:`~expertcast.utils.provenance.settings_key`)."""
     import dataclasses
     import hashlib
 
@@ -107,15 +115,16 @@ def run_settings(name: str, traces: tuple[Any, list[Any]], cues: list[str], stat
         h.update(np.ascontiguousarray(s.expert_ids).tobytes())
     h.update(np.ascontiguousarray(static_frequency, np.float64).tobytes())
     h.update(np.ascontiguousarray(calibration, np.int64).tobytes())
-    return {"traces": name, "model": meta.model_id, "sequences": len(seqs), "data_sha256": h.hexdigest(),
-            "cues": list(cues), "ignore_case": bool(ignore_case),
-            "cost": json.loads(json.dumps(dataclasses.asdict(cost)))}
+    return settings_key(traces=name, model=meta.model_id, sequences=len(seqs), data_sha256=h.hexdigest(),
+                        cues=list(cues), ignore_case=bool(ignore_case), cost=dataclasses.asdict(cost))
 
 
 def _row(name: str, bs: int, r: dict[str, Any]) -> dict[str, Any]:
     A = max(r["accesses"], 1)
     T = max(r["decoded_tokens"], 1)
-    row = {"traces": name, "batch": bs, "capacity": r["capacity_requested"], "slots_per_layer": r["slots_per_layer"],
+    req = r["capacity_requested"]
+    cap = req if isinstance(req, float) else r["capacity"]  # a slot count: the fraction it realises
+    row = {"traces": name, "batch": bs, "capacity": cap, "slots_per_layer": r["slots_per_layer"],
            "policy": r["policy"], "hit": r["resident_hit"], "cpu_share": r["cpu_exec"] / A,
            "demand_per_token": r["demand_misses"] / T, "proactive_per_token": r["proactive_loads"] / T,
            "transfers_per_token": (r["demand_misses"] + r["proactive_loads"]) / T,
@@ -127,13 +136,14 @@ def _row(name: str, bs: int, r: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_grid(name: str, traces: tuple[Any, list[Any]], cues: list[str], decoder: Any, static_frequency: np.ndarray,
-             calibration: np.ndarray, batch_sizes: list[int], capacities: list[float], ignore_case: bool = False,
+             calibration: np.ndarray, batch_sizes: list[int], capacities: Sequence[float], ignore_case: bool = False,
              cost: Any = None, policies: tuple[str, ...] | list[str] = POLICIES, partial: Path | None = None,
-             progress: bool = True) -> list[dict[str, Any]]:
+             progress: bool = True, slots: Sequence[int] = ()) -> list[dict[str, Any]]:
     """Every policy at every batch size and capacity; one table row per run (see the module docstring).
 
-    ``partial``: JSON file of finished simulator records, reused when present and rewritten after each
-    new record (resume)."""
+    ``capacities``: fractions of the experts; ``slots``: slot counts per layer (both per-layer pools).
+    ``partial``: JSON file of finished simulator records, reused when present and its settings key
+    matches (a ResumeMismatchError when it does not), rewritten after each new record."""
     from expertcast.inference.cost_model import CostConfig
     from expertcast.inference.simulator import simulate
 
@@ -143,13 +153,11 @@ def run_grid(name: str, traces: tuple[Any, list[Any]], cues: list[str], decoder:
     if partial is not None and partial.is_file():
         try:
             saved = json.loads(partial.read_text(encoding="utf-8"))
-            old, done = saved["settings"], {r["key"]: r for r in saved["records"]}
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"partial results {partial} are corrupt ({e}): delete the file to start over") from None
-        if old != settings:
-            diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-            raise ValueError(f"partial results {partial} were made with other settings ({', '.join(diff)} differ): "
-                             "delete the file or choose another --out-dir")
+            old, records = saved["settings"], saved["records"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise UsageError(f"partial results {partial} are corrupt ({e}): use --overwrite to start over") from None
+        check_resume(old, settings, partial)
+        done = {r["key"]: r for r in records}
     rows = []
     for bs in batch_sizes:
         pols = make_policies(cues, decoder, static_frequency, calibration, ignore_case, cost, policies)
@@ -163,11 +171,13 @@ def run_grid(name: str, traces: tuple[Any, list[Any]], cues: list[str], decoder:
             if partial is not None:
                 atomic_write_json(partial, {"settings": settings, "records": list(done.values())})
 
-        recs = simulate(traces, pols, capacities=capacities, batch_size=bs, cost=cost, belady_fraction=False,
-                        progress=progress, done=done, on_record=on_record, allow_below_top_k=True)
+        recs = simulate(traces, pols, capacities=list(capacities), slots_per_layer=list(slots) or None, batch_size=bs,
+                        cost=cost, belady_fraction=False, progress=progress, done=done, on_record=on_record,
+                        allow_below_top_k=True)
         by_cap: dict[Any, dict[str, dict]] = {}
-        for r in recs:
-            by_cap.setdefault(r["capacity_requested"], {})[r["policy"]] = r
+        for r in recs:  # a fraction 1.0 and a slot count 1 are different capacities
+            req = r["capacity_requested"]
+            by_cap.setdefault((type(req).__name__, req), {})[r["policy"]] = r
         for group in by_cap.values():
             orc, lru = group.get("stage-oracle"), group.get("lru")
             for pol, r in group.items():
@@ -201,7 +211,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         axes[0, j].set_ylabel("resident hit")
         axes[1, j].set_ylabel("modelled % of full-load speed")
         axes[2, j].set_ylabel("transfers per decoded token")
-        axes[2, j].set_xlabel("capacity (fraction of experts per layer)")
+        axes[2, j].set_xlabel("capacity (fraction of the experts)")
         caps = sorted({r["capacity"] for r in sub})
         for a in axes[:, j]:
             a.set_xscale("log")
@@ -215,55 +225,72 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(args: Any) -> int:
-    from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig
-    from expertcast.inference.cues import CueSet, load_tokenizer, resolve_cue_set
+def cue_set_calibration(cue_set: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(frequency float [L, E], selection counts int64 [L, E]) of a cue set's calibration traces (the
+    stage policies' seed placement and the ``static`` baseline)."""
+    if cue_set.expert_frequency is None:
+        raise UsageError("the cue set has no expert_frequency (recalibrate it with `expertcast stages calibrate`)")
+    freq = np.asarray(cue_set.expert_frequency, np.float64)
+    return freq, counts_from_frequency(freq, cue_set.calibration.get("decode_tokens", 1))
+
+
+def synthetic_runs() -> list[tuple[str, Any, np.ndarray, np.ndarray]]:
+    """(tag, evaluated traces, calibration frequency [L, E], calibration counts [L, E]) of the two
+    synthetic trace sets with planted "Wait" stages (cue token: ``traces.cue_token``).
+
+    ``synthetic``: every stage draws a profile different from the finished one (SAEM's premise
+    violated); ``synthetic-drift``: a boundary swaps 2 of a layer's 8 hot experts (adjacent stages
+    coherent). Calibration (static placement) uses 4 held-out sequences of the same generator run."""
     from expertcast.inference.policies.static import selection_counts
-    from expertcast.inference.stages import TokenDecoder
+    from expertcast.inference.saem_synthetic import drifting_stage_traces
+    from expertcast.inference.synthetic import staged_traces
 
-    batch_sizes = [int(x) for x in str(args.batch_sizes).split(",")]
-    capacities = [float(x) for x in str(args.capacities).split(",")]
-    policies = [p.strip() for p in str(getattr(args, "policies", ",".join(POLICIES))).split(",") if p.strip()]
-    eb = getattr(args, "expert_bytes", None) or QWEN3_30B_A3B_EXPERT_BYTES
-    cost = CostConfig(expert_bytes=int(eb), cpu_parallel=not getattr(args, "cpu_serial", False))
+    shape = dict(num_sequences=16, num_tokens=512, num_layers=8, num_experts=64, top_k=2, hot=8,
+                 mean_stage_len=64.0, seed=1)
+    out = []
+    for tag, syn in (("synthetic", staged_traces(num_stages=4, **shape)),
+                     ("synthetic-drift", drifting_stage_traces(keep=6, **shape))):
+        cnt = selection_counts(syn.sequences[:4], syn.meta.num_layers, syn.meta.num_experts)
+        freq = cnt / max(sum(s.num_tokens for s in syn.sequences[:4]), 1)
+        out.append((tag, syn, freq, cnt))
+    return out
+
+
+def evaluate_saem(*, batch_sizes: Sequence[int], capacities: Sequence[float] = (), slots: Sequence[int] = (),
+                  policies: Sequence[str] = POLICIES, cost: Any = None,
+                  traces: tuple[Any, list[Any]] | None = None, tag: str = "cot", cue_set: Any = None,
+                  decoder: Any = None, synthetic: bool = False,
+                  partial: Callable[[str], Path] | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """SAEM evaluation rows (module docstring) on ``traces`` (with their ``cue_set`` and token
+    ``decoder``) and/or the synthetic trace sets.
+
+    Args:
+        batch_sizes: sequences decoded in lockstep, one grid per value.
+        capacities / slots: fractions of the experts / slot counts per layer.
+        cost: the :class:`~expertcast.inference.cost_model.CostConfig` of the simulator and the policies.
+        tag: name of ``traces`` in the table.
+        partial: the resume file of a trace set's tag (None: no resume).
+    """
     rows: list[dict[str, Any]] = []
-    out = Path(args.out_dir)
-    if args.traces:
-        from expertcast.data.traces import load_traces
-
-        meta, seqs = load_traces(args.traces, max_sequences=args.max_sequences)
-        cs = CueSet.load(resolve_cue_set(args.cues, args.tokenizer or meta.model_id))
-        cs.check_compatible(meta.num_layers, meta.num_experts)
-        tok = load_tokenizer(args.tokenizer or cs.tokenizer or meta.model_id)
-        if cs.expert_frequency is None:
-            raise ValueError(f"cue set {args.cues} has no expert_frequency (recalibrate with expertcast stages calibrate)")
-        freq = np.asarray(cs.expert_frequency, np.float64)
-        counts = counts_from_frequency(freq, cs.calibration.get("decode_tokens", 1))
-        tag = "cot" if args.max_sequences is None else f"cot{args.max_sequences}"
-        rows += run_grid(tag, (meta, seqs), list(cs.cues), TokenDecoder(tok), freq, counts, batch_sizes, capacities,
-                         cs.ignore_case, cost, policies, out / f"partial-{tag}.json")
-    if args.synthetic:
-        from expertcast.inference.saem_synthetic import drifting_stage_traces
-        from expertcast.inference.synthetic import staged_traces
-
-        shape = dict(num_sequences=16, num_tokens=512, num_layers=8, num_experts=64, top_k=2, hot=8,
-                     mean_stage_len=64.0, seed=1)
-        # "synthetic": every stage draws a profile different from the finished one (SAEM's premise violated);
-        # "synthetic-drift": a boundary swaps 2 of a layer's 8 hot experts (adjacent stages coherent)
-        for tag, syn in (("synthetic", staged_traces(num_stages=4, **shape)),
-                         ("synthetic-drift", drifting_stage_traces(keep=6, **shape))):
-            # calibration (static placement) on 4 held-out sequences of the same generator run
-            cnt = selection_counts(syn.sequences[:4], syn.meta.num_layers, syn.meta.num_experts)
-            freq = cnt / max(sum(s.num_tokens for s in syn.sequences[:4]), 1)
-            rows += run_grid(tag, (syn.meta, syn.sequences[4:]), ["Wait"], synthetic_cue_decoder(syn.cue_token),
-                             freq, cnt, batch_sizes, capacities, False, cost, policies, out / f"partial-{tag}.json")
+    if traces is not None:
+        freq, counts = cue_set_calibration(cue_set)
+        rows += run_grid(tag, traces, list(cue_set.cues), decoder, freq, counts, list(batch_sizes), capacities,
+                         cue_set.ignore_case, cost, list(policies), partial(tag) if partial else None, progress, slots)
+    if synthetic:
+        for name, syn, freq, cnt in synthetic_runs():
+            rows += run_grid(name, (syn.meta, syn.sequences[4:]), ["Wait"], synthetic_cue_decoder(syn.cue_token),
+                             freq, cnt, list(batch_sizes), capacities, False, cost, list(policies),
+                             partial(name) if partial else None, progress, slots)
     if not rows:
-        raise ValueError("nothing to evaluate: give --traces (with --cues) and/or --synthetic")
+        raise UsageError("nothing to evaluate: give --traces (with a cue set) and/or --synthetic")
+    return rows
+
+
+def write_results(rows: list[dict[str, Any]], json_path: Path, csv_path: Path, png_path: Path, expert_bytes: int) -> None:
+    """The table in the terminal, JSON, CSV and the plot of :func:`evaluate_saem`'s rows."""
     report(rows, title=f"SAEM: stage-aware vs LRU vs static (per-layer pools, decode-only; costs of a "
-           f"{int(eb) / 1e6:.2f} MB expert)", json_path=out / "saem_eval.json", csv_path=out / "saem_eval.csv",
+           f"{int(expert_bytes) / 1e6:.2f} MB expert)", json_path=json_path, csv_path=csv_path,
            columns=["traces", "batch", "capacity", "slots_per_layer", "policy", "hit", "cpu_share",
                     "transfers_per_token", "proactive_per_token", "speed_pct", "speedup_vs_lru", "oracle_eff_hit",
                     "oracle_eff_speed", "updates"])
-    plot(rows, out / "saem_eval.png")
-    print(f"wrote {out}")
-    return 0
+    plot(rows, png_path)

@@ -1,13 +1,11 @@
 """Trace-driven expert-cache simulator: replay routing traces through a policy and measure hit rate,
-traffic and modelled speed (DESIGN.md, cache semantics).
+traffic and modelled speed (docs/design.md, cache semantics).
 
 How a replay is formed:
-* Batches: the sequences are taken in order, ``batch_size`` consecutive sequences at a time, and
-  decoded in lockstep; a sequence that has finished drops out while the others go on. The next batch
-  starts when the whole batch is done. The cache persists across batches (one long serving session).
-* Steps: each batch first replays its prompts position by position (prefill step ``p`` accesses
-  position ``p`` of every member whose prompt is longer than ``p``), then decodes (decode step ``d``
-  accesses position ``prompt_len + d`` of every unfinished member). Every step runs layers 0..L-1; a
+* Batches: the sequences are taken in order, ``batch_size`` consecutive sequences at a time, and run
+  in lockstep by the schedule of :class:`~expertcast.inference.driver.BatchSchedule` (prompts first,
+  position by position; then decode steps; finished sequences drop out). The next batch starts when
+  the whole batch is done. The cache persists across batches (one long serving session). A
   layer-execution accesses the union of the active members' top-K selections, in first-appearance
   order, with the number of tokens routed to each expert.
 * Warm-up: the prefill steps go through the same policy, with the same rules, but are not counted;
@@ -19,14 +17,23 @@ Metrics (counted decode steps only): accesses A (one selected expert at one laye
 hits, late prefetches, demand misses D (including temporary-slot loads), proactive loads P, CPU-executed
 accesses; ``hit = 1 - D/A`` (a late prefetch or a CPU-executed access is not a demand miss; see also
 ``resident_hit``), ``adj_hit = (A - D) / (A + P)``, ``mb_per_token = (D + P) * expert_bytes / 1e6`` per
-decoded token, per-layer hit, ``belady_fraction = hit / hit of belady`` (protect-rule Belady, same
-capacity, pool and batch), and the cost model's stall and % of full-load speed
-(:mod:`expertcast.inference.cost_model`).
+decoded token, per-layer hit, ``belady_fraction = hit / ceiling hit`` and the cost model's stall and %
+of full-load speed (:mod:`expertcast.inference.cost_model`).
 
-Two engines replay the same stream: the generic Python driver (:func:`replay`), which calls every
-:class:`~expertcast.inference.policy.Policy` hook and keeps the cost model's clock (late prefetches
-need it), and compiled kernels (:mod:`expertcast.inference._kernels`) for the demand-only classic
-policies and oracles, whose stall is exactly ``D * transfer_ms`` because nothing else uses the link.
+The ceiling (:func:`replay_ceiling`, same capacity, pool and batch) is the offline optimum of every
+demand-only policy on these decode-only counts: each batch's decode starts from the best cache for
+free (a policy may shape its post-prefill cache by its warm start and uncounted prefill loads), then
+furthest-next-use retention with bypass (a miss may be served from a temporary slot, as the static
+placement does). So no demand-only policy has a ``belady_fraction`` above 1; the ``belady`` policy
+(protect-rule Belady from its own post-prefill cache) may stay below it. Prefetching and
+CPU-executing policies are not bounded by it.
+
+Engines: the generic :func:`replay` runs the one driver (:class:`~expertcast.inference.driver.Driver`,
+every :class:`~expertcast.inference.policy.Policy` hook, the hook order of the runtime) over the cost
+model's modelled link (:class:`~expertcast.inference.cost_model.ModelledTransport`, late prefetches need
+its clock) or over the landings recorded from a runtime run (``transport=RecordedTransport(...)``);
+compiled kernels (:mod:`expertcast.inference._kernels`) replay the demand-only classic policies and
+oracles with identical counters (their stall is exactly ``D * transfer_ms``: nothing else uses the link).
 """
 
 from __future__ import annotations
@@ -40,13 +47,16 @@ from typing import Any
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference import _kernels as K
-from expertcast.inference.cache import COMPUTE, FETCH, USED, CacheConfig, ExpertCache, acquire_slot
-from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Event, Link
+from expertcast.inference.cache import CacheConfig, ExpertCache
+from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Event, ModelledTransport
+from expertcast.inference.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
 from expertcast.inference.metrics import CacheMetricsMixin
-from expertcast.inference.policy import MissAction, Policy
+from expertcast.inference.policy import Policy
 
 WARMUP_NOTE = "decode-only; prefill replayed through the policy uncounted"
-ORACLE_NOTE = "belady = protect-rule Belady (selection kept, furthest next use evicted)"
+ORACLE_NOTE = ("belady_fraction = hit / ceiling of demand-only policies (furthest next use kept, bypass allowed, "
+               "each batch's decode starting from the best cache); belady = protect-rule Belady from its own "
+               "post-prefill cache")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,6 +82,8 @@ class AccessStream:
     step_batch: np.ndarray
     batches: list[list[int]] = field(default_factory=list)
     sequences: list[TraceSequence] | None = None
+    schedules: list[BatchSchedule] = field(default_factory=list)
+    """The lockstep schedule of each batch (:class:`~expertcast.inference.driver.BatchSchedule`)."""
     _next: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -112,10 +124,6 @@ class AccessStream:
                                                      self.num_experts, True)
         return self._next["access"]
 
-    def batch_prefill_steps(self, b: int) -> int:
-        """Prefill steps of batch ``b`` (its longest prompt)."""
-        return max(self.sequences[s].prompt_len for s in self.batches[b]) if self.sequences else 0
-
 
 def validate_traces(meta: TraceMeta, sequences: Sequence[TraceSequence]) -> None:
     """Raise ValueError naming the problem when the sequences do not match ``meta`` (L, K, expert
@@ -142,32 +150,22 @@ def validate_traces(meta: TraceMeta, sequences: Sequence[TraceSequence]) -> None
 
 def build_stream(meta: TraceMeta, sequences: Sequence[TraceSequence], batch_size: int = 1) -> AccessStream:
     """Flatten ``sequences`` into an :class:`AccessStream` (batches of ``batch_size`` consecutive
-    sequences in lockstep; see the module docstring)."""
+    sequences in lockstep, scheduled by :func:`expertcast.inference.driver.stream_schedule`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     validate_traces(meta, sequences)
     L, E, Kk = meta.num_layers, meta.num_experts, meta.top_k
     n = len(sequences)
     batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
-    if batch_size == 1:
-        experts = np.concatenate([np.ascontiguousarray(s.expert_ids, dtype=np.int16).reshape(-1) for s in sequences])
-        counts = np.ones(len(experts), np.int32)
-        exec_ptr = np.arange(0, len(experts) + 1, Kk, dtype=np.int64)
-        step_counted = np.concatenate([np.arange(s.num_tokens) >= s.prompt_len for s in sequences])
-        step_tokens = np.ones(len(step_counted), np.int32)
-        step_batch = np.concatenate([np.full(s.num_tokens, i, np.int32) for i, s in enumerate(sequences)])
-    else:
-        flat = np.concatenate([np.ascontiguousarray(s.expert_ids, dtype=np.int16).reshape(-1) for s in sequences])
-        sizes = np.array([s.num_tokens * L * Kk for s in sequences], np.int64)
-        seq_off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        seq_T = np.array([s.num_tokens for s in sequences], np.int64)
-        seq_prompt = np.array([s.prompt_len for s in sequences], np.int64)
-        members = np.array([i for b in batches for i in b], np.int64)
-        bptr = np.concatenate([[0], np.cumsum([len(b) for b in batches])]).astype(np.int64)
-        experts, counts, exec_ptr, step_counted, step_tokens, step_batch = K.build_batch_stream(
-            flat, seq_off, seq_T, seq_prompt, members, bptr, L, Kk, E)
-    return AccessStream(L, E, Kk, experts, counts, exec_ptr, step_counted.astype(np.bool_), step_tokens,
-                        step_batch, batches, list(sequences))
+    prompt = np.array([s.prompt_len for s in sequences], np.int64)
+    lengths = np.array([s.num_tokens for s in sequences], np.int64)
+    scheds, step_batch, step_counted, step_seq, step_pos = stream_schedule(prompt, lengths, batches)
+    flat = np.concatenate([np.ascontiguousarray(s.expert_ids, dtype=np.int16).reshape(-1) for s in sequences])
+    sizes = lengths * L * Kk
+    seq_off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    experts, counts, exec_ptr, step_tokens = K.build_batch_stream(flat, seq_off, step_seq, step_pos, L, Kk, E)
+    return AccessStream(L, E, Kk, experts, counts, exec_ptr, step_counted, step_tokens, step_batch, batches,
+                        list(sequences), scheds)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,6 +192,8 @@ class ReplayResult(CacheMetricsMixin):
     seconds: float = 0.0
     resident: set[tuple[int, int]] | None = None
     timeline: list[Event] | None = None
+    landings: list[tuple[int, int, int]] | None = None
+    """``(x, layer, expert)`` of every landing (``replay(..., record_landings=True)``)."""
 
     @property
     def per_layer_hit(self) -> list[float]:
@@ -231,58 +231,27 @@ def _check_stream(stream: AccessStream, config: CacheConfig) -> None:
 
 
 def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: CostConfig | None = None,
-           record_timeline: bool = False, progress: bool = False) -> ReplayResult:
-    """Generic engine: drive ``policy`` through every hook of :mod:`expertcast.inference.policy`
-    with the cost model's clock. Works for any policy (prefetching, CPU execution, temporary slots)."""
+           record_timeline: bool = False, progress: bool = False, transport: Transport | None = None,
+           record_landings: bool = False) -> ReplayResult:
+    """Generic engine: the :class:`~expertcast.inference.driver.Driver` calls every hook of ``policy``
+    over the stream; transfers go to the cost model's modelled link (default) or to ``transport``
+    (e.g. a :class:`~expertcast.inference.driver.RecordedTransport` of a runtime run). Works for any
+    policy (prefetching, CPU execution, temporary slots). ``record_landings``: keep the driver's
+    landings in ``ReplayResult.landings``."""
     if getattr(policy, "kernel_only", False):
         raise ValueError(f"policy {policy.name!r} runs only on the compiled engine")
     _check_stream(stream, config)
     cost = cost or CostConfig()
-    L, E = config.num_layers, config.num_experts
+    L = config.num_layers
     xbytes = _expert_bytes(config, cost)
-    compute = cost.compute_ms(L)
-    link = Link(cost.transfer_ms(xbytes), cost.queue, timeline=[] if record_timeline else None)
-    cache = ExpertCache(config)
-    policy.reset(config)
-    if policy.needs_future:
-        policy.set_future(stream)
-    if stream.sequences and hasattr(policy, "prepare_sequences"):
-        policy.prepare_sequences(stream.sequences)  # optional hook: per-replay setup over all sequences (seqmoe)
-    for layer, expert in policy.warm_start(cache):
-        slot = cache.take_free_slot(cache.pool_of(layer))
-        if slot < 0:
-            raise ValueError(f"{policy.name}: warm start places more experts than layer {layer}'s pool holds")
-        cache.assign(slot, layer, expert, USED)
-
-    z = lambda: np.zeros(L, np.int64)  # noqa: E731
-    acc, hits, demand, temp, late, cpu, proactive, dropped = z(), z(), z(), z(), z(), z(), z(), z()
-    fetch_of: dict[int, Any] = {}
-    clock = 0.0
-    stall_total = 0.0
-    compute_total = 0.0
+    if transport is None:
+        transport = ModelledTransport(cost, L, xbytes, record_timeline)
+    driver = Driver(policy, ExpertCache(config), transport, record_landings=record_landings)
+    driver.reset(stream)
     seqs = stream.sequences
+    if seqs and hasattr(policy, "prepare_sequences"):
+        policy.prepare_sequences(seqs)  # optional hook: per-replay setup over all sequences (seqmoe)
     t0 = time.perf_counter()
-
-    def issue(t: int, cur_layer: int, items, now: float, after: bool, counted: bool) -> None:
-        for (pl, pe) in items:
-            pl, pe = int(pl), int(pe)
-            if not (0 <= pl < L and 0 <= pe < E):
-                raise ValueError(f"{policy.name} asked to prefetch ({pl}, {pe}) outside L={L}, E={E}")
-            if cache.contains(pl, pe):
-                continue
-            slot = acquire_slot(cache, policy, t, pl, cache.pool_of(pl))
-            if slot < 0:
-                if counted:
-                    dropped[pl] += 1
-                continue
-            cache.assign(slot, pl, pe, FETCH, proactive=True)
-            policy.on_insert(pl, pe, True)
-            later = pl > cur_layer or (pl == cur_layer and not after)
-            deadline = (t if later else t + 1) * L + pl
-            fetch_of[slot] = link.issue_prefetch(slot, pl, pe, now, deadline, t)
-            if counted:
-                proactive[pl] += 1
-
     steps = range(stream.num_steps)
     if progress:
         from tqdm.auto import tqdm
@@ -292,121 +261,41 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
     for t in steps:
         b = int(stream.step_batch[t])
         if b != prev_batch:
-            policy.begin_batch([seqs[i] for i in stream.batches[b]] if seqs else stream.batches[b])
-            batch_start, prev_batch = t, b
-        policy.on_step(t)
-        counted = bool(stream.step_counted[t])
+            members = [seqs[i] for i in stream.batches[b]] if seqs else stream.batches[b]
+            driver.begin_batch(members, stream.schedules[b])
+            prev_batch = b
+        info = driver.begin_step(counted=bool(stream.step_counted[t]))
         for layer in range(L):
-            x = t * L + layer
-            now = clock
-            for tr in link.advance(now):
-                if cache.slot_layer[tr.slot] == tr.layer and cache.state[tr.slot] == FETCH:
-                    cache.set_state(tr.slot, COMPUTE)
-                    fetch_of.pop(tr.slot, None)
-            issue(t, layer, policy.before_layer(t, layer, cache), now, False, counted)
-            for s in cache.slots_in_state(COMPUTE, layer):  # landed prefetches of this layer
-                cache.set_state(int(s), USED)
-            sel, cnt = stream.selection(x)
-            pool = cache.pool_of(layer)
-            wait = now
-            missing = []
-            for e in sel:
-                e = int(e)
-                s = cache.slot(layer, e)
-                if s < 0:
-                    missing.append(e)
-                    continue
-                if cache.state[s] == FETCH:
-                    tr = fetch_of.pop(s)
-                    wait = max(wait, link.wait_for(tr, now))
-                    link.inflight.remove(tr)
-                    if link.timeline is not None:
-                        link.timeline.append(Event(t, layer, "late", e, now, tr.end))
-                    cache.set_state(s, COMPUTE)
-                    if counted:
-                        late[layer] += 1
-                elif counted:
-                    hits[layer] += 1
-                cache.proactive[s] = False
-            cpu_ms = 0.0
-            cpu_jobs: list[tuple[int, float]] = []
-            cnt_of = dict(zip(sel.tolist(), cnt.tolist(), strict=True))
-            for e in missing:
-                action = MissAction(policy.on_miss(t, layer, e, cnt_of[e], cache))
-                slot = -1
-                if action == MissAction.LOAD:
-                    slot = acquire_slot(cache, policy, t, layer, pool, sel)
-                    if slot < 0:
-                        action = MissAction.TEMP  # every slot holds a selected or in-flight expert
-                if action == MissAction.LOAD:
-                    cache.assign(slot, layer, e, COMPUTE)
-                    policy.on_insert(layer, e, False)
-                    wait = max(wait, link.demand(layer, e, now, t))
-                elif action == MissAction.TEMP:
-                    wait = max(wait, link.demand(layer, e, now, t, kind="temp"))
-                    if counted:
-                        temp[layer] += 1
-                else:
-                    c = cost.cpu_ms(cnt_of[e])
-                    cpu_jobs.append((e, c))
-                    cpu_ms += c
-                    if counted:
-                        cpu[layer] += 1
-                if counted and action != MissAction.CPU:
-                    demand[layer] += 1
-            if counted:
-                acc[layer] += len(sel)
-            layer_stall = wait - now
-            begin = wait
-            if link.timeline is not None:
-                if layer_stall > 0:
-                    link.timeline.append(Event(t, layer, "stall", -1, now, wait))
-                cur = now if cost.cpu_parallel else begin
-                for e, c in cpu_jobs:  # CPU experts run one after another beside the device work
-                    link.timeline.append(Event(t, layer, "cpu", e, cur, cur + c))
-                    cur += c
-                link.timeline.append(Event(t, layer, "compute", -1, begin, begin + compute[layer]))
-            if cost.cpu_parallel:  # CPU experts start with the layer, beside its transfers and compute
-                clock = max(begin + compute[layer], now + cpu_ms)
-            else:
-                clock = begin + max(compute[layer], cpu_ms)
-            if counted:
-                stall_total += clock - now - compute[layer]
-                compute_total += compute[layer]
-            for e in sel:
-                s = cache.slot(layer, int(e))
-                if s >= 0 and cache.state[s] == COMPUTE:
-                    cache.set_state(s, USED)
-            policy.on_access(t, layer, sel, cnt, cache)
-            issue(t, layer, policy.after_layer(t, layer, cache), clock, True, counted)
-        if seqs is not None:
-            produced = _produced_tokens(stream, t, batch_start)
-            if produced:
-                policy.observe_tokens(t, produced)
-    return ReplayResult(acc, hits, demand, temp, late, cpu, proactive, dropped, stall_total, compute_total,
-                        stream.decoded_tokens, int(stream.step_counted.sum()), xbytes, "python",
-                        time.perf_counter() - t0, cache.resident_set(), link.timeline)
+            sel, cnt = stream.selection(t * L + layer)
+            routing = _member_routing(info, members, layer) if driver.wants_routing and seqs else None
+            driver.run_layer(layer, sel, cnt, routing)
+        if seqs:
+            driver.end_step(_fed_tokens(info, members))
+    c = driver.counters
+    return ReplayResult(c.accesses, c.hits, c.demand, c.temp, c.late, c.cpu, c.proactive, c.dropped,
+                        transport.stall_ms, transport.compute_ms, stream.decoded_tokens,
+                        int(stream.step_counted.sum()), xbytes, "python", time.perf_counter() - t0,
+                        driver.cache.resident_set(), transport.timeline,
+                        driver.landings if record_landings else None)
 
 
-def _produced_tokens(stream: AccessStream, t: int, batch_start: int) -> list[int]:
-    """Token ids produced at step ``t`` by the active members (the input of their next position)."""
-    b = int(stream.step_batch[t])
-    j = t - batch_start
-    mp = stream.batch_prefill_steps(b)
-    out = []
-    for s in stream.batches[b]:
-        seq = stream.sequences[s]
-        if j < mp:
-            if j >= seq.prompt_len:
-                continue
-            pos = j
-        else:
-            pos = seq.prompt_len + j - mp
-            if pos >= seq.num_tokens:
-                continue
-        if pos + 1 < seq.num_tokens:
-            out.append(int(seq.token_ids[pos + 1]))
-    return out
+def _member_routing(info: StepInfo, members: Sequence[TraceSequence], layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64 [B, K], weights float32 [B, K]) of ``layer`` at the step, zeros for idle members."""
+    K_ = members[0].expert_ids.shape[2]
+    ids = np.zeros((len(members), K_), np.int64)
+    w = np.zeros((len(members), K_), np.float32)
+    for i in info.active.tolist():
+        pos = int(info.positions[i])
+        ids[i] = members[i].expert_ids[pos, layer]
+        w[i] = members[i].expert_weights[pos, layer]
+    return ids, w
+
+
+def _fed_tokens(info: StepInfo, members: Sequence[TraceSequence]) -> list[int | None]:
+    """The token each member feeds to its next position (None when it has none)."""
+    nxt = info.schedule.has_next(info.local)
+    return [int(m.token_ids[p + 1]) if ok else None
+            for m, p, ok in zip(members, info.positions.tolist(), nxt.tolist(), strict=True)]
 
 
 def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
@@ -441,6 +330,28 @@ def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
     res = {(int(i) // E, int(i) % E) for i in np.flatnonzero(resident)}
     return ReplayResult(acc, hit, miss, temp, z(), z(), z(), z(), stall, compute_total, stream.decoded_tokens,
                         n_steps, xbytes, "kernel", seconds, res, None)
+
+
+def replay_ceiling(stream: AccessStream, config: CacheConfig, cost: CostConfig | None = None) -> ReplayResult:
+    """The ceiling of every demand-only policy on the counted steps (``belady_fraction``'s denominator):
+    furthest-next-use retention with bypass, each counted segment (the decode steps after a batch's
+    uncounted prefill) starting from the best cache for free (:func:`~expertcast.inference._kernels.
+    ceiling_kernel`). It is an accounting bound, not a policy (no resident set)."""
+    _check_stream(stream, config)
+    cost = cost or CostConfig()
+    L = config.num_layers
+    xbytes = _expert_bytes(config, cost)
+    acc, hit = np.zeros(L, np.int64), np.zeros(L, np.int64)
+    t0 = time.perf_counter()
+    K.ceiling_kernel(stream.experts, stream.exec_ptr, stream.step_counted, L, config.num_experts, config.pool_of_layer,
+                     config.pool_capacities, stream.next_exec, acc, hit)
+    seconds = time.perf_counter() - t0
+    n_steps = int(stream.step_counted.sum())
+    miss = acc - hit
+    z = np.zeros(L, np.int64)
+    return ReplayResult(acc, hit, miss, z, z.copy(), z.copy(), z.copy(), z.copy(),
+                        float(miss.sum()) * cost.transfer_ms(xbytes), float(cost.compute_ms(L).sum()) * n_steps,
+                        stream.decoded_tokens, n_steps, xbytes, "ceiling", seconds)
 
 
 def replay_static(stream: AccessStream, policy, config: CacheConfig, cost: CostConfig | None = None) -> ReplayResult:
@@ -584,7 +495,8 @@ def simulate(traces, policies: Sequence[str | Policy], capacities: Sequence[Any]
             to ``capacities``; pass ``capacities=None`` to use them alone).
         batch_size: sequences decoded in lockstep (see the module docstring).
         cost: cost-model parameters (defaults: PCIe 4.0 x16, the trace's expert size).
-        belady_fraction: also run protect-rule Belady at each capacity and report hit / Belady's hit.
+        belady_fraction: also compute the demand-only ceiling at each capacity (:func:`replay_ceiling`) and
+            report ``belady_hit`` (its hit) and ``belady_fraction`` (hit / ceiling hit).
         engine: ``auto`` (compiled kernels where available), ``kernel`` or ``python``.
         calibration: [L, E] counts or sequences for ``static`` (default: in-sample).
         done: records of an interrupted run keyed by :func:`record_key`; they are reused, not replayed.
@@ -628,12 +540,7 @@ def simulate(traces, policies: Sequence[str | Policy], capacities: Sequence[Any]
         if belady_fraction:
             ck = id(config)
             if ck not in belady_hit:
-                if policy.name == "belady" and getattr(policy, "label", "belady") == "belady":
-                    belady_hit[ck] = res.hit
-                else:
-                    from expertcast.inference.policies.oracle import BeladyPolicy
-
-                    belady_hit[ck] = replay_kernel(stream, BeladyPolicy(), config, cost).hit
+                belady_hit[ck] = replay_ceiling(stream, config, cost).hit
             rec["belady_hit"] = belady_hit[ck]
             rec["belady_fraction"] = rec["hit"] / belady_hit[ck] if belady_hit[ck] > 0 else float("nan")
         rec["engine"] = res.engine

@@ -1,4 +1,4 @@
-"""Streaming stage-boundary detection over generated token ids (SAEM IV-1, DESIGN.md "SAEM").
+"""Streaming stage-boundary detection over generated token ids (SAEM IV-1, docs/design.md "SAEM").
 
 A chain-of-thought trace changes reasoning stage at discourse cues ("Alternatively", "Wait", "Let me
 check", ...). The detector turns the token ids a model emits into text, one token at a time, and

@@ -1,6 +1,6 @@
 """Cache-aware auxiliary routers (Temporal and Spatio) and their soft Top-B coverage loss.
 
-Reference: DESIGN.md, "Cache-aware router adaptation (restated)"; paper
+Reference: docs/design.md, "Cache-aware router adaptation (restated)"; paper
 ``papers/cache-aware-router-adaptation.txt`` (sections 3.1-3.4, Algorithms 1-2).
 
 Per MoE layer ``l`` the native router gives ``p^R_{t,l} = softmax(W^R_l h_{t,l})`` from its input

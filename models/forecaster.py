@@ -1,11 +1,11 @@
-"""SeqMoE expert-activation forecaster (SeqMoE 3.1, 5.2, 5.3; DESIGN.md "Forecaster").
+"""SeqMoE expert-activation forecaster (SeqMoE 3.1, 5.2, 5.3; docs/design.md "Forecaster").
 
 The forecaster reads, per decode step, the activation vector of all MoE layers (size L·E: the
 normalized top-K weights at the active experts, zeros elsewhere), runs it through a Mamba backbone
 (transformers' ``Mamba2Model`` by default, ``MambaModel`` as an option, both driven through
 ``inputs_embeds``) and emits per-layer expert logits for the next element.
 
-Trigger layer ``p`` (DESIGN.md): the element for step t holds layers <= p of step t and layers > p
+Trigger layer ``p`` (docs/design.md "Forecaster"): the element for step t holds layers <= p of step t and layers > p
 of step t-1; its target holds layers > p of step t and layers <= p of step t+1, i.e. the target of
 element t is element t+1. :func:`trigger_sequence` builds these elements from a [T, L, E] activation
 tensor, so that the model itself only ever does next-element prediction; ``p = L-1`` is plain

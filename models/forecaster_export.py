@@ -4,12 +4,19 @@ Layout of an export directory::
 
     forecaster.json          {"format": "expertcast-forecaster", "format_version": 1, "config": {...},
                               "source": {model_id, num_layers, num_experts, top_k, ...},
-                              "weights": "forecaster.safetensors", "weights_sha256": "...", "extra": {...}}
+                              "weights": "forecaster.safetensors", "weights_sha256": "...", "extra": {...},
+                              "training": {traces, trace_fingerprint, split, train_ids, val_ids, run_dir,
+                                           config, ...}}
     forecaster.safetensors   the state dict of :class:`~expertcast.models.forecaster.ExpertForecaster`
+    export_manifest.json     sha256 of both files above (:func:`expertcast.utils.provenance.write_export_manifest`)
 
-Loading needs neither Lightning nor pickle: JSON + safetensors only. A foreign file (wrong
-``format``), a newer format version, a checksum mismatch (corruption), missing/unexpected tensors or
-shape mismatches are refused with :class:`ForecasterExportError` naming the problem.
+Loading needs neither Lightning nor pickle: JSON + safetensors only. The manifest is checked before
+anything is used, so an edited ``temperature`` or ``trigger_layer`` is refused like corrupted weights;
+the ``weights`` entry must name a file inside the export. A foreign file (wrong ``format``), a newer
+format version, an export without a manifest (written by an older expertcast: re-export it),
+missing/unexpected tensors or shape mismatches are refused with :class:`ForecasterExportError` naming
+the problem. :func:`training_ids` reads the sequences an export was trained and validated on, for
+the leakage checks of the commands that evaluate it.
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ from typing import Any
 
 import torch
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_bytes, atomic_write_json
+from expertcast.utils.provenance import (
+    EXPORT_MANIFEST,
+    safe_member,
+    verify_export_manifest,
+    write_export_manifest,
+)
 
 EXPORT_FORMAT = "expertcast-forecaster"
 EXPORT_FORMAT_VERSION = 1
@@ -31,8 +45,8 @@ CONFIG_NAME = "forecaster.json"
 WEIGHTS_NAME = "forecaster.safetensors"
 
 
-class ForecasterExportError(ValueError):
-    """The path does not hold a usable forecaster export (foreign, corrupt or incompatible)."""
+class ForecasterExportError(UsageError):
+    """The path does not hold a usable forecaster export (foreign, corrupt, altered or incompatible)."""
 
 
 @dataclass
@@ -45,6 +59,10 @@ class ForecasterExport:
     """What the forecaster was trained on: model_id, num_layers, num_experts, top_k (of the traces)."""
     extra: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    training: dict[str, Any] | None = None
+    """Provenance written by ``expertcast fit``: traces, fingerprint, split, train/val ids, run dir, config."""
+    export_hash: str | None = None
+    """sha256 over the export's files (its manifest): the identity outputs record for this forecaster."""
 
     def check_compatible(self, num_layers: int, num_experts: int, top_k: int, what: str = "trace") -> None:
         """Raise ValueError when this forecaster's L/E/K differ from ``what``'s."""
@@ -60,8 +78,9 @@ class ForecasterExport:
 
 
 def save_forecaster(model: ExpertForecaster, path: str | os.PathLike, *, source: dict[str, Any] | None = None,
-                    extra: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` to the export directory ``path`` (atomically, weights first). Returns the directory."""
+                    extra: dict[str, Any] | None = None, training: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` to the export directory ``path`` (each file atomically: weights, JSON, then the
+    manifest). ``training`` is the provenance block (see the module docstring). Returns the directory."""
     from safetensors.torch import save
 
     out = Path(path)
@@ -83,7 +102,9 @@ def save_forecaster(model: ExpertForecaster, path: str | os.PathLike, *, source:
         "weights_sha256": hashlib.sha256(blob).hexdigest(),
         "num_parameters": model.num_parameters(),
         "extra": dict(extra or {}),
+        **({"training": training} if training is not None else {}),
     })
+    write_export_manifest(out, [WEIGHTS_NAME, CONFIG_NAME])
     return out
 
 
@@ -116,6 +137,18 @@ def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
     return cfg
 
 
+def verify_export(path: str | os.PathLike) -> str:
+    """Check the export's manifest (every file unaltered, none missing or extra); returns the export hash."""
+    root = _config_path(Path(path)).parent
+    if not (root / EXPORT_MANIFEST).is_file():
+        raise ForecasterExportError(f"{root}: forecaster export without {EXPORT_MANIFEST} (written by an older "
+                                    f"expertcast, or incomplete); re-export it with `expertcast fit`")
+    try:
+        return verify_export_manifest(root)
+    except UsageError as e:
+        raise ForecasterExportError(f"forecaster export is corrupt or was modified: {e}") from None
+
+
 def load_forecaster(path: str | os.PathLike, device: str | torch.device = "cpu") -> ForecasterExport:
     """Load an export directory (or its ``forecaster.json``) written by :func:`save_forecaster`."""
     from safetensors import SafetensorError
@@ -123,11 +156,15 @@ def load_forecaster(path: str | os.PathLike, device: str | torch.device = "cpu")
 
     cfg = read_export_config(path)
     cpath = _config_path(Path(path))
+    export_hash = verify_export(cpath.parent)
     try:
         config = ForecasterConfig.from_dict(cfg["config"])
     except (TypeError, ValueError) as e:
         raise ForecasterExportError(f"{cpath}: invalid forecaster config: {e}") from e
-    wpath = cpath.parent / cfg["weights"]
+    try:
+        wpath = safe_member(cpath.parent, cfg["weights"])
+    except UsageError as e:
+        raise ForecasterExportError(f"{cpath}: {e}") from None
     if not wpath.exists():
         raise ForecasterExportError(f"{cpath}: weights file {wpath.name} is missing")
     blob = wpath.read_bytes()
@@ -158,4 +195,16 @@ def load_forecaster(path: str | os.PathLike, device: str | torch.device = "cpu")
     model.load_state_dict(tensors, strict=True)
     model.to(device).eval()
     return ForecasterExport(model=model, config=config, source=dict(cfg.get("source") or {}),
-                            extra=dict(cfg.get("extra") or {}), path=cpath.parent)
+                            extra=dict(cfg.get("extra") or {}), path=cpath.parent,
+                            training=cfg.get("training"), export_hash=export_hash)
+
+
+def training_ids(export_dir: str | os.PathLike) -> set[str] | None:
+    """The sequence ids an export was trained or validated on (train ∪ val; held-out test ids are not
+    included), or None for an export that records no ``training`` block. The export is verified first."""
+    cfg = read_export_config(export_dir)
+    verify_export(_config_path(Path(export_dir)).parent)
+    training = cfg.get("training")
+    if not isinstance(training, dict) or "train_ids" not in training:
+        return None
+    return set(training.get("train_ids") or []) | set(training.get("val_ids") or [])

@@ -2,9 +2,16 @@
 
 The JSON holds the format name and version, the routers' sizes and mode, a description of the
 backbone they were trained with (family, L, E, K, H) and the SHA-256 of the weights file, plus free
-``extra`` settings (B, tau, sw, ...). :func:`load_routers` refuses, with a message naming the problem,
-a directory that is not such an export, a newer format, corrupt or truncated weights, and routers for
+``extra`` settings (B, tau, sw, ...); ``export_manifest.json`` lists the sha256 of both files
+(:func:`expertcast.utils.provenance.write_export_manifest`). :func:`load_routers` refuses, with a
+message naming the problem, a directory that is not such an export, a newer format, an export
+without a manifest (re-export it), a file altered after export (weights or JSON), and routers for
 another model. Loading needs neither Lightning nor pickle (safetensors only).
+
+A router-adaptation export (``expertcast fit --config configs/router/...``) is a folder holding
+``export.json`` (its ``training`` block lists the train and held-out text ids), ``model/`` or
+``adapter/``, ``routers/`` (the files above) and a manifest over all of them:
+:func:`read_adaptation_export` verifies it and :func:`training_ids` reads its training ids.
 """
 
 from __future__ import annotations
@@ -18,13 +25,17 @@ from typing import Any
 import torch
 from expertcast.models.cache_routers import ROUTER_MODES, CacheRouters
 from expertcast.models.routing import find_routers
+from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_bytes, atomic_write_json
+from expertcast.utils.provenance import EXPORT_MANIFEST, verify_export_manifest, write_export_manifest
 from torch import nn
 
 FORMAT = "expertcast-cache-routers"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "cache_routers.safetensors"
 CONFIG_FILE = "cache_routers.json"
+ADAPTATION_FILE = "export.json"
+"""The top-level JSON of a router-adaptation export (written by RouterAdaptationModule.export)."""
 
 
 def model_signature(model: nn.Module) -> dict[str, Any]:
@@ -65,7 +76,19 @@ def save_routers(directory: str | os.PathLike, routers: CacheRouters, model: nn.
     meta.update({k: v for k, v in (extra or {}).items() if k not in meta})
     atomic_write_bytes(d / WEIGHTS_FILE, blob)
     atomic_write_json(d / CONFIG_FILE, meta)
+    write_export_manifest(d, [WEIGHTS_FILE, CONFIG_FILE])
     return d
+
+
+def _verify(d: Path, what: str) -> str:
+    """The manifest check of an export folder ``d`` (ValueError naming the altered file); returns its hash."""
+    if not (d / EXPORT_MANIFEST).is_file():
+        raise UsageError(f"{d}: {what} without {EXPORT_MANIFEST} (written by an older expertcast, or incomplete); "
+                         f"re-export it with `expertcast fit`")
+    try:
+        return verify_export_manifest(d)
+    except UsageError as e:
+        raise UsageError(f"{what} is corrupt or was modified: {e}") from None
 
 
 def read_router_config(directory: str | os.PathLike) -> dict[str, Any]:
@@ -98,6 +121,7 @@ def load_routers(directory: str | os.PathLike, model: nn.Module | None = None,
 
     d = Path(directory)
     meta = read_router_config(d)
+    meta["export_hash"] = _verify(d, "cache-router export")
     wpath = d / WEIGHTS_FILE
     if not wpath.is_file():
         raise ValueError(f"{d}: {WEIGHTS_FILE} is missing (incomplete export)")
@@ -127,3 +151,31 @@ def load_routers(directory: str | os.PathLike, model: nn.Module | None = None,
             raise ValueError(f"routers in {d} were trained with top-K={sig['top_k']}, the model has "
                              f"{mine['top_k']}: they belong to another model")
     return routers.to(map_location), meta
+
+
+def read_adaptation_export(export_dir: str | os.PathLike) -> dict[str, Any]:
+    """``export.json`` of a router-adaptation export, after checking the manifest over the whole folder
+    (model, routers, JSON); the returned dict carries ``export_hash``. UsageError when it is missing,
+    foreign or altered."""
+    d = Path(export_dir)
+    path = d / ADAPTATION_FILE
+    if not path.is_file():
+        raise UsageError(f"{d} is not a router-adaptation export: {ADAPTATION_FILE} is missing")
+    export_hash = _verify(d, "router-adaptation export")
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} is corrupt (not JSON): {e}") from None
+    if not isinstance(info, dict):
+        raise UsageError(f"{path} is not a router-adaptation export")
+    info["export_hash"] = export_hash
+    return info
+
+
+def training_ids(export_dir: str | os.PathLike) -> set[str] | None:
+    """The text ids a router-adaptation export was trained or validated on (train ∪ val), or None when
+    its ``export.json`` records no ``training`` block. The export is verified first."""
+    training = read_adaptation_export(export_dir).get("training")
+    if not isinstance(training, dict) or "train_ids" not in training:
+        return None
+    return set(training.get("train_ids") or []) | set(training.get("val_ids") or [])

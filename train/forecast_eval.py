@@ -1,4 +1,5 @@
-"""`expertcast forecast-eval`: recall of the forecaster by horizon vs baselines (SeqMoE 9.4; DESIGN.md).
+"""Recall of the forecaster by horizon vs baselines (SeqMoE 9.4; docs/design.md), the library behind
+``expertcast forecast-eval`` (:mod:`expertcast.commands.forecast_eval`).
 
 For every held-out sequence and every element i whose next element is a decode element, each predictor
 forecasts elements i+1..i+H (the forecaster by recursive rollout from its recurrent state). Recall@K
@@ -18,19 +19,17 @@ Reported per horizon, per layer and overall, for:
 ``--horizons`` forecasts come from the forecaster's direct heads where it has them and from recursive
 rollout beyond (:meth:`~expertcast.models.forecaster.ExpertForecaster.rollout`).
 
-Baselines are fitted on the training split of the export's own traces (or ``--fit-traces``); the
-held-out sequences are found again from the split settings written into the export.
+Baselines are fitted on the sequences the export was trained on (or ``--fit-traces``); the evaluated
+sequences are chosen by :func:`evaluation_split` from the training ids recorded in the export, so a
+forecaster is never scored on its own training data unless the caller allows it.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -185,7 +184,7 @@ class RecentFrequencyBaseline(Baseline):
 
 
 def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int) -> list[Baseline]:
-    """The three baselines of DESIGN.md plus the sequence's recent frequency, fitted on ``train``."""
+    """The three baselines of docs/design.md "Forecaster" plus the sequence's recent frequency, fitted on ``train``."""
     if not train:
         raise ValueError("no training sequences to fit the baselines on")
     L, E = meta.num_layers, meta.num_experts
@@ -331,146 +330,63 @@ def long_rows(tables: dict[str, RecallTable]) -> list[dict[str, Any]]:
 
 
 def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str) -> None:
+    """PNG at ``path``: recall@K (solid) and @K+3 (dashed) per predictor by horizon."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from expertcast.utils.io import save_figure
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, (name, t) in enumerate(tables.items()):
         hs = np.arange(1, t.horizons + 1)
         color = f"C{i}"
-        ax.plot(hs, 100 * t.recall("k"), "-o", color=color, label=f"{name} top-K")
-        ax.plot(hs, 100 * t.recall("k3"), "--", color=color, alpha=0.6, label=f"{name} top-(K+3)")
+        style = "o" if t.horizons == 1 else "-o"
+        ax.plot(hs, 100 * t.recall("k"), style, color=color, label=f"{name} top-K")
+        ax.plot(hs, 100 * t.recall("k3"), "x" if t.horizons == 1 else "--", color=color, alpha=0.6,
+                label=f"{name} top-(K+3)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("horizon (steps ahead)")
     ax.set_ylabel("recall of true top-K (%)")
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 70), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = Path(path).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------
-# CLI
+# which sequences are evaluated
 
 
-def held_out(export_extra: dict[str, Any], traces: str, seqs: list[TraceSequence], split: str
-             ) -> tuple[list[TraceSequence], list[TraceSequence], str]:
-    """(evaluation sequences, baseline-fitting sequences, split used) for ``split`` in auto|val|test|all."""
+SPLIT_CHOICES = ("auto", "val", "test", "all")
+
+
+def evaluation_split(seqs: Sequence[TraceSequence], split: str, trained: set[str] | None,
+                     split_info: dict[str, Any] | None) -> tuple[list[TraceSequence], str]:
+    """(sequences to evaluate, name of the split) for ``split`` in :data:`SPLIT_CHOICES`.
+
+    ``auto`` takes the sequences the export never saw (``trained`` = its train + val ids); for an export
+    that records no ids it falls back to the split settings written into it. ``val`` / ``test`` re-derive
+    the export's split of these sequences from those settings; ``all`` takes every sequence. The caller
+    checks what is returned against ``trained`` (:func:`expertcast.utils.provenance.check_overlap`).
+    """
+    if split not in SPLIT_CHOICES:
+        raise ValueError(f"split must be one of {SPLIT_CHOICES}, got {split!r}")
+    if split == "auto" and trained is not None:
+        return [s for s in seqs if s.seq_id not in trained], "held-out"
+    info = split_info or {}
+    if split == "auto":
+        split = ("test" if info.get("test_fraction", 0) > 0 else "val") if info else "all"
+    if split == "all":
+        return list(seqs), "all"
     from expertcast.train.forecaster_data import split_sequences
 
-    info = (export_extra or {}).get("split") or {}
-    same = bool(info.get("traces")) and _same_traces(info.get("traces"), traces)
-    if split == "auto":
-        split = ("test" if info.get("test_fraction", 0) > 0 else "val") if same else "all"
-    if split == "all":
-        return seqs, [], "all"
-    if not info and split in ("val", "test"):
+    if not info:
         log.warning("the export records no split settings: using the defaults (seed 0, val 0.1)")
     parts = split_sequences(seqs, int(info.get("split_seed", 0)), float(info.get("val_fraction", 0.1)),
                             float(info.get("test_fraction", 0.0)))
-    return parts[split], parts["train"], split
-
-
-def _same_traces(recorded: Any, traces: str) -> bool:
-    rec = recorded if isinstance(recorded, list) else [recorded]
-    try:
-        return any(Path(r).resolve() == Path(traces).resolve() for r in rec if r)
-    except OSError:
-        return False
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="expertcast forecast-eval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--forecaster", required=True, help="forecaster export directory (expertcast fit ... export_dir)")
-    ap.add_argument("--traces", required=True, help="trace directory to evaluate on")
-    ap.add_argument("--split", default="auto", choices=["auto", "val", "test", "all"],
-                    help="auto: the export's held-out split when --traces are its training traces, else all")
-    ap.add_argument("--fit-traces", default=None,
-                    help="traces to fit the baselines on (default: the training split of --traces, or the export's "
-                         "training traces when --split all)")
-    ap.add_argument("--horizons", type=int, default=8)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--max-sequences", type=int, default=None, help="evaluate at most N held-out sequences")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--out", default=None, help="output directory (default runs/forecast-eval/<export name>)")
-    ap.add_argument("--write-heldout", default=None,
-                    help="also write the evaluated sequences as a trace set here (e.g. for `expertcast simulate`)")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from expertcast.models.forecaster_export import ForecasterExportError, load_forecaster
-    from expertcast.train.forecaster_data import load_trace_dirs
-    from expertcast.utils.io import atomic_write_json, print_table, write_csv
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.horizons < 1:
-        print("forecast-eval: --horizons must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        exp = load_forecaster(args.forecaster, device=args.device)
-    except ForecasterExportError as e:
-        print(f"forecast-eval: {e}", file=sys.stderr)
-        return 2
-    meta, seqs = load_trace_dirs(args.traces)
-    try:
-        exp.check_compatible(meta.num_layers, meta.num_experts, meta.top_k, what=f"trace set {args.traces}")
-    except ValueError as e:
-        print(f"forecast-eval: {e}", file=sys.stderr)
-        return 2
-    evals, train, split = held_out(exp.extra, args.traces, seqs, args.split)
-    if args.fit_traces:
-        _, train = load_trace_dirs(args.fit_traces)
-    elif not train:
-        rec = ((exp.extra or {}).get("split") or {}).get("traces")
-        if rec:
-            from expertcast.train.forecaster_data import split_sequences
-
-            info = exp.extra["split"]
-            _, all_train = load_trace_dirs(rec)
-            train = split_sequences(all_train, int(info.get("split_seed", 0)), float(info.get("val_fraction", 0.1)),
-                                    float(info.get("test_fraction", 0.0)))["train"]
-    if not train:
-        print("forecast-eval: no sequences to fit the baselines on; pass --fit-traces", file=sys.stderr)
-        return 2
-    if args.max_sequences:
-        evals = evals[: args.max_sequences]
-    if not evals:
-        print(f"forecast-eval: the {split} split of {args.traces} holds no sequences", file=sys.stderr)
-        return 2
-    if args.write_heldout:
-        from expertcast.data.traces import write_traces
-
-        write_traces(args.write_heldout, meta, evals, run={"source": "forecast-eval held-out", "split": split,
-                                                           "forecaster": str(args.forecaster)})
-        print(f"wrote the {len(evals)} {split} sequences to {args.write_heldout}")
-    baselines = fit_baselines(train, meta, exp.config.p)
-    print(f"evaluating {len(evals)} {split} sequences of {args.traces} (baselines fitted on {len(train)} sequences), "
-          f"L={meta.num_layers} E={meta.num_experts} K={meta.top_k} trigger layer p={exp.config.p}")
-    tables = evaluate(exp.model, evals, meta, baselines, horizons=args.horizons, batch_size=args.batch_size,
-                      device=args.device)
-    out = Path(args.out or Path("runs") / "forecast-eval" / Path(args.forecaster).resolve().name)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = summary_rows(tables)
-    shown = ["predictor"] + [f"R@K h{h}" for h in (1, 2, 4, 8) if h <= args.horizons] + \
-        [f"R@K+3 h{h}" for h in (1, 8) if h <= args.horizons] + ["targets h1"]
-    print_table(rows, title=f"forecast recall ({split} sequences, decode targets)", columns=shown)
-    write_csv(out / "recall.csv", long_rows(tables))
-    atomic_write_json(out / "recall_summary.json", {"split": split, "traces": str(args.traces),
-                                                    "forecaster": str(args.forecaster), "sequences": len(evals),
-                                                    "rows": rows})
-    plot(tables, out / "recall.png", f"forecast recall by horizon ({meta.model_id}, {split})")
-    print(f"wrote {out / 'recall.csv'}, {out / 'recall_summary.json'}, {out / 'recall.png'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return parts[split], split

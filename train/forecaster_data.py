@@ -1,9 +1,15 @@
-"""Windows over routing-trace datasets for forecaster training (SeqMoE 5.4; DESIGN.md "Forecaster").
+"""Windows over routing-trace datasets for forecaster training (SeqMoE 5.4; docs/design.md "Forecaster").
 
-Sequences are assigned to train / val / test by a hash of their id (never by token), so the same
-sequence lands in the same split whatever the order or subset of sequences loaded, and
-``expertcast forecast-eval`` can pick exactly the held-out ones again from the split settings written
-into the export.
+Sequences are assigned to train / val / test by a hash of their id (never by token;
+:func:`expertcast.utils.provenance.split_of`), so the same sequence lands in the same split whatever
+the order or subset of sequences loaded, and ``expertcast forecast-eval`` can pick exactly the
+held-out ones again; the export also lists the training and validation ids
+(:meth:`ForecasterDataModule.training_info`).
+
+The training loader shuffles with a permutation fixed by (seed, epoch) alone
+(:class:`EpochShuffleSampler`), and the data module records in each checkpoint how far into the
+epoch training got: a fit resumed from a mid-epoch checkpoint sees exactly the batches the
+interrupted run would have seen next (single device; see docs/design.md, "Fit runs").
 
 Each window holds W+1 consecutive forecaster elements (see
 :func:`~expertcast.models.forecaster.trigger_sequence`): inputs are elements [i, i+W), targets
@@ -16,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,34 +30,24 @@ from typing import Any
 import lightning as pl
 import numpy as np
 import torch
-from expertcast.data.trace_format import TraceMeta, TraceSequence
+from expertcast.data.trace_format import TraceMeta, TraceSequence, sequences_fingerprint
 from expertcast.models.forecaster import activation_vector, trigger_offset, trigger_sequence
-from torch.utils.data import DataLoader, Dataset
+from expertcast.utils.provenance import split_of
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 
 
-def split_of(seq_id: str, seed: int = 0, val_fraction: float = 0.1, test_fraction: float = 0.0) -> str:
-    """Deterministic split of a sequence from a hash of ``seed`` and its id."""
-    h = hashlib.sha256(f"{seed}:{seq_id}".encode()).digest()
-    u = int.from_bytes(h[:8], "big") / 2.0**64
-    if u < test_fraction:
-        return "test"
-    if u < test_fraction + val_fraction:
-        return "val"
-    return "train"
-
-
 def split_sequences(seqs: Sequence[TraceSequence], seed: int = 0, val_fraction: float = 0.1,
                     test_fraction: float = 0.0) -> dict[str, list[TraceSequence]]:
-    """Group sequences by :func:`split_of`."""
+    """Group sequences by :func:`expertcast.utils.provenance.split_of` of their id."""
     if not 0 <= val_fraction < 1 or not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:
         raise ValueError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave a training split")
     out: dict[str, list[TraceSequence]] = {s: [] for s in SPLITS}
     for s in seqs:
-        out[split_of(s.seq_id, seed, val_fraction, test_fraction)].append(s)
+        out[split_of(s.seq_id, val_fraction, test_fraction, seed=seed)].append(s)
     return out
 
 
@@ -168,6 +164,42 @@ class ForecastWindows(Dataset):
                 "decode": decode}
 
 
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation of ``range(n)`` per epoch, fixed by ``(seed, epoch)`` alone (no global RNG).
+
+    Lightning calls :meth:`set_epoch` before each epoch. :meth:`resume_at` makes the next pass over a
+    given epoch start after its first ``skip`` samples: a fit resumed mid-epoch trains on exactly the
+    samples the interrupted run had not reached yet, in the same order.
+    """
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n = int(n)
+        self.seed = int(seed)
+        self.epoch = 0
+        self._resume: tuple[int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def resume_at(self, epoch: int, skip: int) -> None:
+        """Skip the first ``skip`` samples of the next pass, when that pass is over ``epoch``."""
+        self._resume = (int(epoch), int(skip))
+
+    def permutation(self, epoch: int) -> list[int]:
+        """The sample order of ``epoch``."""
+        key = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key[:8], "big") >> 1)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        skip = self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+        self._resume = None
+        return iter(self.permutation(self.epoch)[skip:])
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class ForecasterDataModule(pl.LightningDataModule):
     """Routing traces -> train/val/test windows, split by sequence.
 
@@ -182,6 +214,9 @@ class ForecasterDataModule(pl.LightningDataModule):
         use_router_probs: KL targets from router_probs when the traces hold them.
         max_sequences: keep only the first N sequences (quick runs).
         num_workers: DataLoader workers.
+
+    Checkpoints store the training loader's position (:meth:`state_dict`), so a resumed fit continues
+    the interrupted epoch where it stopped instead of starting it over.
     """
 
     def __init__(self, traces: str | list[str] | None = None, window: int = 128, stride: int | None = None,
@@ -203,6 +238,8 @@ class ForecasterDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.meta: TraceMeta | None = None
         self.splits: dict[str, list[TraceSequence]] | None = None
+        self._fingerprint: str | None = None
+        self._resume_at: tuple[int, int] | None = None
 
     @classmethod
     def from_sequences(cls, meta: TraceMeta, seqs: Sequence[TraceSequence], **kwargs: Any) -> ForecasterDataModule:
@@ -220,6 +257,7 @@ class ForecasterDataModule(pl.LightningDataModule):
         if self.trigger_layer is not None and not 0 <= self.trigger_layer < meta.num_layers:
             raise ValueError(f"trigger_layer {self.trigger_layer} outside [0, {meta.num_layers - 1}] for these traces")
         self.meta = meta
+        self._fingerprint = sequences_fingerprint(seqs)
         self.splits = split_sequences(seqs, self.split_seed, self.val_fraction, self.test_fraction)
         if not self.splits["train"]:
             raise ValueError(f"no training sequences left after holding out val={self.val_fraction}, "
@@ -245,6 +283,49 @@ class ForecasterDataModule(pl.LightningDataModule):
                 "test_fraction": self.test_fraction,
                 "num_sequences": {k: len(v) for k, v in (self.splits or {}).items()}}
 
+    def data_fingerprint(self) -> str:
+        """:func:`~expertcast.data.trace_format.sequences_fingerprint` of every loaded sequence (all splits)."""
+        self.prepare()
+        assert self._fingerprint is not None
+        return self._fingerprint
+
+    def split_ids(self) -> dict[str, list[str]]:
+        """Sorted sequence ids per split (``train``, ``val``, ``test``)."""
+        self.prepare()
+        assert self.splits is not None
+        return {k: sorted(s.seq_id for s in v) for k, v in self.splits.items()}
+
+    def training_info(self) -> dict[str, Any]:
+        """The data half of an export's ``training`` block: trace dirs, fingerprint, split method and the
+        exact train / val (/ test) sequence ids."""
+        ids = self.split_ids()
+        traces = self.traces if isinstance(self.traces, (list, tuple)) or self.traces is None else [self.traces]
+        info: dict[str, Any] = {
+            "traces": [str(t) for t in traces] if traces is not None else None,
+            "trace_fingerprint": self.data_fingerprint(),
+            "split": {"method": "sha256(seed, sequence id)", "seed": self.split_seed,
+                      "val_fraction": self.val_fraction, "test_fraction": self.test_fraction},
+            "train_ids": ids["train"], "val_ids": ids["val"],
+        }
+        if self.test_fraction > 0:
+            info["test_ids"] = ids["test"]
+        return info
+
+    # --- loader position in checkpoints ---
+    def state_dict(self) -> dict[str, int]:
+        """The training loader's position when a checkpoint is written mid-epoch: ``{"epoch", "batches"}``
+        (batches already trained on in that epoch); empty at epoch boundaries."""
+        t = self.trainer
+        if t is None:
+            return {}
+        done = int(t.fit_loop.epoch_loop.batch_progress.current.processed)
+        if not 0 < done < t.num_training_batches:
+            return {}
+        return {"epoch": int(t.fit_loop.epoch_progress.current.processed), "batches": done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_at = (int(state["epoch"]), int(state["batches"])) if state else None
+
     def dataset(self, split: str) -> ForecastWindows:
         self.prepare()
         assert self.splits is not None and self.meta is not None
@@ -253,8 +334,18 @@ class ForecasterDataModule(pl.LightningDataModule):
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         ds = self.dataset(split)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0, drop_last=False)
+        sampler = None
+        if shuffle:
+            sampler = EpochShuffleSampler(len(ds), self.split_seed)
+            if self._resume_at is not None and (self.trainer is None or self.trainer.world_size == 1):
+                epoch, batches = self._resume_at
+                sampler.resume_at(epoch, batches * self.batch_size)
+            self._resume_at = None
+        # an explicit generator: creating the loader's iterator then draws nothing from the global RNG,
+        # whose state a resumed fit restores from the checkpoint
+        return DataLoader(ds, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0, drop_last=False,
+                          generator=torch.Generator().manual_seed(self.split_seed))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

@@ -1,4 +1,4 @@
-"""LightningModule training the SeqMoE forecaster (SeqMoE 5.4; DESIGN.md "Forecaster").
+"""LightningModule training the SeqMoE forecaster (SeqMoE 5.4; docs/design.md "Forecaster").
 
 Loss = ``rank_weight`` · ranking loss around the top-K boundary + ``kl_weight`` · KL(target ‖ model).
 Training starts with teacher forcing; after ``teacher_forcing_fraction`` of the optimizer steps,
@@ -113,13 +113,17 @@ class ForecasterModule(pl.LightningModule):
         teacher_forcing_fraction / sampling_ramp_fraction / max_sampling_rate: scheduled sampling starts
             after this share of steps and rises linearly to ``max_sampling_rate`` over the next share.
         loss_on_prefill: also train on targets inside the prompt (the routing there is a sequence too).
-        export_dir: when set, the export is written there at the end of fit (and after each validation).
+        export_dir: where ``expertcast fit`` writes the export once training finished normally (default:
+            ``export/`` in the run directory); never written from a hook mid-run.
         calibration_elements: held-out elements whose one-step logits fit the probability temperature after
             each validation (:func:`fit_temperature`; stored in the export's config).
         direct_horizons: H_d output heads, head j trained on element i+j of the same window (multi-horizon
             sequence-to-sequence training; 1 = next element only, longer horizons by recursive rollout).
         ahead_weight: weight of the mean loss of heads 2..H_d relative to the next-element head.
     """
+
+    task_name = "forecaster"
+    export_kind = "export-forecaster"
 
     def __init__(self, backbone: str = "mamba2", hidden_size: int = 128, num_blocks: int = 2, state_size: int = 32,
                  head_dim: int = 32, expand: int = 2, conv_kernel: int = 4, n_groups: int = 1, chunk_size: int = 64,
@@ -301,24 +305,30 @@ class ForecasterModule(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    # --- checkpoints ---
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # the calibrated temperature lives in the network's config, not in its state dict
+        if self.net is not None:
+            checkpoint["forecaster_temperature"] = float(self.net.config.temperature)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        t = checkpoint.get("forecaster_temperature")
+        if t is not None and self.net is not None:
+            self.net.config.temperature = float(t)
+
     # --- export ---
-    def export(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Write the forecaster export (safetensors + JSON) to ``path``."""
+    def export(self, path: str | Path, extra: dict[str, Any] | None = None,
+               training: dict[str, Any] | None = None) -> Path:
+        """Write the forecaster export (safetensors + JSON + manifest) to ``path``; ``training`` is the
+        provenance block (:func:`expertcast.models.forecaster_export.save_forecaster`)."""
         assert self.net is not None
         info = {"split": self.hparams.split_info, "global_step": int(self.global_step) if self._trainer else None}
+        if self._trainer is not None:
+            info["val_metrics"] = {k: float(v) for k, v in self.trainer.callback_metrics.items()
+                                   if k.startswith("val/")}
         info.update(extra or {})
-        return save_forecaster(self.net, path, source=self.hparams.source, extra=info)
+        return save_forecaster(self.net, path, source=self.hparams.source, extra=info, training=training)
 
     def on_validation_epoch_end(self) -> None:
         if self._trainer is not None and not self.trainer.sanity_checking:
             self.calibrate()
-        if self.hparams.export_dir and self._trainer is not None and not self.trainer.sanity_checking \
-                and self.trainer.is_global_zero:
-            metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
-            self.export(self.hparams.export_dir, {"val_metrics": metrics})
-
-    def on_fit_end(self) -> None:
-        if self.hparams.export_dir and self.trainer.is_global_zero:
-            metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
-            out = self.export(self.hparams.export_dir, {"val_metrics": metrics})
-            print(f"forecaster export written to {out}")

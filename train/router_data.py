@@ -1,10 +1,16 @@
-"""LM data for cache-aware router adaptation (DESIGN.md data flow: "LM text -> joint router adaptation").
+"""LM data for cache-aware router adaptation (docs/design.md "Data flow").
 
 Default: GSM8K train solutions, chat-formatted (the question as the user turn, through
 :func:`expertcast.data.prompts.build_prompt`, the gold worked solution as the assistant turn). Any
 ``datasets`` text source works by config: a Hub id (``source="wikitext"``, ``dataset_config``,
-``text_field``) or a local ``.json``/``.jsonl``/``.parquet``/``.txt`` file. A deterministic held-out
-split (``heldout``: a count or a fraction) feeds validation and ``expertcast router-eval``.
+``text_field``) or a local ``.json``/``.jsonl``/``.parquet``/``.txt`` file.
+
+Every text has a stable id (the benchmark problem id, e.g. ``gsm8k-train-00042``; for ``datasets``
+sources ``text-`` + the first 16 hex digits of the sha256 of the text), and the held-out split is
+made by a hash of that id (:func:`expertcast.utils.provenance.split_of`, fraction ``heldout``): a text
+is held out or not whatever ``limit`` is, so a study run with another ``--limit`` never evaluates on
+texts an earlier run trained on. The held-out texts feed validation and ``expertcast router-eval``;
+:meth:`RouterLMDataModule.train_ids` / :meth:`RouterLMDataModule.heldout_ids` list both sides.
 
 Each example is ``(prompt_ids, completion_ids)``; the LM loss covers the completion tokens only
 (the whole text for plain text sources, whose prompt is empty). Batches (right-padded):
@@ -14,22 +20,34 @@ prompt and padding), ``prompt_len`` int64 [B].
 
 from __future__ import annotations
 
-import random
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as pl
 import torch
+from expertcast.utils.errors import UsageError
+from expertcast.utils.provenance import split_of
 from torch.utils.data import DataLoader
+
+
+class LMText(NamedTuple):
+    """One text of a source: its stable id, the prompt (not trained on) and the completion."""
+
+    text_id: str
+    prompt: str
+    completion: str
 
 
 @dataclass
 class LMExample:
-    """One tokenised text: ``prompt_ids`` (not trained on) then ``completion_ids``."""
+    """One tokenised text: ``prompt_ids`` (not trained on) then ``completion_ids``; ``seq_id`` is the
+    text's stable id (:class:`LMText`)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
+    seq_id: str = ""
 
     @property
     def ids(self) -> list[int]:
@@ -42,15 +60,21 @@ def _eos_text(tokenizer: Any) -> str:
     return eos or ""
 
 
+def text_id(text: str) -> str:
+    """Stable id of a plain text (``datasets`` sources): ``text-`` + 16 hex digits of its sha256."""
+    return "text-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
 def load_texts(source: str, split: str = "train", *, text_field: str | None = None,
                dataset_config: str | None = None, chat_format: bool = True, tokenizer: Any = None,
-               data_dir: str | None = None, limit: int | None = None) -> list[tuple[str, str]]:
-    """(prompt, completion) text pairs of ``source``.
+               data_dir: str | None = None, limit: int | None = None) -> list[LMText]:
+    """The texts of ``source`` (the first ``limit`` when given), each with its stable id.
 
     ``gsm8k``/``math500``: chat-formatted question + gold solution (plain "Question/Answer" format
-    when ``chat_format`` is False or the tokenizer has no chat template). Anything else is loaded
-    with ``datasets``; each row's ``text_field`` (default ``text``) becomes a completion with an
-    empty prompt. Raises FileNotFoundError / ValueError naming the problem.
+    when ``chat_format`` is False or the tokenizer has no chat template), id = the problem id.
+    Anything else is loaded with ``datasets``; each row's ``text_field`` (default ``text``) becomes a
+    completion with an empty prompt, id = :func:`text_id`. Raises FileNotFoundError / ValueError
+    naming the problem.
     """
     if source in ("gsm8k", "math500"):
         from expertcast.data.benchmarks import load_benchmark
@@ -59,8 +83,8 @@ def load_texts(source: str, split: str = "train", *, text_field: str | None = No
         problems = load_benchmark(source, split, data_dir=data_dir, limit=limit)
         eos = _eos_text(tokenizer)
         return [
-            (build_prompt(tokenizer, p.question, source, use_chat_template=None if chat_format else False),
-             " " + p.solution.strip() + eos if not chat_format else p.solution.strip() + eos)
+            LMText(str(p.id), build_prompt(tokenizer, p.question, source, use_chat_template=None if chat_format else False),
+                   " " + p.solution.strip() + eos if not chat_format else p.solution.strip() + eos)
             for p in problems
         ]
     import datasets
@@ -87,31 +111,42 @@ def load_texts(source: str, split: str = "train", *, text_field: str | None = No
         rows = rows[:limit]
     if not rows:
         raise ValueError(f"LM text source {source!r} holds no non-empty {field!r} rows")
-    return [("", r) for r in rows]
+    return [LMText(text_id(r), "", r) for r in rows]
 
 
-def tokenize_pairs(tokenizer: Any, pairs: list[tuple[str, str]], max_length: int) -> list[LMExample]:
-    """Tokenise (prompt, completion) pairs without special tokens, truncated to ``max_length``
-    tokens in all (the prompt keeps at most ``max_length - 1``); empty completions are dropped."""
+def tokenize_pairs(tokenizer: Any, texts: list[LMText], max_length: int) -> list[LMExample]:
+    """Tokenise texts without special tokens, truncated to ``max_length`` tokens in all (the prompt
+    keeps at most ``max_length - 1``); empty completions are dropped."""
     out = []
-    for prompt, completion in pairs:
+    for tid, prompt, completion in texts:
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
         c = tokenizer(completion, add_special_tokens=False)["input_ids"]
         p = p[: max_length - 1]
         c = c[: max_length - len(p)]
         if c:
-            out.append(LMExample(list(p), list(c)))
+            out.append(LMExample(list(p), list(c), tid))
     return out
 
 
-def split_heldout(n: int, heldout: float | int, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic (train, held-out) index lists; ``heldout`` < 1 is a fraction, else a count."""
-    k = int(round(heldout * n)) if heldout < 1 else int(heldout)
-    if not 0 < k < n:
-        raise ValueError(f"held-out split of {heldout} leaves no train or no held-out example out of {n}")
-    idx = list(range(n))
-    random.Random(seed).shuffle(idx)
-    return sorted(idx[k:]), sorted(idx[:k])
+def check_heldout_fraction(heldout: float) -> float:
+    """``heldout`` as a float in (0, 1), else a UsageError saying why."""
+    if isinstance(heldout, bool) or not isinstance(heldout, (int, float)) or not 0 < heldout < 1:
+        raise UsageError(f"heldout must be a fraction of the texts in (0, 1), e.g. 0.05, got {heldout!r} (texts are "
+                         f"held out by a hash of their id, so the split does not depend on limit)")
+    return float(heldout)
+
+
+def split_heldout(ids: list[str], heldout: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) index lists of texts with ids ``ids``: text i is held out when
+    ``split_of(ids[i], heldout, seed=seed) == "val"``, a function of its id alone."""
+    frac = check_heldout_fraction(heldout)
+    tr, ho = [], []
+    for i, sid in enumerate(ids):
+        (ho if split_of(sid, frac, seed=seed) == "val" else tr).append(i)
+    if not tr or not ho:
+        raise UsageError(f"held-out fraction {heldout} of {len(ids)} texts leaves no "
+                         f"{'training' if not tr else 'held-out'} text; use more texts (limit) or another heldout")
+    return tr, ho
 
 
 def collate(examples: list[LMExample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -134,15 +169,17 @@ def collate(examples: list[LMExample], pad_id: int) -> dict[str, torch.Tensor]:
 class RouterLMDataModule(pl.LightningDataModule):
     """GSM8K (default) or any `datasets` text as LM batches with a held-out split.
 
+    ``heldout``: fraction of the texts held out, by a hash of each text's id (seeded by ``seed``).
     The tokenizer is the training module's (``trainer.lightning_module.tokenizer``) unless
     ``tokenizer`` (a local directory) is given.
     """
 
     def __init__(self, source: str = "gsm8k", split: str = "train", text_field: str | None = None,
                  dataset_config: str | None = None, chat_format: bool = True, max_length: int = 256,
-                 batch_size: int = 8, heldout: float = 64, limit: int | None = None, seed: int = 0,
+                 batch_size: int = 8, heldout: float = 0.05, limit: int | None = None, seed: int = 0,
                  num_workers: int = 0, data_dir: str | None = None, tokenizer: str | None = None):
         super().__init__()
+        check_heldout_fraction(heldout)
         self.save_hyperparameters()
         self.train_set: list[LMExample] = []
         self.heldout_set: list[LMExample] = []
@@ -170,13 +207,26 @@ class RouterLMDataModule(pl.LightningDataModule):
         if self.train_set:
             return
         hp = self.hparams
-        pairs = load_texts(hp.source, hp.split, text_field=hp.text_field, dataset_config=hp.dataset_config,
+        texts = load_texts(hp.source, hp.split, text_field=hp.text_field, dataset_config=hp.dataset_config,
                            chat_format=hp.chat_format, tokenizer=self.tokenizer, data_dir=hp.data_dir,
                            limit=hp.limit)
-        examples = tokenize_pairs(self.tokenizer, pairs, hp.max_length)
-        tr, ho = split_heldout(len(examples), hp.heldout, hp.seed)
+        examples = tokenize_pairs(self.tokenizer, texts, hp.max_length)
+        tr, ho = split_heldout([e.seq_id for e in examples], hp.heldout, hp.seed)
         self.train_set = [examples[i] for i in tr]
         self.heldout_set = [examples[i] for i in ho]
+
+    def train_ids(self) -> list[str]:
+        """Sorted ids of the training texts (after :meth:`setup`)."""
+        return self._ids(self.train_set)
+
+    def heldout_ids(self) -> list[str]:
+        """Sorted ids of the held-out texts (after :meth:`setup`)."""
+        return self._ids(self.heldout_set)
+
+    def _ids(self, data: list[LMExample]) -> list[str]:
+        if not self.train_set:
+            raise RuntimeError("RouterLMDataModule: call setup() before asking for text ids")
+        return sorted({e.seq_id for e in data})
 
     @property
     def pad_id(self) -> int:

@@ -1,6 +1,6 @@
 """LightningModule for cache-aware joint router adaptation: L = L_LM + sw * L_cov.
 
-Modes (DESIGN.md, "Cache-aware router adaptation (restated)"; paper section 4):
+Modes (docs/design.md, "Cache-aware router adaptation (restated)"; paper section 4):
 
 - ``lm_only``: no auxiliary routers, sw = 0 (the LM-only reference).
 - ``aux_only``: backbone and native router frozen; only the added routers (``aux_routers``:
@@ -102,7 +102,8 @@ class RouterAdaptationModule(pl.LightningModule):
     Batches come from :class:`expertcast.train.router_data.RouterLMDataModule`. Logged: ``train/lm``,
     ``train/cov`` (L_cov in [-1, 0]), ``train/loss``, and on the held-out split ``val/lm`` (token-mean
     LM loss), ``val/cov`` and ``val/cover`` (target top-K coverage of the hard top-B of the mode's
-    priority, the training-time hit proxy).
+    priority, the training-time hit proxy). ``export_dir``: where ``expertcast fit`` writes the export
+    once training finished (default: ``export/`` in the run directory).
     """
 
     def __init__(self, model: str = "default", mode: str = "temporal", sw: float = 0.1, budget: float = 0.25,
@@ -233,15 +234,18 @@ class RouterAdaptationModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ export
-    def on_fit_end(self) -> None:
-        if self.hparams.export_dir and self.trainer.is_global_zero:
-            self.export(self.hparams.export_dir)
+    # `expertcast fit` writes the export once training finished normally (never from a hook mid-run):
+    # into ``export_dir`` when set, else into the run directory (expertcast.train.fit_run)
+    task_name = "router"
+    export_kind = "export-router"
 
-    def export(self, directory: str) -> Path:
+    def export(self, directory: str | Path, training: dict[str, Any] | None = None) -> Path:
         """Write ``model/`` (HF format: LoRA merged, or ``adapter/`` with the base id), ``routers/``
-        (safetensors + JSON, :mod:`expertcast.models.router_export`) and ``export.json``."""
-        from expertcast.models.router_export import save_routers
+        (safetensors + JSON, :mod:`expertcast.models.router_export`), ``export.json`` (with the
+        provenance block ``training`` when given) and a manifest over every file of the export."""
+        from expertcast.models.router_export import ADAPTATION_FILE, save_routers
         from expertcast.utils.io import atomic_write_json
+        from expertcast.utils.provenance import EXPORT_MANIFEST, write_export_manifest
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
@@ -270,12 +274,17 @@ class RouterAdaptationModule(pl.LightningModule):
             save_routers(d / "routers", self.routers, plain,
                          extra={"budget": self.budget, "tau": self.tau, "sw": self.sw, "train_mode": self.mode})
             info["routers_dir"] = "routers"
-        if self.trainer is not None and self.trainer.global_step:
+        if self._trainer is not None and self.trainer.global_step:
             info["steps"] = int(self.trainer.global_step)
             val = self.trainer.callback_metrics.get("val/lm")
             if val is not None and math.isfinite(float(val)):
                 info["val_lm"] = float(val)
-        atomic_write_json(d / "export.json", info)
+        if training is not None:
+            info["training"] = training
+        atomic_write_json(d / ADAPTATION_FILE, info)
+        files = [str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p != d / EXPORT_MANIFEST
+                 and not any(part.startswith(".") for part in p.relative_to(d).parts)]
+        write_export_manifest(d, files)
         return d
 
 

@@ -1,31 +1,34 @@
 """The embedded default model: a tiny Qwen3-MoE and its byte-level BPE tokenizer, trained here.
 
-``expertcast build-default [--force]`` (and :func:`ensure_default_model`, which the quickstart calls)
-trains, in a wall-clock budget of a few minutes on CPU, a small Qwen3-MoE on GSM8K train solutions
-(formatted as chat: question -> answer) and the long R1 chain-of-thought traces of
-``cot/math153.jsonl`` (wrapped in ``<think>...</think>``), so that its routers behave like a trained
-model's (experts specialise; consecutive tokens share experts) rather than random init.
+``expertcast build-default [--force]`` (and :func:`ensure_default_model`, which every ``--model
+tiny-default`` resolves through) trains a small Qwen3-MoE on GSM8K train solutions (formatted as chat:
+question -> answer) and the long R1 chain-of-thought traces of ``cot/math153.jsonl`` (wrapped in
+``<think>...</think>``), so that its routers behave like a trained model's (experts specialise;
+consecutive tokens share experts) rather than random init.
+
+Reproducible: the recipe (:class:`TinyDefaultConfig`) fixes the number of optimizer steps, the seed and
+the number of torch threads, and the data order is drawn from the seed; two builds of one recipe on one
+software stack give identical weights. The cache key (:meth:`TinyDefaultConfig.key`) is a hash of the
+whole recipe, the sha256 of every data file it reads and the code format (``RECIPE_VERSION``).
 
 The result is saved in Hugging Face format (``save_pretrained``, safetensors) under
-``cache_dir()/tiny-default-v1/<recipe hash>``, written to a temporary directory and renamed into place
-once complete, with ``report.json`` (training time, tokens seen, tokens/s, held-out GSM8K-test
-perplexity, per-layer expert load balance against the untrained init) and ``train_loss.png``. A
-changed recipe (config, data files) gets a new hash and retrains; an unchanged one is reused. A
-file lock makes concurrent callers wait for one build instead of training in parallel. An
-interrupted build resumes from its last checkpoint (saved every ``checkpoint_every_s``), with the
-time already spent counted against the budget.
+``cache_dir()/tiny-default-v1/<key>``, written to a temporary directory and renamed into place once
+complete, with ``report.json`` (the recipe, the data hashes, the loss curve every ``LOSS_LOG_EVERY``
+steps, training time, held-out GSM8K-test perplexity, per-layer expert load balance against the
+untrained init) and ``train_loss.png``. A changed recipe gets a new key and retrains; an unchanged one
+is reused. A file lock makes concurrent callers wait for one build instead of training in parallel.
+An interrupted build resumes from its last checkpoint (saved every ``checkpoint_every_s``) and ends
+with the same weights as an uninterrupted one.
 
-Plain PyTorch loop (no Lightning): AdamW, linear warm-up then cosine decay over the *time* budget
-(the learning rate follows elapsed/budget, so the schedule completes whatever the machine's speed),
-and the load-balancing auxiliary loss of the config (``router_aux_loss_coef`` with
-``output_router_logits``).
+Plain PyTorch loop (no Lightning): AdamW, linear warm-up then cosine decay over ``max_steps``, and the
+load-balancing auxiliary loss of the config (``router_aux_loss_coef`` with ``output_router_logits``).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -39,12 +42,22 @@ from typing import Any
 
 import numpy as np
 import torch
+from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_json, print_table
 from expertcast.utils.paths import DATA_DIR_ENV, cache_dir, data_dir
+from expertcast.utils.provenance import sha256_file
 
 DEFAULT_NAME = "tiny-default-v1"
 REPORT_FILE = "report.json"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+"""Code format of the build (part of the cache key): 2 = a fixed number of steps on fixed threads."""
+LOSS_LOG_EVERY = 10
+"""``report.json`` records the training loss at step 1 and every this many steps."""
+MAX_STEPS = 700
+"""Optimizer steps of the default recipe: about 7.5 minutes of training on 2 cores. Measured with a
+40-step build of this recipe on 2 threads (evaluation off, loss logged every step) on a 2-core machine
+at load 1.5-2.3 (other jobs running): median 0.64 s/step, 10th percentile 0.57 s; 700 x 0.64 s = 448 s,
+plus about 3 s of tokenizer training and the held-out evaluation."""
 
 
 @dataclass
@@ -93,11 +106,13 @@ class TinyDefaultConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    time_budget_s: float = 450.0
-    """Wall-clock seconds of optimisation (tokenizer training and evaluation come on top)."""
-    max_steps: int | None = None
-    """Optional cap on optimizer steps (None: train until the time budget is spent)."""
+    max_steps: int = MAX_STEPS
+    """Optimizer steps: fixed, so every machine trains the same model (about 8 minutes on 2 cores)."""
+    threads: int = 2
+    """torch intra-op threads of the build. CPU kernels split their reductions by thread, so the thread
+    count is part of the recipe: the same recipe on another count would give other weights."""
     seed: int = 0
+    """Seed of the initialisation and of the data order."""
 
     # --- evaluation
     eval_gsm8k_test: int = 200
@@ -106,6 +121,14 @@ class TinyDefaultConfig:
     """Held-out chain-of-thought traces (cot/labeled40.jsonl) for the routing statistics."""
     eval_max_len: int = 1024
     """Truncate held-out sequences to this many tokens."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "threads", "batch_size", "seq_len", "num_layers", "num_experts", "top_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UsageError(f"tiny-default recipe: {name} must be a positive integer, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise UsageError(f"tiny-default recipe: top_k {self.top_k} exceeds num_experts {self.num_experts}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,22 +139,43 @@ class TinyDefaultConfig:
         import yaml
 
         with open(path, encoding="utf-8") as f:
-            d = yaml.safe_load(f) or {}
+            try:
+                d = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise UsageError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
         if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a mapping of TinyDefaultConfig fields")
+            raise UsageError(f"{path}: expected a mapping of TinyDefaultConfig fields")
+        if "time_budget_s" in d:
+            raise UsageError(f"{path}: time_budget_s was removed: the default model trains a fixed number of "
+                             f"optimizer steps (max_steps) so that every machine builds the same weights")
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(f"{path}: unknown TinyDefaultConfig fields {unknown}")
+            raise UsageError(f"{path}: unknown TinyDefaultConfig fields {unknown}")
         return cls(**d)
 
-    def key(self, data_files: dict[str, Path] | None = None) -> str:
-        """Cache key: hash of the recipe, the recipe version and the identity (name, size) of the
-        data files it reads."""
-        payload: dict[str, Any] = {"recipe_version": RECIPE_VERSION, "config": self.to_dict()}
-        if data_files:
-            payload["data"] = {k: [p.name, p.stat().st_size] for k, p in sorted(data_files.items())}
+    def key(self, data_files: dict[str, Path]) -> str:
+        """Cache key: a hash of the whole recipe (every field: sizes, data limits, optimisation,
+        ``max_steps``, ``seed``, ``threads``), the code format ``RECIPE_VERSION`` and the sha256 of
+        every data file the build reads."""
+        payload = {"recipe_version": RECIPE_VERSION, "config": self.to_dict(), "data": data_hashes(data_files)}
         blob = json.dumps(payload, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def data_hashes(files: dict[str, Path]) -> dict[str, str]:
+    """sha256 of each data file of the recipe, by role (``gsm8k_train``, ...)."""
+    return {k: _digest(str(p), *_stamp(p)) for k, p in sorted(files.items())}
+
+
+def _stamp(p: Path) -> tuple[int, int]:
+    st = p.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=32)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file, computed once per (path, size, mtime) in a process."""
+    return sha256_file(path)
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -305,11 +349,11 @@ def model_config(cfg: TinyDefaultConfig, tokenizer):
     )
 
 
-def _lr_at(cfg: TinyDefaultConfig, step: int, progress: float) -> float:
+def _lr_at(cfg: TinyDefaultConfig, step: int) -> float:
     """Linear warm-up over ``warmup_steps``, then cosine from ``lr`` to ``min_lr_ratio * lr`` as
-    ``progress`` (elapsed / budget, or step / max_steps) goes 0 -> 1."""
+    ``step / max_steps`` goes 0 -> 1."""
     warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-    p = min(1.0, max(0.0, progress))
+    p = min(1.0, max(0.0, step / cfg.max_steps))
     cos = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
     return cfg.lr * warm * cos
 
@@ -442,18 +486,6 @@ def _routing_report(model, seqs: dict[str, list[list[int]]], num_experts: int) -
 # ------------------------------------------------------------------------------------- training
 
 
-def free_cores() -> int:
-    """Torch threads to train with: all cores on an idle machine, fewer when other processes keep
-    them busy (the 1-minute load average). On a shared machine, intra-op threads that wait for a
-    descheduled sibling make a step many times slower than one thread does."""
-    n = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # pragma: no cover - platforms without getloadavg
-        return n
-    return max(1, min(n, int(round(n - load))))
-
-
 def _save_checkpoint(path: Path, model, opt, stream: _PackedStream, state: dict[str, Any]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / "ckpt.pt.tmp"
@@ -464,42 +496,40 @@ def _save_checkpoint(path: Path, model, opt, stream: _PackedStream, state: dict[
 
 def _train(cfg: TinyDefaultConfig, model, stream: _PackedStream, work: Path, progress: bool,
            checkpoint_every_s: float) -> dict[str, Any]:
+    """``cfg.max_steps`` AdamW steps on ``stream`` (resumed from ``work/ckpt.pt`` when present).
+
+    Returns the training state: step, tokens, elapsed_s (wall clock, informative only), loss_history
+    (``[step, elapsed_s, lm_loss, aux_loss]`` at step 1 and every ``LOSS_LOG_EVERY`` steps), loss_ema.
+    """
     opt = torch.optim.AdamW(
         [{"params": [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n],
           "weight_decay": cfg.weight_decay},
          {"params": [p for n, p in model.named_parameters() if p.ndim < 2 or "norm" in n], "weight_decay": 0.0}],
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False)
-    state: dict[str, Any] = {"step": 0, "elapsed_s": 0.0, "tokens": 0, "loss_history": [], "resumed": 0}
+    state: dict[str, Any] = {"step": 0, "elapsed_s": 0.0, "tokens": 0, "loss_history": [], "resumed": 0,
+                             "loss_ema": None}
     ckpt = work / "ckpt.pt"
     if ckpt.is_file():
-        # Our own checkpoint of an interrupted build (written above, in our cache dir).
+        # Our own checkpoint of an interrupted build (written below, in our cache dir).
         blob = torch.load(ckpt, weights_only=True)
         model.load_state_dict(blob["model"])
         opt.load_state_dict(blob["opt"])
         stream.restore(blob["stream"])
         state = blob["state"]
         state["resumed"] = int(state.get("resumed", 0)) + 1
-        print(f"build-default: resuming at step {state['step']} ({state['elapsed_s']:.0f}s of "
-              f"{cfg.time_budget_s:.0f}s already spent)")
+        print(f"build-default: resuming at step {state['step']} of {cfg.max_steps}")
     model.train()
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=int(cfg.time_budget_s), initial=int(state["elapsed_s"]), unit="s",
-                   desc="build-default (train)", dynamic_ncols=True, mininterval=1.0)
+        bar = tqdm(total=cfg.max_steps, initial=state["step"], unit="step", desc="build-default (train)",
+                   dynamic_ncols=True, mininterval=1.0)
     start = time.perf_counter() - state["elapsed_s"]
     last_ckpt = time.perf_counter()
-    ema = None
     aux_coef = cfg.router_aux_loss_coef
-    while True:
-        elapsed = time.perf_counter() - start
-        if elapsed >= cfg.time_budget_s or (cfg.max_steps is not None and state["step"] >= cfg.max_steps):
-            break
-        progress_frac = elapsed / cfg.time_budget_s
-        if cfg.max_steps is not None:
-            progress_frac = max(progress_frac, state["step"] / cfg.max_steps)
-        lr = _lr_at(cfg, state["step"], progress_frac)
+    while state["step"] < cfg.max_steps:
+        lr = _lr_at(cfg, state["step"])
         for g in opt.param_groups:
             g["lr"] = lr
         x = stream.next_batch()
@@ -514,22 +544,22 @@ def _train(cfg: TinyDefaultConfig, model, stream: _PackedStream, work: Path, pro
             raise FloatingPointError(f"build-default: loss is {lm} at step {state['step']} (lr {lr:.2e})")
         state["step"] += 1
         state["tokens"] += x.numel()
-        ema = lm if ema is None else 0.95 * ema + 0.05 * lm
+        ema = state["loss_ema"]
+        state["loss_ema"] = lm if ema is None else 0.95 * ema + 0.05 * lm
         now = time.perf_counter()
         state["elapsed_s"] = now - start
-        if state["step"] % 5 == 0 or state["step"] == 1:
+        if state["step"] % LOSS_LOG_EVERY == 0 or state["step"] == 1:
             state["loss_history"].append([state["step"], round(state["elapsed_s"], 2), round(lm, 4), round(aux, 4)])
         if bar is not None:
-            bar.set_postfix(step=state["step"], loss=f"{ema:.3f}", aux=f"{aux:.3f}",
+            bar.set_postfix(loss=f"{state['loss_ema']:.3f}", aux=f"{aux:.3f}",
                             tok_s=f"{state['tokens'] / max(state['elapsed_s'], 1e-9):.0f}", refresh=False)
-            bar.update(max(0, min(int(state["elapsed_s"]), bar.total) - bar.n))
-        if checkpoint_every_s > 0 and now - last_ckpt >= checkpoint_every_s:
+            bar.update(1)
+        if checkpoint_every_s > 0 and now - last_ckpt >= checkpoint_every_s and state["step"] < cfg.max_steps:
             _save_checkpoint(work, model, opt, stream, state)
             last_ckpt = now
     if bar is not None:
         bar.close()
     model.eval()
-    state["final_loss_ema"] = ema
     return state
 
 
@@ -543,8 +573,8 @@ def _plot_loss(history: list[list[float]], path: Path) -> None:
         return
     h = np.asarray(history, dtype=float)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(h[:, 1], h[:, 2], label="LM loss")
-    ax.set_xlabel("seconds")
+    ax.plot(h[:, 0], h[:, 2], label="LM loss")
+    ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("tiny-default training")
     ax.grid(alpha=0.3)
@@ -560,8 +590,7 @@ def _plot_loss(history: list[list[float]], path: Path) -> None:
 
 
 def default_model_dir(cfg: TinyDefaultConfig | None = None, data_root: str | os.PathLike | None = None) -> Path:
-    """Where the model of recipe ``cfg`` is (or will be) cached:
-    ``cache_dir()/tiny-default-v1/<recipe hash>``."""
+    """Where the model of recipe ``cfg`` is (or will be) cached: ``cache_dir()/tiny-default-v1/<key>``."""
     cfg = cfg or TinyDefaultConfig()
     return cache_dir() / DEFAULT_NAME / cfg.key(_data_files(Path(data_root) if data_root else None))
 
@@ -588,8 +617,7 @@ def _file_lock(path: Path):
 
 
 def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = False, progress: bool = True,
-                         data_root: str | os.PathLike | None = None, checkpoint_every_s: float = 60.0,
-                         num_threads: int | None = None) -> Path:
+                         data_root: str | os.PathLike | None = None, checkpoint_every_s: float = 60.0) -> Path:
     """Path of the trained default model (a Hugging Face directory: config, safetensors weights,
     tokenizer with chat template, ``report.json``). Trains it on the first call (or when ``force``),
     reuses the cached one afterwards."""
@@ -603,25 +631,22 @@ def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = 
         if _is_complete(final) and not force:  # built by the process we waited for
             return final
         if final.exists() and not _is_complete(final) and not force:
-            raise RuntimeError(f"cached default model at {final} is incomplete (missing files); "
-                               f"rebuild it with `expertcast build-default --force`")
-        build_default_model(cfg, final, files=files, progress=progress, checkpoint_every_s=checkpoint_every_s,
-                            num_threads=num_threads)
+            raise UsageError(f"cached default model at {final} is incomplete (missing files); "
+                             f"rebuild it with `expertcast build-default --force`")
+        build_default_model(cfg, final, files=files, progress=progress, checkpoint_every_s=checkpoint_every_s)
     return final
 
 
 def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[str, Path] | None = None,
-                        progress: bool = True, checkpoint_every_s: float = 60.0,
-                        num_threads: int | None = None) -> dict[str, Any]:
+                        progress: bool = True, checkpoint_every_s: float = 60.0) -> dict[str, Any]:
     """Train tokenizer and model of recipe ``cfg`` and save them atomically into ``out_dir``
     (replacing it). Returns the report (also written to ``out_dir/report.json``)."""
     files = files or _data_files()
     out_dir = Path(out_dir)
     work = out_dir.parent / f".{out_dir.name}.partial"  # checkpoints survive an interruption here
     work.mkdir(parents=True, exist_ok=True)
-    threads = num_threads or free_cores()
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(cfg.threads)
     t_all = time.perf_counter()
     try:
         random.seed(cfg.seed)
@@ -646,7 +671,7 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
         print(f"build-default: {n_params / 1e6:.2f}M parameters, {cfg.num_layers} MoE layers x "
               f"{cfg.num_experts} experts (top-{cfg.top_k}), vocab {len(tokenizer)}; corpus "
               f"{stream.total_tokens} tokens ({corpus.n_gsm8k} GSM8K + {corpus.n_cot} CoT chats); "
-              f"budget {cfg.time_budget_s:.0f}s on {threads} threads")
+              f"{cfg.max_steps} steps on {cfg.threads} threads")
         state = _train(cfg, model, stream, work, progress, checkpoint_every_s)
 
         t_eval = time.perf_counter()
@@ -666,9 +691,10 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
             "recipe": cfg.to_dict(),
             "recipe_version": RECIPE_VERSION,
             "data_files": {k: str(p) for k, p in files.items()},
+            "data_sha256": data_hashes(files),
             "spec": spec.to_dict(),
             "parameters": n_params,
-            "threads": threads,
+            "threads": cfg.threads,
             "corpus_tokens": stream.total_tokens,
             "corpus_chats": {"gsm8k_train": corpus.n_gsm8k, "cot_math153": corpus.n_cot},
             "epochs": stream.epoch + (stream._pos * cfg.seq_len) / max(1, stream.total_tokens),
@@ -677,7 +703,8 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
             "steps": state["step"],
             "tokens_seen": state["tokens"],
             "tokens_per_s": state["tokens"] / max(state["elapsed_s"], 1e-9),
-            "final_train_loss_ema": state.get("final_loss_ema"),
+            "step_time_s": state["elapsed_s"] / max(state["step"], 1),
+            "final_train_loss_ema": state.get("loss_ema"),
             "resumed": state.get("resumed", 0),
             "heldout_gsm8k_test": ppl,
             "heldout_gsm8k_test_init": ppl_init,
@@ -686,6 +713,7 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
             "uniform_overlap": cfg.top_k / cfg.num_experts,
             "eval_time_s": eval_time,
             "total_time_s": None,
+            "loss_log_every": LOSS_LOG_EVERY,
             "loss_history": state["loss_history"],
             "torch": torch.__version__,
         }
@@ -751,33 +779,8 @@ def print_report(report: dict[str, Any]) -> None:
               + ", ".join(f"{v:.3f}" for v in js) + " | init " + ", ".join(f"{v:.3f}" for v in js0))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="expertcast build-default", description=__doc__.split("\n\n")[0])
-    p.add_argument("--force", action="store_true", help="retrain even if a cached model exists")
-    p.add_argument("--config", default=None,
-                   help="YAML recipe (fields of TinyDefaultConfig; default: configs/tiny_default/default.yaml values)")
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds of training (changes the recipe, hence the cache key)")
-    p.add_argument("--data-dir", default=None, help=f"benchmark data directory (default ${DATA_DIR_ENV})")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores not busy with other processes)")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    try:
-        cfg = TinyDefaultConfig.from_yaml(args.config) if args.config else TinyDefaultConfig()
-        if args.time_budget is not None:
-            cfg = dataclasses.replace(cfg, time_budget_s=args.time_budget)
-        path = ensure_default_model(cfg, force=args.force, progress=not args.no_progress, data_root=args.data_dir,
-                                    num_threads=args.threads)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"expertcast build-default: {e}")
-        return 1
-    print(f"default model: {path}")
-    print_report(load_report(path))
-    return 0
-
-
 __all__ = [
     "TinyDefaultConfig", "ensure_default_model", "default_model_dir", "build_default_model", "load_report",
     "print_report", "routing_of", "model_config",
-    "routing_stats", "heldout_perplexity", "gsm8k_messages", "cot_messages", "main",
+    "routing_stats", "heldout_perplexity", "gsm8k_messages", "cot_messages", "data_hashes",
 ]

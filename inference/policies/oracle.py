@@ -1,14 +1,14 @@
 """Oracles that read the future of the replayed stream: Belady, Belady-k and sequential Belady.
 
-* ``belady`` (the bound used by every table's ``belady_fraction``): under the protect rule the
-  selection of the running layer stays resident and the victim is the non-selected resident whose
-  next use is furthest away (never-used-again first). With one expert per layer-execution (top-1)
-  this is exactly classic Belady/MIN with forced insertion (libcachesim's ``Belady``). It maximizes the
-  hits of the whole replayed stream (prefill warm-up included), so it bounds every demand-paging
-  policy that follows the protect rule (every miss inserted; prefetching or temporary-slot policies
-  can beat it, see DESIGN.md). On decode-only counts it is the reference rather than a strict bound:
-  a policy can trade uncounted prefill hits for a few decode hits at a warm-up boundary, so a
-  ``belady_fraction`` can exceed 1 by a hair on short sequences.
+* ``belady``: under the protect rule the selection of the running layer stays resident and the
+  victim is the non-selected resident whose next use is furthest away (never-used-again first). With
+  one expert per layer-execution (top-1) this is exactly classic Belady/MIN with forced insertion
+  (libcachesim's ``Belady``). It maximizes the hits of the whole replayed stream (prefill warm-up
+  included), so it bounds every demand-paging policy that follows the protect rule on those counts.
+  On decode-only counts a policy can trade uncounted prefill hits for decode hits (or, like the
+  static placement, bypass its misses), so the tables' ``belady_fraction`` divides by the demand-only
+  ceiling instead (:func:`expertcast.inference.simulator.replay_ceiling`), which ``belady`` may not
+  reach.
 * ``belady-k`` (SeqMoE's Belady-8): the future is visible ``k`` decode steps ahead (the next ``k * L``
   layer-executions). Residents whose next use is visible are ranked as Belady ranks them; residents
   with no visible next use are evicted first, least recently used first. ``k=0`` is LRU; ``k`` at

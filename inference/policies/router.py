@@ -1,11 +1,11 @@
-"""Cache policies of the cache-aware router adaptation (DESIGN.md, "Cache-aware router adaptation").
+"""Cache policies of the cache-aware router adaptation (docs/design.md, "Cache-aware router adaptation").
 
 The routers' outputs are recorded in the teacher-forced pass of the evaluated model (one
 :class:`RouterRecord` per sequence: p^R, p^T, p^S, each float16 [T, L, E]) and kept in a
-:class:`RouterReplay` keyed by sequence id. The policy reads them per step: decode step ``t`` of
-sequence ``i`` is position ``prompt_len_i + d`` (as :attr:`TraceSequence.decode_expert_ids`; prefill
-steps are mapped the same way as the simulator replays them, see :meth:`_RouterPolicyBase.on_step`).
-With a batch of several sequences, a priority is the mean over the members processing a token.
+:class:`RouterReplay` keyed by sequence id. The policy reads them at the position the driver says each member processes (``StepInfo.positions``:
+prefill steps first, then decode steps). A live generation (the runtime) reads the records of its
+sequence ids, recorded on the same text beforehand. With a batch of several sequences, a priority is
+the mean over the members processing a token.
 
 - :class:`TemporalRetentionPolicy` (``router-temporal``, Algorithm 1, update-only): demand-load
   misses, protect the selection, evict the lowest ``s^T_{t,l} = p^R_{t,l} + p^T_{t,l}`` resident.
@@ -35,6 +35,7 @@ from expertcast.inference.policy import Policy
 
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache import CacheConfig, ExpertCache
+    from expertcast.inference.driver import StepInfo
 
 REPLAY_FORMAT = "expertcast-router-replay"
 REPLAY_FORMAT_VERSION = 1
@@ -123,8 +124,7 @@ class _RouterPolicyBase(Policy):
     def __init__(self, replay: RouterReplay | str | os.PathLike | None = None, R: int | None = None):
         self.replay = RouterReplay.load(replay) if isinstance(replay, (str, os.PathLike)) else replay
         self.R = R
-        self._batch: list[tuple[RouterRecord, int]] = []
-        self._batch_start: int | None = None
+        self._batch: list[RouterRecord] = []
         self._act: list[tuple[RouterRecord, int]] = []
         self.t = -1
 
@@ -148,45 +148,35 @@ class _RouterPolicyBase(Policy):
     def begin_batch(self, batch: Any) -> None:
         if self.replay is None:
             raise ValueError(f"{type(self).__name__} needs the routers' recorded outputs: pass replay=RouterReplay")
-        seqs = list(batch)
         out = []
-        for s in seqs:
+        for s in batch:
             rec = self.replay[s.seq_id]
-            if rec.p_R.shape[0] != s.num_tokens or rec.p_R.shape[1:] != (self.config.num_layers,
-                                                                        self.config.num_experts):
+            T = getattr(s, "num_tokens", None)  # a live prompt's length is not known yet
+            L, E = self.config.num_layers, self.config.num_experts
+            if (T is not None and rec.p_R.shape[0] != T) or rec.p_R.shape[1:] != (L, E):
                 raise ValueError(
-                    f"router outputs of {s.seq_id} are {rec.p_R.shape}, but the trace has T={s.num_tokens}, "
-                    f"L={self.config.num_layers}, E={self.config.num_experts}: recorded on another model or text")
+                    f"router outputs of {s.seq_id} are {rec.p_R.shape}, but the trace has T={T}, L={L}, E={E}: "
+                    "recorded on another model or text")
             if self.needs_p_T and rec.p_T is None:
                 raise ValueError(f"{type(self).__name__} needs Temporal-router outputs (p_T) for {s.seq_id}")
             if self.needs_p_S and rec.p_S is None:
                 raise ValueError(f"{type(self).__name__} needs Spatio-router outputs (p_S) for {s.seq_id}")
-            out.append((rec, int(s.prompt_len)))
+            out.append(rec)
         self._batch = out
-        self._batch_start = None
         self._act = []
         self.t = -1
 
-    def on_step(self, t: int) -> None:
-        """Map step ``t`` to each member's position (simulator convention: the batch first replays its
-        prompts, prefill step j at position j of the members whose prompt is longer than j, then decode
-        step d at position prompt_len + d of the unfinished members)."""
-        if self._batch_start is None:
-            self._batch_start = t
-        j = t - self._batch_start
-        mp = max((p0 for _, p0 in self._batch), default=0)
-        act = []
-        for rec, p0 in self._batch:
-            pos = (j if j < p0 else -1) if j < mp else p0 + (j - mp)
-            if 0 <= pos < rec.p_R.shape[0]:
-                act.append((rec, pos))
-        self.t, self._act = t, act
+    def on_step(self, t: int, info: StepInfo) -> None:
+        """The members processing a position at step ``t`` (positions from the driver's schedule)."""
+        self.t = t
+        self._act = [(rec, int(pos)) for rec, pos in zip(self._batch, info.positions.tolist(), strict=True)
+                     if 0 <= pos < rec.p_R.shape[0]]
 
     def _active(self, t: int, need_prev: bool = False) -> list[tuple[RouterRecord, int]]:
         """(record, position) of the members processing a token at step t (with a previous token if
         asked)."""
         if t != self.t:
-            self.on_step(t)
+            raise RuntimeError(f"{self.name}: step {t} was not opened by on_step (the driver calls it first)")
         return [(r, p) for r, p in self._act if p >= 1 or not need_prev]
 
     def temporal_priority(self, t: int, layer: int) -> np.ndarray | None:

@@ -16,10 +16,10 @@ elements. Then:
 
 With a batch, the per-sequence forecasts combine as P = 1 - prod_b (1 - P_b).
 
-Inputs: the forecaster needs each sequence's normalized top-K weights per layer. A driver that knows
-them calls :meth:`SeqMoEPolicy.observe_routing`; the simulator's batches are :class:`TraceSequence`
-objects, read directly (same positions as the simulator replays them); otherwise the selection with
-its token counts is used.
+Inputs: the forecaster needs each sequence's normalized top-K weights per layer. The driver passes
+them through :meth:`SeqMoEPolicy.observe_routing` (simulator: from the traces; runtime: from the
+model's router) and says which position each member processes (:meth:`on_step`); without per-member
+routing the selection with its token counts is used.
 
 Forecasts depend only on the routing history, never on cache decisions. When the batch's sequences
 are known in advance (simulator replay), ``precompute=True`` computes each sequence's forecasts at
@@ -49,6 +49,7 @@ from expertcast.models.forecaster import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache import CacheConfig, ExpertCache
+    from expertcast.inference.driver import StepInfo
 
 
 def _load_model(forecaster: Any, device: str) -> tuple[ExpertForecaster, str]:
@@ -262,7 +263,6 @@ class SeqMoEPolicy(Policy):
         self._prior_x = -1
         self._now = (0, 0, 0)
         self.members: list[Any] = []
-        self._batch_start: int | None = None
         self._pos: list[int] = []
         self._state: ForecasterState | None = None
         self._latest: np.ndarray | None = None
@@ -273,7 +273,6 @@ class SeqMoEPolicy(Policy):
     # ------------------------------------------------------------------------------------------ batch / steps
     def begin_batch(self, batch: Any) -> None:
         self.members = list(batch)
-        self._batch_start = None
         B = len(self.members)
         self._traced = all(hasattr(m, "expert_ids") and hasattr(m, "expert_weights") for m in self.members)
         self._row_tables = [None] * B
@@ -330,27 +329,8 @@ class SeqMoEPolicy(Policy):
         for s, tab in zip(fit, tabs, strict=True):
             self._store_table(self._table_key(s), tab)
 
-    def _positions(self, t: int) -> list[int]:
-        """Position processed by each member at step ``t`` (-1 when idle), as the simulator replays a batch."""
-        if self._batch_start is None:
-            self._batch_start = t
-        j = t - self._batch_start
-        prompts = [int(getattr(m, "prompt_len", 0)) for m in self.members]
-        mp = max(prompts) if prompts else 0
-        out = []
-        for m, pl in zip(self.members, prompts, strict=True):
-            T = len(m.expert_ids) if hasattr(m, "expert_ids") else None
-            if j < mp:
-                pos = j if j < pl else -1
-            else:
-                pos = pl + j - mp
-                if T is not None and pos >= T:
-                    pos = -1
-            out.append(pos)
-        return out
-
-    def on_step(self, t: int) -> None:
-        self._pos = self._positions(t)
+    def on_step(self, t: int, info: StepInfo) -> None:
+        self._pos = info.positions.tolist()
         self._observed = {}
 
     def observe_routing(self, t: int, layer: int, expert_ids: np.ndarray, weights: np.ndarray) -> None:
@@ -359,23 +339,15 @@ class SeqMoEPolicy(Policy):
 
     # ------------------------------------------------------------------------------------------ forecasting
     def _record_routing(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray) -> None:
-        """Online mode: write this layer's routing of every active member into ``_latest``."""
+        """Online mode: write this layer's routing of every active member into ``_latest`` (the driver's
+        per-member routing; without it, the selection weighted by its token counts)."""
         assert self._latest is not None
-        active = [b for b, pos in enumerate(self._pos) if pos >= 0] if self.members else []
-        if layer in self._observed:
-            ids, w = self._observed[layer]
-            for b in active:
-                row = np.zeros(self.E, np.float32)
-                np.add.at(row, ids[b].astype(np.int64), w[b])
-                self._latest[b, layer] = row / max(row.sum(), 1e-9)
-            return
+        active = [b for b, pos in enumerate(self._pos) if pos >= 0]
+        obs = self._observed.get(layer)
         for b in active:
-            m = self.members[b]
             row = np.zeros(self.E, np.float32)
-            if hasattr(m, "expert_ids"):
-                pos = self._pos[b]
-                np.add.at(row, np.asarray(m.expert_ids[pos, layer], np.int64),
-                          np.asarray(m.expert_weights[pos, layer], np.float32))
+            if obs is not None:
+                np.add.at(row, obs[0][b].astype(np.int64), obs[1][b])
             else:
                 np.add.at(row, np.asarray(selected, np.int64), np.asarray(counts, np.float32))
             self._latest[b, layer] = row / max(row.sum(), 1e-9)

@@ -1,6 +1,6 @@
 """SAEM's stage-aware expert management as a cache policy (simulator and runtime alike).
 
-:class:`StageAwarePolicy` (SAEM IV-2, DESIGN.md "SAEM"):
+:class:`StageAwarePolicy` (SAEM IV-2, docs/design.md "SAEM"):
 
 - per-layer budgets: the cache must be a per-layer pool (B_l slots for layer l);
 - the streaming :class:`~expertcast.inference.stages.StageDetector` watches the tokens every sequence
@@ -27,10 +27,11 @@ updated) and ``cpu_exec=False`` (every miss through the temporary slot).
 each update it ranks experts by the *next* stage's true counts, read from the batch's recorded routing
 (``begin_batch`` receives the :class:`~expertcast.data.trace_format.TraceSequence` objects).
 
-Driver contract assumed (inference/policy.py): decode step ``t`` of sequence ``i`` is position
-``prompt_len_i + t``; ``observe_tokens(t, ids)`` gives the token each sequence holds at that position
-(None or a negative id once it finished). The oracle checks this against the recorded tokens and
-raises when a driver feeds something else.
+Driver contract (inference/driver.py): ``on_step`` gives each member's position (``StepInfo``);
+``observe_tokens(t, ids)`` gives, per member, the token fed to its next position (None when it has
+none); only generated tokens (position + 1 >= prompt length) reach the detector. The oracle reads the
+next stage from the recorded routing: the batch's TraceSequence objects (simulator), or the recorded
+run given as its future (runtime), looked up by sequence id.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 from expertcast.inference.cpu_exec import LatencyModel
 from expertcast.inference.cues import CUESET_FILENAME, CueSet
+from expertcast.inference.driver import BatchSchedule, StepInfo
 from expertcast.inference.policy import MissAction, Policy
 from expertcast.inference.stages import StageDetector, TokenDecoder
 
@@ -155,9 +157,7 @@ class StageAwarePolicy(Policy):
         self._step = -1
         self._traces = None
         self._batch_size = 1
-        self._prefill_steps = 0
-        self._batch_start = None
-        self._local = -1
+        self._info: StepInfo | None = None
         self.n_boundaries = self.n_updates = self.n_cpu = self.n_temp = 0
         self.update_steps = []
 
@@ -175,11 +175,10 @@ class StageAwarePolicy(Policy):
         return self._top_placement(self.static_frequency, cache, only_missing=True)
 
     def begin_batch(self, batch: Any) -> None:
-        items = list(batch) if batch is not None and hasattr(batch, "__len__") else []
-        self._traces = items if items and all(hasattr(b, "prompt_len") and hasattr(b, "token_ids") for b in items) \
+        items = list(batch)
+        self._traces = items if items and all(hasattr(b, "token_ids") and hasattr(b, "expert_ids") for b in items) \
             else None
         n = max(len(items), 1)
-        self._prefill_steps = max(b.prompt_len for b in self._traces) if self._traces else 0
         if self.stage_updates:
             if self.detector is None:
                 self.detector = StageDetector(self.cues, None, batch_size=n, ignore_case=self.ignore_case)
@@ -187,73 +186,36 @@ class StageAwarePolicy(Policy):
         self._batch_size = n
         self._stage_counts[:] = 0
         self._pending_update = False
-        self._batch_start = None
-        self._local = -1
+        self._info = None
         self._last_update = -(10 ** 9)
 
     # -- hooks ------------------------------------------------------------------------------------
-    def on_step(self, t: int) -> None:
-        if self._batch_start is None:
-            self._batch_start = t
-        self._local = t - self._batch_start
+    def on_step(self, t: int, info: StepInfo) -> None:
+        self._info = info
         self._step = t
-        if (self.stage_updates and self._traces is not None and self._prefill_steps > 0
-                and self._local == self._prefill_steps and self._stage_counts.any()):
+        mp = info.schedule.prefill_steps
+        if self.stage_updates and mp > 0 and info.local == mp and self._stage_counts.any():
             self._pending_update = True  # the prompt (prefill) is the first finished stage
 
-    def _members(self, j: int) -> list[tuple[int, int]]:
-        """(member, position) of the members that produce a token at local step ``j`` of the batch, in
-        the simulator's order (inference/simulator.py ``_produced_tokens``): prefill step j < P_max
-        covers members whose prompt is longer than j, decode step j covers position
-        prompt_len + j - P_max; a member produces the token at position + 1 if there is one."""
-        assert self._traces is not None
-        mp = self._prefill_steps
-        out = []
-        for i, s in enumerate(self._traces):
-            if j < mp:
-                if j >= s.prompt_len:
-                    continue
-                pos = j
-            else:
-                pos = s.prompt_len + j - mp
-            if pos + 1 < len(s.token_ids):
-                out.append((i, pos))
+    @staticmethod
+    def _generated(info: StepInfo, token_ids: Sequence[int | None]) -> list[int | None]:
+        """One entry per member: the token it fed to its next position when that token was generated
+        (not a prompt token), else None."""
+        out: list[int | None] = []
+        for tid, pos, p0 in zip(token_ids, info.positions.tolist(), info.schedule.prompt_lens.tolist(), strict=True):
+            gen = tid is not None and int(tid) >= 0 and pos >= 0 and pos + 1 >= p0
+            out.append(int(tid) if gen else None)
         return out
 
-    def _detector_ids(self, token_ids: Sequence[int]) -> list[int | None]:
-        """One entry per member: the generated token it produced now, or None (prompt token / idle)."""
-        ids: list[int | None] = [None] * self._batch_size
-        if self._traces is None:
-            if len(token_ids) != self._batch_size:
-                raise ValueError(f"observe_tokens got {len(token_ids)} ids for a batch of {self._batch_size}")
-            for i, tid in enumerate(token_ids):
-                ids[i] = None if tid is None or int(tid) < 0 else int(tid)
-            return ids
-        members = self._members(self._local)
-        if len(members) != len(token_ids):
-            raise ValueError(f"{self.name}: step {self._step} produced {len(token_ids)} tokens but {len(members)} "
-                             "members of the batch are active: the driver's step alignment differs from the one "
-                             "this policy assumes (inference/simulator.py)")
-        for (i, pos), tid in zip(members, token_ids, strict=True):
-            s = self._traces[i]
-            if int(s.token_ids[pos + 1]) != int(tid):
-                raise ValueError(f"{self.name}: token {tid} at step {self._step} of {s.seq_id} differs from the trace's "
-                                 f"{int(s.token_ids[pos + 1])} at position {pos + 1}")
-            if pos + 1 >= s.prompt_len:
-                ids[i] = int(tid)
-        return ids
-
-    def observe_tokens(self, t: int, token_ids: Sequence[int]) -> None:
+    def observe_tokens(self, t: int, token_ids: Sequence[int | None]) -> None:
         if not self.stage_updates:
             return
-        if self.detector is None:
-            self.begin_batch([None] * len(token_ids))
-        assert self.detector is not None
+        assert self.detector is not None and self._info is not None, "the driver calls begin_batch and on_step first"
+        if len(token_ids) != self._batch_size:
+            raise ValueError(f"observe_tokens got {len(token_ids)} ids for a batch of {self._batch_size}")
         if self.detector.decoder is None:
             self.detector.decoder = self.decoder
-        if self._batch_start is None:
-            self.on_step(t)
-        events = self.detector.step(self._detector_ids(token_ids))
+        events = self.detector.step(self._generated(self._info, token_ids))
         if events:
             self.n_boundaries += len(events)
             if t + 1 - self._last_update >= self.min_stage_steps:
@@ -324,51 +286,70 @@ class StageOraclePolicy(StageAwarePolicy):
     the next stage's true per-layer counts over the batch (read from the batch's recorded routing)."""
 
     name = "stage-oracle"
+    needs_future = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("stage_updates", True):
             raise ValueError("the stage oracle is defined at stage boundaries: stage_updates must stay on")
         super().__init__(*args, **kwargs)
+        self._future: dict[str, Any] = {}
+        self._plan: list[int] | None = None
+
+    def set_future(self, future: Any) -> None:
+        """``future``: the recorded run (an :class:`~expertcast.inference.simulator.AccessStream` or a list of
+        :class:`TraceSequence`); a live batch's members are looked up by sequence id."""
+        seqs = getattr(future, "sequences", future) or []
+        self._future = {s.seq_id: s for s in seqs}
 
     def begin_batch(self, batch: Any) -> None:
-        super().begin_batch(batch)
-        if self._traces is None:
-            raise ValueError("StageOraclePolicy reads the next stage from the recorded routing: begin_batch must "
-                             "receive the batch's TraceSequence objects (simulator only)")
-        self._plan = self._plan_updates()
+        items = list(batch)
+        if not all(hasattr(b, "token_ids") and hasattr(b, "expert_ids") for b in items):
+            known = self._future
+            missing = [b.seq_id for b in items if b.seq_id not in known]
+            if missing:
+                raise ValueError(f"StageOraclePolicy reads the next stage from the recorded routing: no recorded "
+                                 f"sequence {missing[0]!r} in its future (pass the run's traces as the future)")
+            items = [known[b.seq_id] for b in items]
+        super().begin_batch(items)
+        self._plan = None
 
-    def _plan_updates(self) -> list[int]:
+    def on_step(self, t: int, info: StepInfo) -> None:
+        if self._plan is None:
+            assert self._traces is not None
+            # a live batch's ends are known from its recorded run
+            self._schedule = BatchSchedule(info.schedule.prompt_lens, [len(s.token_ids) for s in self._traces])
+            self._plan = self._plan_updates(self._schedule)
+        super().on_step(t, info)
+
+    def _plan_updates(self, schedule: BatchSchedule) -> list[int]:
         """Local steps of the batch at which the online policy updates (same detector, same rules)."""
         assert self._traces is not None
         det = StageDetector(self.cues, self.decoder, batch_size=len(self._traces), ignore_case=self.ignore_case)
-        mp = self._prefill_steps
-        n_steps = mp + max(len(s.token_ids) - s.prompt_len for s in self._traces)
+        mp = schedule.prefill_steps
         plan = []
         last = -(10 ** 9)
         if mp > 0:
             plan.append(mp)
             last = mp
-        for j in range(n_steps):
+        for j in range(schedule.num_steps):
+            pos, nxt = schedule.positions(j), schedule.has_next(j)
             ids: list[int | None] = [None] * len(self._traces)
-            for i, pos in self._members(j):
-                s = self._traces[i]
-                if pos + 1 >= s.prompt_len:
-                    ids[i] = int(s.token_ids[pos + 1])
+            for i, s in enumerate(self._traces):
+                if nxt[i] and pos[i] + 1 >= s.prompt_len:
+                    ids[i] = int(s.token_ids[pos[i] + 1])
             if det.step(ids) and j + 1 - last >= self.min_stage_steps:
                 plan.append(j + 1)
                 last = j + 1
         return plan
 
     def _next_ranking(self, t: int) -> np.ndarray:
-        assert self._traces is not None
-        j = self._local
+        assert self._traces is not None and self._info is not None and self._plan is not None
+        sch, j = self._schedule, self._info.local
         later = [u for u in self._plan if u > j]
-        end = later[0] if later else None
-        mp = self._prefill_steps
+        end = later[0] if later else sch.num_steps
         counts = np.zeros((self.L, self.E))
-        for s in self._traces:
-            a = s.prompt_len + (j - mp) if j >= mp else j
-            b = len(s.token_ids) if end is None else min(len(s.token_ids), s.prompt_len + end - mp)
+        for i, s in enumerate(self._traces):
+            a, b = sch.span(i, j, end)
             if b <= a:
                 continue
             e = np.asarray(s.expert_ids[a:b], dtype=np.int64)  # [n, L, K]

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from expertcast.commands.collect import main as collect_main
 from expertcast.data.collect import CollectConfig, collect_traces, generate_batch
-from expertcast.data.collect import main as collect_main
 from expertcast.data.traces import load_traces, read_manifest
 from expertcast.models.routing import capture_routing
 
@@ -121,7 +121,7 @@ def test_completions_mode_cli(tmp_path, data_dir, capsys):
         assert s.num_tokens == 400  # R1 thinking is far longer than 400 tokens: truncated
         assert 0 < s.prompt_len < 400 and s.token_ids[s.prompt_len] == think
     first = json.loads((data_dir / "cot" / "labeled40.jsonl").open().readline())
-    assert seqs[0].seq_id == str(first.get("id", "labeled40-00000"))
+    assert seqs[0].seq_id == str(first["id"])
 
 
 def test_cli_errors(tmp_path, data_dir, capsys):
@@ -143,4 +143,4 @@ def test_cli_errors(tmp_path, data_dir, capsys):
     capsys.readouterr()
     args[args.index("300")] = "320"
     assert collect_main(args) == 2
-    assert "other settings (changed: max_tokens)" in capsys.readouterr().err
+    assert "other settings: max_tokens: 300 (saved) vs 320 (now)" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""`expertcast fit --config configs/forecaster/tiny.yaml` end to end on synthetic traces: W&B offline logging,
-checkpoint resume, export, then `expertcast forecast-eval` on the held-out sequences."""
+"""`expertcast fit --config configs/forecaster/tiny.yaml` end to end on synthetic traces: W&B offline logging in
+the run directory, explicit resume (--resume), export, then `expertcast forecast-eval` on the held-out sequences."""
 
 from __future__ import annotations
 
@@ -26,12 +26,11 @@ def traces(tmp_path) -> Path:
 
 def _config(tmp_path: Path, traces: Path, epochs: int) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / "forecaster" / "tiny.yaml").read_text())
-    run = tmp_path / "run"
-    cfg["trainer"].update(max_epochs=epochs, default_root_dir=str(run), check_val_every_n_epoch=1,
+    cfg["trainer"].update(max_epochs=epochs, default_root_dir=str(tmp_path / "runs"), check_val_every_n_epoch=1,
                           log_every_n_steps=1, enable_progress_bar=False)
-    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(run)
-    cfg["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(run / "checkpoints")
-    cfg["model"]["init_args"].update(export_dir=str(run / "export"), hidden_size=32, head_dim=16, state_size=8)
+    cfg["model"]["init_args"].update(hidden_size=32, head_dim=16, state_size=8)
+    # a test split the export never sees: forecast-eval scores only sequences outside train and val
+    cfg["data"]["init_args"].update(test_fraction=0.2)
     cfg["data"]["init_args"].update(traces=str(traces), window=39, batch_size=8)
     path = tmp_path / f"tiny-{epochs}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -45,18 +44,22 @@ def test_fit_resume_export_and_eval(tmp_path, traces, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)
     from expertcast.cli import main
+    from expertcast.commands import fit
 
     assert main(["fit", "--config", str(_config(tmp_path, traces, 2))]) == 0
-    run = tmp_path / "run"
+    run = fit.last_result.run_dir
+    assert run.parent == tmp_path / "runs"
     last = run / "checkpoints" / "last.ckpt"
     assert last.exists()
-    step1 = torch.load(last, weights_only=False, map_location="cpu")["global_step"]
+    step1 = torch.load(last, weights_only=True, map_location="cpu")["global_step"]
     assert list(run.glob("wandb/offline-run-*")), "W&B offline run directory missing"
-    # rerunning with more epochs resumes from last.ckpt (ckpt_path: last in the config)
+    assert list(run.glob("checkpoints/epoch=*.ckpt")), "the configured best checkpoint is not in the run directory"
+    # more epochs: --resume continues the run from its last.ckpt
     with caplog.at_level(logging.INFO):
-        assert main(["fit", "--config", str(_config(tmp_path, traces, 3))]) == 0
+        assert main(["fit", "--config", str(_config(tmp_path, traces, 3)), "--resume", str(run)]) == 0
     assert f"Restoring states from the checkpoint path at {last}" in caplog.text
-    ck = torch.load(last, weights_only=False, map_location="cpu")
+    assert fit.last_result.run_dir == run
+    ck = torch.load(last, weights_only=True, map_location="cpu")
     assert ck["global_step"] == step1 * 3 // 2
     assert ck["hyper_parameters"]["shape"]["num_experts"] == 8
 
@@ -68,7 +71,8 @@ def test_fit_resume_export_and_eval(tmp_path, traces, monkeypatch, caplog):
     assert main(["forecast-eval", "--forecaster", str(run / "export"), "--traces", str(traces), "--horizons", "3",
                  "--out", str(out)]) == 0
     summary = json.loads((out / "recall_summary.json").read_text())
-    assert summary["split"] == "val" and summary["sequences"] >= 3
+    assert summary["split"] == "held-out" and summary["sequences"] >= 3
+    assert summary["sequences"] == len(exp.training["test_ids"])
     names = {r["predictor"] for r in summary["rows"]}
     assert names == {"forecaster", "repeat-last", "frequency", "transition", "recent-freq"}
     assert (out / "recall.png").stat().st_size > 1000 and (out / "recall.csv").exists()

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from expertcast.inference.eval_cli import SAMPLES, main, read_samples
+from expertcast.commands.evaluate import main
+from expertcast.inference.eval_run import SAMPLES, read_samples
 
 ARGS = ["--model", "qwen3_moe-tiny", "--benchmark", "gsm8k", "--policy", "lru", "--capacity", "0.25",
         "--batch-size", "2", "--limit", "3", "--max-new-tokens", "4", "--no-progress", "--device", "cpu"]
 
 
-def test_eval_outputs_and_resume(tmp_path, data_dir):
+def test_eval_outputs_and_resume(tmp_path, data_dir, capsys):
     out = tmp_path / "ev"
     assert main([*ARGS, "--out", str(out)]) == 0
     for name in ("summary.json", "summary.csv", "samples.csv", "summary.png", SAMPLES):
@@ -36,16 +36,16 @@ def test_eval_outputs_and_resume(tmp_path, data_dir):
     assert rows[2]["batch"] == 1
     assert json.loads((out / "summary.json").read_text())["samples"] == 3
 
-    # resuming with other settings is refused
-    with pytest.raises(SystemExit, match="other settings"):
-        main([*ARGS[:7], "0.5", *ARGS[8:], "--out", str(out)])
+    # resuming with other settings is refused (exit 2, one line naming the setting)
+    assert main([*ARGS[:7], "0.5", *ARGS[8:], "--out", str(out)]) == 2
+    assert "capacity" in capsys.readouterr().err
 
 
-def test_eval_refuses_bad_input_before_generation(tmp_path, data_dir):
-    with pytest.raises(SystemExit, match="oracle"):
-        main([*ARGS[:5], "belady", *ARGS[6:], "--out", str(tmp_path / "o")])
-    with pytest.raises(ValueError, match="below top-K"):
-        main([*ARGS[:7], "2", *ARGS[8:], "--out", str(tmp_path / "c")])
-    with pytest.raises(SystemExit, match="--capacity"):
-        main([*ARGS[:7], "1.5", *ARGS[8:], "--out", str(tmp_path / "d")])
+def test_eval_refuses_bad_input_before_generation(tmp_path, data_dir, capsys):
+    assert main([*ARGS[:5], "belady", *ARGS[6:], "--out", str(tmp_path / "o")]) == 2
+    assert "oracle" in capsys.readouterr().err
+    assert main([*ARGS[:6], "--slots", "2", *ARGS[8:], "--out", str(tmp_path / "c")]) == 2
+    assert "below top-K" in capsys.readouterr().err
+    assert main([*ARGS[:7], "1.5", *ARGS[8:], "--out", str(tmp_path / "d")]) == 2
+    assert "--capacity" in capsys.readouterr().err
     assert not (tmp_path / "c" / SAMPLES).exists()

@@ -138,3 +138,46 @@ def test_segmentation_stats_against_controls():
     # boundaries at abrupt routing changes make adjacent stages less similar than uniform cuts
     assert st.tcseq < st.tcseq_uniform - 0.02
     assert st.tcseq_layer.shape == (2,)
+
+
+@pytest.mark.parametrize("content,words", [
+    ('{"format": "expertcast.saem.cueset", "format_version": 1, "cues": []}', "non-empty list of strings"),
+    ('{"format": "expertcast.saem.cueset", "format_version": 1, "cues": ["So", 3]}', "non-empty list of strings"),
+    ('{"format": "expertcast.saem.cueset", "format_version": 0, "cues": ["So"]}', "format_version 0"),
+    ('{"format": "expertcast.saem.cueset", "format_version": 1, "cues": ["So"], "expert_frequency": [1, 2]}',
+     r"must be \[L\]\[E\], got shape \(2,\)"),
+    ('{"format": "expertcast.saem.cueset", "format_version": 1, "cues": ["So"], "expert_frequency": [["a"]]}',
+     "list of numbers"),
+    ("[1, 2]", "not an expertcast cue set"),
+    (b"\xff\xfe", "not valid JSON"),
+])
+def test_cue_set_validation_is_a_usage_error(tmp_path, content, words):
+    from expertcast.utils.errors import UsageError
+
+    p = tmp_path / "cues.json"
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(UsageError, match=words) as e:
+        CueSet.load(p)
+    assert str(p) in str(e.value)
+
+
+def test_cue_set_model_check_names_both_models(tmp_path):
+    from expertcast.utils.errors import UsageError
+
+    cs = CueSet(cues=["So"], model_id="org/model-a")
+    cs.check_model("org/model-a")
+    cs.check_model(None)  # traces that name no model: nothing to compare
+    with pytest.raises(UsageError, match="'org/model-a' but the traces come from model 'org/model-b'"):
+        cs.check_model("org/model-b")
+    # two spellings of one folder are one model
+    (tmp_path / "m").mkdir()
+    CueSet(cues=["So"], model_id=str(tmp_path / "m")).check_model(str(tmp_path / "." / "m"))
+
+
+def test_load_tokenizer_of_a_preset_needs_no_hub():
+    from expertcast.inference.cues import load_tokenizer
+
+    tok = load_tokenizer("qwen3_moe-tiny")
+    assert tok.decode(tok.encode("Wait, so", add_special_tokens=False)) == "Wait, so"
+    with pytest.raises(FileNotFoundError, match="cannot load a tokenizer from"):
+        load_tokenizer("/nonexistent/tokenizer-folder")

@@ -1,4 +1,5 @@
-"""Forecaster export: round trip without Lightning; foreign, corrupt and mismatched exports refused."""
+"""Forecaster export: round trip without Lightning; foreign, corrupt, altered and mismatched exports refused;
+the manifest guards every file; training ids read back."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from expertcast.models.forecaster_export import (
     ForecasterExportError,
     load_forecaster,
     save_forecaster,
+    training_ids,
 )
+from expertcast.utils.provenance import EXPORT_MANIFEST, write_export_manifest
 
 torch.set_num_threads(1)
 
@@ -70,15 +73,59 @@ def test_corrupt_weights_refused(tmp_path, model):
         load_forecaster(out)
 
 
+def _rewrite(out, cfg) -> None:
+    """Write ``cfg`` as the export's JSON with a matching manifest (a consistent but wrong export)."""
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    write_export_manifest(out, [CONFIG_NAME, WEIGHTS_NAME])
+
+
 def test_config_weight_mismatch_refused(tmp_path, model):
     out = save_forecaster(model, tmp_path / "exp")
     cfg = json.loads((out / CONFIG_NAME).read_text())
     cfg["config"]["hidden_size"] = 64
-    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    _rewrite(out, cfg)
     with pytest.raises(ForecasterExportError, match="shape"):
         load_forecaster(out)
     cfg["config"]["hidden_size"] = 32
     cfg["config"]["bogus"] = 1
-    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    _rewrite(out, cfg)
     with pytest.raises(ForecasterExportError, match="bogus"):
         load_forecaster(out)
+
+
+@pytest.mark.parametrize("key, value", [("temperature", 0.5), ("trigger_layer", 1)])
+def test_edited_config_refused_by_the_manifest(tmp_path, model, key, value):
+    out = save_forecaster(model, tmp_path / "exp")
+    h = load_forecaster(out).export_hash
+    assert h and len(h) == 64
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    cfg["config"][key] = value
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ForecasterExportError, match=f"{CONFIG_NAME} was modified"):
+        load_forecaster(out)
+
+
+def test_extra_file_missing_manifest_and_escaping_weights_refused(tmp_path, model):
+    out = save_forecaster(model, tmp_path / "exp")
+    (out / "notes.txt").write_text("x")
+    with pytest.raises(ForecasterExportError, match="notes.txt is not part of the export"):
+        load_forecaster(out)
+    (out / "notes.txt").unlink()
+    # the weights entry must stay inside the export, even with a consistent manifest
+    (tmp_path / "x").write_bytes((out / WEIGHTS_NAME).read_bytes())
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    cfg["weights"] = "../x"
+    _rewrite(out, cfg)
+    with pytest.raises(ForecasterExportError, match="outside the export"):
+        load_forecaster(out)
+    (out / EXPORT_MANIFEST).unlink()
+    with pytest.raises(ForecasterExportError, match="re-export"):
+        load_forecaster(out)
+
+
+def test_training_ids_are_train_and_val(tmp_path, model):
+    assert training_ids(save_forecaster(model, tmp_path / "plain")) is None
+    block = {"traces": ["t"], "trace_fingerprint": "f", "train_ids": ["a", "b"], "val_ids": ["c"], "test_ids": ["d"]}
+    out = save_forecaster(model, tmp_path / "exp", training=block)
+    assert training_ids(out) == {"a", "b", "c"}
+    assert load_forecaster(out).training == block

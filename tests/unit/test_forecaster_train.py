@@ -8,9 +8,15 @@ import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import activation_vector, trigger_sequence
 from expertcast.train.forecast_eval import evaluate, fit_baselines
-from expertcast.train.forecaster_data import ForecasterDataModule, ForecastWindows, split_of, split_sequences
+from expertcast.train.forecaster_data import (
+    EpochShuffleSampler,
+    ForecasterDataModule,
+    ForecastWindows,
+    split_sequences,
+)
 from expertcast.train.forecaster_module import kl_loss, ranking_loss, recall_at
 from expertcast.train.forecaster_synthetic import ModeMarkovProcess, fit_forecaster
+from expertcast.utils.provenance import split_of
 
 torch.set_num_threads(1)
 
@@ -51,7 +57,40 @@ def test_split_is_by_sequence_and_stable():
     # same split whatever the order or subset
     again = split_sequences(list(reversed(seqs[:30])), seed=3, val_fraction=0.2, test_fraction=0.1)
     assert {s.seq_id for s in again["val"]} == {s.seq_id for s in seqs[:30] if s.seq_id in ids[1]}
-    assert split_of("s1", 3, 0.2, 0.1) == split_of("s1", 3, 0.2, 0.1)
+    # one implementation: the data module splits exactly like expertcast.utils.provenance.split_of
+    for k, part in parts.items():
+        assert all(split_of(s.seq_id, 0.2, 0.1, seed=3) == k for s in part)
+
+
+def test_split_is_stable_under_subsetting_and_listed_in_training_info():
+    meta = TraceMeta("m", num_layers=2, num_experts=6, top_k=2, expert_bytes=1)
+    seqs = _seqs(40)
+    full = ForecasterDataModule.from_sequences(meta, seqs, val_fraction=0.25, split_seed=1).training_info()
+    sub = ForecasterDataModule.from_sequences(meta, seqs[:15], val_fraction=0.25, split_seed=1,
+                                              max_sequences=None).training_info()
+    first = {s.seq_id for s in seqs[:15]}
+    assert set(sub["train_ids"]) == set(full["train_ids"]) & first
+    assert set(sub["val_ids"]) == set(full["val_ids"]) & first
+    assert sorted(full["train_ids"] + full["val_ids"]) == sorted(s.seq_id for s in seqs)
+    assert full["train_ids"] == sorted(full["train_ids"]) and full["val_ids"]
+    assert full["split"] == {"method": "sha256(seed, sequence id)", "seed": 1, "val_fraction": 0.25,
+                             "test_fraction": 0.0}
+    assert full["trace_fingerprint"] != sub["trace_fingerprint"]
+
+
+def test_epoch_sampler_is_fixed_by_seed_and_epoch_and_resumes_mid_epoch():
+    a, b = EpochShuffleSampler(20, seed=3), EpochShuffleSampler(20, seed=3)
+    torch.manual_seed(0)
+    e0 = list(a)
+    torch.manual_seed(1)  # the global RNG plays no part
+    assert list(b) == e0 and sorted(e0) == list(range(20))
+    a.set_epoch(1)
+    e1 = list(a)
+    assert e1 != e0 and sorted(e1) == list(range(20))
+    a.resume_at(1, 8)
+    assert list(a) == e1[8:] and list(a) == e1  # the skip applies to one pass only
+    a.resume_at(0, 8)
+    assert list(a) == e1  # a position recorded for another epoch is ignored
 
 
 @pytest.mark.parametrize("p", [1, 0])

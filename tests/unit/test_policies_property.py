@@ -2,8 +2,8 @@
 sequential Belady bounds protect-rule Belady.
 
 Belady maximizes the hits of the whole replayed stream, so the bound is checked with every access
-counted (warm-up included). On decode-only counts it is the reference but not a strict bound: a policy
-can trade uncounted prefill hits for a few decode hits at the warm-up boundary."""
+counted (warm-up included). On decode-only counts a policy can trade uncounted prefill hits for decode
+hits, so tables use the demand-only ceiling instead (tests/unit/test_ceiling.py)."""
 
 from __future__ import annotations
 

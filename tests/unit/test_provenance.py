@@ -6,8 +6,14 @@ import json
 
 import pytest
 from expertcast.utils.errors import OverlapError, ResumeMismatchError, UsageError
-from expertcast.utils.provenance import (check_overlap, check_resume, settings_key, split_of, verify_export_manifest,
-                                         write_export_manifest)
+from expertcast.utils.provenance import (
+    check_overlap,
+    check_resume,
+    settings_key,
+    split_of,
+    verify_export_manifest,
+    write_export_manifest,
+)
 
 
 def test_split_is_stable_under_subsetting():

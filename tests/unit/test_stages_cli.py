@@ -1,5 +1,6 @@
 """`expertcast stages calibrate | stats | detect | eval` end to end on a tiny model directory (a trained
-byte-level BPE) and routing traces whose expert profile changes at "Wait" and stays at "So"."""
+byte-level BPE) and routing traces whose expert profile changes at "Wait" and stays at "So"; every
+user mistake is one line on stderr and exit status 2; `--model tiny-default` resolves offline."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import json
 
 import numpy as np
 import pytest
+from expertcast.commands.stages import main
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.data.traces import write_traces
-from expertcast.inference.stages_cli import main
 
 L, E, K = 2, 32, 4
 
@@ -30,12 +31,15 @@ def _texts(rng: np.random.Generator, n: int) -> list[str]:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from expertcast.models.tokenizer import train_bpe_tokenizer
+    from transformers import Qwen3MoeConfig
 
     root = tmp_path_factory.mktemp("stages_cli")
     rng = np.random.default_rng(0)
     texts = _texts(rng, 6)
     tok = train_bpe_tokenizer(texts * 4, vocab_size=290)
     model = root / "model"
+    # a model folder: config.json (stages reads only the tokenizer, so no weights) and this tokenizer
+    Qwen3MoeConfig(vocab_size=len(tok), num_hidden_layers=L, num_experts=E, num_experts_per_tok=K).save_pretrained(model)
     tok.save_pretrained(model)
     w_id = tok.encode("Wait", add_special_tokens=False)[0]  # the token holding the cue's first character
     assert tok.decode([w_id]).startswith("W")
@@ -77,18 +81,20 @@ def test_calibrate_stats_detect_eval(setup, capsys):
     assert cs["cues"] == ["So"]
     # stats and eval find the cue set in the model directory
     out = root / "out"
-    assert main(["stats", "--traces", str(traces), "--model", str(model), "--out-dir", str(out)]) == 0
-    st = json.loads((out / "stage_stats.json").read_text())
+    assert main(["stats", "--traces", str(traces), "--model", str(model), "--out", str(out / "stats")]) == 0
+    out_stats = out / "stats"
+    st = json.loads((out_stats / "stage_stats.json").read_text())
     assert st["cues"] == "So" and st["stages"] > st["sequences"] and 0 < st["tcseq"] <= 1
-    assert (out / "tcseq_layers.csv").is_file() and (out / "stage_stats.png").is_file()
+    assert (out_stats / "tcseq_layers.csv").is_file() and (out_stats / "stage_stats.png").is_file()
     assert main(["detect", "--gold", str(gold), "--model", str(model), "--cues", str(cues),
-                 "--out-dir", str(out)]) == 0
-    det = json.loads((out / "detect_gold.json").read_text())
+                 "--out", str(out / "detect")]) == 0
+    det = json.loads((out / "detect" / "detect_gold.json").read_text())
     full = [r for r in det if r["cue_set"].startswith("all candidates") and r["tolerance_tokens"] == 4][0]
     assert full["recall"] == pytest.approx(1.0) and 0.2 < full["precision"] < 0.8  # Wait = gold, So = not
+    out = out / "eval"
     assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2",
-                 "--capacities", "0.03,0.25", "--policies", "stage,stage-oracle,lru,static",
-                 "--out-dir", str(out)]) == 0
+                 "--capacity", "0.03,0.25", "--policies", "stage,stage-oracle,lru,static",
+                 "--out", str(out)]) == 0
     rows = json.loads((out / "saem_eval.json").read_text())
     assert len(rows) == 2 * 4 and (out / "saem_eval.png").is_file() and (out / "saem_eval.csv").is_file()
     assert {r["slots_per_layer"] for r in rows} == {1, 8}  # 3% of 32 experts: 1 slot < top-4, accepted
@@ -103,20 +109,123 @@ def test_calibrate_stats_detect_eval(setup, capsys):
     assert len(partial["records"]) == len(rows) and partial["settings"]["cues"] == ["So"]
     capsys.readouterr()
     assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2",
-                 "--capacities", "0.03,0.25", "--policies", "stage,stage-oracle,lru,static",
-                 "--out-dir", str(out)]) == 0
+                 "--capacity", "0.03,0.25", "--policies", "stage,stage-oracle,lru,static",
+                 "--out", str(out)]) == 0
     assert json.loads((out / "saem_eval.json").read_text()) == rows
     # other settings (another expert size) must not silently reuse those records
-    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", "--capacities", "0.25",
-                 "--policies", "lru", "--expert-bytes", "1000000", "--out-dir", str(out)]) == 2
-    assert "other settings (cost differ)" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", "--capacity", "0.25",
+                 "--policies", "lru", "--expert-bytes", "1000000", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "other settings: cost:" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    # --overwrite starts over with the new settings
+    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", "--slots", "2",
+                 "--policies", "lru", "--expert-bytes", "1000000", "--out", str(out), "--overwrite"]) == 0
+    (row,) = json.loads((out / "saem_eval.json").read_text())
+    assert row["slots_per_layer"] == 2 and row["capacity"] == pytest.approx(2 / E)
 
 
 def test_errors_name_the_problem(setup, tmp_path, capsys):
     root, model, traces, gold = setup
     bare = tmp_path / "bare"
     bare.mkdir()
-    assert main(["stats", "--traces", str(traces), "--model", str(bare), "--out-dir", str(tmp_path)]) == 2
+    assert main(["stats", "--traces", str(traces), "--model", str(bare), "--out", str(tmp_path / "o")]) == 2
     assert "has no cues.json" in capsys.readouterr().err
-    assert main(["eval", "--traces", str(tmp_path / "none"), "--cues", "x.json", "--out-dir", str(tmp_path)]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert main(["eval", "--traces", str(tmp_path / "none"), "--cues", "x.json", "--out", str(tmp_path / "o")]) == 2
+    assert "no such trace folder" in capsys.readouterr().err
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Exit status, stderr and stdout of `expertcast stages ...` (argparse errors exit via SystemExit)."""
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.err, cap.out
+
+
+@pytest.fixture(scope="module")
+def bad_files(setup, tmp_path_factory):
+    """A foreign file, a foreign JSON, a cue set of another model (same shape), a non-empty foreign folder."""
+    from expertcast.inference.cues import CueSet
+
+    d = tmp_path_factory.mktemp("bad")
+    (d / "notes.txt").write_text("my notes\n")
+    (d / "other.json").write_text('{"hello": 1}\n')
+    CueSet(cues=["So"], model_id="other/model", expert_frequency=np.zeros((L, E)).tolist()).save(d / "foreign_cues.json")
+    (d / "busy").mkdir()
+    (d / "busy" / "data.csv").write_text("a,b\n")
+    return d
+
+
+BAD_INPUTS = [
+    # (arguments, words the one-line message must contain); {T} traces, {M} model, {G} gold, {B} bad files
+    (["calibrate", "--traces", "{B}/missing", "--out", "{B}/c.json"], "no such trace folder"),
+    (["calibrate", "--traces", "{T}", "--model", "{B}/nope", "--out", "{B}/c.json"], "no such local directory"),
+    (["calibrate", "--traces", "{T}", "--model", "{M}", "--out", "{B}/notes.txt"], "is not a cue set"),
+    (["calibrate", "--traces", "{T}", "--model", "{M}", "--out", "{B}"], "is a folder"),
+    (["calibrate", "--traces", "{T}", "--out", "{B}/c.json", "--max-noise", "1.5"], "fraction in [0, 1]"),
+    (["calibrate", "--traces", "{T}", "--out", "{B}/c.json", "--min-rate", "-1"], "non-negative"),
+    (["calibrate", "--traces", "{T}", "--out", "{B}/c.json", "--max-cues", "zero"], "positive integer"),
+    (["calibrate", "--traces", "{T}", "--model", "{M}", "--out", "{B}/c.json", "--candidates", "{B}/none.txt"],
+     "does not exist"),
+    (["stats", "--traces", "{T}", "--cues", "{B}/missing.json", "--out", "{B}/o1"], "does not exist"),
+    (["stats", "--traces", "{T}", "--cues", "{B}/other.json", "--out", "{B}/o1"], "not an expertcast cue set"),
+    (["stats", "--traces", "{T}", "--cues", "{B}/foreign_cues.json", "--out", "{B}/o1"],
+     "calibrated on model 'other/model' but the traces"),
+    (["stats", "--traces", "{T}", "--model", "{M}", "--cues", "{B}/foreign_cues.json", "--out-dir", "{B}/o1"],
+     "unrecognized arguments: --out-dir"),
+    (["eval", "--traces", "{T}", "--model", "{M}", "--capacity", "8", "--out", "{B}/o2"], "outside (0, 1]"),
+    (["eval", "--traces", "{T}", "--model", "{M}", "--slots", "0", "--out", "{B}/o2"], "at least 1"),
+    (["eval", "--traces", "{T}", "--model", "{M}", "--capacities", "0.1", "--out", "{B}/o2"],
+     "unrecognized arguments: --capacities"),
+    (["eval", "--traces", "{T}", "--model", "{M}", "--batch-sizes", "0", "--out", "{B}/o2"], "--batch-sizes: 0"),
+    (["eval", "--traces", "{T}", "--model", "{M}", "--policies", "lru,bogus", "--out", "{B}/o2"], "unknown bogus"),
+    (["eval", "--out", "{B}/o2"], "nothing to evaluate"),
+    (["eval", "--synthetic", "--out", "{B}/busy"], "not written by expertcast"),
+    (["eval", "--traces", "{T}", "--model", "{M}", "--expert-bytes", "-5", "--out", "{B}/o2"], "positive integer"),
+    (["detect", "--gold", "{B}/missing.jsonl", "--model", "{M}", "--out", "{B}/o3"], "no such file"),
+    (["detect", "--gold", "{G}", "--model", "{M}", "--tolerances", "a", "--out", "{B}/o3"], "not an integer"),
+    (["detect", "--gold", "{G}", "--out", "{B}/o3"], "give --model"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD_INPUTS, ids=[" ".join(a[:1] + [w]) for a, w in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(setup, bad_files, argv, words, capsys):
+    root, model, traces, gold = setup
+    argv = [a.format(T=traces, M=model, G=gold, B=bad_files) for a in argv]
+    rc, err, _ = _run(argv, capsys)
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("expertcast stages") and "error:" in lines[0], err
+    assert words in lines[0], lines[0]
+    assert (bad_files / "notes.txt").read_text() == "my notes\n"  # a foreign file is never replaced
+    assert not (bad_files / "o2").exists() or not any((bad_files / "o2").iterdir())
+
+
+def test_calibrate_model_tiny_default_resolves_offline(setup, tmp_path, monkeypatch, capsys, data_dir):
+    """`--model tiny-default` goes through the one resolver: the cached default model's tokenizer, no Hub."""
+    from expertcast.train import tiny_default as td
+
+    root, model, traces, gold = setup
+    monkeypatch.setenv("EXPERTCAST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(data_dir))
+    # a reduced-recipe build where the default recipe's model is cached (training it takes minutes)
+    small = td.TinyDefaultConfig(vocab_size=300, num_layers=1, hidden_size=32, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, num_experts=8, top_k=2,
+                                 seq_len=64, max_steps=1, threads=1, gsm8k_train_limit=40, cot_limit=1,
+                                 eval_gsm8k_test=0, eval_cot=0)
+    td.build_default_model(small, td.default_model_dir(), progress=False)
+    out = tmp_path / "cues.json"
+    rc, err, _ = _run(["calibrate", "--traces", str(traces), "--model", "tiny-default", "--out", str(out),
+                       "--min-stage-tokens", "4"], capsys)
+    assert rc == 0, err
+    assert f"embedded default model at {td.default_model_dir()}" in err
+    cs = json.loads(out.read_text())
+    assert cs["tokenizer"] == "tiny-default" and cs["cues"]
+    # the cue set of a calibrate run replaces an earlier cue set, never a foreign file
+    rc, err, stdout = _run(["calibrate", "--traces", str(traces), "--model", "tiny-default", "--out", str(out),
+                            "--min-stage-tokens", "4"], capsys)
+    assert rc == 0 and f"replaced the cue set {out}" in stdout, err

@@ -1,6 +1,7 @@
 """The embedded default model's pipeline on a tiny recipe: BPE tokenizer + Qwen3-MoE trained for a
 few steps, saved as a loadable Hugging Face directory with a report, reused from the cache, resumed
-after an interruption; the routing statistics it reports."""
+after an interruption with the weights of an uninterrupted build, built identically twice; the cache
+key covers the whole recipe and the data; the routing statistics it reports."""
 
 from __future__ import annotations
 
@@ -18,9 +19,14 @@ torch.set_num_threads(1)
 TINY = td.TinyDefaultConfig(
     vocab_size=320, num_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
     moe_intermediate_size=16, num_experts=8, top_k=2, seq_len=64, batch_size=4, lr=1e-2, warmup_steps=3,
-    time_budget_s=120.0, max_steps=25, gsm8k_train_limit=150, cot_limit=1, eval_gsm8k_test=8, eval_cot=2,
-    eval_max_len=192,
+    max_steps=25, threads=1, gsm8k_train_limit=150, cot_limit=1, eval_gsm8k_test=8, eval_cot=2, eval_max_len=192,
 )
+
+
+def _sha(path, name="model.safetensors") -> str:
+    from expertcast.utils.provenance import sha256_file
+
+    return sha256_file(path / name)
 
 
 @pytest.fixture
@@ -31,7 +37,7 @@ def cache(tmp_path, monkeypatch, data_dir):
 
 
 def test_build_load_and_reuse(cache, monkeypatch):
-    path = td.ensure_default_model(TINY, progress=False, num_threads=1)
+    path = td.ensure_default_model(TINY, progress=False)
     assert path.parent == cache / "tiny-default-v1" and path.name == TINY.key(td._data_files())
     for f in ("config.json", "model.safetensors", "tokenizer.json", "report.json", "train_loss.png"):
         assert (path / f).is_file(), f
@@ -39,7 +45,12 @@ def test_build_load_and_reuse(cache, monkeypatch):
 
     rep = json.loads((path / "report.json").read_text())
     assert rep["steps"] == 25 and rep["tokens_seen"] == 25 * 4 * 64
-    assert rep["tokens_per_s"] > 0 and rep["train_time_s"] > 0
+    assert rep["tokens_per_s"] > 0 and rep["train_time_s"] > 0 and rep["threads"] == 1
+    # the report records the recipe, the data hashes and the loss curve every LOSS_LOG_EVERY steps
+    assert rep["recipe"] == TINY.to_dict() and rep["key"] == path.name
+    assert set(rep["data_sha256"]) == {"gsm8k_train", "gsm8k_test", "cot_train", "cot_heldout"}
+    assert [h[0] for h in rep["loss_history"]] == [1, 10, 20] and rep["loss_log_every"] == td.LOSS_LOG_EVERY
+    assert rep["loss_history"][-1][2] < rep["loss_history"][0][2]
     ppl, ppl0 = rep["heldout_gsm8k_test"]["perplexity"], rep["heldout_gsm8k_test_init"]["perplexity"]
     assert math.isfinite(ppl) and ppl < ppl0 < 1.5 * 320  # training helped; init is near uniform
     assert rep["spec"]["num_experts"] == 8 and rep["spec"]["num_layers"] == 2
@@ -82,13 +93,17 @@ def test_interrupted_build_resumes(cache, monkeypatch):
     monkeypatch.setattr(td._PackedStream, "next_batch", flaky)
     cfg = dataclasses.replace(TINY, max_steps=20, eval_gsm8k_test=2, eval_cot=0)
     with pytest.raises(KeyboardInterrupt):
-        td.ensure_default_model(cfg, progress=False, checkpoint_every_s=1e-9, num_threads=1)
+        td.ensure_default_model(cfg, progress=False, checkpoint_every_s=1e-9)
     partial = cache / "tiny-default-v1" / f".{cfg.key(td._data_files())}.partial" / "ckpt.pt"
     assert partial.is_file()
-    path = td.ensure_default_model(cfg, progress=False, checkpoint_every_s=1e-9, num_threads=1)
+    path = td.ensure_default_model(cfg, progress=False, checkpoint_every_s=1e-9)
     rep = td.load_report(path)
     assert rep["resumed"] == 1 and rep["steps"] == 20 and rep["tokens_seen"] == 20 * 4 * 64
     assert not partial.parent.exists()
+    # the resumed build ends with the weights of an uninterrupted one
+    monkeypatch.setattr(td._PackedStream, "next_batch", orig)
+    ref = td.build_default_model(cfg, cache / "uninterrupted", progress=False)
+    assert ref["steps"] == 20 and _sha(cache / "uninterrupted") == _sha(path)
 
 
 def test_missing_data_names_where_it_looked(tmp_path, monkeypatch):
@@ -112,12 +127,13 @@ def test_routing_stats_known_values():
     assert row2["overlap"] == pytest.approx(1.0)
 
 
-def test_lr_schedule_warms_up_then_decays():
-    cfg = td.TinyDefaultConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    assert td._lr_at(cfg, 0, 0.0) == pytest.approx(0.1)
-    assert td._lr_at(cfg, 50, 0.0) == pytest.approx(1.0)
-    assert td._lr_at(cfg, 50, 0.5) == pytest.approx(0.55)
-    assert td._lr_at(cfg, 50, 1.0) == pytest.approx(0.1)
+def test_lr_schedule_warms_up_then_decays_over_the_steps():
+    cfg = td.TinyDefaultConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, max_steps=100)
+    assert td._lr_at(cfg, 0) == pytest.approx(0.1)  # warm-up 1/10, cosine at its start
+    assert td._lr_at(cfg, 50) == pytest.approx(0.55)  # half-way down the cosine
+    assert td._lr_at(cfg, 100) == pytest.approx(0.1)  # the floor at max_steps
+    lrs = [td._lr_at(cfg, s) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
 
 
 def test_yaml_recipe_matches_dataclass_defaults(tmp_path):
@@ -128,17 +144,72 @@ def test_yaml_recipe_matches_dataclass_defaults(tmp_path):
     bad.write_text("vocab_size: 512\nnum_expert: 8\n")
     with pytest.raises(ValueError, match="num_expert"):
         td.TinyDefaultConfig.from_yaml(bad)
+    bad.write_text("time_budget_s: 450\n")  # the wall-clock budget is gone: steps are fixed
+    with pytest.raises(ValueError, match="time_budget_s was removed"):
+        td.TinyDefaultConfig.from_yaml(bad)
+    with pytest.raises(ValueError, match="threads must be a positive integer"):
+        td.TinyDefaultConfig(threads=0)
+
+
+def test_two_builds_are_identical_and_the_key_covers_the_recipe(tmp_path, monkeypatch, data_dir):
+    """Same recipe, two fresh caches, 2 threads: byte-identical weights and tokenizer."""
+    cfg = dataclasses.replace(TINY, max_steps=6, threads=2, gsm8k_train_limit=60, eval_gsm8k_test=0, eval_cot=0)
+    monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(data_dir))
+    paths = []
+    for name in ("a", "b"):
+        monkeypatch.setenv("EXPERTCAST_CACHE_DIR", str(tmp_path / name))
+        paths.append(td.ensure_default_model(cfg, progress=False))
+    a, b = paths
+    assert a != b and a.name == b.name
+    assert _sha(a) == _sha(b) and _sha(a, "tokenizer.json") == _sha(b, "tokenizer.json")
+    ra, rb = td.load_report(a), td.load_report(b)
+    assert [h[2:] for h in ra["loss_history"]] == [h[2:] for h in rb["loss_history"]]  # same losses, step by step
+    # every recipe field that changes the weights changes the key
+    files = td._data_files()
+    for change in ({"max_steps": 13}, {"seed": 1}, {"threads": 1}, {"lr": 2e-2}, {"seq_len": 32},
+                   {"gsm8k_train_limit": 61}):
+        assert dataclasses.replace(cfg, **change).key(files) != cfg.key(files), change
+    # and so does the content of a data file (same name, same size)
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir / "gsm8k", copy / "gsm8k")
+    shutil.copytree(data_dir / "cot", copy / "cot")
+    assert cfg.key(td._data_files(copy)) == cfg.key(files)
+    text = (copy / "cot" / "labeled40.jsonl").read_text(encoding="utf-8")
+    (copy / "cot" / "labeled40.jsonl").write_text(text.replace("Wait", "Wiat", 1), encoding="utf-8")
+    assert cfg.key(td._data_files(copy)) != cfg.key(files)
 
 
 def test_cli_builds_then_reuses(cache, tmp_path, capsys):
     import yaml
+    from expertcast.commands.build_default import main
 
     y = tmp_path / "tiny.yaml"
     y.write_text(yaml.safe_dump(dataclasses.asdict(dataclasses.replace(TINY, max_steps=4, eval_gsm8k_test=3, eval_cot=1))))
-    assert td.main(["--config", str(y), "--no-progress", "--threads", "1"]) == 0
+    assert main(["--config", str(y), "--no-progress"]) == 0
     first = capsys.readouterr().out
     assert "parameters" in first and "default model:" in first and "gsm8k_test" in first
-    assert td.main(["--config", str(y), "--no-progress"]) == 0
+    assert main(["--config", str(y), "--no-progress"]) == 0
     second = capsys.readouterr().out
     assert "parameters" not in second and "default model:" in second  # served from the cache
-    assert td.main(["--config", str(tmp_path / "missing.yaml")]) == 1
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--config", "{tmp}/missing.yaml"], "No such file or directory"),
+    (["--config", "{tmp}/budget.yaml"], "time_budget_s was removed"),
+    (["--config", "{tmp}/broken.yaml"], "not valid YAML"),
+    (["--time-budget", "60"], "unrecognized arguments: --time-budget"),
+    (["--threads", "2"], "unrecognized arguments: --threads"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, words):
+    from expertcast.commands.build_default import main
+
+    (tmp_path / "budget.yaml").write_text("time_budget_s: 60\n")
+    (tmp_path / "broken.yaml").write_text("max_steps: [1\n")
+    try:
+        rc = main([a.format(tmp=tmp_path) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("expertcast build-default: error:") and words in err[0], err

@@ -1,0 +1,475 @@
+"""The one driver of cache policies, shared by the simulator and the offloading runtime (docs/design.md,
+"Driver").
+
+It owns the lockstep batch schedule (:class:`BatchSchedule`), the hook order, the serving of a
+layer's selection and the counters. What moves the bytes is a :class:`Transport`: the cost model's
+modelled link (:class:`~expertcast.inference.cost_model.ModelledTransport`, simulator), the runtime's
+real transfer engine (:class:`~expertcast.inference.runtime.residency.RuntimeTransport`) or the
+landings recorded from a runtime run (:class:`RecordedTransport`, parity checks).
+
+Schedule. A batch of B members (sequences) runs in lockstep. Local step ``j < P`` (P = the longest
+prompt) is a *prefill step*: member ``i`` processes prompt position ``j`` if ``j < prompt_len_i``.
+Local step ``j >= P`` is *decode step* ``d = j - P``: member ``i`` processes position
+``prompt_len_i + d`` while that position exists (``< length_i``; a live generation learns
+``length_i`` when the member emits EOS). A member without a position at a step is idle. Steps are
+numbered globally: ``t`` runs on across batches (and across calls of the runtime) until a reset.
+Prefill steps are replayed through the policy like decode steps but are not counted.
+
+Hook order (what :class:`Driver` calls; the numbers are the order within a layer-execution)::
+
+    reset:       cache emptied, policy.reset(config), policy.set_future(future) (oracles),
+                 policy.warm_start(cache) placed uncounted (state Used), t = -1
+    batch:       policy.begin_batch(members)            # TraceSequence objects, or LivePrompt
+    step t:      t += 1; policy.on_step(t, info)        # info: StepInfo (local step, positions)
+      layer l (layer-execution x = t * L + l, l = 0 .. L-1):
+        0. policy.observe_routing(t, l, ids [B, K], weights [B, K])   # when the caller has it
+        1. land: transport.begin_layer(x) lists the proactive transfers that finished; their slots
+           go Fetch -> Compute
+        2. issue policy.before_layer(t, l, cache)       # proactive loads, see "issue" below
+        3. the slots of layer l in Compute (landed prefetches) become Used
+        4. serve the selection (the union of the active members' top-K in first-appearance order,
+           with the tokens routed to each), expert by expert in that order:
+           resident (Used/Compute) -> hit; Fetch -> late prefetch (transport.late, slot -> Compute);
+           the proactive flag of the slot is cleared. Then the non-resident ones, in that order:
+           action = policy.on_miss(t, l, e, n_tokens, cache):
+             LOAD: acquire_slot (an Empty slot of the pool, else policy.choose_victim among the
+                   evictable residents, the selection protected; policy.on_evict) -> slot Compute,
+                   policy.on_insert(l, e, False), transport.demand(slot); no slot -> TEMP
+             TEMP: transport.demand(-1) (a temporary slot, not retained)
+             CPU:  transport.cpu (executed on the host copy)
+           counted steps: hits, late, demand (LOAD and TEMP), temp, cpu, accesses
+        5. the layer computes (transport.compute for the modelled link; real compute in the runtime)
+        6. the selection's slots in Compute become Used
+        7. policy.on_access(t, l, selected, counts, cache)
+        8. issue policy.after_layer(t, l, cache)
+      end of step: policy.observe_tokens(t, tokens)     # one entry per member: the token fed to its
+                                                        # next position, None when it has none;
+                                                        # skipped when every entry is None
+
+    issue(items): for each (layer, expert) in order: outside [0, L) x [0, E) -> error; already
+        holding a slot -> skipped; acquire_slot without protection (-1 -> counted as dropped);
+        slot Fetch (proactive), policy.on_insert(layer, expert, True),
+        transport.prefetch(slot, deadline) with deadline = the next execution of that layer
+        (this step if it has not run yet, else the next step); counted steps: proactive += 1.
+
+Counters are per-layer int64 [L] arrays ``accesses, hits, late, demand, temp, cpu, proactive,
+dropped`` of any object that has them (:class:`Counters`, the runtime's stats), incremented on counted
+steps only (decode steps; a caller may say otherwise per step, e.g. a stream whose ``step_counted``
+was edited). Step 0 happens only for policies that override ``observe_routing``
+(:attr:`Driver.wants_routing`), and only when the caller passes the per-member routing (the
+simulator from the traces, the runtime from the model's router, weights rounded to float16 as traces
+record them). With ``record_landings`` the driver keeps the ``(x, layer, expert)`` of every landing of
+step 1; :class:`RecordedTransport` lands exactly those, so the simulator replaying a runtime run
+reaches the same cache states whatever the real transfer times were.
+
+Callers: the simulator (:func:`expertcast.inference.simulator.replay`) runs ``begin_batch``, then per
+step ``begin_step``, ``run_layer`` for each layer and ``end_step``; the runtime
+(:class:`expertcast.inference.runtime.engine.OffloadedModel`) replays the prompt's steps the same way
+without copies, then per decode forward calls ``begin_step``, per layer ``serve`` / its real compute /
+``finish``, and ``end_step`` when the next forward shows the fed tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from expertcast.inference.cache import COMPUTE, FETCH, USED, ExpertCache, acquire_slot
+from expertcast.inference.policy import MissAction, Policy
+
+OPEN = np.int64(1) << np.int64(40)
+"""Length of a member whose end is not known yet (live generation before EOS)."""
+
+SLOT, TEMP, CPU = "slot", "temp", "cpu"
+"""Kinds of a served expert in a layer plan: ``(SLOT, s)``, ``(TEMP,)``, ``(CPU,)``."""
+
+
+# ------------------------------------------------------------------------------------------------
+# The lockstep schedule
+# ------------------------------------------------------------------------------------------------
+class BatchSchedule:
+    """Which member of a batch processes which position at each local step (see the module docstring).
+
+    Args:
+        prompt_lens: int [B] prompt length of each member.
+        lengths: int [B] positions of each member (prompt + decoded), or None when unknown (live
+            generation: :meth:`end_member` records each end).
+    """
+
+    def __init__(self, prompt_lens: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray | None = None):
+        self.prompt_lens = np.asarray(prompt_lens, dtype=np.int64).reshape(-1)
+        if lengths is None:
+            self.lengths = np.full(len(self.prompt_lens), OPEN, np.int64)
+        else:
+            self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1).copy()
+        if self.lengths.shape != self.prompt_lens.shape:
+            raise ValueError(f"{len(self.lengths)} lengths for {len(self.prompt_lens)} prompts")
+        if (self.prompt_lens < 0).any() or (self.lengths < self.prompt_lens).any():
+            raise ValueError("every member needs 0 <= prompt_len <= length")
+
+    @property
+    def size(self) -> int:
+        """B: members of the batch."""
+        return len(self.prompt_lens)
+
+    @property
+    def prefill_steps(self) -> int:
+        """P: the longest prompt."""
+        return int(self.prompt_lens.max()) if self.size else 0
+
+    @property
+    def num_steps(self) -> int:
+        """Local steps of the batch (needs every length)."""
+        if (self.lengths >= OPEN).any():
+            raise ValueError("the schedule of a live batch has no known length yet")
+        return self.prefill_steps + (int((self.lengths - self.prompt_lens).max()) if self.size else 0)
+
+    def _positions(self, js: np.ndarray) -> np.ndarray:
+        """int64 [len(js), B]: position of every member at local steps ``js`` (-1 = idle)."""
+        j = np.asarray(js, dtype=np.int64)[:, None]
+        P = self.prefill_steps
+        pre = np.where(j < self.prompt_lens[None, :], j, -1)
+        dec = self.prompt_lens[None, :] + j - P
+        dec = np.where(dec < self.lengths[None, :], dec, -1)
+        return np.where(j < P, pre, dec)
+
+    def positions(self, j: int) -> np.ndarray:
+        """int64 [B]: position processed by each member at local step ``j`` (-1 = idle)."""
+        return self._positions(np.array([j]))[0]
+
+    def all_positions(self) -> np.ndarray:
+        """int64 [num_steps, B]: :meth:`positions` of every local step."""
+        return self._positions(np.arange(self.num_steps))
+
+    def has_next(self, j: int) -> np.ndarray:
+        """bool [B]: members active at local step ``j`` whose next position exists (its input token is
+        the one the member produced at ``j``)."""
+        pos = self.positions(j)
+        return (pos >= 0) & (pos + 1 < self.lengths)
+
+    def span(self, i: int, j0: int, j1: int) -> tuple[int, int]:
+        """Positions ``a .. b-1`` processed by member ``i`` during local steps ``j0 .. j1-1`` (a contiguous
+        range; ``a == b`` when none)."""
+        pos = self._positions(np.arange(j0, max(j0, j1)))[:, i] if j1 > j0 else np.zeros(0, np.int64)
+        pos = pos[pos >= 0]
+        return (int(pos.min()), int(pos.max()) + 1) if len(pos) else (0, 0)
+
+    def end_member(self, i: int, length: int) -> None:
+        """Live generation: member ``i`` ended after ``length`` positions (it emitted EOS)."""
+        if length < self.prompt_lens[i]:
+            raise ValueError(f"member {i} cannot end at {length} positions inside its prompt")
+        self.lengths[i] = length
+
+
+def stream_schedule(prompt_lens: np.ndarray, lengths: np.ndarray, batches: Sequence[Sequence[int]]
+                    ) -> tuple[list[BatchSchedule], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The schedule of a run of batches as arrays (what the compiled stream builder consumes).
+
+    Args:
+        prompt_lens, lengths: int [N] per sequence; batches: sequence indices of each batch, in order.
+    Returns:
+        (schedules, step_batch int32 [S], step_counted bool [S], step_seq int64 [S, Bmax] (sequence
+        index of each member slot, -1 idle), step_pos int64 [S, Bmax] (its position, -1 idle)).
+    """
+    scheds = [BatchSchedule(prompt_lens[list(b)], lengths[list(b)]) for b in batches]
+    n_steps = sum(s.num_steps for s in scheds)
+    bmax = max((len(b) for b in batches), default=1)
+    step_batch = np.zeros(n_steps, np.int32)
+    step_counted = np.zeros(n_steps, np.bool_)
+    step_seq = np.full((n_steps, bmax), -1, np.int64)
+    step_pos = np.full((n_steps, bmax), -1, np.int64)
+    s0 = 0
+    for b, (members, sch) in enumerate(zip(batches, scheds, strict=True)):
+        pos = sch.all_positions()
+        n = len(pos)
+        step_batch[s0:s0 + n] = b
+        step_counted[s0:s0 + n] = np.arange(n) >= sch.prefill_steps
+        step_pos[s0:s0 + n, :len(members)] = pos
+        step_seq[s0:s0 + n, :len(members)] = np.where(pos >= 0, np.asarray(members, np.int64)[None, :], -1)
+        s0 += n
+    return scheds, step_batch, step_counted, step_seq, step_pos
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What a policy learns at :meth:`Policy.on_step`: where every member of the batch is."""
+
+    t: int
+    """Global step."""
+    local: int
+    """Step within the batch (prefill steps first)."""
+    schedule: BatchSchedule
+    positions: np.ndarray
+    """int64 [B]: position processed by each member (-1 = idle)."""
+
+    @property
+    def prefill(self) -> bool:
+        return self.local < self.schedule.prefill_steps
+
+    @property
+    def active(self) -> np.ndarray:
+        """int [n] members processing a position now."""
+        return np.flatnonzero(self.positions >= 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Transports
+# ------------------------------------------------------------------------------------------------
+class Transport:
+    """Where the driver's transfers go. The base moves nothing and lands nothing; every method is a
+    notification the subclass may act on. ``stall_ms``/``compute_ms`` (modelled times) and
+    ``timeline`` stay 0/None when a transport keeps no clock."""
+
+    stall_ms: float = 0.0
+    compute_ms: float = 0.0
+    timeline: list | None = None
+
+    def begin_layer(self, x: int) -> Iterable[tuple[int, int]]:
+        """Layer-execution ``x`` starts: the (layer, expert) of proactive transfers landed since."""
+        return ()
+
+    def prefetch(self, slot: int, layer: int, expert: int, t: int, deadline: int) -> None:
+        """A proactive load into ``slot`` (state Fetch), needed by layer-execution ``deadline``."""
+
+    def late(self, slot: int, layer: int, expert: int, t: int) -> None:
+        """The running layer needs the expert whose proactive transfer into ``slot`` has not landed."""
+
+    def demand(self, slot: int, layer: int, expert: int, t: int) -> None:
+        """A demand load into ``slot`` (``-1``: a temporary slot, not retained)."""
+
+    def cpu(self, layer: int, expert: int, n_tokens: int, t: int) -> None:
+        """The expert runs on the host for ``n_tokens`` tokens."""
+
+    def compute(self, t: int, layer: int, counted: bool) -> None:
+        """The layer computes (modelled transports advance their clock)."""
+
+
+class RecordedTransport(Transport):
+    """Lands exactly the transfers a recorded run landed, at the same layer-executions: a replay of the
+    runtime's run through the simulator then reaches the same cache states (no clock: stall 0).
+
+    Args:
+        landings: ``(x, layer, expert)`` as recorded by a :class:`Driver` with ``record_landings``.
+    """
+
+    def __init__(self, landings: Iterable[tuple[int, int, int]]):
+        self._at: dict[int, list[tuple[int, int]]] = {}
+        for x, layer, expert in landings:
+            self._at.setdefault(int(x), []).append((int(layer), int(expert)))
+
+    def begin_layer(self, x: int) -> Iterable[tuple[int, int]]:
+        return self._at.get(x, ())
+
+
+# ------------------------------------------------------------------------------------------------
+# Counters
+# ------------------------------------------------------------------------------------------------
+COUNTER_NAMES = ("accesses", "hits", "late", "demand", "temp", "cpu", "proactive", "dropped")
+
+
+@dataclass
+class Counters:
+    """Per-layer int64 [L] counters of counted (decode) steps."""
+
+    num_layers: int
+    accesses: np.ndarray = field(init=False)
+    hits: np.ndarray = field(init=False)
+    late: np.ndarray = field(init=False)
+    demand: np.ndarray = field(init=False)
+    temp: np.ndarray = field(init=False)
+    cpu: np.ndarray = field(init=False)
+    proactive: np.ndarray = field(init=False)
+    dropped: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in COUNTER_NAMES:
+            setattr(self, name, np.zeros(self.num_layers, np.int64))
+
+
+# ------------------------------------------------------------------------------------------------
+# The driver
+# ------------------------------------------------------------------------------------------------
+class Driver:
+    """Calls a policy's hooks over a cache in the order of the module docstring.
+
+    Args:
+        policy: the cache policy.
+        cache: the slot table it manages.
+        transport: what moves the bytes (see :class:`Transport`).
+        counters: object holding the per-layer counters (default: a new :class:`Counters`).
+        record_landings: keep ``(x, layer, expert)`` of every landing (see :class:`RecordedTransport`).
+    """
+
+    def __init__(self, policy: Policy, cache: ExpertCache, transport: Transport, counters: Any = None,
+                 record_landings: bool = False):
+        self.policy = policy
+        self.cache = cache
+        self.transport = transport
+        self.L = cache.num_layers
+        self.E = cache.num_experts
+        self.counters = counters if counters is not None else Counters(self.L)
+        self.record_landings = record_landings
+        self.landings: list[tuple[int, int, int]] = []
+        self.wants_routing = type(policy).observe_routing is not Policy.observe_routing
+        """The policy reads per-member routing (callers then pass it to :meth:`serve`)."""
+        self.t = -1
+        self.schedule: BatchSchedule | None = None
+        self.info: StepInfo | None = None
+        self.counted = False
+        """The current step's accesses are counted (decode steps)."""
+
+    # -- run / batch / step ------------------------------------------------------------------------
+    def reset(self, future: Any = None) -> None:
+        """Empty the cache, reset the policy (and give an oracle ``future``), place its warm start."""
+        cache, policy = self.cache, self.policy
+        cache.reset()
+        policy.reset(cache.config)
+        if policy.needs_future:
+            policy.set_future(future)
+        for layer, expert in policy.warm_start(cache):
+            slot = cache.take_free_slot(cache.pool_of(int(layer)))
+            if slot < 0:
+                raise ValueError(f"{policy.name}: warm start places more experts than layer {layer}'s pool holds")
+            cache.assign(slot, int(layer), int(expert), USED)
+        self.t = -1
+        self.schedule = self.info = None
+        self.counted = False
+        self.landings = []
+
+    def begin_batch(self, members: Sequence[Any], schedule: BatchSchedule) -> None:
+        """A batch starts: ``members`` (TraceSequence / LivePrompt objects) scheduled by ``schedule``."""
+        if len(members) != schedule.size:
+            raise ValueError(f"{len(members)} members for a schedule of {schedule.size}")
+        self.schedule = schedule
+        self._local = -1
+        self.policy.begin_batch(list(members))
+
+    def begin_step(self, counted: bool | None = None) -> StepInfo:
+        """The next step of the batch begins (``policy.on_step``). ``counted``: whether its accesses are
+        counted (default: decode steps are, prefill steps are not)."""
+        assert self.schedule is not None, "begin_batch first"
+        self.t += 1
+        self._local += 1
+        self.info = StepInfo(self.t, self._local, self.schedule, self.schedule.positions(self._local))
+        self.counted = not self.info.prefill if counted is None else bool(counted)
+        self.policy.on_step(self.t, self.info)
+        return self.info
+
+    def end_step(self, tokens: Sequence[int | None]) -> None:
+        """The step ends; ``tokens`` [B]: the token fed to each member's next position (None: none)."""
+        if any(v is not None for v in tokens):
+            self.policy.observe_tokens(self.t, list(tokens))
+
+    # -- one layer-execution -----------------------------------------------------------------------
+    def serve(self, layer: int, sel: np.ndarray, cnt: np.ndarray,
+              routing: tuple[np.ndarray, np.ndarray] | None = None) -> dict[int, tuple]:
+        """Steps 0-4 of the hook order for ``layer`` of the current step: ``sel`` int [S] the selection,
+        ``cnt`` int [S] tokens routed to each, ``routing`` optional per-member (ids [B, K], weights
+        [B, K]). Returns the plan: expert -> ``(SLOT, s)`` | ``(TEMP,)`` | ``(CPU,)``."""
+        t, cache, policy, tr, c = self.t, self.cache, self.policy, self.transport, self.counters
+        counted = self.counted
+        if routing is not None and self.wants_routing:
+            policy.observe_routing(t, layer, *routing)
+        self._land(t * self.L + layer)
+        self._issue(layer, policy.before_layer(t, layer, cache), after=False)
+        for s in cache.slots_in_state(COMPUTE, layer):
+            cache.set_state(int(s), USED)
+        plan: dict[int, tuple] = {}
+        missing = []
+        for e in sel.tolist():
+            s = cache.slot(layer, e)
+            if s < 0:
+                missing.append(e)
+                continue
+            if cache.state[s] == FETCH:
+                tr.late(s, layer, e, t)
+                cache.set_state(s, COMPUTE)
+                if counted:
+                    c.late[layer] += 1
+            elif counted:
+                c.hits[layer] += 1
+            cache.proactive[s] = False
+            plan[e] = (SLOT, s)
+        if missing:
+            cnt_of = dict(zip(sel.tolist(), cnt.tolist(), strict=True))
+            for e in missing:
+                plan[e] = self._miss(layer, e, cnt_of[e], sel, counted)
+        if counted:
+            c.accesses[layer] += len(sel)
+        return plan
+
+    def _miss(self, layer: int, e: int, n_tokens: int, sel: np.ndarray, counted: bool) -> tuple:
+        t, cache, policy, c = self.t, self.cache, self.policy, self.counters
+        action = MissAction(policy.on_miss(t, layer, e, n_tokens, cache))
+        slot = -1
+        if action == MissAction.LOAD:
+            slot = acquire_slot(cache, policy, t, layer, cache.pool_of(layer), sel)
+            if slot < 0:
+                action = MissAction.TEMP  # every slot holds a selected or in-flight expert
+        if action == MissAction.CPU:
+            self.transport.cpu(layer, e, n_tokens, t)
+            if counted:
+                c.cpu[layer] += 1
+            return (CPU,)
+        if counted:
+            c.demand[layer] += 1
+        if action == MissAction.LOAD:
+            cache.assign(slot, layer, e, COMPUTE)
+            policy.on_insert(layer, e, False)
+            self.transport.demand(slot, layer, e, t)
+            return (SLOT, slot)
+        self.transport.demand(-1, layer, e, t)
+        if counted:
+            c.temp[layer] += 1
+        return (TEMP,)
+
+    def finish(self, layer: int, sel: np.ndarray, cnt: np.ndarray) -> None:
+        """Steps 6-8 of the hook order, after ``layer`` computed."""
+        cache = self.cache
+        for e in sel.tolist():
+            s = cache.slot(layer, e)
+            if s >= 0 and cache.state[s] == COMPUTE:
+                cache.set_state(s, USED)
+        self.policy.on_access(self.t, layer, sel, cnt, cache)
+        self._issue(layer, self.policy.after_layer(self.t, layer, cache), after=True)
+
+    def run_layer(self, layer: int, sel: np.ndarray, cnt: np.ndarray,
+                  routing: tuple[np.ndarray, np.ndarray] | None = None) -> dict[int, tuple]:
+        """A whole layer-execution: :meth:`serve`, ``transport.compute``, :meth:`finish`."""
+        plan = self.serve(layer, sel, cnt, routing)
+        self.transport.compute(self.t, layer, self.counted)
+        self.finish(layer, sel, cnt)
+        return plan
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _land(self, x: int) -> None:
+        cache = self.cache
+        for layer, expert in self.transport.begin_layer(x):
+            s = cache.slot(layer, expert)
+            if s >= 0 and cache.state[s] == FETCH:
+                cache.set_state(s, COMPUTE)
+                if self.record_landings:
+                    self.landings.append((x, layer, expert))
+
+    def _issue(self, cur_layer: int, items: Iterable[tuple[int, int]], after: bool) -> None:
+        t, cache, policy, L, E = self.t, self.cache, self.policy, self.L, self.E
+        counted = self.counted
+        for pl, pe in items:
+            pl, pe = int(pl), int(pe)
+            if not (0 <= pl < L and 0 <= pe < E):
+                raise ValueError(f"{policy.name} asked to prefetch ({pl}, {pe}) outside L={L}, E={E}")
+            if cache.contains(pl, pe):
+                continue
+            slot = acquire_slot(cache, policy, t, pl, cache.pool_of(pl))
+            if slot < 0:
+                if counted:
+                    self.counters.dropped[pl] += 1
+                continue
+            cache.assign(slot, pl, pe, FETCH, proactive=True)
+            policy.on_insert(pl, pe, True)
+            later = pl > cur_layer or (pl == cur_layer and not after)
+            self.transport.prefetch(slot, pl, pe, t, (t if later else t + 1) * L + pl)
+            if counted:
+                self.counters.proactive[pl] += 1

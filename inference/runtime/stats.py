@@ -1,0 +1,150 @@
+"""What the offloading runtime reports: decode counters and timings (:class:`RuntimeStats`) and the
+memory it holds (:class:`MemoryReport`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from expertcast.inference.driver import COUNTER_NAMES
+from expertcast.inference.metrics import CacheMetricsMixin
+
+
+@dataclass
+class RuntimeStats(CacheMetricsMixin):
+    """Counters of decode steps only (prefill is uncounted), per MoE layer int64 [L], plus timings.
+
+    Same names and meaning as :class:`expertcast.inference.simulator.ReplayResult`; the driver
+    (:class:`expertcast.inference.driver.Driver`) writes the counters.
+    """
+
+    num_layers: int
+    expert_bytes: int
+    accesses: np.ndarray = None  # type: ignore[assignment]
+    hits: np.ndarray = None  # type: ignore[assignment]
+    demand: np.ndarray = None  # type: ignore[assignment]
+    temp: np.ndarray = None  # type: ignore[assignment]
+    late: np.ndarray = None  # type: ignore[assignment]
+    cpu: np.ndarray = None  # type: ignore[assignment]
+    proactive: np.ndarray = None  # type: ignore[assignment]
+    dropped: np.ndarray = None  # type: ignore[assignment]
+    decoded_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    prefill_tokens: int = 0
+    warmup_seconds: float = 0.0
+    """Replaying the prompt routing through the policy and copying the post-prefill resident set
+    (between the first token and the first decode step; in neither TTFT nor decode time)."""
+    stall_seconds: float = 0.0
+    """Host time blocked waiting for transfers (demand loads and late prefetches) in decode."""
+    ttft_seconds: list[float] = field(default_factory=list)
+    """Time to first token of each generate() call."""
+
+    def __post_init__(self) -> None:
+        for name in COUNTER_NAMES:
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(self.num_layers, np.int64))
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes copied host->device in decode (demand, temporary and proactive loads)."""
+        return (self.D + self.P) * self.expert_bytes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            **self.counter_metrics(),
+            "adj_hit": self.adj_hit,
+            "mb_per_token": self.mb_per_token,
+            "decoded_tokens": self.decoded_tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_s": float(np.mean(self.ttft_seconds)) if self.ttft_seconds else float("nan"),
+            "warmup_s": self.warmup_seconds,
+            "stall_ms_per_token": 1e3 * self.stall_seconds / max(self.decoded_tokens, 1),
+            "transfer_mb": self.bytes_moved / 1e6,
+        }
+
+    def snapshot(self) -> dict:
+        """A copy of every field (for :meth:`since`)."""
+        return {k: (v.copy() if isinstance(v, np.ndarray) else (list(v) if isinstance(v, list) else v))
+                for k, v in self.__dict__.items()}
+
+    def since(self, before: dict) -> RuntimeStats:
+        """The stats accumulated after ``before`` (a :meth:`snapshot`)."""
+        out = RuntimeStats(self.num_layers, self.expert_bytes)
+        for k, v in self.__dict__.items():
+            b = before[k]
+            if isinstance(v, np.ndarray):
+                setattr(out, k, v - b)
+            elif isinstance(v, list):
+                setattr(out, k, v[len(b):])
+            elif isinstance(v, (int, float)) and k not in ("num_layers", "expert_bytes"):
+                setattr(out, k, v - b)
+        return out
+
+
+@dataclass
+class MemoryReport:
+    """Bytes held by the offloaded model (``expected_*`` = configured slots + non-expert weights)."""
+
+    host_expert_bytes: int
+    """Packed host copies of all experts (file-backed when memory-mapped)."""
+    host_mmap: bool
+    host_pinned: bool
+    device_non_expert_bytes: int
+    """Parameters and buffers left on the device (everything but the routed experts)."""
+    device_slot_bytes: int
+    """Slot pool: resident slots + temporary slots."""
+    device_workspace_bytes: int
+    num_slots: int
+    num_temp_slots: int
+    expert_bytes: int
+    device_expert_param_bytes: int
+    """Bytes of routed-expert parameters still held by the model's modules (must be 0)."""
+    device_peak_allocated: int | None = None
+    """torch.cuda.max_memory_allocated on CUDA (None on CPU)."""
+    process_peak_rss: int | None = None
+
+    @property
+    def device_total(self) -> int:
+        return self.device_non_expert_bytes + self.device_slot_bytes + self.device_workspace_bytes
+
+    @property
+    def expected_device(self) -> int:
+        return self.device_non_expert_bytes + (self.num_slots + self.num_temp_slots) * self.expert_bytes
+
+    @classmethod
+    def measure(cls, om: Any) -> MemoryReport:
+        """The report of an :class:`~expertcast.inference.runtime.engine.OffloadedModel` now."""
+        import resource
+
+        import torch
+
+        expert_param_ids = {id(getattr(r.module, p.name)) for r in om.refs for p in om.layout.parts}
+        non_expert = expert_left = 0
+        for p in om.model.parameters():
+            if id(p) in expert_param_ids:
+                expert_left += p.numel() * p.element_size()
+            elif p.device.type == om.device.type:
+                non_expert += p.numel() * p.element_size()
+        for b in om.model.buffers():
+            if b.device.type == om.device.type:
+                non_expert += b.numel() * b.element_size()
+        peak = torch.cuda.max_memory_allocated(om.device) if om.device.type == "cuda" else None
+        return cls(host_expert_bytes=om.store.nbytes, host_mmap=om.store.mmap_path is not None,
+                   host_pinned=om.store.is_pinned, device_non_expert_bytes=non_expert,
+                   device_slot_bytes=om.pool.nbytes, device_workspace_bytes=om.workspace.nbytes,
+                   num_slots=om.cache.num_slots, num_temp_slots=om.pool.num_temp, expert_bytes=om.layout.expert_bytes,
+                   device_expert_param_bytes=expert_left, device_peak_allocated=peak,
+                   process_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["device_total"] = self.device_total
+        d["expected_device_weights"] = self.expected_device
+        return d

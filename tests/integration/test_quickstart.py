@@ -1,0 +1,61 @@
+"""`expertcast quickstart` end to end on a tiny preset: real step counts, every step's outputs, reuse
+announced only under the same settings, and a larger --limit that trains a new forecaster and scores
+it only on sequences it never saw."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from expertcast.commands.quickstart import main
+from expertcast.models.forecaster_export import training_ids
+
+ARGS = ["--model", "qwen3_moe-tiny", "--max-new-tokens", "8", "--policies", "lru,belady", "--capacity", "0.5",
+        "--forecaster-steps", "2"]
+
+
+def _only(folder: Path) -> Path:
+    subs = [p for p in folder.iterdir() if p.is_dir()]
+    assert len(subs) == 1, subs
+    return subs[0]
+
+
+def _held_out_checked(out: Path, limit: int) -> None:
+    """forecast-eval of the limit-N forecaster scored only sequences outside its training ids."""
+    fc = next(p for p in (out / "forecaster").iterdir() if f"-n{limit}-" in p.name) / "export"
+    fe = next(p for p in (out / "forecast-eval").iterdir() if f"-n{limit}-" in p.name)
+    summary = json.loads((fe / "recall_summary.json").read_text())
+    trained = training_ids(fc)
+    assert trained and len(trained) + summary["sequences"] == limit
+    assert not (summary.get("overlap") or {}).get("overlap")
+
+
+@pytest.mark.slow  # three pipeline runs: collection, simulation, forecaster fit, offloaded generation (minutes)
+def test_quickstart_runs_reuses_and_rekeys(tmp_path, capsys, data_dir):
+    out = tmp_path / "qs"
+    assert main([*ARGS, "--limit", "12", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert re.findall(r"=== \[(\d)/6\]", text) == ["1", "2", "3", "4", "5", "6"]
+    assert "trained 2 optimizer steps" in text
+    sim = _only(out / "simulate")
+    for name in ("simulate.json", "simulate.csv", "hit_vs_capacity.png"):
+        assert (sim / name).is_file(), name
+    ev = json.loads((_only(out / "eval") / "summary.json").read_text())
+    assert {r["pool"] for r in json.loads((sim / "simulate.json").read_text())} == {ev["settings"]["pool"]}
+    _held_out_checked(out, 12)
+    assert "accuracy 0 is expected" in text and "what the numbers mean" in text and "AdjHit" in text
+
+    assert main([*ARGS, "--limit", "12", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    for what in ("routing traces", "simulation", "forecaster", "forecast evaluation", "offloaded run"):
+        assert re.search(rf"reusing the {what} in \S+ \(same settings\)", text), what
+
+    # a larger limit: new traces, a new forecaster, scored on its own held-out sequences only
+    assert main([*ARGS, "--limit", "16", "--skip-offload", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert re.findall(r"=== \[(\d)/5\]", text) == ["1", "2", "3", "4", "5"]
+    assert "reusing" not in text
+    assert len(list((out / "forecaster").iterdir())) == 2 and len(list((out / "traces").iterdir())) == 2
+    _held_out_checked(out, 16)

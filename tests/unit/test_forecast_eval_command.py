@@ -1,0 +1,123 @@
+"""`expertcast forecast-eval`: evaluates only sequences the export never saw by default, refuses (or, when
+allowed, reports) an overlap with the export's training ids, and fails with one line on bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from expertcast.commands.forecast_eval import main
+from expertcast.data.traces import write_traces
+from expertcast.inference.synthetic import zipf_traces
+from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+from expertcast.models.forecaster_export import save_forecaster
+from expertcast.utils.outdir import claim_output_dir
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A trace set of 8 sequences and an export trained (per its training block) on the first 5 of them."""
+    root = tmp_path_factory.mktemp("fe")
+    tr = zipf_traces(8, 16, num_layers=2, num_experts=8, top_k=2, prompt_len=4, seed=1)
+    traces = write_traces(root / "traces", tr.meta, tr.sequences)
+    ids = [s.seq_id for s in tr.sequences]
+    torch.manual_seed(0)
+    model = ExpertForecaster(ForecasterConfig(num_layers=2, num_experts=8, top_k=2, hidden_size=16, head_dim=8,
+                                              state_size=4, num_blocks=1, direct_horizons=2)).eval()
+    training = {"traces": [str(traces)], "split": {"seed": 0, "val_fraction": 0.2, "test_fraction": 0.0},
+                "train_ids": ids[:4], "val_ids": ids[4:5]}
+    export = save_forecaster(model, root / "export", source={"model_id": tr.meta.model_id}, training=training)
+    everything = save_forecaster(model, root / "seen-all", source={"model_id": tr.meta.model_id},
+                                 training={**training, "train_ids": ids[:7], "val_ids": ids[7:]})
+    return {"traces": traces, "export": export, "seen_all": everything, "ids": ids, "root": root}
+
+
+def _run(data, tmp_path, *extra) -> int:
+    return main(["--forecaster", str(data["export"]), "--traces", str(data["traces"]), "--horizons", "2",
+                 "--out", str(tmp_path / "out"), *extra])
+
+
+def _summary(tmp_path) -> dict:
+    return json.loads((tmp_path / "out" / "recall_summary.json").read_text())
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_default_evaluates_only_sequences_the_export_never_saw(data, tmp_path):
+    assert _run(data, tmp_path) == 0
+    s = _summary(tmp_path)
+    assert s["split"] == "held-out" and s["sequences"] == 3
+    assert s["overlap"]["forecaster"] == {"overlap": 0, "evaluated": 3, "allowed": False}
+    assert s["overlap"]["baselines"]["overlap"] == 0 and len(s["export_hash"]) == 64
+    assert {r["predictor"] for r in s["rows"]} == {"forecaster", "repeat-last", "frequency", "transition",
+                                                   "recent-freq"}
+    assert (tmp_path / "out" / "recall.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_overlap_is_an_error_unless_allowed_then_reported(data, tmp_path, capsys):
+    assert _run(data, tmp_path, "--split", "all") == 2
+    err = _err(capsys)
+    assert "5 of the 8 evaluated sequences were used to train the forecaster" in err and "--allow-overlap" in err
+    assert _run(data, tmp_path, "--split", "all", "--allow-overlap") == 0
+    assert "forecaster trained on 5 of the 8 evaluated sequences (--allow-overlap)" in capsys.readouterr().out
+    s = _summary(tmp_path)
+    assert s["overlap"]["forecaster"] == {"overlap": 5, "evaluated": 8, "allowed": True}
+
+
+def test_an_export_without_training_ids_needs_allow_overlap(data, tmp_path, capsys):
+    torch.manual_seed(0)
+    no_ids = save_forecaster(ExpertForecaster(ForecasterConfig(num_layers=2, num_experts=8, top_k=2, hidden_size=16,
+                                                               head_dim=8, state_size=4, num_blocks=1)),
+                             tmp_path / "no-ids", extra={"split": {"split_seed": 0, "val_fraction": 0.5}})
+    argv = ["--forecaster", str(no_ids), "--traces", str(data["traces"]), "--horizons", "2", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "records no training sequence ids" in _err(capsys)
+    assert main(argv + ["--allow-overlap"]) == 0
+    s = json.loads((tmp_path / "o" / "recall_summary.json").read_text())
+    assert s["split"] == "val" and s["overlap"]["forecaster"]["overlap"] is None
+    assert "the forecaster records no training ids (--allow-overlap)" in capsys.readouterr().out
+
+
+def test_baselines_fitted_on_evaluated_sequences_count_as_overlap(data, tmp_path, capsys):
+    assert _run(data, tmp_path, "--fit-traces", str(data["traces"])) == 2
+    assert "were used to train the baselines" in _err(capsys)
+
+
+def test_nothing_held_out_is_an_error_naming_the_way_out(data, tmp_path, capsys):
+    rc = main(["--forecaster", str(data["seen_all"]), "--traces", str(data["traces"]), "--out", str(tmp_path / "o")])
+    assert rc == 2
+    err = _err(capsys)
+    assert "every sequence of" in err and "test split" in err and "--allow-overlap" in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--horizons", "0"], "--horizons: expected a positive integer"),
+    (["--max-sequences", "-1"], "--max-sequences: expected a positive integer"),
+    (["--split", "train"], "argument --split: invalid choice"),
+    (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+])
+def test_bad_input_exits_2_with_one_line(data, tmp_path, capsys, extra, message):
+    assert _run(data, tmp_path, *extra) == 2
+    assert message in _err(capsys)
+
+
+def test_missing_or_foreign_export_and_concurrent_run(data, tmp_path, capsys):
+    assert main(["--forecaster", str(data["traces"]), "--traces", str(data["traces"])]) == 2
+    assert "forecaster.json not found" in _err(capsys)
+    with claim_output_dir(tmp_path / "out", "forecast-eval"):
+        assert _run(data, tmp_path) == 2
+    assert "is in use by another expertcast run" in _err(capsys)
+    edited = Path(data["root"]) / "edited"
+    save_forecaster(ExpertForecaster(ForecasterConfig(num_layers=2, num_experts=8, top_k=2, hidden_size=16,
+                                                      head_dim=8, state_size=4, num_blocks=1)), edited)
+    cfg = json.loads((edited / "forecaster.json").read_text())
+    cfg["config"]["temperature"] = 3.0
+    (edited / "forecaster.json").write_text(json.dumps(cfg))
+    assert main(["--forecaster", str(edited), "--traces", str(data["traces"])]) == 2
+    assert "forecaster.json" in _err(capsys)

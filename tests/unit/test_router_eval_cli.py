@@ -1,0 +1,105 @@
+"""`expertcast router-eval`: evaluates held-out texts only and checks them against the export's training
+texts (refused unless --allow-overlap, which every row reports); bad inputs are one line and exit 2.
+
+The exports are written by RouterAdaptationModule.export on an untrained tiny preset (an LM-only run
+of zero steps), so only the evaluation path runs here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from expertcast.commands.router_eval import main
+from expertcast.train.router_data import split_heldout
+
+LIMIT, HELDOUT = 40, 0.25
+IDS = [f"gsm8k-train-{i:05d}" for i in range(LIMIT)]
+TRAIN = [IDS[i] for i in split_heldout(IDS, HELDOUT, seed=0)[0]]
+EVAL = ["--limit", str(LIMIT), "--heldout", str(HELDOUT), "--max-length", "64", "--eval-limit", "4",
+        "--batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """Exports whose training block lists the train side only, every text, or nothing."""
+    from expertcast.train.router_module import RouterAdaptationModule
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("router_exports")
+    module = RouterAdaptationModule(model="qwen3_moe-tiny", mode="lm_only", budget=6)
+    for name, train_ids in (("clean", TRAIN), ("leaky", IDS), ("unrecorded", None)):
+        block = None if train_ids is None else {"source": "gsm8k", "train_ids": sorted(train_ids), "val_ids": []}
+        module.export(root / name, training=block)
+    return root
+
+
+def _run(argv: list[str], capsys) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+def test_heldout_texts_only_and_overlap_reported(exports, tmp_path, capsys, data_dir):
+    out = tmp_path / "study"
+    rc, err = _run(["--exports", str(exports / "clean"), "--out", str(out), *EVAL], capsys)
+    assert rc == 0, err
+    rows = json.loads((out / "all_rows.json").read_text())
+    assert {r["policy"] for r in rows} == {"lru"} and len(rows) == 1
+    (row,) = rows
+    assert row["train_overlap"] == 0 and row["overlap_allowed"] is False and row["heldout_texts"] == 4
+    assert 0 < row["hit"] <= 1 and row["heldout_lm"] > 0
+    # a second run reuses the cached evaluation (same settings key)
+    rc, err = _run(["--exports", str(exports / "clean"), "--out", str(out), *EVAL], capsys)
+    assert rc == 0 and json.loads((out / "all_rows.json").read_text()) == rows
+    # another --limit keeps every held-out text held out: the check still passes
+    rc, err = _run(["--exports", str(exports / "clean"), "--out", str(tmp_path / "l30"), *EVAL, "--limit", "30"], capsys)
+    assert rc == 0, err
+    # evaluating on texts the export trained on is refused, naming the export ...
+    rc, err = _run(["--exports", str(exports / "leaky"), "--out", str(tmp_path / "leak"), *EVAL], capsys)
+    assert rc == 2 and len(err) == 1 and "were used to train export" in err[0] and "--allow-overlap" in err[0], err
+    assert not (tmp_path / "leak" / "all_rows.json").exists()
+    # ... unless allowed, and then every row says so
+    rc, err = _run(["--exports", str(exports / "leaky"), "--out", str(tmp_path / "leak"), *EVAL, "--allow-overlap"],
+                   capsys)
+    assert rc == 0, err
+    (row,) = json.loads((tmp_path / "leak" / "all_rows.json").read_text())
+    assert row["train_overlap"] == 4 and row["overlap_allowed"] is True
+    # another evaluation setting on the same output folder is refused, not mixed in
+    rc, err = _run(["--exports", str(exports / "clean"), "--out", str(out), *EVAL, "--max-length", "48"], capsys)
+    assert rc == 2 and "cannot resume" in err[-1] and "max_length: 64 (saved) vs 48 (now)" in err[-1], err
+
+
+BAD = [
+    (["--exports", "{tmp}/missing"], "is not a folder"),
+    (["--exports", "{tmp}"], "export.json is missing"),
+    (["--exports", "{x}/unrecorded"], "records no training sequence ids"),
+    (["--exports", "{x}/altered"], "was modified after export"),
+    (["--exports", "{x}/clean", "{x}/clean"], "two exports are named 'clean'"),
+    (["--modes", "bogus"], "unknown run names bogus"),
+    (["--heldout", "96"], "expected a fraction in (0, 1)"),
+    (["--steps", "0"], "expected a positive integer"),
+    (["--budget", "-1"], "expected a finite positive number"),
+    (["--R", "x"], "expected a positive integer"),
+    (["--model", "./nope", "--modes", "lm_only"], "no such local directory"),
+    (["--model", "qwen3_moe-tiny", "--modes", "lm_only", "--out", "."], "current working directory"),
+    (["--out-dir", "x"], "unrecognized arguments: --out-dir"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD, ids=[w for _, w in BAD])
+def test_bad_input_is_one_line_and_exit_2(exports, tmp_path, monkeypatch, capsys, argv, words):
+    import shutil
+
+    if not (exports / "altered").exists():
+        shutil.copytree(exports / "clean", exports / "altered")
+        info = json.loads((exports / "altered" / "export.json").read_text())
+        info["budget"] = 8
+        (exports / "altered" / "export.json").write_text(json.dumps(info))
+    monkeypatch.chdir(tmp_path)
+    rc, err = _run([a.format(tmp=tmp_path, x=exports) for a in argv] + EVAL, capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("expertcast router-eval: error:") and words in err[0], err[0]
