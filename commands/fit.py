@@ -53,13 +53,33 @@ def build_parser() -> CommandParser:
     return ap
 
 
+def resolve_config(name: str) -> str:
+    """A config path as given when it exists; else a shipped config of the package: ``forecaster/tiny``,
+    ``forecaster/tiny.yaml`` or ``configs/forecaster/tiny.yaml`` from any working directory."""
+    from pathlib import Path
+
+    from expertcast.utils.paths import REPO_ROOT
+
+    p = Path(name).expanduser()
+    if p.exists():
+        return str(p)
+    rel = Path(*p.parts[1:]) if p.parts and p.parts[0] == "configs" else p
+    for cand in (REPO_ROOT / "configs" / rel, (REPO_ROOT / "configs" / rel).with_suffix(".yaml")):
+        if cand.is_file():
+            print(f"config: shipped {cand.relative_to(REPO_ROOT)}", file=sys.stderr)
+            return str(cand)
+    shipped = sorted(str(c.relative_to(REPO_ROOT / "configs").with_suffix(""))
+                     for c in (REPO_ROOT / "configs").rglob("*.yaml"))
+    raise UsageError(f"--config {name}: no such file, and no shipped config of that name ({', '.join(shipped)})")
+
+
 def parse(argv: list[str]) -> tuple[Any, list[str]]:
     """(expertcast options, LightningCLI arguments); a leading ``fit`` is accepted and dropped."""
     argv = list(argv)
     if argv and argv[0] == "fit":
         argv = argv[1:]
     args, rest = build_parser().parse_known_args(argv)
-    lightning = [x for c in args.config for x in ("--config", c)] + rest
+    lightning = [x for c in args.config for x in ("--config", resolve_config(c))] + rest
     if args.lightning_help:
         lightning.append("--help")
     elif not args.config and not any(a.startswith(("--model", "--print_config")) for a in rest):

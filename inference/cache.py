@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
+from expertcast.utils.errors import UsageError
 
 
 class SlotState(IntEnum):
@@ -73,15 +74,15 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
-            raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+            raise UsageError(f"pool must be one of {POOLS}, got {self.pool!r}")
         if min(self.num_layers, self.num_experts, self.top_k) < 1:
-            raise ValueError(f"L, E and K must be positive, got L={self.num_layers}, E={self.num_experts}, "
+            raise UsageError(f"L, E and K must be positive, got L={self.num_layers}, E={self.num_experts}, "
                              f"K={self.top_k}")
         if self.top_k > self.num_experts:
-            raise ValueError(f"top-K {self.top_k} exceeds the number of experts {self.num_experts}")
+            raise UsageError(f"top-K {self.top_k} exceeds the number of experts {self.num_experts}")
         given = [n for n in ("capacity", "slots", "slots_per_layer") if getattr(self, n) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of capacity, slots, slots_per_layer (got {given or 'none'})")
+            raise UsageError(f"give exactly one of capacity, slots, slots_per_layer (got {given or 'none'})")
         self._budgets = self._resolve()
 
     def _resolve(self) -> np.ndarray:
@@ -89,7 +90,7 @@ class CacheConfig:
         if self.capacity is not None:
             c = float(self.capacity)
             if not 0.0 < c <= 1.0:
-                raise ValueError(f"capacity is a fraction of all experts in (0, 1], got {c}")
+                raise UsageError(f"capacity is a fraction of all experts in (0, 1], got {c}")
             n = int(round(c * (E if self.pool == "per-layer" else L * E)))
             what = f"capacity {c:g} of {'E=' + str(E) if self.pool == 'per-layer' else 'L*E=' + str(L * E)}"
             budgets = np.full(L, n, np.int32) if self.pool == "per-layer" else np.array([n], np.int32)
@@ -99,31 +100,31 @@ class CacheConfig:
             budgets = np.full(L, n, np.int32) if self.pool == "per-layer" else np.array([n], np.int32)
         else:
             if self.pool != "per-layer":
-                raise ValueError("slots_per_layer needs pool='per-layer'")
+                raise UsageError("slots_per_layer needs pool='per-layer'")
             budgets = np.asarray(self.slots_per_layer, dtype=np.int32)
             if budgets.shape != (L,):
-                raise ValueError(f"slots_per_layer must list {L} budgets (one per MoE layer), got {budgets.shape[0]}")
+                raise UsageError(f"slots_per_layer must list {L} budgets (one per MoE layer), got {budgets.shape[0]}")
             what = "slots_per_layer"
         if self.pool == "per-layer":
             low = int(budgets.min())
             if self.allow_below_top_k and low < 1:
-                raise ValueError(f"{what} gives {low} slots per layer: even below top-K every layer needs a slot "
+                raise UsageError(f"{what} gives {low} slots per layer: even below top-K every layer needs a slot "
                                  f"(raise the capacity to at least 1/{E} = {1 / E:.4f})")
             if low < K and not self.allow_below_top_k:
-                raise ValueError(
+                raise UsageError(
                     f"{what} gives {low} slots per layer, below top-K={K}: a layer's selection must fit in its "
                     f"pool (raise the capacity to at least {K}/{E} = {K / E:.4f}, or set allow_below_top_k for "
                     "policies that serve the excess on the CPU / from a temporary slot)")
             if int(budgets.max()) > E:
-                raise ValueError(f"{what} gives {int(budgets.max())} slots per layer, more than E={E} experts")
+                raise UsageError(f"{what} gives {int(budgets.max())} slots per layer, more than E={E} experts")
         else:
             n = int(budgets[0])
             if n < K:
-                raise ValueError(
+                raise UsageError(
                     f"{what} gives {n} shared slots, below top-K={K}: the running layer's selection must fit "
                     f"(raise the capacity to at least {K}/{L * E} = {K / (L * E):.5f})")
             if n > L * E:
-                raise ValueError(f"{what} gives {n} shared slots, more than L*E={L * E} experts")
+                raise UsageError(f"{what} gives {n} shared slots, more than L*E={L * E} experts")
         return budgets
 
     @property

@@ -110,6 +110,15 @@ class RunPlan:
             c.release()
 
 
+def _check_not_nested(run_dir: Path, export_dir: Path) -> None:
+    """An explicit export folder and the run directory must not contain one another (the export's
+    manifest lists every file of its folder, so checkpoints inside it would break it)."""
+    r, e = Path(run_dir).resolve(), Path(export_dir).resolve()
+    if r == e or e in r.parents or r in e.parents:
+        raise UsageError(f"model.init_args.export_dir {export_dir} and the run directory {run_dir} overlap; put the "
+                         f"export elsewhere (or leave export_dir unset: the export then goes to RUN_DIR/export)")
+
+
 class FitCLI(LightningCLI):
     """LightningCLI that instantiates model and data first, then plans the run (:class:`RunPlan`), then
     builds the trainer with its logger, checkpoint callbacks and ``default_root_dir`` in the run directory.
@@ -209,6 +218,8 @@ class FitCLI(LightningCLI):
         export_claim = self._claim_export(self.model)
         try:
             run_dir = resumed if resumed is not None else self._new_run_dir(config, settings)
+            if export_claim is not None:
+                _check_not_nested(run_dir, export_claim.path)
             claims = [claim_output_dir(run_dir, RUN_KIND)]
         except BaseException:
             if export_claim is not None:
