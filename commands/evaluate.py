@@ -117,6 +117,16 @@ def build_policy(spec: str) -> tuple[Any, str, dict[str, Any], dict[str, str]]:
     return policy, name, opts, parsed.files()
 
 
+def fit_stage_policy(policy: Any, resolved: str) -> None:
+    """A stage-aware policy reads the evaluated model's generated tokens: its cue set must come from this
+    model (else a UsageError naming both), and without a tokenizer of its own it decodes with the model's."""
+    cue_set = getattr(policy, "cue_set", None)
+    if cue_set is not None:
+        cue_set.check_model(resolved, source=f"cue set of --policy {policy.name}", what="the evaluated tokens")
+    if hasattr(policy, "default_tokenizer"):
+        policy.default_tokenizer(resolved)
+
+
 def model_shape(resolved: str) -> tuple[int, int, int]:
     """(L, E, K) from the model's config alone (no weights)."""
     from expertcast.models.presets import get_config, is_preset
@@ -239,6 +249,7 @@ def evaluate(args: Any) -> int:
     shape = model_shape(resolved)
     cache_config = check_capacity(caps[0], args.pool, shape)
     check_policy_fits(policy, shape, args.model)
+    fit_stage_policy(policy, resolved)
     problems = load_benchmark(args.benchmark, args.split, data_dir=args.data_dir, limit=args.limit)
     overlap = check_leakage(name, files, [p.id for p in problems], args.allow_overlap)
     settings = eval_settings(args, resolved=resolved, device=device, policy_name=name, opts=opts, files=files,

@@ -116,6 +116,11 @@ class StageAwarePolicy(Policy):
         self.update_steps: list[int] = []
 
     # -- setup ------------------------------------------------------------------------------------
+    def default_tokenizer(self, spec: Any) -> None:
+        """Decode with ``spec`` (e.g. the evaluated model's directory) unless a tokenizer or decoder was given."""
+        if self._decoder is None and self._tokenizer_spec is None:
+            self._tokenizer_spec = spec
+
     @property
     def decoder(self) -> Any:
         if self._decoder is None:
