@@ -10,7 +10,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 from expertcast.cli import main as cli_main
 
