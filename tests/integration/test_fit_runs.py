@@ -200,3 +200,37 @@ def test_sigterm_mid_fit_then_resume_matches_an_uninterrupted_run(traces, tmp_pa
     w_resumed, w_ref = weights(resumed.export_dir), weights(ref.export_dir)
     assert all(torch.equal(w_resumed[k], w_ref[k]) for k in w_ref), f"stopped at step {stopped}"
     assert load_forecaster(resumed.export_dir).config == load_forecaster(ref.export_dir).config
+
+
+def test_sigkill_mid_fit_then_resume_matches_an_uninterrupted_run(traces, tmp_path):
+    """SIGKILL gives no chance to clean up: the run resumes from its last periodic checkpoint (the lock dies
+    with the process) and still ends with the weights of an uninterrupted run."""
+    sampling = ("--model.init_args.teacher_forcing_fraction", "0.0", "--checkpoint-every", "3")
+    args = fit_args(tmp_path / "runs", traces["a"], 3, *sampling)
+    pid = _fork_fit(args, tmp_path / "child.log")
+    deadline = time.monotonic() + 120
+    ckpts = tmp_path / "runs"
+    while not any(_readable(p) and ckpt_step(p) >= 6 for p in ckpts.glob("*/checkpoints/last.ckpt")):
+        assert time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0), "fit ended before SIGKILL"
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+    (run,) = (tmp_path / "runs").iterdir()
+    assert not (run / "export").exists()
+    stopped = ckpt_step(run / "checkpoints/last.ckpt")
+    print(f"SIGKILL after the checkpoint at step {stopped} of 36")
+    rc, resumed = run_fit([*args, "--resume", str(run)])
+    assert rc == 0 and resumed.global_step == 36 and resumed.run_dir == run
+    rc, ref = run_fit(fit_args(tmp_path / "ref", traces["a"], 3, *sampling))
+    assert rc == 0
+    w_resumed, w_ref = weights(resumed.export_dir), weights(ref.export_dir)
+    assert all(torch.equal(w_resumed[k], w_ref[k]) for k in w_ref), f"killed after step {stopped}"
+
+
+def _readable(path: Path) -> bool:
+    try:
+        ckpt_step(path)
+        return True
+    except Exception:  # a checkpoint being written right now
+        return False
