@@ -10,7 +10,7 @@ time of this process, which a busy shared machine inflates less) and the ratio o
 ``decode([id])`` baseline. Cue sets: 2 paper cues, the model's calibrated set (``--cues``, default
 ``cues.json`` in the tokenizer's directory when there is one) and all default candidates. Without
 ``--tokenizer`` a byte-level BPE is trained on the texts first (a few seconds). Writes JSON + CSV
-under ``--out-dir``.
+under ``--out``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--field", default="thinking")
     ap.add_argument("--n", type=int, default=20, help="texts to use")
     ap.add_argument("--batch", type=int, default=8, help="sequences fed in lockstep for the batched row")
-    ap.add_argument("--out-dir", default="results/bench_stages")
+    ap.add_argument("--out", default="results/bench_stages", help="output folder (JSON + CSV)")
     args = ap.parse_args(argv)
 
     from expertcast.inference.cues import DEFAULT_CANDIDATES, load_tokenizer
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     bdet.step([x[s] if s < len(x) else None for x in grp] + [None] * (args.batch - len(grp)))
 
         results.append(row(f"detector ({set_name}), batch {args.batch} lockstep", len(cues), best(detect_batch, 3)))
-    out = Path(args.out_dir)
+    out = Path(args.out)
     report(results, title=f"stage detection cost per token ({n_tok} tokens, {len(texts)} texts; {tok_name}; "
            f"{os.cpu_count()} CPUs)", json_path=out / "bench_stages.json", csv_path=out / "bench_stages.csv")
     return 0

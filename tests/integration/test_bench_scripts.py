@@ -58,3 +58,19 @@ def test_bench_forecaster_cpu(tmp_path, capsys):
     assert by[("qwen3-30b-a3b", 4)]["fraction_of_qwen3_step"] < by[("qwen3-30b-a3b", 1)]["fraction_of_qwen3_step"]
     train = json.loads((tmp_path / "train.json").read_text())
     assert train[0]["windows_per_s"] > 0 and train[0]["peak_memory_mb"] > 0
+
+
+def test_bench_simulator_small(tmp_path, capsys):
+    bench = _load("bench_simulator")
+    rc = bench.main(["--steps", "400", "--sequences", "2", "--python-steps", "50", "--policies", "lru,belady",
+                     "--json", str(tmp_path / "sim.json")])
+    assert rc in (0, None)
+    rows = json.loads((tmp_path / "sim.json").read_text())
+    assert rows and capsys.readouterr().out
+
+
+def test_bench_stages_small(tmp_path, capsys, data_dir):
+    bench = _load("bench_stages")
+    rc = bench.main(["--n", "2", "--batch", "2", "--out", str(tmp_path)])
+    assert rc in (0, None)
+    assert list(tmp_path.glob("*.json")) and list(tmp_path.glob("*.csv"))
