@@ -67,6 +67,17 @@ def run_command(prog: str, body: Callable[[], int | None]) -> int:
         return 130
 
 
+def parse_and_run(parser: argparse.ArgumentParser, argv: list[str] | None, prog: str,
+                  body: Callable[[argparse.Namespace], int | None]) -> int:
+    """``main`` of a command: parse ``argv`` (``--help`` and argparse's one-line errors return their exit
+    status to in-process callers instead of raising SystemExit), then :func:`run_command` the body."""
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return run_command(prog, lambda: body(args))
+
+
 # -- validated argument types ------------------------------------------------------------------------
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""

@@ -25,11 +25,11 @@ from expertcast.commands.common import (
     CommandParser,
     add_capacity_args,
     capacities_from_args,
+    parse_and_run,
     positive_float,
     positive_int,
     resolve_device,
     resolve_model,
-    run_command,
 )
 from expertcast.utils.errors import UsageError
 
@@ -82,12 +82,7 @@ def build_parser() -> CommandParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help or a one-line argparse error: its status for in-process callers
-        return int(e.code or 0)
-    return run_command(PROG, lambda: evaluate(args))
+    return parse_and_run(build_parser(), argv, PROG, evaluate)
 
 
 # -- validation (cheap, before the model loads) --------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from expertcast.commands.common import CommandParser, positive_int, resolve_device, run_command
+from expertcast.commands.common import CommandParser, parse_and_run, positive_int, resolve_device
 from expertcast.utils.errors import UsageError
 
 PROG = "expertcast forecast-eval"
@@ -50,12 +50,7 @@ def build_parser() -> CommandParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help or a one-line argparse error: return its status to in-process callers
-        return int(e.code or 0)
-    return run_command(PROG, lambda: run(args))
+    return parse_and_run(build_parser(), argv, PROG, run)
 
 
 def split_info(exp) -> dict[str, Any]:

@@ -29,9 +29,9 @@ from expertcast.commands.common import (
     add_capacity_args,
     capacities_from_args,
     nonneg_int,
+    parse_and_run,
     positive_int,
     resolve_model,
-    run_command,
 )
 
 PROG = "expertcast quickstart"
@@ -77,12 +77,7 @@ def build_parser() -> CommandParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help or a one-line argparse error: its status for in-process callers
-        return int(e.code or 0)
-    return run_command(PROG, lambda: quickstart(args))
+    return parse_and_run(build_parser(), argv, PROG, quickstart)
 
 
 class StepFailed(Exception):

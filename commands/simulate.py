@@ -37,10 +37,10 @@ from expertcast.commands.common import (
     add_capacity_args,
     capacities_from_args,
     nonneg_float,
+    parse_and_run,
     parse_counts,
     positive_float,
     positive_int,
-    run_command,
 )
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
@@ -91,12 +91,7 @@ def build_parser() -> CommandParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help or a one-line argparse error: return its status to in-process callers
-        return int(e.code or 0)
-    return run_command(PROG, lambda: run(args))
+    return parse_and_run(build_parser(), argv, PROG, run)
 
 
 # ------------------------------------------------------------------------------------------------

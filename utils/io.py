@@ -46,26 +46,16 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
-    """Save a matplotlib figure as PNG at ``path`` atomically, through a uniquely named temporary file in
-    the same folder (two concurrent writers never share a temporary name), then close the figure."""
+    """Save a matplotlib figure as PNG at ``path`` atomically (through :func:`atomic_write_bytes`, whose
+    temporary name is unique, so two concurrent writers never collide), then close the figure."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, _umask_mode())  # mkstemp creates 0600; outputs get the usual permissions
+    buf = io.BytesIO()
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=dpi)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        fig.savefig(buf, format="png", dpi=dpi)
     finally:
         plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _json_default(o: Any) -> Any:
