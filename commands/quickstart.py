@@ -46,7 +46,7 @@ MEANINGS = [
     ("Hit", "share of decode-time expert accesses served from the cache: 1 - demand misses / accesses"),
     ("AdjHit", "hits over accesses + prefetches: (A - D) / (A + P); charges a prefetching policy for its loads"),
     ("MB/token", "expert bytes moved over the host link per decoded token: (D + P) x expert size"),
-    ("belady_fraction", "Hit as a fraction of protect-rule Belady (the offline optimum) at the same capacity"),
+    ("belady_fraction", "Hit as a fraction of the demand-only ceiling (Belady with a free warm start and bypass: no policy that loads only on a miss can beat it) at the same capacity"),
     ("pct_full_speed", "modelled decode speed as % of running with every expert resident (cost model)"),
     ("recall@K h", "share of the true top-K experts h decode steps ahead found in the forecaster's top-K"),
     ("accuracy", "GSM8K exact match of the final answer"),
@@ -173,7 +173,7 @@ def _steps(pipe: Pipeline, args: Any, cap_flags: list[str]) -> dict[str, Path]:
         raise StepFailed(2)
 
     pipe.banner(f"expert-cache simulation, {args.pool} pool (the offloaded run uses the same), decode only; "
-                f"protect-rule Belady as the ceiling")
+                f"belady_fraction against the demand-only ceiling")
     done["simulate"] = _simulate(pipe, args, traces_key, done["traces"], cap_flags)
 
     if args.forecaster_steps > 0:
