@@ -5,6 +5,8 @@ key covers the whole recipe and the data; the routing statistics it reports."""
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import json
 import math
@@ -152,14 +154,26 @@ def test_yaml_recipe_matches_dataclass_defaults(tmp_path):
 
 
 def test_two_builds_are_identical_and_the_key_covers_the_recipe(tmp_path, monkeypatch, data_dir):
-    """Same recipe, two fresh caches, 2 threads: byte-identical weights and tokenizer."""
-    cfg = dataclasses.replace(TINY, max_steps=6, threads=2, gsm8k_train_limit=60, eval_gsm8k_test=0, eval_cot=0)
+    """Same recipe, two fresh caches, 2 threads, one build in this process and one in a child process (a
+    different allocator state and thread timing): byte-identical weights and tokenizer."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = dataclasses.replace(TINY, max_steps=30, threads=2, hidden_size=64, moe_intermediate_size=64, seq_len=256,
+                              gsm8k_train_limit=60, eval_gsm8k_test=0, eval_cot=0)
     monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(data_dir))
-    paths = []
-    for name in ("a", "b"):
-        monkeypatch.setenv("EXPERTCAST_CACHE_DIR", str(tmp_path / name))
-        paths.append(td.ensure_default_model(cfg, progress=False))
-    a, b = paths
+    monkeypatch.setenv("EXPERTCAST_CACHE_DIR", str(tmp_path / "a"))
+    a = td.ensure_default_model(cfg, progress=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(dataclasses.asdict(cfg)))
+    env = {**os.environ, "EXPERTCAST_CACHE_DIR": str(tmp_path / "b")}
+    r = subprocess.run([sys.executable, "-m", "expertcast.cli", "build-default", "--config", str(recipe), "--no-progress"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (b,) = (tmp_path / "b").glob("tiny-default-v1/*/model.safetensors")
+    b = b.parent
     assert a != b and a.name == b.name
     assert _sha(a) == _sha(b) and _sha(a, "tokenizer.json") == _sha(b, "tokenizer.json")
     ra, rb = td.load_report(a), td.load_report(b)
@@ -213,3 +227,27 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, words):
         rc = e.code
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("expertcast build-default: error:") and words in err[0], err
+
+
+@pytest.mark.slow
+def test_full_size_builds_in_two_processes_are_identical(tmp_path, data_dir):
+    """The default recipe's model size, 40 steps, each build in its own process: identical weights. Without
+    deterministic algorithms, 2-thread CPU training drifted apart here after ~20 steps."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = dataclasses.replace(td.TinyDefaultConfig(), max_steps=40, gsm8k_train_limit=400, cot_limit=4,
+                              eval_gsm8k_test=0, eval_cot=0)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(dataclasses.asdict(cfg)))
+    digests = []
+    for name in ("a", "b"):
+        env = {**os.environ, "EXPERTCAST_CACHE_DIR": str(tmp_path / name), "EXPERTCAST_DATA_DIR": str(data_dir)}
+        r = subprocess.run([sys.executable, "-m", "expertcast.cli", "build-default", "--config", str(recipe),
+                            "--no-progress"], env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        (w,) = (tmp_path / name).glob("tiny-default-v1/*/model.safetensors")
+        digests.append(_sha(w.parent))
+    assert digests[0] == digests[1]
