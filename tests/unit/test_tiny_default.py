@@ -5,11 +5,10 @@ key covers the whole recipe and the data; the routing statistics it reports."""
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
 import json
 import math
+import os
 
 import numpy as np
 import pytest
