@@ -79,52 +79,32 @@ def parse_and_run(parser: argparse.ArgumentParser, argv: list[str] | None, prog:
 
 
 # -- validated argument types ------------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def nonneg_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {v}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
+def _number_type(kind: type, minimum: float, inclusive: bool, what: str) -> Callable[[str], Any]:
+    """An argparse type converting to ``kind`` and requiring a finite value ``>= minimum`` (``inclusive``)
+    or ``> minimum``; errors read ``expected a <what>, got ...``."""
     import math
 
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text}")
-    return v
+    def convert(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {what}, got {text!r}") from None
+        if not math.isfinite(v) or (v < minimum if inclusive else v <= minimum):
+            shown = v if kind is int else text
+            raise argparse.ArgumentTypeError(f"expected a {'' if kind is int else 'finite '}{what}, got {shown}")
+        return v
+
+    return convert
 
 
-def nonneg_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    import math
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite non-negative number, got {text}")
-    return v
+positive_int = _number_type(int, 1, True, "positive integer")
+"""argparse type: an integer >= 1."""
+nonneg_int = _number_type(int, 0, True, "non-negative integer")
+"""argparse type: an integer >= 0."""
+positive_float = _number_type(float, 0.0, False, "positive number")
+"""argparse type: a finite number > 0."""
+nonneg_float = _number_type(float, 0.0, True, "non-negative number")
+"""argparse type: a finite number >= 0."""
 
 
 # -- capacities ---------------------------------------------------------------------------------------

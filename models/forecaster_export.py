@@ -33,9 +33,8 @@ from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_bytes, atomic_write_json
 from expertcast.utils.provenance import (
-    EXPORT_MANIFEST,
     safe_member,
-    verify_export_manifest,
+    verify_named_export,
     write_export_manifest,
 )
 
@@ -139,14 +138,7 @@ def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def verify_export(path: str | os.PathLike) -> str:
     """Check the export's manifest (every file unaltered, none missing or extra); returns the export hash."""
-    root = _config_path(Path(path)).parent
-    if not (root / EXPORT_MANIFEST).is_file():
-        raise ForecasterExportError(f"{root}: forecaster export without {EXPORT_MANIFEST} (written by an older "
-                                    f"expertcast, or incomplete); re-export it with `expertcast fit`")
-    try:
-        return verify_export_manifest(root)
-    except UsageError as e:
-        raise ForecasterExportError(f"forecaster export is corrupt or was modified: {e}") from None
+    return verify_named_export(_config_path(Path(path)).parent, "forecaster export", ForecasterExportError)
 
 
 def load_forecaster(path: str | os.PathLike, device: str | torch.device = "cpu") -> ForecasterExport:

@@ -27,7 +27,7 @@ from expertcast.models.cache_routers import ROUTER_MODES, CacheRouters
 from expertcast.models.routing import find_routers
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_bytes, atomic_write_json
-from expertcast.utils.provenance import EXPORT_MANIFEST, verify_export_manifest, write_export_manifest
+from expertcast.utils.provenance import verify_named_export, write_export_manifest
 from torch import nn
 
 FORMAT = "expertcast-cache-routers"
@@ -80,17 +80,6 @@ def save_routers(directory: str | os.PathLike, routers: CacheRouters, model: nn.
     return d
 
 
-def _verify(d: Path, what: str) -> str:
-    """The manifest check of an export folder ``d`` (ValueError naming the altered file); returns its hash."""
-    if not (d / EXPORT_MANIFEST).is_file():
-        raise UsageError(f"{d}: {what} without {EXPORT_MANIFEST} (written by an older expertcast, or incomplete); "
-                         f"re-export it with `expertcast fit`")
-    try:
-        return verify_export_manifest(d)
-    except UsageError as e:
-        raise UsageError(f"{what} is corrupt or was modified: {e}") from None
-
-
 def read_router_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The validated JSON of an export (ValueError when missing, foreign or of a newer format)."""
     d = Path(directory)
@@ -121,7 +110,7 @@ def load_routers(directory: str | os.PathLike, model: nn.Module | None = None,
 
     d = Path(directory)
     meta = read_router_config(d)
-    meta["export_hash"] = _verify(d, "cache-router export")
+    meta["export_hash"] = verify_named_export(d, "cache-router export")
     wpath = d / WEIGHTS_FILE
     if not wpath.is_file():
         raise ValueError(f"{d}: {WEIGHTS_FILE} is missing (incomplete export)")
@@ -161,7 +150,7 @@ def read_adaptation_export(export_dir: str | os.PathLike) -> dict[str, Any]:
     path = d / ADAPTATION_FILE
     if not path.is_file():
         raise UsageError(f"{d} is not a router-adaptation export: {ADAPTATION_FILE} is missing")
-    export_hash = _verify(d, "router-adaptation export")
+    export_hash = verify_named_export(d, "router-adaptation export")
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

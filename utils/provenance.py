@@ -201,3 +201,19 @@ def verify_export_manifest(root: str | os.PathLike) -> str:
         if sha256_file(p) != digest:
             raise UsageError(f"{root}: export file {name} was modified after export (sha256 mismatch)")
     return str(m.get("export_hash") or sha256_files(root, list(files)))
+
+
+def verify_named_export(root: str | os.PathLike, what: str, error: type[Exception] | None = None) -> str:
+    """:func:`verify_export_manifest` for a ``what`` (e.g. ``"forecaster export"``): a missing manifest asks
+    for a re-export, an altered file says the export is corrupt; raised as ``error`` (default UsageError)."""
+    from expertcast.utils.errors import UsageError
+
+    error = error or UsageError
+    root = Path(root)
+    if not (root / EXPORT_MANIFEST).is_file():
+        raise error(f"{root}: {what} without {EXPORT_MANIFEST} (written by an older expertcast, or incomplete); "
+                    f"re-export it with `expertcast fit`")
+    try:
+        return verify_export_manifest(root)
+    except UsageError as e:
+        raise error(f"{what} is corrupt or was modified: {e}") from None
