@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router-eval": ("expertcast.commands.router_eval", "cache-aware router adaptation: hit rate vs quality"),
     "stages": ("expertcast.commands.stages", "SAEM stages: calibrate | stats | detect | eval"),
     "eval": ("expertcast.commands.evaluate", "offloaded inference on GSM8K / MATH-500"),
+    "sweep": ("expertcast.commands.sweep", "offloaded eval over policies x capacities x benchmarks, one table"),
 }
 
 

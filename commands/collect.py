@@ -2,6 +2,7 @@
 
     expertcast collect --model M --benchmark gsm8k --limit 256 --out traces/gsm8k
     expertcast collect --model M --completions cot.jsonl --text-field thinking --out traces/cot
+    torchrun --nproc_per_node 8 --no-python expertcast collect --model M ... --out traces/gsm8k   (or --shard i/n)
 
 The output folder is claimed (a foreign or protected folder is refused, a concurrent run on it fails
 fast); rerunning the same command resumes by shard, and only when every setting matches.
@@ -63,6 +64,9 @@ def build_parser() -> CommandParser:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model dtype (None = the checkpoint's)")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="collect only shard i of n (0-based) into --out, merged with the other ranks' shards; "
+                        "None = torchrun's RANK/WORLD_SIZE when WORLD_SIZE > 1, else everything")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (None = torch's choice)")
     p.add_argument("--overwrite", action="store_true",
                    help="start over: delete what expertcast wrote in --out (never foreign files)")
@@ -92,7 +96,7 @@ def _sigterm_exits() -> Iterator[None]:
 
 def _run(a) -> int:
     import torch
-    from expertcast.data.collect import CollectConfig, collect_traces
+    from expertcast.data.collect import CollectConfig, collect_traces, launch_shard
     from expertcast.utils.io import report
 
     if a.threads:
@@ -108,13 +112,16 @@ def _run(a) -> int:
         top_p=a.top_p, seed=a.seed, completions=a.completions, text_field=a.text_field,
         prompt_field=a.prompt_field, completion_prefix=a.completion_prefix, max_tokens=a.max_tokens,
         data_dir=a.data_dir, chat_template=a.chat_template, device=resolve_device(a.device), dtype=a.dtype,
-        overwrite=a.overwrite, progress=not a.no_progress,
+        overwrite=a.overwrite, progress=not a.no_progress, shard=launch_shard(a.shard),
     )
     with _sigterm_exits():
         res = collect_traces(cfg)
     report(res.rows, title=f"collect {cfg.model} -> {cfg.out}", json_path=a.json, csv_path=a.csv)
     print(f"{res.shards_written} shards written, {res.shards_skipped} resumed"
           f"{f', {res.shards_redone} redone' if res.shards_redone else ''} -> {cfg.out}")
+    if cfg.shard is not None:
+        print(f"rank {cfg.shard[0]}/{cfg.shard[1]}: " + ("trace set complete" if res.complete else
+                                                          "other ranks still writing (the last one merges)"))
     if res.graded:
         print(f"accuracy of the generated completions: {res.correct}/{res.graded} = {res.correct / res.graded:.3f}")
     return 0

@@ -8,6 +8,11 @@ evaluated (``--split val|test|all`` too) is checked against those ids: an overla
 ``--allow-overlap``, which reports it in the table title and in ``recall_summary.json``. The baselines
 are fitted on the export's training sequences (or ``--fit-traces``, checked the same way).
 
+Generalisation protocol (:mod:`expertcast.train.generalisation`): train on one trace set with
+``expertcast fit ... --data.init_args.train_sequences N`` (10 / 50 / all: data efficiency) and evaluate
+on another with ``--traces``: the baselines' fitted parts then come from the export's N training
+sequences, the online ones (repeat-last, recent-freq) from the evaluated sequences.
+
 Writes ``recall.csv`` (per predictor, horizon and layer), ``recall_summary.json`` and ``recall.png``
 into ``--out`` (claimed for this command: a concurrent run on it fails at once). See
 :mod:`expertcast.train.forecast_eval` for the predictors.
@@ -20,6 +25,7 @@ from typing import Any
 
 from expertcast.commands.common import CommandParser, parse_and_run, positive_int, resolve_device
 from expertcast.utils.errors import UsageError
+from expertcast.utils.tracking import add_wandb_args, log_results
 
 PROG = "expertcast forecast-eval"
 
@@ -46,6 +52,7 @@ def build_parser() -> CommandParser:
     ap.add_argument("--out", default=None, help="output folder (unset: runs/forecast-eval/<export folder name>)")
     ap.add_argument("--write-heldout", default=None,
                     help="also write the evaluated sequences as a trace set here (e.g. for `expertcast simulate`)")
+    add_wandb_args(ap)
     return ap
 
 
@@ -181,3 +188,6 @@ def _write(out, args, exp, meta, split, evals, tables, overlap) -> None:
     plot(tables, out.file("recall.png"), f"forecast recall by horizon ({meta.model_id}, {split})"
          + (f"; {note}" if note else ""))
     print(f"wrote {out.path / 'recall.csv'}, {out.path / 'recall_summary.json'}, {out.path / 'recall.png'}")
+    if args.wandb:
+        log_results(args.wandb_project, "forecast-eval", f"forecast-eval-{Path(args.forecaster).name}", vars(args),
+                    tables={"recall": rows, "recall_by_layer": long_rows(tables)}, images={"recall": out.path / "recall.png"})

@@ -1,9 +1,13 @@
-"""`expertcast router-eval`: cache-aware router adaptation, hit rate and traffic against quality.
+"""`expertcast router-eval`: cache-aware router adaptation, every mode through the offloading runtime.
 
-Trains the study's runs on the default model (or takes ``--exports``), evaluates each on held-out
-texts only (checked against every export's training texts; ``--allow-overlap`` to evaluate anyway,
-reported in every row) and writes Table 2/3-style tables and a trade-off plot into ``--out``. The
-study logic is :mod:`expertcast.train.router_eval`.
+Trains the study's runs on the default model (or takes ``--exports``) and runs each through the
+runtime on its own greedy decoding of held-out benchmark prompts (``--benchmark``, arith by default),
+paired with the full-load run of the same weights: Hit, AdjHit, MB/token, tokens/s and % of full-load
+tokens/s, accuracy, held-out LM loss and greedy agreement with the LM-only run, for LRU, static (LM-only
+run) and the run's live router policy (R sweep). Prompts and texts are held out (checked against every
+export's training texts; ``--allow-overlap`` to evaluate anyway, reported in every row). Writes Table
+2/3-style tables (CSV/JSON), a PNG, and logs the table to W&B with ``--wandb``. The study logic is
+:mod:`expertcast.train.router_eval`.
 """
 
 from __future__ import annotations
@@ -50,8 +54,8 @@ def build_parser() -> CommandParser:
                    help="B sweep (each value trains temporal and full runs)")
     p.add_argument("--sw-sweep", type=nonneg_float, nargs="*", default=[0.3, 1.0, 2.0],
                    help="coverage-loss weights sw of the sweep (temporal and full runs)")
-    p.add_argument("--R", type=positive_int, nargs="*", default=None,
-                   help="top-R values of the full/spatio policies; when omitted: 0.75*B")
+    p.add_argument("--R", type=positive_int, nargs="+", default=[2, 4, 6, 8],
+                   help="top-R values of the full/spatio policies (values above B are skipped)")
     p.add_argument("--modes", nargs="*", default=None, help="train/evaluate only these run names; when omitted: every run of the study")
     p.add_argument("--tau", type=positive_float, default=0.02, help="temperature of the soft top-B coverage loss")
     p.add_argument("--lr", type=positive_float, default=5e-4, help="backbone learning rate")
@@ -61,17 +65,22 @@ def build_parser() -> CommandParser:
     p.add_argument("--heldout", type=heldout_fraction, default=0.05,
                    help="fraction of the texts held out, chosen by a hash of each text's id (stable under --limit)")
     p.add_argument("--eval-limit", type=nonneg_int, default=96,
-                   help="evaluate the first N held-out texts (0: all of them)")
+                   help="held-out LM loss on the first N held-out texts (0: all of them)")
+    p.add_argument("--benchmark", default="arith",
+                   help="benchmark whose test prompts every run decodes greedily (accuracy): arith, gsm8k, math500")
+    p.add_argument("--prompts", type=positive_int, default=32, help="decode the first N test prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="generated tokens per prompt at most")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N texts of the source")
     p.add_argument("--source", default="gsm8k",
                    help="LM text source: gsm8k, math500, a datasets Hub id or a local .json/.jsonl/.parquet/.txt file")
     p.add_argument("--data-dir", default=None, help="local benchmark folder; when omitted: $EXPERTCAST_DATA_DIR, else ../shared/data")
-    p.add_argument("--gsm8k", type=nonneg_int, default=0, help="also measure GSM8K accuracy on N test problems")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of training, data order and held-out split")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads; when omitted: torch's choice")
     p.add_argument("--allow-overlap", action="store_true",
                    help="evaluate even when an export was trained on evaluated texts (reported in every row)")
     p.add_argument("--progress", action="store_true", help="Lightning progress bars while training")
+    p.add_argument("--wandb", action="store_true", help="log the tables to W&B")
+    p.add_argument("--wandb-project", default="expertcast-router", help="W&B project")
     return p
 
 
@@ -80,17 +89,21 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         import torch
+        from expertcast.data.benchmarks import load_benchmark
         from expertcast.train.router_eval import StudyConfig, given_exports, run_study, select_runs
         from expertcast.utils.outdir import claim_output_dir
 
         cfg = StudyConfig(
             model=args.model, steps=args.steps, budget=args.budget, budgets=list(args.budgets),
-            sw_sweep=list(args.sw_sweep), R=args.R or None, modes=args.modes or None, tau=args.tau, lr=args.lr,
+            sw_sweep=list(args.sw_sweep), R=list(args.R), modes=args.modes or None, tau=args.tau, lr=args.lr,
             router_lr=args.router_lr, batch_size=args.batch_size, max_length=args.max_length, heldout=args.heldout,
             eval_limit=args.eval_limit or None, limit=args.limit, source=args.source, data_dir=args.data_dir,
-            gsm8k=args.gsm8k, seed=args.seed, progress=args.progress, allow_overlap=args.allow_overlap)
+            benchmark=args.benchmark, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+            progress=args.progress, allow_overlap=args.allow_overlap, wandb=args.wandb,
+            wandb_project=args.wandb_project)
         # input errors (exports, run names, model) fail before the output folder is claimed
         exports = given_exports(args.exports) if args.exports else None
+        load_benchmark(args.benchmark, "test", data_dir=args.data_dir, limit=args.prompts)  # unknown/missing: exit 2
         if exports is None:
             select_runs(cfg)
             cfg.model = resolve_model(args.model)

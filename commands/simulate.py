@@ -20,6 +20,12 @@ them only when every setting matches (traces, cost model, pool, batch size, engi
 calibration traces, forecaster export, file options of the policies); otherwise it stops naming the
 setting. ``--overwrite`` starts over.
 
+Generalisation protocol: ``--fit-traces DIR`` names the fit set (``--fit-sequences N``: its first N
+sequences by id hash, nested 10 of 50 of all); the fitted baselines (``static``) calibrate on it, the
+online policies (LRU, LFU, Belady, seqmoe's forecasts) run on the replayed ``--traces`` alone, and a
+sequence id in both sets is refused unless ``--allow-overlap``. Train the seqmoe forecaster on the same
+fit set (``expertcast fit ... --data.init_args.train_sequences N``). Each record carries ``fit_sequences``.
+
 Leakage: a forecaster (``--forecaster`` or ``seqmoe:forecaster=``) trained on some of the replayed
 sequences is refused unless ``--allow-overlap``; the overlap then appears in the table title, the
 plot and each of its records (``train_overlap``).
@@ -43,11 +49,14 @@ from expertcast.commands.common import (
     positive_int,
 )
 from expertcast.utils.errors import ResumeMismatchError, UsageError
+from expertcast.utils.tracking import add_wandb_args, log_results
 
 PROG = "expertcast simulate"
 DEFAULT_CAPACITIES = (0.15, 0.25, 0.35, 0.45)
 SETTINGS_FILE = "simulate.settings.json"
 PARTIAL_FILE = "simulate.partial.json"
+FIT_SET = "fit set"
+"""Key of the generalisation protocol's fit-set header among the overlap checks (``--fit-traces``)."""
 TIMING_FIELDS = ("seconds", "accesses_per_s")
 """Record fields that measure this machine, not the simulation (they differ between identical runs)."""
 
@@ -81,11 +90,18 @@ def build_parser() -> CommandParser:
     ap.add_argument("--no-belady-fraction", action="store_true", help="skip the demand-only ceiling reference runs (belady_fraction)")
     ap.add_argument("--calibration", default=None,
                     help="trace directory calibrating `static` (unset: the replayed traces, in-sample)")
+    ap.add_argument("--fit-traces", default=None,
+                    help="generalisation protocol: the fit set (trace directory); fitted baselines (static) calibrate "
+                         "on it, online policies run on the replayed --traces (the evaluated set); shared sequence "
+                         "ids are refused unless --allow-overlap")
+    ap.add_argument("--fit-sequences", type=positive_int, default=None,
+                    help="use only N fit sequences (first N by sequence-id hash: 10 of 50 of all; data efficiency)")
     ap.add_argument("--forecaster", default=None,
                     help="forecaster export for the `seqmoe` policies (same as seqmoe:forecaster=PATH)")
     ap.add_argument("--allow-overlap", action="store_true",
                     help="accept a forecaster trained on some replayed sequences (the overlap is reported)")
     ap.add_argument("--out", default="runs/simulate", help="output folder")
+    add_wandb_args(ap)
     ap.add_argument("--overwrite", action="store_true", help="discard this folder's earlier simulate output first")
     return ap
 
@@ -177,7 +193,7 @@ def _with_forecaster(spec: str, args) -> str:
     """``seqmoe`` -> ``seqmoe:forecaster=EXPORT,bandwidth_gbps=..,layer_compute_ms=..`` (the link and
     compute settings feed its transfer-time estimate) unless the spec names its own forecaster."""
     name = spec.split(":")[0].strip().lower()
-    if name not in ("seqmoe", "seqmoe-async") or "forecaster=" in spec:
+    if name not in ("seqmoe", "seqmoe-async", "hybrid") or "forecaster=" in spec:
         return spec
     extra = f"forecaster={args.forecaster},bandwidth_gbps={args.bandwidth_gbps}"
     lc = _floats(args.layer_compute_ms, "--layer-compute-ms")
@@ -231,19 +247,44 @@ def _cost(args, num_layers: int):
                       cpu_token_ms=args.cpu_token_ms)
 
 
-def _calibration(args, meta):
-    """(selection counts [L, E] of ``--calibration``, its fingerprint) or (None, None)."""
-    if not args.calibration:
-        return None, None
+def _calibration(args, meta, seqs):
+    """(selection counts [L, E] of ``--calibration`` or ``--fit-traces``, their fingerprint, the fit-set header)
+    or (None, None, None)."""
+    if args.fit_sequences and not args.fit_traces:
+        raise UsageError("--fit-sequences picks sequences of the fit set: give --fit-traces DIR")
+    if args.fit_traces and args.calibration:
+        raise UsageError("--fit-traces is the calibration of the fitted baselines: drop --calibration")
+    path, flag = (args.fit_traces, "--fit-traces") if args.fit_traces else (args.calibration, "--calibration")
+    if not path:
+        return None, None, None
     from expertcast.data.trace_format import sequences_fingerprint
     from expertcast.inference.policies.static import selection_counts
 
-    cmeta, cseqs = _read_traces(args.calibration, "--calibration")
+    cmeta, cseqs = _read_traces(path, flag)
     try:
         cmeta.check_compatible(meta.num_layers, meta.num_experts, meta.top_k, what="replayed trace")
     except ValueError as e:
-        raise UsageError(f"--calibration {args.calibration}: {e}") from None
-    return selection_counts(cseqs, meta.num_layers, meta.num_experts), sequences_fingerprint(cseqs)
+        raise UsageError(f"{flag} {path}: {e}") from None
+    fit = _fit_header(args, cseqs, seqs) if args.fit_traces else None
+    if fit is not None:
+        cseqs = fit.pop("sequences")
+    return selection_counts(cseqs, meta.num_layers, meta.num_experts), sequences_fingerprint(cseqs), fit
+
+
+def _fit_header(args, fit_seqs, seqs) -> dict[str, Any]:
+    """The generalisation protocol's fit set (cut to ``--fit-sequences``), checked for shared ids with the evaluated
+    sequences; ``{"fit_traces", "fit_sequences", "evaluated", "overlap", "sequences"}``."""
+    from expertcast.train.forecaster_data import training_subset
+    from expertcast.utils.provenance import check_overlap
+
+    if args.fit_sequences and args.fit_sequences > len(fit_seqs):
+        raise UsageError(f"--fit-sequences {args.fit_sequences}: the fit set {args.fit_traces} has only "
+                         f"{len(fit_seqs)} sequences")
+    chosen = training_subset(fit_seqs, args.fit_sequences)
+    ov = check_overlap([s.seq_id for s in seqs], [s.seq_id for s in chosen], what=f"the fit set {args.fit_traces}",
+                       allow_overlap=args.allow_overlap)
+    return {"fit_traces": str(Path(args.fit_traces).resolve()), "fit_sequences": len(chosen),
+            "evaluated": len(seqs), "overlap": ov["overlap"], "sequences": chosen}
 
 
 def _make_policies(options: list, calibration, meta) -> list:
@@ -393,10 +434,15 @@ def run(args) -> int:
         cache_configs(meta, capacities, args.pool, spl)  # capacities below top-K or above E fail here
     except ValueError as e:
         raise UsageError(str(e)) from None
-    counts, calibration_fp = _calibration(args, meta)
+    counts, calibration_fp, fit = _calibration(args, meta, seqs)
     policies = _make_policies(options, counts, meta)
     overlaps = _overlaps(options, policies, seqs, args.allow_overlap)
     settings = run_settings(args, meta, seqs, cost, calibration_fp)
+    if fit is not None:
+        overlaps[FIT_SET] = {"overlap": fit["overlap"], "evaluated": fit["evaluated"], "allowed": args.allow_overlap,
+                             "fit_sequences": fit["fit_sequences"], "fit_traces": fit["fit_traces"]}
+        print(f"generalisation protocol: fit set {fit['fit_traces']} ({fit['fit_sequences']} sequences) calibrates "
+              f"the fitted baselines; online policies run on the {fit['evaluated']} evaluated sequences")
     files = _policy_files(options, policies)
 
     from expertcast.utils.outdir import claim_output_dir
@@ -422,6 +468,8 @@ def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, set
 
     def save(rec: dict) -> None:
         rec["settings_sha256"] = _record_hash(settings, rec["policy"], files)
+        if FIT_SET in overlaps:
+            rec["fit_sequences"] = overlaps[FIT_SET]["fit_sequences"]
         if rec["policy"] in overlaps:
             rec["train_overlap"] = overlaps[rec["policy"]]["overlap"]
         finished.append(rec)
@@ -446,6 +494,9 @@ def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, set
     plot_hit_vs_capacity(records, png, note=note)
     partial.unlink(missing_ok=True)
     print(f"wrote {out / 'simulate.json'}, {out / 'simulate.csv'}, {png}")
+    if args.wandb:
+        log_results(args.wandb_project, "simulate", f"simulate-{Path(args.traces or 'synthetic').name}", vars(args),
+                    tables={"simulate": records}, images={"hit_vs_capacity": png})
     return 0
 
 
@@ -453,7 +504,11 @@ def overlap_note(overlaps: dict[str, dict[str, Any]]) -> str | None:
     """One line naming each allowed train/test overlap, or None when there is none."""
     parts = []
     for label, o in overlaps.items():
-        if o.get("overlap") is None:
+        if label == FIT_SET:
+            if o["overlap"]:
+                parts.append(f"the fit set shares {o['overlap']} of the {o['evaluated']} replayed sequences "
+                             f"(--allow-overlap)")
+        elif o.get("overlap") is None:
             parts.append(f"{label.split('(')[0]}'s forecaster records no training ids (--allow-overlap)")
         elif o["overlap"]:
             parts.append(f"{label.split('(')[0]}'s forecaster was trained on {o['overlap']} of the {o['evaluated']} "

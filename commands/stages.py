@@ -33,6 +33,7 @@ from expertcast.commands.common import (
     run_command,
 )
 from expertcast.utils.errors import UsageError
+from expertcast.utils.tracking import add_wandb_args, log_results
 
 PROG = "expertcast stages"
 EVAL_CAPACITIES = "0.03,0.125,0.25,0.5"
@@ -291,6 +292,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                              partial=lambda t: out.file(f"partial-{t}.json"))
         write_results(rows, out.file("saem_eval.json"), out.file("saem_eval.csv"), out.file("saem_eval.png"), eb)
         print(f"wrote {out.path}")
+        if args.wandb:
+            log_results(args.wandb_project, "stages-eval", f"stages-eval-{tag}", {k: v for k, v in vars(args).items()
+                        if k != "fn"}, tables={"saem_eval": rows}, images={"saem_eval": out.path / "saem_eval.png"})
     return 0
 
 
@@ -363,6 +367,7 @@ def build_parser() -> CommandParser:
                    help="CPU-executed experts start after the layer's transfers, not in parallel with them")
     p.add_argument("--synthetic", action="store_true", help="also run on synthetic traces with planted stages")
     out_args(p, "eval")
+    add_wandb_args(p)
     p.set_defaults(fn=_cmd_eval)
     return ap
 

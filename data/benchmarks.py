@@ -1,9 +1,11 @@
-"""GSM8K and MATH-500 as uniform records, from a local directory of the public jsonl files or the Hub.
+"""GSM8K, MATH-500 and the synthetic ``arith`` task as uniform records.
 
-Local layout (see ``../shared/data/README.md``): ``gsm8k/{train,test}.jsonl`` (fields question,
+GSM8K and MATH-500 come from a local directory of the public jsonl files or the Hub. Local layout (see ``../shared/data/README.md``): ``gsm8k/{train,test}.jsonl`` (fields question,
 answer) and ``math500/test.jsonl`` (problem, solution, answer, subject, level, unique_id). Without a
 local directory the loaders use ``datasets.load_dataset`` on the Hub ids ``openai/gsm8k`` (config
-``main``) and ``HuggingFaceH4/MATH-500``.
+``main``) and ``HuggingFaceH4/MATH-500``. ``arith`` (:mod:`expertcast.data.arith`) is generated
+from a fixed seed and needs no files: 2-digit +, - and x problems in GSM8K's ``#### N`` format, graded
+exactly, whose ``test`` problems are held out of the default model's corpus.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ class BenchmarkSpec:
     splits: tuple[str, ...]
     local_dir: str
     """Sub-directory of the data directory holding ``<split>.jsonl``."""
+    generated: bool = False
+    """Generated in code (no local files, no Hub)."""
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {
     "gsm8k": BenchmarkSpec("gsm8k", "openai/gsm8k", "main", ("train", "test"), "gsm8k"),
     "math500": BenchmarkSpec("math500", "HuggingFaceH4/MATH-500", None, ("test",), "math500"),
+    "arith": BenchmarkSpec("arith", "", None, ("train", "test"), "", generated=True),
 }
 
 
@@ -47,16 +52,16 @@ class Problem:
     """One benchmark item in the form every consumer uses."""
 
     id: str
-    """Stable id: ``gsm8k-test-00042`` or MATH's ``unique_id`` (``test/algebra/1234.json``)."""
+    """Stable id: ``gsm8k-test-00042``, MATH's ``unique_id`` (``test/algebra/1234.json``) or ``arith-test-00042``."""
     question: str
     answer: str
-    """Gold final answer as a string (GSM8K: the text after ``####``; MATH-500: the ``answer`` field)."""
+    """Gold final answer as a string (GSM8K, arith: the text after ``####``; MATH-500: the ``answer`` field)."""
     solution: str
     """Gold worked solution (GSM8K: the full ``answer`` field with ``#### N``; MATH: with ``\\boxed{}``)."""
     benchmark: str
     split: str
     extra: dict[str, Any] = field(default_factory=dict)
-    """Other source fields (MATH-500: subject, level)."""
+    """Other source fields (MATH-500: subject, level; arith: op, a, b)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,16 +126,19 @@ def load_benchmark(
     limit: int | None = None,
     use_hub: bool | None = None,
 ) -> list[Problem]:
-    """Load ``name`` ("gsm8k" | "math500") ``split`` as :class:`Problem` records.
+    """Load ``name`` ("gsm8k" | "math500" | "arith") ``split`` as :class:`Problem` records.
 
     Looks in ``data_dir`` (else ``$EXPERTCAST_DATA_DIR``, else ``../shared/data``) for
     ``<local_dir>/<split>.jsonl``; when no local directory is configured (or ``use_hub=True``) it
     loads the Hub dataset. Raises :class:`DatasetNotFoundError` with one line naming where it looked.
-    ``limit``: the first N problems (N >= 1; None = all).
+    ``limit``: the first N problems (N >= 1; None = all). ``arith`` is generated (``data_dir`` and
+    ``use_hub`` do not apply).
     """
     spec = _check(name, split)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise UsageError(f"--limit must be a positive integer (or absent for all problems), got {limit!r}")
+    if spec.generated:
+        return arith_benchmark(split, limit)
     root = _default_data_dir(data_dir)
     if use_hub is None:
         use_hub = root is None
@@ -146,6 +154,15 @@ def load_benchmark(
     else:
         problems = _to_problems(name, split, _load_hub(spec, split, local=root is not None), f"Hub dataset {spec.hub_id}")
     return problems[:limit] if limit is not None else problems
+
+
+def arith_benchmark(split: str, limit: int | None = None) -> list[Problem]:
+    """The first ``limit`` (at most ``SPLIT_SIZES[split]``) problems of the generated arith ``split``."""
+    from expertcast.data.arith import SPLIT_SIZES, arith_problems
+
+    n = SPLIT_SIZES[split] if limit is None else min(limit, SPLIT_SIZES[split])
+    return [Problem(p.id, p.question, str(p.answer), p.solution, "arith", split, {"op": p.op, "a": p.a, "b": p.b})
+            for p in arith_problems(split, n)]
 
 
 def _load_hub(spec: BenchmarkSpec, split: str, local: bool = False) -> list[dict[str, Any]]:

@@ -18,6 +18,15 @@ preset name + init seed, the content hash of a local directory, or a Hub id + re
 sequence ids and per-item input digests are checked); a partial last shard is redone; a smaller
 limit is refused.
 
+Sharded collection (``shard=(i, n)``: ``expertcast collect --shard i/n``, or torchrun's RANK/WORLD_SIZE)
+splits the same shard plan over n processes: rank i writes the shards s with ``s % n == i`` into its
+own part ``out/parts/rank-i-of-n/`` (a trace set of its own, with its own lock), then merges every
+part no process is writing any more into ``out`` (the shard folders are moved, the manifest entries
+and their sha256 kept). The rank that finishes last therefore leaves ``out`` a complete trace set,
+shard for shard what one process would have written (same items, batches and sampling seeds), which
+``traces stats``, ``simulate`` and ``fit`` read as usual. Ranks need no process group: they only share
+the folder (a shared file system across nodes), and a rerun of any rank resumes as above.
+
 Sequence ids are identities: a benchmark problem keeps its id; a completions row uses its ``id``
 field, else ``sha256-`` + the first 16 hex digits of the sha256 of its prompt and completion text.
 
@@ -31,6 +40,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -41,11 +52,14 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.data.traces import OUTPUT_KIND, TraceWriter
-from expertcast.utils.errors import UsageError
+from expertcast.data.traces import OUTPUT_KIND, TraceWriter, read_manifest, shard_name
+from expertcast.utils.errors import OutputDirError, UsageError
+from expertcast.utils.outdir import OutputDir
 
 PRESET_INIT_SEED = 0
 """Seed of the random init of tiny presets (:func:`expertcast.models.backbone.load_moe_model`)."""
+PARTS_DIR = "parts"
+"""Sub-folder of a sharded collection's output holding each rank's part until it is merged."""
 
 
 @dataclass
@@ -91,6 +105,8 @@ class CollectConfig:
     """Model dtype (``float32``, ``bfloat16``...); None keeps the loader's default."""
     overwrite: bool = False
     progress: bool = True
+    shard: tuple[int, int] | None = None
+    """(rank i, ranks n): write only the shards s with s % n == i, then merge (see the module doc)."""
 
     def validate(self) -> None:
         """UsageError naming the first setting out of range."""
@@ -107,6 +123,30 @@ class CollectConfig:
         for name, ok, what in checks:
             if not ok:
                 raise UsageError(f"--{name.replace('_', '-')} must be {what}, got {getattr(self, name)!r}")
+        if self.shard is not None:
+            i, n = self.shard
+            if not (_is_int(i) and _is_int(n) and 0 <= i < n):
+                raise UsageError(f"--shard must be i/n with 0 <= i < n, got {i}/{n}")
+            if self.overwrite:
+                raise UsageError("--overwrite cannot be combined with --shard (the ranks would delete each other's "
+                                 "shards): remove the folder or choose another --out")
+
+
+def launch_shard(text: str | None, env: dict[str, str] | None = None) -> tuple[int, int] | None:
+    """The (rank, ranks) of a sharded collection: ``--shard i/n`` when given, else torchrun's
+    ``RANK``/``WORLD_SIZE`` when WORLD_SIZE > 1, else None (one process collects everything)."""
+    if text is not None:
+        try:
+            i, n = (int(x) for x in str(text).split("/"))
+        except ValueError:
+            raise UsageError(f"--shard must be i/n (e.g. 0/8), got {text!r}") from None
+        return i, n
+    env = os.environ if env is None else env
+    try:
+        world, rank = int(env.get("WORLD_SIZE") or 1), int(env.get("RANK") or 0)
+    except ValueError:
+        raise UsageError(f"RANK={env.get('RANK')!r}, WORLD_SIZE={env.get('WORLD_SIZE')!r} are not integers") from None
+    return (rank, world) if world > 1 else None
 
 
 def _is_int(v: Any) -> bool:
@@ -129,6 +169,8 @@ class CollectResult:
     correct: int = 0
     graded: int = 0
     rows: list[dict[str, Any]] = field(default_factory=list)
+    complete: bool = True
+    """Sharded: whether the merged trace set is complete (False while other ranks are still writing)."""
 
     @property
     def generate_tokens_per_s(self) -> float:
@@ -176,8 +218,11 @@ def load_model(name: str, device: str = "auto", dtype: str | None = None):
 
 
 def _device(device: str) -> torch.device:
+    """``auto`` -> cuda when available; a bare ``cuda`` under torchrun is this process's ``cuda:LOCAL_RANK``."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and os.environ.get("LOCAL_RANK"):
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     return torch.device(device)
 
 
@@ -478,17 +523,17 @@ def collect_traces(cfg: CollectConfig, model=None, tokenizer=None,
         from expertcast.data.benchmarks import load_benchmark
 
         problems = load_benchmark(cfg.benchmark, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit)
+    if cfg.shard is not None:
+        return _collect_rank(cfg, rows, problems, model, tokenizer, on_shard)
     with claim_output_dir(cfg.out, OUTPUT_KIND, overwrite=cfg.overwrite) as out:
+        _refuse_parts(out.path)
         if model is None or tokenizer is None:
             model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
         model.eval()
-        templated = _use_chat_template(cfg, tokenizer)
-        items = (_completion_items(cfg, tokenizer, rows, templated) if rows is not None
-                 else _benchmark_items(cfg, tokenizer, problems, templated))
-        plan = [items[s:s + cfg.shard_size] for s in range(0, len(items), cfg.shard_size)]
+        templated, items, plan = _plan(cfg, tokenizer, rows, problems)
         with TraceWriter(out, make_meta(model, cfg, templated), run=run_settings(cfg, model, templated)) as writer:
             res = CollectResult(Path(cfg.out))
-            res.shards_redone = len(writer.reconcile([[(it.seq_id, it.input_sha256) for it in c] for c in plan]))
+            res.shards_redone = len(writer.reconcile(_plan_keys(plan)))
             todo = [s for s in range(len(plan)) if not writer.is_done(s)]
             res.shards_skipped = len(plan) - len(todo)
             _run_shards(cfg, model, tokenizer, writer, plan, todo, res, on_shard)
@@ -496,6 +541,147 @@ def collect_traces(cfg: CollectConfig, model=None, tokenizer=None,
             if todo or not writer.manifest.get("complete"):  # a finished run keeps its summary
                 writer.finalize(collect=res.rows, limit=cfg.limit, sequences=len(items))
     return res
+
+
+def _plan(cfg: CollectConfig, tok, rows: list[_Row] | None, problems: list | None
+          ) -> tuple[bool, list[_Item], list[list[_Item]]]:
+    """(chat template used, input items, shard plan): shard i holds items [i*S, (i+1)*S)."""
+    templated = _use_chat_template(cfg, tok)
+    items = (_completion_items(cfg, tok, rows, templated) if rows is not None
+             else _benchmark_items(cfg, tok, problems, templated))
+    return templated, items, [items[s:s + cfg.shard_size] for s in range(0, len(items), cfg.shard_size)]
+
+
+def _plan_keys(plan: list[list[_Item]]) -> list[list[tuple[str, str]]]:
+    """(sequence id, input digest) of every item of every planned shard (what resumes compare)."""
+    return [[(it.seq_id, it.input_sha256) for it in chunk] for chunk in plan]
+
+
+# -- sharded collection ----------------------------------------------------------------------------------
+def part_name(rank: int, ranks: int) -> str:
+    return f"rank-{rank:05d}-of-{ranks:05d}"
+
+
+def _refuse_parts(root: Path) -> None:
+    """A one-process collect must not run over the unmerged parts of a sharded one."""
+    parts = root / PARTS_DIR
+    if parts.is_dir() and any(parts.iterdir()):
+        raise UsageError(f"{root} holds unmerged parts of a sharded collect ({parts}): finish it with --shard i/n "
+                         f"or start over with --overwrite")
+
+
+def _lock_held(path: Path) -> bool:
+    """Whether another process holds the output-folder lock of ``path``."""
+    import fcntl
+
+    from expertcast.utils.outdir import LOCK
+
+    try:
+        fd = os.open(path / LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def claim_waiting(path: str | os.PathLike, timeout: float = 900.0) -> OutputDir:
+    """Claim the trace folder ``path``, waiting (up to ``timeout`` s) while another rank holds it."""
+    from expertcast.utils.outdir import claim_output_dir
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return claim_output_dir(path, OUTPUT_KIND)
+        except OutputDirError:
+            if not _lock_held(Path(path)) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _check_parts(root: Path, ranks: int) -> None:
+    """UsageError when ``root`` holds parts of a collect over another number of ranks."""
+    parts = root / PARTS_DIR
+    other = sorted(p.name for p in parts.iterdir() if not p.name.endswith(f"-of-{ranks:05d}")) if parts.is_dir() else []
+    if other:
+        raise UsageError(f"{root} holds unmerged parts of a collect over another number of ranks ({other[0]}): "
+                         f"finish it with that --shard i/n or start over with --overwrite (without --shard)")
+
+
+def _collect_rank(cfg: CollectConfig, rows: list[_Row] | None, problems: list | None, model, tok,
+                  on_shard: Callable[[int, Path], None] | None) -> CollectResult:
+    """Rank i of n: write its shards into its part, then merge every finished part into ``cfg.out``."""
+    from expertcast.utils.outdir import claim_output_dir
+
+    rank, ranks = cfg.shard or (0, 1)
+    root = Path(cfg.out)
+    with claim_waiting(root) as out:
+        out.track(PARTS_DIR)
+        _check_parts(root, ranks)
+    with claim_output_dir(root / PARTS_DIR / part_name(rank, ranks), OUTPUT_KIND) as part:
+        if model is None or tok is None:
+            model, tok = load_model(cfg.model, cfg.device, cfg.dtype)
+        model.eval()
+        templated, items, plan = _plan(cfg, tok, rows, problems)
+        meta, run, keys = make_meta(model, cfg, templated), run_settings(cfg, model, templated), _plan_keys(plan)
+        with claim_waiting(root) as out, TraceWriter(out, meta, run=run) as merged:
+            merged.reconcile(keys)
+            merged_done = merged.finished_shards
+        mine = [s for s in range(len(plan)) if s % ranks == rank and s not in merged_done]
+        with TraceWriter(part, meta, run=run) as writer:
+            res = CollectResult(root)
+            res.shards_redone = len(writer.reconcile(keys))
+            todo = [s for s in mine if not writer.is_done(s)]
+            res.shards_skipped = len(range(rank, len(plan), ranks)) - len(todo)
+            _run_shards(cfg, model, tok, writer, plan, todo, res, on_shard)
+            res.rows = _summary_rows(res, cfg)
+    res.complete = merge_parts(root, meta, run, keys, ranks, limit=cfg.limit, sequences=len(items), shards_of=ranks)
+    return res
+
+
+def merge_parts(root: Path, meta: TraceMeta, run: dict[str, Any], planned: list[list[tuple[str, str]]],
+                ranks: int, **summary: Any) -> bool:
+    """Move the shards of every part of ``root`` that no rank is writing into ``root`` itself; mark the set
+    complete once every planned shard is there. Returns whether it is complete."""
+    with claim_waiting(root) as out, TraceWriter(out, meta, run=run) as merged:
+        merged.reconcile(planned)
+        parts = root / PARTS_DIR
+        for part_dir in sorted(parts.glob(f"rank-*-of-{ranks:05d}")) if parts.is_dir() else []:
+            _absorb_part(merged, part_dir, planned)
+        if parts.is_dir() and not any(parts.iterdir()):
+            parts.rmdir()
+        complete = len(merged.finished_shards) == len(planned)
+        if complete and not merged.manifest.get("complete"):
+            merged.finalize(**summary)
+    return complete
+
+
+def _absorb_part(merged: TraceWriter, part_dir: Path, planned: list[list[tuple[str, str]]]) -> None:
+    """Adopt the planned shards of one rank's part into ``merged`` and delete the part; a part whose rank is
+    still writing (its lock is held) is left for that rank to merge."""
+    from expertcast.utils.outdir import claim_output_dir
+    from expertcast.utils.provenance import check_resume
+
+    try:
+        part = claim_output_dir(part_dir, OUTPUT_KIND)
+    except OutputDirError:
+        return
+    with part:
+        manifest = read_manifest(part_dir)
+        if manifest.get("run") is not None:
+            check_resume(manifest["run"], merged.run, part_dir)
+        for key, entry in sorted(manifest["shards"].items()):
+            idx = int(key)
+            fits = idx < len(planned) and [tuple(x) for x in zip(entry["seq_ids"], entry.get("inputs") or [],
+                                                                  strict=False)] == [tuple(x) for x in planned[idx]]
+            if fits and not merged.is_done(idx):
+                merged.adopt_shard(idx, part_dir / shard_name(idx), entry)
+        shutil.rmtree(part_dir)
 
 
 def _run_shards(cfg: CollectConfig, model, tok, writer: TraceWriter, plan: list[list[_Item]], todo: list[int],

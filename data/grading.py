@@ -1,4 +1,4 @@
-"""Answer extraction and grading: GSM8K by the final number, MATH-500 by ``math_verify``.
+"""Answer extraction and grading: GSM8K and arith by the final number, MATH-500 by ``math_verify``.
 
 GSM8K: the number after the last ``####`` (the dataset's convention), else the content of the last
 ``\\boxed{}``, else the last number in the completion; commas, ``$`` and trailing periods are
@@ -114,22 +114,26 @@ def grade_math(completion: str, gold: str) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=vtimeout))
 
 
+NUMERIC_BENCHMARKS = ("gsm8k", "arith")
+"""Benchmarks graded by the final number (``#### N``); arith's golds are integers, so the match is exact."""
+
+
 def grade(benchmark: str, completion: str, gold: str) -> bool:
-    """Grade ``completion`` against ``gold`` with the benchmark's rule ("gsm8k" | "math500")."""
-    if benchmark == "gsm8k":
+    """Grade ``completion`` against ``gold`` with the benchmark's rule ("gsm8k" | "arith" | "math500")."""
+    if benchmark in NUMERIC_BENCHMARKS:
         return grade_gsm8k(completion, gold)
     if benchmark == "math500":
         return grade_math(completion, gold)
-    raise ValueError(f"no grader for benchmark {benchmark!r} (gsm8k, math500)")
+    raise ValueError(f"no grader for benchmark {benchmark!r} (gsm8k, arith, math500)")
 
 
 def extract_answer(benchmark: str, completion: str) -> str | None:
-    """The answer string a grader would compare (GSM8K: the number; MATH-500: the last boxed content)."""
-    if benchmark == "gsm8k":
+    """The answer string a grader would compare (GSM8K, arith: the number; MATH-500: the last boxed content)."""
+    if benchmark in NUMERIC_BENCHMARKS:
         return extract_gsm8k_answer(completion)
     if benchmark == "math500":
         return last_boxed(_final_part(completion))
-    raise ValueError(f"no answer extractor for benchmark {benchmark!r} (gsm8k, math500)")
+    raise ValueError(f"no answer extractor for benchmark {benchmark!r} (gsm8k, arith, math500)")
 
 
 @dataclass

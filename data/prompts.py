@@ -1,4 +1,4 @@
-"""Prompts for GSM8K / MATH-500: the tokenizer's chat template when it has one, else plain text.
+"""Prompts for GSM8K / MATH-500 / arith: the tokenizer's chat template when it has one, else plain text.
 
 With a chat template the question (plus the answer-format instruction) is the user turn and the
 prompt ends with the assistant header (``add_generation_prompt=True``). Without one the prompt is
@@ -13,6 +13,7 @@ INSTRUCTIONS = {
     "gsm8k": "Solve the problem step by step. Give the final answer as a number after '####' "
     "(for example: #### 42), or inside \\boxed{}.",
     "math500": "Solve the problem step by step. Put your final answer in \\boxed{}.",
+    "arith": "Work it out digit by digit. Give the final answer as a number after '####'.",
 }
 
 
@@ -23,6 +24,11 @@ def instruction_for(benchmark: str | None) -> str:
 
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def user_message(question: str, benchmark: str | None = None) -> dict[str, str]:
+    """The user turn of a chat prompt: the question, a blank line, the benchmark's instruction."""
+    return {"role": "user", "content": f"{question.strip()}\n\n{instruction_for(benchmark)}"}
 
 
 def build_prompt(tokenizer: Any, question: str, benchmark: str | None = None, system: str | None = None,
@@ -42,7 +48,7 @@ def build_prompt(tokenizer: Any, question: str, benchmark: str | None = None, sy
         messages = []
         if system:
             messages.append({"role": "system", "content": system})
-        messages.append({"role": "user", "content": f"{question.strip()}\n\n{instruction}"})
+        messages.append(user_message(question, benchmark))
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     head = f"{system.strip()}\n\n" if system else ""
     return f"{head}{instruction}\n\nQuestion: {question.strip()}\nAnswer:"

@@ -324,6 +324,23 @@ class TraceWriter:
         atomic_write_json(self.dir / MANIFEST_FILE, self.manifest)
         return final
 
+    def adopt_shard(self, index: int, src: Path, entry: dict[str, Any]) -> Path:
+        """Move the finished shard folder ``src`` of another trace set of the same run (a rank's part of a
+        sharded collect, :mod:`expertcast.data.collect`) into this set as shard ``index``, with its
+        manifest ``entry``; its files are checked against the entry first."""
+        verify_shard_files(src, entry)
+        final = self.dir / shard_name(index)
+        if self.is_done(index):
+            raise TraceFormatError(f"shard {final.name} is already finished in {self.dir}")
+        self.out.track(final.name)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(src, final)
+        self.manifest["shards"][f"{index:05d}"] = dict(entry)
+        self.manifest["complete"] = False
+        atomic_write_json(self.dir / MANIFEST_FILE, self.manifest)
+        return final
+
     def finalize(self, **summary: Any) -> None:
         """Mark the trace set complete (``summary`` is stored in the manifest, e.g. tokens/s)."""
         if not self.manifest["shards"]:

@@ -15,13 +15,15 @@ link idle.
 
 The parameters are those of the simulator's cost model (:class:`expertcast.inference.cost_model.CostConfig`)
 by default, so decisions and modelled costs agree; :meth:`LatencyModel.measure_cpu` times a real SwiGLU
-expert on this machine's CPU with torch and fits the two CPU parameters by least squares.
+expert on this machine's CPU with torch and fits the two CPU parameters by least squares, and
+:meth:`LatencyModel.measure` builds the whole model from timed callables (the offloading runtime
+measures its own expert on the host, its own transfer and its device compute at start-up).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,17 +120,65 @@ class LatencyModel:
             with torch.inference_mode():
                 for n in token_counts:
                     x = torch.randn(int(n), hidden, generator=g, dtype=dtype)
-                    expert(x)
-                    times = []
-                    for _ in range(repeats):
-                        t0 = time.perf_counter()
-                        expert(x)
-                        times.append((time.perf_counter() - t0) * 1e3)
-                    points.append({"tokens": int(n), "cpu_ms": float(np.median(times))})
+                    points.append({"tokens": int(n), "cpu_ms": median_ms(lambda x=x: expert(x), repeats)})
         finally:
             torch.set_num_threads(prev)
-        n = np.array([p["tokens"] for p in points], dtype=np.float64)
-        y = np.array([p["cpu_ms"] for p in points])
-        A = np.stack([np.ones_like(n), n], axis=1)
-        (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
-        return cls(transfer_ms=float(transfer_ms), cpu_expert_ms=float(max(a, 0.0)), cpu_token_ms=float(max(b, 0.0))), points
+        a, b = fit_cpu_line(points)
+        return cls(transfer_ms=float(transfer_ms), cpu_expert_ms=a, cpu_token_ms=b), points
+
+    @classmethod
+    def measure(cls, cpu_run: Callable[[int], None], copy_one: Callable[[], None], device_run: Callable[[], None], *,
+                token_counts: Sequence[int] = (1, 2, 4, 8), repeats: int = 15, parallel: bool = True,
+                cpu_floor_ms: Callable[[int], float] | None = None, sync: Callable[[], None] | None = None
+                ) -> tuple[LatencyModel, dict[str, Any]]:
+        """The latency model of this machine, from timed callables (the runtime gives real ones:
+        :meth:`~expertcast.inference.runtime.engine.OffloadedModel.measure_latency`).
+
+        ``cpu_run(n)``: one expert on its host copy for ``n`` tokens; ``copy_one()``: one expert copied
+        host -> device (waited for); ``device_run()``: one layer's device compute of resident experts.
+        Each is timed ``repeats`` times after a warm-up (median); ``cpu_floor_ms(n)``: an emulated CPU
+        time that a measured point is raised to (CPU-device emulation). Returns the model and the
+        figures: ``{"transfer_ms", "device_ms", "cpu_points": [{"tokens", "cpu_ms", "measured_ms"}],
+        "cpu_expert_ms", "cpu_token_ms", "crossover_tokens", "parallel", "repeats"}``."""
+        points = []
+        for n in token_counts:
+            measured = median_ms(lambda n=n: cpu_run(int(n)), repeats)
+            floor = float(cpu_floor_ms(int(n))) if cpu_floor_ms is not None else 0.0
+            points.append({"tokens": int(n), "cpu_ms": max(measured, floor), "measured_ms": measured})
+        a, b = fit_cpu_line(points)
+        transfer = median_ms(copy_one, repeats, sync)
+        device = median_ms(device_run, repeats, sync)
+        lat = cls(transfer_ms=max(transfer, 1e-6), cpu_expert_ms=a, cpu_token_ms=b, parallel=bool(parallel),
+                  device_ms=device)
+        figures = {"transfer_ms": lat.transfer_ms, "device_ms": device, "cpu_points": points, "cpu_expert_ms": a,
+                   "cpu_token_ms": b, "crossover_tokens": lat.crossover_tokens(), "parallel": lat.parallel,
+                   "repeats": int(repeats), "source": "measured at start-up"}
+        return lat, figures
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] | None = None) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeats`` runs after one warm-up run (``sync`` after
+    each run: e.g. a CUDA synchronize)."""
+    fn()
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(max(int(repeats), 1)):
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def fit_cpu_line(points: Sequence[dict]) -> tuple[float, float]:
+    """(cpu_expert_ms, cpu_token_ms): least-squares line ``cpu_ms = a + b * tokens`` through the points,
+    both clipped at 0 (one point: all of it fixed cost)."""
+    n = np.array([p["tokens"] for p in points], dtype=np.float64)
+    y = np.array([p["cpu_ms"] for p in points], dtype=np.float64)
+    if len(set(n.tolist())) < 2:
+        return float(max(y.mean(), 0.0)), 0.0
+    A = np.stack([np.ones_like(n), n], axis=1)
+    (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+    return float(max(a, 0.0)), float(max(b, 0.0))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from expertcast.inference.policy import MissAction, Policy
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 SAMPLES = "samples.jsonl"
@@ -272,3 +273,109 @@ def plot_summary(summary: dict[str, Any], rows: list[dict[str, Any]], path: str 
     fig.suptitle(title)
     fig.tight_layout()
     save_figure(fig, path, dpi=100)
+
+
+# -- speed against the full-load model (paired) -------------------------------------------------------
+FULL_LOAD = "full-load"
+HOST_BASELINE = "all-experts-on-host"
+"""Baselines of the paired speed measurement: the plain model with every expert on the device, or (when the
+model does not fit the device) the runtime executing every routed expert on the host from the host store."""
+
+
+@dataclass
+class SpeedRun:
+    """Decode figures of one timed pass over the speed prompts."""
+
+    kind: str
+    """``offloaded``, :data:`FULL_LOAD` or :data:`HOST_BASELINE`."""
+    decoded_tokens: int
+    decode_seconds: float
+    sequences: list[list[int]]
+    """Generated ids per prompt, cut after its first EOS (token identity between the passes)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def generated(sequences: Any, prompt_len: int, eos: list[int]) -> list[list[int]]:
+    """Per row of ``sequences`` [B, P + new]: the generated ids up to and including the first EOS."""
+    eos_set = set(eos)
+    out = []
+    for row in sequences[:, prompt_len:].tolist():
+        n = next((j + 1 for j, t in enumerate(row) if t in eos_set), len(row))
+        out.append(row[:n])
+    return out
+
+
+def decode_tokens(gen: list[list[int]]) -> int:
+    """Tokens processed by decode forwards, as the runtime counts them (``RuntimeStats.decoded_tokens``):
+    a sequence that generated ``n`` tokens was fed back ``n - 1`` of them (the first comes from the prefill)."""
+    return sum(max(len(g) - 1, 0) for g in gen)
+
+
+def full_load_generate(model: Any, enc: dict[str, Any], *, max_new_tokens: int, eos: list[int], pad_token_id: int
+                       ) -> tuple[Any, float]:
+    """Greedy generation of the plain (full-load) model; returns the sequences [B, P + new] and the decode
+    seconds, timed as the runtime times them: from the start of the first decode forward (the prompt's
+    forward and first token are the TTFT) to the end."""
+    import torch
+
+    marks: list[float] = []
+    hook = model.register_forward_pre_hook(lambda *_: marks.append(time.perf_counter()))
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
+                                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos or None,
+                                 pad_token_id=pad_token_id)
+        end = time.perf_counter()
+    finally:
+        hook.remove()
+    seqs = out.sequences if hasattr(out, "sequences") else out
+    return seqs.cpu(), (end - marks[1]) if len(marks) > 1 else 0.0
+
+
+def paired_speed(run_offloaded: Any, run_baseline: Any, repeats: int) -> dict[str, Any]:
+    """Interleaved passes B, O, B, O, ..., O, B (``repeats`` offloaded passes, each between two baseline
+    passes): every offloaded tokens/s is divided by the mean of the baseline passes right before and after
+    it (shared machines drift over tens of seconds; a pair sees the same speed). Reports the median of the
+    paired ratios in % (``pct_full``) with their min-max, the median tokens/s of both, and whether every
+    pass generated the same tokens (``tokens_match``)."""
+    base = [run_baseline()]
+    offs = []
+    for _ in range(repeats):
+        offs.append(run_offloaded())
+        base.append(run_baseline())
+    pct = [100.0 * o.tokens_per_s / (0.5 * (base[i].tokens_per_s + base[i + 1].tokens_per_s))
+           for i, o in enumerate(offs)]
+    ref = base[0].sequences
+    return {
+        "baseline": base[0].kind,
+        "repeats": repeats,
+        "pct_full": float(np.median(pct)),
+        "pct_full_min": float(min(pct)),
+        "pct_full_max": float(max(pct)),
+        "paired_pct": pct,
+        "tokens_per_s": float(np.median([o.tokens_per_s for o in offs])),
+        "baseline_tokens_per_s": float(np.median([b.tokens_per_s for b in base])),
+        "offloaded_passes": [{"decoded_tokens": o.decoded_tokens, "decode_seconds": o.decode_seconds} for o in offs],
+        "baseline_passes": [{"decoded_tokens": b.decoded_tokens, "decode_seconds": b.decode_seconds} for b in base],
+        "tokens_match": all(r.sequences == ref for r in [*base, *offs]),
+        "decoded_tokens": offs[0].decoded_tokens,
+        "order": "baseline, then (offloaded, baseline) x repeats; each offloaded pass against the mean of its two "
+                 "neighbouring baseline passes; median and min-max of those ratios",
+    }
+
+
+class HostExecutionPolicy(Policy):
+    """The :data:`HOST_BASELINE` policy: every routed expert is executed on the host from the host store
+    (nothing is ever loaded to the device, the cache stays empty): the speed of a model whose experts do
+    not fit the device, without any caching."""
+
+    name = HOST_BASELINE
+    demand_only = False
+    needs_future = False
+
+    def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: Any) -> MissAction:
+        return MissAction.CPU

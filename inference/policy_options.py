@@ -322,6 +322,25 @@ class SeqMoEOptions(_ForecastOptions):
     """SeqMoE: forecaster-driven prefetch and probabilistic-Belady eviction."""
 
     precompute: bool = option(True, "compute every forecast of a sequence up front (same results, faster)")
+    prefetch_rule: str = option("floor", "rank prefetches by probability above min_confidence, or by expected "
+                                "benefit over the displaced resident (floor capped at chance K/E)",
+                                choices=("floor", "benefit"))
+
+
+@dataclass
+class HybridOptions(SeqMoEOptions):
+    """Forecaster + router + stage-boundary priorities in one eviction/prefetch score."""
+
+    parts: str = option("auto", "terms of the priority: auto (forecast + every part given inputs) or a '+' list of "
+                        "forecast, routers, stage", pattern=re.compile(r"^(auto|(forecast|routers|stage)"
+                                                                       r"(\+(forecast|routers|stage))*)$"))
+    replay: str | None = option(None, "recorded router outputs (routers part)", file="router_replay")
+    router_weight: float = option(1.0, "weight of the routers' s^T term", low=0.0)
+    cue_set: str | None = option(None, "calibrated cue set (stage part)", file="cue_set")
+    cues: str | None = option(None, "explicit stage cues separated by '|' (stage part)")
+    tokenizer: str | None = option(None, "tokenizer directory or Hub id decoding the token ids (stage part)")
+    stage_weight: float = option(1.0, "weight of the stage-frequency term", low=0.0)
+    min_stage_steps: int = option(1, "ignore stage boundaries closer than this many decode steps", low=1)
 
 
 @dataclass
@@ -374,6 +393,7 @@ class RouterOptions(PolicyOptions):
 OPTIONS: dict[str, type[PolicyOptions]] = {
     "lru": PolicyOptions, "fifo": PolicyOptions, "lfu": LFUOptions, "lrfu": LRFUOptions, "static": StaticOptions,
     "belady": PolicyOptions, "belady-k": BeladyKOptions, "belady-seq": PolicyOptions, "seqmoe": SeqMoEOptions,
+    "hybrid": HybridOptions,
     "seqmoe-async": AsyncSeqMoEOptions, "stage": StageOptions, "stage-oracle": StageOracleOptions,
     "router-temporal": RouterOptions, "router-full": RouterOptions, "router-spatio": RouterOptions,
 }

@@ -39,7 +39,7 @@ class PrefetchTask:
 
 
 def generate_tasks(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None = None, max_per_layer: int = 1,
-                   min_confidence: float = 0.0) -> list[PrefetchTask]:
+                   min_confidence: float = 0.0, value: np.ndarray | None = None) -> list[PrefetchTask]:
     """Up to ``max_per_layer`` tasks per layer from first-step probabilities (SeqMoE 6.1).
 
     Args:
@@ -48,6 +48,10 @@ def generate_tasks(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | 
         skip: bool [L, E] experts that need no transfer (resident or already in flight).
         max_per_layer: tasks per layer (K in the paper).
         min_confidence: tasks below this probability are not generated.
+        value: optional float [L, E] expected benefit of loading each expert (e.g. its discounted expected uses
+            minus those of the resident it would displace, :func:`expected_benefit`). When given, a task's
+            confidence is its value, tasks with value <= 0 are not generated, and the top ``max_per_layer`` of a
+            layer are taken by value: the scheduler then keeps the EDF-feasible set of largest total benefit.
     """
     probs = np.asarray(probs, dtype=np.float64)
     if probs.ndim != 2 or deadlines.shape != (probs.shape[0],):
@@ -55,16 +59,33 @@ def generate_tasks(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | 
     p = probs.copy()
     if skip is not None:
         p[skip] = -1.0
+    conf = p
+    if value is not None:
+        conf = np.where((p >= min_confidence) & (p > 0.0), np.asarray(value, dtype=np.float64), -1.0)
     tasks = []
     k = min(max_per_layer, p.shape[1])
-    top = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    top = np.argsort(-conf, axis=1, kind="stable")[:, :k]
     for layer in range(p.shape[0]):
         for e in top[layer]:
-            c = p[layer, e]
-            if c < 0 or c < min_confidence or c <= 0.0:
+            c = conf[layer, e]
+            if p[layer, e] < 0 or p[layer, e] < min_confidence or c <= 0.0:
                 continue
             tasks.append(PrefetchTask(layer, int(e), float(c), float(deadlines[layer])))
     return tasks
+
+
+def expected_benefit(scores: np.ndarray, displaced: np.ndarray) -> np.ndarray:
+    """Expected benefit [L, E] of loading each expert now: its discounted expected uses ``scores`` [L, E] minus
+    ``displaced`` [L], the score of the resident a load into that layer's pool would evict (0 when the pool has a
+    free slot). Positive only where the load is expected to gain more hits than the eviction loses; this replaces a
+    fixed probability floor when forecasts are spread thin over many experts (docs/design.md, "Forecaster")."""
+    return np.asarray(scores, dtype=np.float64) - np.asarray(displaced, dtype=np.float64)[:, None]
+
+
+def chance_level(num_experts: int, top_k: int) -> float:
+    """Probability that an arbitrary expert is among a layer's top-K under uniform routing (K / E): a forecast at
+    or below it carries no information about that expert."""
+    return float(top_k) / float(num_experts)
 
 
 def edf_feasible(deadlines: Sequence[float], now: float, tau: float, backlog: float = 0.0) -> bool:

@@ -1,10 +1,18 @@
 """Load an MoE causal LM and its tokenizer: a preset name, the embedded default, a local Hugging Face
-directory or a Hub id. ``trust_remote_code`` is always off: only architectures that transformers
-itself implements (:func:`supported_families`) are accepted.
+directory, a Hub id or a router-adaptation export. ``trust_remote_code`` is always off: only
+architectures that transformers itself implements (:func:`supported_families`) are accepted.
 
     >>> model, tok = load_moe_model("qwen3_moe-tiny")      # random-init tiny preset + byte tokenizer
     >>> model, tok = load_moe_model(resolve_model("tiny-default"))   # the embedded default (cached dir)
     >>> model, tok = load_moe_model("/models/Qwen3-30B-A3B", dtype="bfloat16", device="cuda")
+    >>> model, tok = load_moe_model("runs/router/tiny/router-tiny-.../export")   # a fine-tuned export
+
+A router-adaptation export (what ``expertcast fit --config configs/router/*.yaml`` writes; docs/design.md,
+"Cache-aware router adaptation (restated)") holds either ``model/``, a plain Hugging Face folder with the
+LoRA already merged (the default), or ``adapter/``, a peft adapter over the base model the export
+records in ``export.json`` (``base``: :func:`base_identity`). An adapter export is loaded as base +
+adapter through peft and merged on load (the runtime offloads plain expert weights); the base is
+checked against the recorded identity first.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import torch
 from expertcast.models.presets import build_tiny, get_preset, is_preset
 from expertcast.models.spec import SUPPORTED_FAMILIES, UnsupportedModelError, unsupported_message
 
+EXPORT_FILE = "export.json"
+"""The top-level JSON of a router-adaptation export (``expertcast.models.router_export.ADAPTATION_FILE``)."""
 DEFAULT_MODEL_NAMES = ("tiny-default", "default")
 """Names of the embedded default model: resolve them first with
 :func:`expertcast.train.model_names.resolve_model` (the command layer does), which returns its cached
@@ -54,8 +64,17 @@ def _looks_local(name: str) -> bool:
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, bool]:
     """(where to load from, is_local). Raises FileNotFoundError for a local path that does not
-    exist and for a directory without ``config.json``."""
+    exist and for a directory without ``config.json``; a merged router-adaptation export resolves to its
+    ``model/`` folder (an adapter export raises UsageError: only :func:`load_moe_model` merges it)."""
     name = str(name_or_path)
+    if is_export_dir(name):  # a merged router-adaptation export: its model/ folder
+        mdir = export_model_dir(name)
+        if mdir is None:
+            from expertcast.utils.errors import UsageError
+
+            raise UsageError(f"{name}: this export keeps a peft adapter (no model/ folder): load it with "
+                             f"load_moe_model, which merges it over its recorded base")
+        return str(mdir), True
     if name in DEFAULT_MODEL_NAMES:
         from expertcast.utils.errors import UsageError
 
@@ -86,6 +105,8 @@ def load_moe_model(name_or_path: str | os.PathLike, dtype: str | torch.dtype | N
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     name = str(name_or_path)
+    if is_export_dir(name):
+        return _load_export(Path(name), dtype, device, revision=revision, attn_implementation=attn_implementation)
     if is_preset(name):
         preset = get_preset(name)
         if preset.size == "tiny":
@@ -127,3 +148,108 @@ def save_tiny(name: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+# -- router-adaptation exports ---------------------------------------------------------------------
+def is_export_dir(name_or_path: str | os.PathLike) -> bool:
+    """True for a folder holding a router-adaptation export (``export.json``)."""
+    p = Path(str(name_or_path)).expanduser()
+    return p.is_dir() and (p / EXPORT_FILE).is_file()
+
+
+def export_model_dir(export_dir: str | os.PathLike) -> Path | None:
+    """The plain Hugging Face folder (``model/``) of a verified router-adaptation export, or None when the
+    export keeps a peft adapter instead (load it with :func:`load_moe_model`)."""
+    from expertcast.models.router_export import read_adaptation_export
+    from expertcast.utils.provenance import safe_member
+
+    d = Path(export_dir).expanduser()
+    info = read_adaptation_export(d)
+    return safe_member(d, info["model_dir"]) if info.get("model_dir") else None
+
+
+def load_moe_config(name_or_path: str | os.PathLike) -> Any:
+    """The transformers config of what :func:`load_moe_model` loads, without weights (for an export:
+    its model's, or its adapter's base model's)."""
+    from transformers import AutoConfig
+
+    name = str(name_or_path)
+    if is_export_dir(name):
+        from expertcast.models.router_export import read_adaptation_export
+
+        info = read_adaptation_export(name)
+        mdir = export_model_dir(name)
+        return load_moe_config(mdir if mdir is not None else _base_source(info.get("base") or {}, name))
+    if is_preset(name):
+        from expertcast.models.presets import get_config
+
+        return get_config(name)
+    path, _ = resolve_model_path(name)
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def base_identity(name: str, resolved: str, *, init_seed: int = 0) -> dict[str, Any]:
+    """What fixes a base model's weights, recorded by an adapter export and checked when it is loaded:
+    ``name`` as configured, ``path`` (the resolved local folder or Hub id) and one of ``preset`` +
+    ``init_seed`` (random-init tiny preset), ``weights_sha256`` (a local folder: sha256 over its
+    ``*.safetensors`` and ``config.json``) or ``revision`` (a Hub id: the commit transformers resolved)."""
+    from expertcast.utils.provenance import sha256_files
+
+    ident: dict[str, Any] = {"name": str(name), "path": str(resolved)}
+    p = Path(resolved).expanduser()
+    if is_preset(resolved) and get_preset(resolved).size == "tiny":
+        ident.update(preset=str(resolved), init_seed=int(init_seed))
+    elif p.is_dir():
+        files = sorted(f.name for f in p.iterdir() if f.suffix == ".safetensors" or f.name == "config.json")
+        ident.update(path=str(p.resolve()), weights_sha256=sha256_files(p, files))
+    else:
+        from transformers import AutoConfig
+
+        ident["revision"] = getattr(AutoConfig.from_pretrained(resolved, trust_remote_code=False),
+                                    "_commit_hash", None)
+    return ident
+
+
+def _base_source(base: dict[str, Any], export: str | os.PathLike) -> str:
+    """Where to load an adapter export's base from: its recorded local folder, preset or Hub id."""
+    from expertcast.utils.errors import UsageError
+
+    path = base.get("path")
+    if not path:
+        raise UsageError(f"{export}: adapter export records no base model (export.json `base`); re-export it")
+    if base.get("weights_sha256") and not Path(path).is_dir():
+        raise UsageError(f"{export}: the adapter's base model {base.get('name')!r} is not at {path} on this machine; "
+                         f"put it there (or re-export with lora.merge_on_export: true)")
+    return str(path)
+
+
+def _check_base(base: dict[str, Any], source: str, export: Path) -> None:
+    from expertcast.utils.errors import UsageError
+
+    here = base_identity(base.get("name", source), source, init_seed=int(base.get("init_seed", 0)))
+    for key in ("preset", "init_seed", "weights_sha256", "revision"):
+        if base.get(key) is not None and here.get(key) != base[key]:
+            raise UsageError(f"{export}: the adapter was trained on base {base.get('name')!r} with {key} "
+                             f"{base[key]}, but {source} has {here.get(key)}: not the same base weights")
+
+
+def _load_export(export: Path, dtype: Any, device: Any, **kwargs: Any):
+    """(merged model, tokenizer) of a router-adaptation export (manifest verified first)."""
+    from expertcast.models.router_export import read_adaptation_export
+    from expertcast.utils.provenance import safe_member
+
+    info = read_adaptation_export(export)
+    mdir = export_model_dir(export)
+    if mdir is not None:
+        return load_moe_model(mdir, dtype=dtype, device=device, **kwargs)
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    base = info.get("base") or {}
+    source = _base_source(base, export)
+    _check_base(base, source, export)
+    model, _ = load_moe_model(source, dtype=dtype, device="cpu", seed=int(base.get("init_seed", 0)), **kwargs)
+    adapter = safe_member(export, info["adapter_dir"])
+    model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False).merge_and_unload()
+    tok = AutoTokenizer.from_pretrained(str(adapter), trust_remote_code=False)
+    return model.to(device).eval(), tok

@@ -14,15 +14,15 @@ next-step forecasting.
 Recurrent state: :class:`ForecasterState` holds the conv and SSM states of every Mamba block as
 explicit tensors. It is handed to the transformers mixers as their ``cache`` (it implements the
 small part of the linear-attention cache protocol they call), so :meth:`ExpertForecaster.step` is
-transformers' own recurrent decode path (and mamba-ssm's kernels on CUDA when installed; transformers
-resolves them lazily, nothing here imports ``mamba_ssm``). :meth:`ExpertForecaster.rollout` saves the
-state, feeds its own predictions back for several steps and restores the state, so a rollout never
-disturbs the next one-step prediction (SeqMoE 5.3).
+transformers' own recurrent decode path (and mamba-ssm's kernels on CUDA when installed, never on CPU
+tensors: :mod:`expertcast.models.mamba_kernels`; nothing here imports ``mamba_ssm``).
+:meth:`ExpertForecaster.rollout` saves the state, feeds its own predictions back for several steps and
+restores the state, so a rollout never disturbs the next one-step prediction (SeqMoE 5.3).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -69,6 +69,9 @@ class ForecasterConfig:
     """H_d: elements ahead predicted directly by the output head from one hidden state (head j predicts
     element i+j). 1 is the paper's forecaster: every horizon beyond the first comes from recursive
     rollout. With H_d > 1, horizons 1..H_d need no rollout and longer ones roll out from head H_d."""
+    online_half_lives: list[float] = field(default_factory=list)
+    """Half-lives (in elements) of the online expert frequencies :class:`OnlinePrior` reads; 0 is the last
+    selection. Empty: no online statistics (the paper's forecaster; every format-1 export)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -93,6 +96,9 @@ class ForecasterConfig:
             raise ValueError(f"direct_horizons must be >= 1, got {self.direct_horizons}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if any(not h >= 0 for h in self.online_half_lives) or len(set(self.online_half_lives)) != len(
+                self.online_half_lives):
+            raise ValueError(f"online_half_lives must be distinct and >= 0, got {self.online_half_lives}")
         if self.backbone not in BACKBONES:
             raise ValueError(f"unknown backbone {self.backbone!r}; choose one of {BACKBONES}")
         if self.backbone == "mamba2":
@@ -107,11 +113,14 @@ class ForecasterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ForecasterConfig:
-        """Inverse of :meth:`to_dict`; keys added after format version 1 (``direct_horizons``) take their defaults."""
+        """Inverse of :meth:`to_dict`; keys added later (``direct_horizons``, ``online_half_lives``) take their
+        defaults, so a format-1 export is a forecaster without online statistics."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown forecaster config keys: {sorted(unknown)}")
+        d = dict(d)
+        d["online_half_lives"] = [float(h) for h in d.get("online_half_lives") or []]
         return cls(**d)
 
 
@@ -213,22 +222,30 @@ def activation_probs(logits: torch.Tensor, top_k: int, temperature: float = 1.0,
 
 
 class ForecasterState:
-    """Recurrent state of the backbone: per block a conv state and an SSM state.
+    """Recurrent state of the backbone: per block a conv state and an SSM state, plus the online statistics.
 
     Shapes (B = batch): Mamba2 conv [B, expand·d + 2·G·N, k], ssm [B, H, head_dim, N];
-    Mamba conv [B, expand·d, k], ssm [B, expand·d, N]. ``steps`` counts the elements consumed.
+    Mamba conv [B, expand·d, k], ssm [B, expand·d, N]; ``online`` [B, M, L·E + 1] (the M moving averages
+    of :class:`OnlinePrior`, last column their mass) or None without online statistics. ``steps`` counts
+    the elements consumed.
 
     The object implements the part of transformers' linear-attention cache protocol that the Mamba
     mixers call (get/update conv and recurrent state), so it can be passed as their ``cache``.
     State tensors are updated in place; use :meth:`clone` / :meth:`copy_` to save and restore.
     """
 
-    def __init__(self, conv: list[torch.Tensor], ssm: list[torch.Tensor], steps: int = 0):
+    def __init__(self, conv: list[torch.Tensor], ssm: list[torch.Tensor], steps: int = 0,
+                 online: torch.Tensor | None = None):
         if len(conv) != len(ssm):
             raise ValueError("conv and ssm state lists differ in length")
         self.conv = conv
         self.ssm = ssm
         self.steps = steps
+        self.online = online
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every state tensor (batch first): conv, ssm, then the online statistics when present."""
+        return self.conv + self.ssm + ([self.online] if self.online is not None else [])
 
     # --- transformers cache protocol (Mamba2Mixer / MambaMixer) ---
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
@@ -258,12 +275,18 @@ class ForecasterState:
     def batch_size(self) -> int:
         return self.conv[0].shape[0]
 
+    def _like(self, tensors: list[torch.Tensor]) -> ForecasterState:
+        """A state of the same layout holding ``tensors`` (in :meth:`tensors` order)."""
+        n = len(self.conv)
+        online = tensors[2 * n] if self.online is not None else None
+        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online)
+
     def clone(self) -> ForecasterState:
-        return ForecasterState([c.clone() for c in self.conv], [s.clone() for s in self.ssm], self.steps)
+        return self._like([t.clone() for t in self.tensors()])
 
     def copy_(self, other: ForecasterState) -> ForecasterState:
         """Overwrite this state in place with ``other`` (same shapes)."""
-        for a, b in zip(self.conv + self.ssm, other.conv + other.ssm, strict=True):
+        for a, b in zip(self.tensors(), other.tensors(), strict=True):
             a.copy_(b)
         self.steps = other.steps
         return self
@@ -273,27 +296,105 @@ class ForecasterState:
         """Concatenate states along the batch dimension (e.g. to roll out from many positions at once)."""
         if not states:
             raise ValueError("no states to concatenate")
-        n = len(states[0].conv)
-        return ForecasterState([torch.cat([s.conv[i] for s in states]) for i in range(n)],
-                               [torch.cat([s.ssm[i] for s in states]) for i in range(n)], states[0].steps)
+        parts = [s.tensors() for s in states]
+        return states[0]._like([torch.cat(ts) for ts in zip(*parts, strict=True)])
 
     def put_rows(self, rows: torch.Tensor | list[int], other: ForecasterState) -> None:
         """Write ``other`` (batch = len(rows)) into batch rows ``rows`` of this state."""
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.conv[0].device)
-        for a, b in zip(self.conv + self.ssm, other.conv + other.ssm, strict=True):
+        for a, b in zip(self.tensors(), other.tensors(), strict=True):
             a.index_copy_(0, idx, b.to(a.dtype))
 
     def select(self, index: torch.Tensor | list[int]) -> ForecasterState:
         """A new state holding the batch rows ``index``."""
         idx = torch.as_tensor(index, dtype=torch.long, device=self.conv[0].device)
-        return ForecasterState([c.index_select(0, idx) for c in self.conv], [s.index_select(0, idx) for s in self.ssm],
-                               self.steps)
+        return self._like([t.index_select(0, idx) for t in self.tensors()])
 
     def reset_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Zero the state of batch rows ``rows`` (a new sequence starts there)."""
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.conv[0].device)
-        for t in self.conv + self.ssm:
+        for t in self.tensors():
             t.index_fill_(0, idx, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# online statistics
+
+
+def ema_scan(x: torch.Tensor, decays: torch.Tensor, prev: torch.Tensor | None = None, chunk: int = 64
+             ) -> torch.Tensor:
+    """Exponential moving averages e_t = d·e_{t-1} + (1-d)·x_t for several decays at once.
+
+    Args:
+        x: [B, T, F]; decays: [M] in [0, 1) (0: e_t = x_t); prev: [B, M, F] averages before x[:, 0]
+            (None: zeros); chunk: elements per parallel block (memory B·chunk·M·F).
+    Returns:
+        [B, T, M, F].
+    """
+    B, T, F = x.shape
+    M = decays.shape[0]
+    e = x.new_zeros(B, M, F) if prev is None else prev.to(x.dtype)
+    d = decays.to(x.dtype)
+    if T == 1:  # one recurrent step
+        return (d.view(1, M, 1) * e + (1 - d).view(1, M, 1) * x).unsqueeze(1)
+    outs = []
+    for a in range(0, T, chunk):
+        xc = x[:, a:a + chunk]
+        n = xc.shape[1]
+        t = torch.arange(n, device=x.device, dtype=x.dtype)
+        lag = t.view(n, 1) - t.view(1, n)  # [n, n]: t - s
+        w = torch.where(lag >= 0, d.view(M, 1, 1) ** lag.clamp_min(0), torch.zeros((), dtype=x.dtype,
+                                                                                   device=x.device))
+        carry = d.view(M, 1) ** (t + 1).view(1, n)  # [M, n]
+        ec = torch.einsum("mts,bsf->btmf", w * (1 - d).view(M, 1, 1), xc) + \
+            carry.t().view(1, n, M, 1) * e.unsqueeze(1)
+        outs.append(ec)
+        e = ec[:, -1]
+    return torch.cat(outs, dim=1) if outs else x.new_zeros(B, 0, M, F)
+
+
+class OnlinePrior(nn.Module):
+    """The sequence's own running statistics as a log-prior on every head (docs/design.md "Forecaster").
+
+    Per layer, M moving averages of the activation vectors (half-lives ``half_lives`` elements; 0 is the
+    last element itself) are divided by the moving average of a constant 1 (their mass), so right after
+    a state reset they average what was seen so far. Head j, layer l mixes them and the uniform
+    distribution with weights softmax(``mix[j, l]``) [M+1] into a distribution ``prior`` over the E
+    experts and contributes ``gate[j, l] · log prior``. Parameters: ``mix`` [H_d, L, M+1] (zeros: equal
+    shares), ``gate`` [H_d, L] (ones).
+    """
+
+    def __init__(self, half_lives: list[float], num_layers: int, num_experts: int, heads: int):
+        super().__init__()
+        decays = [0.0 if h == 0 else 0.5 ** (1.0 / h) for h in half_lives]
+        self.register_buffer("decays", torch.tensor(decays), persistent=False)
+        self.L, self.E = num_layers, num_experts
+        self.mix = nn.Parameter(torch.zeros(heads, num_layers, len(decays) + 1))
+        self.gate = nn.Parameter(torch.ones(heads, num_layers))
+
+    @property
+    def num_sources(self) -> int:
+        return self.decays.shape[0]
+
+    def init_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
+        """Zero averages and mass: [B, M, L·E + 1]."""
+        return torch.zeros(batch_size, self.num_sources, self.L * self.E + 1, device=device)
+
+    def forward(self, x: torch.Tensor, state: ForecasterState | None, heads: int) -> torch.Tensor:
+        """x [B, T, L·E] (the inputs) -> log-prior terms [B, T, heads, L, E] of the first ``heads`` heads;
+        ``state.online`` (when given) is continued and advanced in place."""
+        B, T, _ = x.shape
+        with torch.no_grad():
+            xs = torch.cat([x.float(), x.new_ones(B, T, 1, dtype=torch.float32)], dim=-1)
+            prev = state.online if state is not None else None
+            ema = ema_scan(xs, self.decays, prev)  # [B, T, M, L·E + 1]
+            if state is not None and T:
+                state.online.copy_(ema[:, -1])
+            freq = (ema[..., :-1] / ema[..., -1:].clamp_min(1e-6)).view(B, T, self.num_sources, self.L, self.E)
+        w = torch.softmax(self.mix[:heads].float(), dim=-1)  # [H, L, M+1]
+        prior = torch.einsum("btmle,hlm->bthle", freq, w[..., :-1]) + (w[..., -1] / self.E).view(1, 1, heads,
+                                                                                                  self.L, 1)
+        return self.gate[:heads].view(1, 1, heads, self.L, 1) * torch.log(prior.clamp_min(1e-12))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,7 +402,8 @@ class ForecasterState:
 
 
 class ExpertForecaster(nn.Module):
-    """Input projection -> Mamba backbone -> per-layer expert logits.
+    """Input projection -> Mamba backbone -> per-layer expert logits (+ the :class:`OnlinePrior` term when
+    ``online_half_lives`` is set).
 
     ``forward(x)``: x [B, T, L, E] (or [B, T, L·E]) -> logits [B, T, L, E], where logits[:, i] predict
     element i+1 (see :func:`trigger_sequence`). With ``all_horizons=True`` it returns
@@ -314,6 +416,9 @@ class ExpertForecaster(nn.Module):
         super().__init__()
         self.config = config
         c = config
+        from expertcast.models.mamba_kernels import install
+
+        install()  # mamba-ssm kernels only for CUDA tensors: a CPU-resident forecaster runs PyTorch
         self.in_proj = nn.Linear(c.input_size, c.hidden_size)
         if c.backbone == "mamba2":
             from transformers import Mamba2Config, Mamba2Model
@@ -336,6 +441,12 @@ class ExpertForecaster(nn.Module):
             )
             self.backbone = MambaModel(bcfg)
         self.head = nn.Linear(c.hidden_size, c.input_size * c.direct_horizons)
+        self.online: OnlinePrior | None = None
+        if c.online_half_lives:
+            self.online = OnlinePrior(c.online_half_lives, c.num_layers, c.num_experts, c.direct_horizons)
+            # the learned part starts at zero: the first forecasts are the online prior's
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
 
     # --- state ---
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> ForecasterState:
@@ -351,7 +462,8 @@ class ExpertForecaster(nn.Module):
             else:
                 conv.append(torch.zeros(batch_size, m.intermediate_size, k, device=device))
                 ssm.append(torch.zeros(batch_size, m.intermediate_size, m.ssm_state_size, device=device))
-        return ForecasterState(conv, ssm)
+        online = self.online.init_state(batch_size, device) if self.online is not None else None
+        return ForecasterState(conv, ssm, online=online)
 
     # --- compute ---
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
@@ -370,26 +482,30 @@ class ExpertForecaster(nn.Module):
         """x [B, T, L, E] or [B, T, L·E] -> logits [B, T, L, E] (or [B, T, H_d, L, E] with ``all_horizons``)."""
         x = self._flat(x)
         B, T, _ = x.shape
-        h = self.in_proj(x)
-        if state is None:
-            out = self.backbone(inputs_embeds=h, use_cache=False).last_hidden_state
-        else:
-            if state.batch_size != B:
-                raise ValueError(f"state holds {state.batch_size} sequences but the input has batch {B}")
-            if self.config.backbone == "mamba" and T > 1:
-                # Mamba-1's scan cannot start from a non-zero state: advance one element at a time.
-                outs = [self.backbone(inputs_embeds=h[:, i:i + 1], cache=state, use_cache=True).last_hidden_state
-                        for i in range(T)]
-                out = torch.cat(outs, dim=1)
-            else:
-                out = self.backbone(inputs_embeds=h, cache=state, use_cache=True).last_hidden_state
-            state.steps += T
+        if state is not None and state.batch_size != B:
+            raise ValueError(f"state holds {state.batch_size} sequences but the input has batch {B}")
+        out = self._backbone(self.in_proj(x), state)
         c = self.config
-        if all_horizons:
-            return self.head(out).view(B, T, c.direct_horizons, c.num_layers, c.num_experts)
-        n = c.input_size  # only the next-element rows of the head
-        return nn.functional.linear(out, self.head.weight[:n], self.head.bias[:n]).view(B, T, c.num_layers,
-                                                                                          c.num_experts)
+        heads = c.direct_horizons if all_horizons else 1
+        n = c.input_size * heads  # only the rows of the heads asked for
+        logits = nn.functional.linear(out, self.head.weight[:n], self.head.bias[:n]).view(
+            B, T, heads, c.num_layers, c.num_experts)
+        if self.online is not None:
+            logits = logits + self.online(x, state, heads)
+        if state is not None:
+            state.steps += T
+        return logits if all_horizons else logits[:, :, 0]
+
+    def _backbone(self, h: torch.Tensor, state: ForecasterState | None) -> torch.Tensor:
+        """Embedded inputs h [B, T, d] -> last hidden states [B, T, d] (the state advanced in place)."""
+        if state is None:
+            return self.backbone(inputs_embeds=h, use_cache=False).last_hidden_state
+        if self.config.backbone == "mamba" and h.shape[1] > 1:
+            # Mamba-1's scan cannot start from a non-zero state: advance one element at a time.
+            outs = [self.backbone(inputs_embeds=h[:, i:i + 1], cache=state, use_cache=True).last_hidden_state
+                    for i in range(h.shape[1])]
+            return torch.cat(outs, dim=1)
+        return self.backbone(inputs_embeds=h, cache=state, use_cache=True).last_hidden_state
 
     @torch.no_grad()
     def step(self, x_t: torch.Tensor, state: ForecasterState, all_horizons: bool = False
@@ -461,4 +577,7 @@ class ExpertForecaster(nn.Module):
                 macs += m.conv_dim * m.conv_kernel_size + 2 * m.num_heads * m.head_dim * m.ssm_state_size
             else:
                 macs += m.intermediate_size * (m.conv_kernel_size + 2 * m.ssm_state_size)
+        if self.online is not None:  # moving averages + mixture and gate of every head
+            M = self.online.num_sources
+            macs += M * (c.input_size + 1) + c.direct_horizons * c.input_size * (M + 2)
         return 2 * macs

@@ -2,13 +2,16 @@
 
 Layout of an export directory::
 
-    forecaster.json          {"format": "expertcast-forecaster", "format_version": 1, "config": {...},
+    forecaster.json          {"format": "expertcast-forecaster", "format_version": 2, "config": {...},
                               "source": {model_id, num_layers, num_experts, top_k, ...},
                               "weights": "forecaster.safetensors", "weights_sha256": "...", "extra": {...},
                               "training": {traces, trace_fingerprint, split, train_ids, val_ids, run_dir,
                                            config, ...}}
     forecaster.safetensors   the state dict of :class:`~expertcast.models.forecaster.ExpertForecaster`
     export_manifest.json     sha256 of both files above (:func:`expertcast.utils.provenance.write_export_manifest`)
+
+Format 2 added the online statistics (``config.online_half_lives`` and the ``online.mix`` / ``online.gate``
+tensors); a format-1 export still loads, as a forecaster without them.
 
 Loading needs neither Lightning nor pickle: JSON + safetensors only. The manifest is checked before
 anything is used, so an edited ``temperature`` or ``trigger_layer`` is refused like corrupted weights;
@@ -39,7 +42,7 @@ from expertcast.utils.provenance import (
 )
 
 EXPORT_FORMAT = "expertcast-forecaster"
-EXPORT_FORMAT_VERSION = 1
+EXPORT_FORMAT_VERSION = 2
 CONFIG_NAME = "forecaster.json"
 WEIGHTS_NAME = "forecaster.safetensors"
 

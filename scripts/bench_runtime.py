@@ -31,6 +31,16 @@ K=4: the CPU preset's shape) and SeqMoE to the forecaster trained on that model'
 
     python scripts/bench_runtime.py [--device cpu|cuda] [--tokens 128] [--grid-repeats 2] [--quick]
         [--cue-set CUES.json] [--out runs/bench_runtime]
+
+``--overhead [--json PATH]`` measures instead the host time per MoE layer of the two decode paths
+(:mod:`expertcast.inference.runtime.graph_decode`): a model whose expert compute is negligible (hidden 16,
+24 layers by default) replays the same synthetic routing under lru on the eager path and on the graph path
+(its per-layer function compiled with ``torch.compile(fullgraph=True)``, ``--compile-backend``); the time of
+every decode-layer call (residency, transfers, expert compute; the router and attention excluded) is
+recorded, each repeat gives the median per path, and the reported figures are the medians over the paired
+repeats (``eager_us_per_layer``, ``graph_us_per_layer``; target: graph <= eager / 5 and < 30 us).
+
+    python scripts/bench_runtime.py --overhead [--repeats 5] [--json overhead.json]
 """
 
 from __future__ import annotations
@@ -193,7 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="one ratio (2x), residencies 0.25/0.45, fewer tokens")
     ap.add_argument("--out", default="runs/bench_runtime")
+    ap.add_argument("--overhead", action="store_true",
+                    help="host time per MoE layer, eager vs graph decode path (see the module docstring)")
+    ap.add_argument("--decode-path", default="eager", choices=["eager", "graph", "auto"],
+                    help="decode path of the (b) runs (graph: lru and seqmoe on the graph-compatible path; auto: "
+                         "graph where it can run, e.g. not under the CPU link emulation)")
+    ap.add_argument("--json", default=None, help="--overhead: write the figures to this JSON file")
+    ap.add_argument("--overhead-layers", type=int, default=24, help="--overhead: MoE layers of the tiny-hidden model")
+    ap.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "none"],
+                    help="--overhead: torch.compile backend of the graph path's layer function (none: not compiled)")
     args = ap.parse_args(argv)
+    if args.overhead:
+        return overhead_main(args)
     if args.quick:
         args.ratios, args.residency, args.tokens = [2.0], [0.25, 0.45], min(args.tokens, 32)
     device = torch.device(args.device)
@@ -312,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                     pool = "per-layer" if name == "stage" else args.pool
                     try:
                         om = OffloadedModel(model, pol, float(res), pool=pool, device=device, link_gbps=link_gbps,
-                                            future=future, store=store, cpu_exec_ms=lat.cpu_ms)
+                                            future=future, store=store, cpu_exec_ms=lat.cpu_ms,
+                                            decode_path=args.decode_path)
                     except ValueError as e:
                         print(f"skip {name} at {res}: {e}")
                         continue
@@ -333,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                         "paired_full_tokens_per_s": pair.tokens_per_s, "hit": st.hit, "adj_hit": st.adj_hit,
                         "mb_per_token": st.mb_per_token, "stall_ms_per_token": m["stall_ms_per_token"],
                         "cpu_exec": m["cpu_exec"], "late": m["late_prefetches"], "repeat": g,
+                        "decode_path": om.decode_path,
                     })
                     print(f"  [{g + 1}/{args.grid_repeats}] ratio={ratio} residency={res:.2f} {name:>7}: {rows[-1]['pct_full']:5.1f}% of full-load "
                           f"(hit {st.hit:.3f}, stall {m['stall_ms_per_token']:.2f} ms/token)", flush=True)
@@ -363,6 +386,84 @@ def main(argv: list[str] | None = None) -> int:
                                             "full_tokens_per_s": full.tokens_per_s, "overhead": overhead,
                                             "source": source, "device": str(device)})
     return 0
+
+
+def overhead_main(args) -> int:
+    """Host time per MoE layer of the eager and the graph decode paths (``--overhead``)."""
+    from expertcast.inference.synthetic import staged_traces
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available")
+    torch.set_num_threads(1)
+    layers = args.overhead_layers
+    cfg = get_config("qwen3_moe-tiny", hidden_size=16, moe_intermediate_size=16, intermediate_size=32,
+                     num_experts=args.experts, num_experts_per_tok=args.top_k, num_hidden_layers=layers,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    runs = {}
+    for path in ("eager", "graph"):  # one model copy per path: both stay bound for the paired repeats
+        model = build_from_config(cfg, seed=args.seed, dtype=torch.float32).to(device)
+        om = OffloadedModel(model, make_policy("lru"), 0.5, device=device, decode_path=path)
+        if path == "graph" and args.compile_backend != "none":
+            om.graph.layer_fn = torch.compile(om.graph._layer, fullgraph=True, backend=args.compile_backend)
+        runs[path] = (om, _time_calls(om, "_decode_layer"))
+    syn = staged_traces(num_sequences=1, num_tokens=args.prompt + args.tokens, num_layers=layers,
+                        num_experts=args.experts, top_k=args.top_k, num_stages=3, hot=max(args.top_k, args.experts // 5),
+                        hot_mass=0.9, mean_stage_len=args.stage_len, prompt_len=args.prompt, seed=args.seed,
+                        expert_bytes=runs["eager"][0].layout.expert_bytes, vocab=cfg.vocab_size)
+    t0 = time.perf_counter()
+    for om, _ in runs.values():  # warm-up (the graph path compiles here)
+        om.replay(syn.sequences, max_decode=args.tokens)
+    print(f"warm-up (graph layer function compiled with {args.compile_backend}): {time.perf_counter() - t0:.1f} s")
+    paired = []
+    for _ in range(args.repeats):
+        med = {}
+        for path, (om, times) in runs.items():
+            om.reset()
+            times.clear()
+            om.replay(syn.sequences, max_decode=args.tokens)
+            med[path] = 1e6 * float(np.median([t[0] for t in times]))
+            med[f"{path}_cpu"] = 1e6 * float(np.median([t[1] for t in times]))
+            med[f"{path}_min"] = 1e6 * float(min(t[0] for t in times))
+        paired.append(med)
+    hits = {p: float(om.stats.hit) for p, (om, _) in runs.items()}
+    for om, _ in runs.values():
+        om.close()
+    eager = float(np.median([m["eager"] for m in paired]))
+    graph = float(np.median([m["graph"] for m in paired]))
+    ratio = float(np.median([m["graph"] / m["eager"] for m in paired]))
+    cpu = {p: float(np.median([m[f"{p}_cpu"] for m in paired])) for p in ("eager", "graph")}
+    res = {"eager_us_per_layer": eager, "graph_us_per_layer": graph, "graph_over_eager": ratio,
+           "eager_cpu_us_per_layer": cpu["eager"], "graph_cpu_us_per_layer": cpu["graph"],
+           "eager_min_us_per_layer": float(min(m["eager_min"] for m in paired)),
+           "graph_min_us_per_layer": float(min(m["graph_min"] for m in paired)),
+           "target_met": bool(ratio <= 0.2 and graph < 30.0), "paired_us": paired, "repeats": args.repeats,
+           "layers": layers, "experts": args.experts, "top_k": args.top_k, "hidden": 16, "tokens": args.tokens,
+           "policy": "lru", "capacity": 0.5, "hit": hits, "device": str(device), "compile_backend": args.compile_backend,
+           "torch": torch.__version__}
+    report([{"path": p, "us_per_layer": v, "thread_cpu_us_per_layer": cpu[p], "hit": hits[p]}
+            for p, v in (("eager", eager), ("graph", graph))],
+           title=f"host time per MoE layer (median of {args.repeats} paired repeats, {layers} layers, hidden 16)")
+    print(f"graph/eager = {ratio:.3f} (target <= 0.2), graph {graph:.1f} us (target < 30 us): "
+          f"{'met' if res['target_met'] else 'NOT met'}")
+    if args.json:
+        atomic_write_json(Path(args.json), res)
+    return 0
+
+
+def _time_calls(obj, name: str) -> list[tuple[float, float]]:
+    """Replace ``obj.name`` by a wrapper that appends (wall seconds, calling thread's CPU seconds) of each call to
+    the returned list. The CPU time is the host work itself, which a loaded machine does not inflate."""
+    fn, times = getattr(obj, name), []
+
+    def timed(*a, **k):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = fn(*a, **k)
+        times.append((time.perf_counter() - t0, time.thread_time() - c0))
+        return out
+
+    setattr(obj, name, timed)
+    return times
 
 
 def _median_of_repeats(rows: list[dict]) -> list[dict]:

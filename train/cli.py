@@ -58,6 +58,7 @@ from expertcast.train.fit_run import (
 )
 from expertcast.utils.errors import UsageError
 from expertcast.utils.outdir import OutputDir, claim_output_dir, read_marker
+from expertcast.utils.tracking import log_export_to_loggers
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, instantiate_class
 
@@ -418,9 +419,11 @@ def _train(cli: FitCLI, plan: RunPlan, args: list[str]) -> FitResult:
         _update_run(plan.run_dir, status="failed", global_step=int(trainer.global_step))
         raise
     export_hash = None
-    if trainer.is_global_zero:
+    if trainer.is_global_zero or getattr(cli.model, "collective_export", False):
         export_hash = _write_export(cli, plan)
+    if trainer.is_global_zero:
         _update_run(plan.run_dir, status="finished", global_step=int(trainer.global_step), export_hash=export_hash)
+        log_export_to_loggers(trainer.loggers, plan.export_dir)  # a W&B logger gets the export as an artifact
         print(f"expertcast fit: {getattr(cli.model, 'task_name', 'model')} export written to {plan.export_dir} "
               f"(export hash {export_hash[:12]}, step {trainer.global_step})", flush=True)
     return FitResult(plan.run_dir, "finished", int(trainer.global_step), export_dir=plan.export_dir,
@@ -431,9 +434,10 @@ def _resumable(datamodule: Any) -> bool:
     return type(datamodule).load_state_dict is not pl.LightningDataModule.load_state_dict
 
 
-def _write_export(cli: FitCLI, plan: RunPlan) -> str:
+def _write_export(cli: FitCLI, plan: RunPlan) -> str | None:
     """Write the export (replacing an earlier one in an explicit export_dir) with its ``training`` block;
-    returns the export hash from its manifest."""
+    returns the export hash from its manifest. A model with ``collective_export`` is called on every rank
+    (its export gathers sharded weights and writes from rank 0 only; None on the other ranks)."""
     import shutil
 
     from expertcast.utils.provenance import verify_export_manifest
@@ -449,7 +453,10 @@ def _write_export(cli: FitCLI, plan: RunPlan) -> str:
                 shutil.rmtree(t)
             elif t.exists() or t.is_symlink():
                 t.unlink()
-    out = Path(cli.model.export(plan.export_dir, training=training))
+    written = cli.model.export(plan.export_dir, training=training)
+    if written is None:
+        return None
+    out = Path(written)
     if claim is not None:
         claim.track(*[p.name for p in out.iterdir() if not p.name.startswith(".")])
     return verify_export_manifest(out)

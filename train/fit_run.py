@@ -116,15 +116,14 @@ def launch_rank() -> int:
 
 
 def shared_run_dir(rank: int) -> Path:
-    """The run directory of rank 0, for a process of rank > 0."""
+    """The run directory of rank 0, for a process of rank > 0. It creates nothing: under torchrun the ranks
+    start together, and rank 0 claims the folder (which must then be empty or new) while the others may
+    already be here; nothing of a rank > 0 writes into it (checkpoints, logs and the export are rank 0's)."""
     shared = os.environ.get(RUN_DIR_ENV)
     if not shared:
         raise UsageError(f"process rank {rank} of a multi-process fit: set {RUN_DIR_ENV} to one new folder for every "
                          f"rank (Lightning's own launcher sets it)")
-    d = Path(shared)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / CKPT_DIR).mkdir(exist_ok=True)
-    return d
+    return Path(shared)
 
 
 def read_run_info(run_dir: str | os.PathLike) -> dict[str, Any] | None:

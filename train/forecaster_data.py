@@ -33,7 +33,7 @@ import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence, sequences_fingerprint
 from expertcast.models.forecaster import activation_vector, trigger_offset, trigger_sequence
 from expertcast.utils.provenance import split_of
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,17 @@ def split_sequences(seqs: Sequence[TraceSequence], seed: int = 0, val_fraction: 
     for s in seqs:
         out[split_of(s.seq_id, val_fraction, test_fraction, seed=seed)].append(s)
     return out
+
+
+def training_subset(seqs: Sequence[TraceSequence], n: int | None, seed: int = 0) -> list[TraceSequence]:
+    """The first ``n`` sequences in the order of sha256(seed, sequence id) (all for None).
+
+    The order depends on the ids alone, so the subsets are nested (10 ⊂ 50 ⊂ all) and do not move with
+    load order: the data-efficiency rows of the generalisation protocol (docs/design.md "Forecaster")."""
+    if n is not None and n < 1:
+        raise ValueError(f"a training subset needs n >= 1, got {n}")
+    order = sorted(seqs, key=lambda s: hashlib.sha256(f"{seed}:{s.seq_id}".encode()).hexdigest())
+    return order if n is None else order[:n]
 
 
 def load_trace_dirs(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[TraceMeta, list[TraceSequence]]:
@@ -200,6 +211,27 @@ class EpochShuffleSampler(Sampler[int]):
         return self.n
 
 
+class EpochShardSampler(DistributedSampler):
+    """:class:`EpochShuffleSampler`'s order split over data-parallel ranks: rank r takes positions
+    r, r+W, r+2W, ... of the epoch permutation (padded at the end by wrapping around, as DistributedSampler
+    does), so with a per-rank batch of B/W the W ranks' step k covers exactly the permutation's B samples
+    that a 1-process run with batch B trains on at step k. Lightning keeps a DistributedSampler as given
+    (instead of re-shuffling the order with its own DistributedSamplerWrapper)."""
+
+    def __init__(self, order: EpochShuffleSampler, num_replicas: int, rank: int):
+        super().__init__(range(order.n), num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.order = order
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.order.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(self.order)
+        order += order[: (-len(order)) % self.num_replicas]
+        return iter(order[self.rank :: self.num_replicas])
+
+
 class ForecasterDataModule(pl.LightningDataModule):
     """Routing traces -> train/val/test windows, split by sequence.
 
@@ -213,6 +245,8 @@ class ForecasterDataModule(pl.LightningDataModule):
         trigger_layer: p (None: L-1). The model reads it from here.
         use_router_probs: KL targets from router_probs when the traces hold them.
         max_sequences: keep only the first N sequences (quick runs).
+        train_sequences: train on N of the training split (:func:`training_subset`; data efficiency); the
+            validation split is unchanged and the export lists exactly the N training ids.
         num_workers: DataLoader workers.
 
     Checkpoints store the training loader's position (:meth:`state_dict`), so a resumed fit continues
@@ -222,7 +256,7 @@ class ForecasterDataModule(pl.LightningDataModule):
     def __init__(self, traces: str | list[str] | None = None, window: int = 128, stride: int | None = None,
                  batch_size: int = 16, val_fraction: float = 0.1, test_fraction: float = 0.0, split_seed: int = 0,
                  trigger_layer: int | None = None, use_router_probs: bool = True, max_sequences: int | None = None,
-                 num_workers: int = 0):
+                 num_workers: int = 0, train_sequences: int | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.traces = traces
@@ -236,6 +270,7 @@ class ForecasterDataModule(pl.LightningDataModule):
         self.use_router_probs = use_router_probs
         self.max_sequences = max_sequences
         self.num_workers = num_workers
+        self.train_sequences = train_sequences
         self.meta: TraceMeta | None = None
         self.splits: dict[str, list[TraceSequence]] | None = None
         self._fingerprint: str | None = None
@@ -259,6 +294,8 @@ class ForecasterDataModule(pl.LightningDataModule):
         self.meta = meta
         self._fingerprint = sequences_fingerprint(seqs)
         self.splits = split_sequences(seqs, self.split_seed, self.val_fraction, self.test_fraction)
+        if self.train_sequences is not None:
+            self.splits["train"] = training_subset(self.splits["train"], self.train_sequences, self.split_seed)
         if not self.splits["train"]:
             raise ValueError(f"no training sequences left after holding out val={self.val_fraction}, "
                              f"test={self.test_fraction} of {len(seqs)}")
@@ -341,6 +378,9 @@ class ForecasterDataModule(pl.LightningDataModule):
                 epoch, batches = self._resume_at
                 sampler.resume_at(epoch, batches * self.batch_size)
             self._resume_at = None
+            dist_kw = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+            if dist_kw and dist_kw["num_replicas"] > 1:  # data parallel: each global batch = the 1-process batch
+                sampler = EpochShardSampler(sampler, dist_kw["num_replicas"], dist_kw["rank"])
         # an explicit generator: creating the loader's iterator then draws nothing from the global RNG,
         # whose state a resumed fit restores from the checkpoint
         return DataLoader(ds, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,

@@ -1,10 +1,15 @@
 """LightningModule training the SeqMoE forecaster (SeqMoE 5.4; docs/design.md "Forecaster").
 
 Loss = ``rank_weight`` · ranking loss around the top-K boundary + ``kl_weight`` · KL(target ‖ model).
-Training starts with teacher forcing; after ``teacher_forcing_fraction`` of the optimizer steps,
-scheduled sampling replaces a rising share of the inputs (up to ``max_sampling_rate``) by the model's
-own one-step predictions. It runs in two passes so the scan stays parallel: pass 1 (no grad) predicts
-every element from the true history, its predictions replace the sampled inputs, and pass 2 is trained.
+Scheduled sampling (SeqMoE 5.4; docs/design.md "Forecaster"): training starts with teacher forcing;
+after ``teacher_forcing_fraction`` of the optimizer steps the probability ``rate`` that a rollout
+segment is replaced rises linearly to ``max_sampling_rate`` (:func:`sampling_schedule`). Each window is
+cut into segments of ``sampling_rollout`` elements; in a replaced (row, segment) every input after the
+segment's first is the model's own recursive rollout: its next-element forecast turned into an
+activation vector (:func:`~expertcast.models.forecaster.predictions_to_input`) and fed back through the
+recurrent state, step after step, from the state that consumed the (mixed) inputs before it
+(:func:`rollout_inputs`, no grad). The trained pass then runs the parallel scan over the mixed inputs
+against the true targets, so training sees the compounding errors of multi-step rollout.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from expertcast.models.forecaster import (
     ExpertForecaster,
     ForecasterConfig,
+    ForecasterState,
     activation_probs,
     predictions_to_input,
 )
@@ -53,6 +59,78 @@ def recall_at(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> torch.T
     pred = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
     hit = (target_ids.unsqueeze(-1) == pred.unsqueeze(-2)).any(-1)
     return hit.float().mean(-1)
+
+
+def sampling_schedule(progress: float, teacher_forcing_fraction: float, ramp_fraction: float,
+                      max_rate: float) -> float:
+    """Scheduled-sampling rate at training ``progress`` in [0, 1]: 0 up to ``teacher_forcing_fraction``, then
+    rising linearly to ``max_rate`` over the next ``ramp_fraction`` of training, then ``max_rate``."""
+    if max_rate <= 0:
+        return 0.0
+    ramp = max(ramp_fraction, 1e-9)
+    return float(max_rate * min(1.0, max(0.0, (progress - teacher_forcing_fraction) / ramp)))
+
+
+def sample_replacements(mask: torch.Tensor, rate: float, segment: int,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """Which inputs scheduled sampling replaces: mask bool [B, W] (valid inputs) -> bool [B, W].
+
+    Each (row, segment of ``segment`` elements) is chosen with probability ``rate``; in a chosen one every
+    valid input after the segment's first is replaced (the first stays true: the rollout starts there).
+    """
+    B, W = mask.shape
+    n_seg = -(-W // segment)
+    chosen = torch.rand(B, n_seg, generator=generator, device=mask.device) < rate
+    pos = torch.arange(W, device=mask.device)
+    return chosen.repeat_interleave(segment, dim=1)[:, :W] & (pos % segment != 0) & mask
+
+
+@torch.no_grad()
+def rollout_inputs(net: ExpertForecaster, x: torch.Tensor, replaced: torch.Tensor, segment: int) -> torch.Tensor:
+    """The model's own multi-step rollout in place of the true inputs at ``replaced``.
+
+    Args:
+        net: the forecaster; x: float [B, W, L, E] true inputs of a window (from a zero state);
+        replaced: bool [B, W], only at positions p with p % segment != 0 (:func:`sample_replacements`);
+        segment: the segment length R.
+    Returns:
+        [B, W, L, E]: x where not replaced. In the segment starting at s, the recurrent state consumes the
+        true inputs 0..s (as at inference, where a rollout starts from the true history), then its
+        next-element forecast, turned into an activation vector (``predictions_to_input``), is fed back
+        step after step: position s+k holds the k-th fed-back vector. All segments roll out as one batch,
+        so this costs W/R parallel scans plus R-1 recurrent steps.
+    """
+    B, W = x.shape[:2]
+    if bool(replaced[:, ::segment].any()):
+        raise ValueError("the first input of a segment cannot be replaced (the rollout starts from it)")
+    out = x.clone()
+    state = net.init_state(B, x.device)
+    K = net.config.top_k
+    rows, starts, states, logits = [], [], [], []
+    done = 0
+    for s in range(0, W - 1, segment):
+        lg = net(x[:, done:s + 1], state)[:, -1]  # the state has consumed the true inputs 0..s
+        done = s + 1
+        r = replaced[:, s + 1:s + segment].any(1).nonzero().flatten()
+        if r.numel():
+            rows.append(r)
+            starts.append(torch.full_like(r, s))
+            states.append(state.select(r))
+            logits.append(lg[r])
+    if not rows:
+        return out
+    row, start = torch.cat(rows), torch.cat(starts)
+    roll_state, cur = ForecasterState.cat(states), torch.cat(logits)
+    for k in range(1, segment):
+        pos = start + k
+        inp = predictions_to_input(cur, K).to(out.dtype)
+        ok = pos < W
+        hit = torch.zeros_like(ok)
+        hit[ok] = replaced[row[ok], pos[ok]]
+        out[row[hit], pos[hit]] = inp[hit]
+        if k < segment - 1:
+            cur, _ = net.step(inp, roll_state)
+    return out
 
 
 def fit_temperature(logits: torch.Tensor, target_ids: torch.Tensor, top_k: int,
@@ -111,7 +189,12 @@ class ForecasterModule(pl.LightningModule):
             ``min_lr_ratio``·lr over the run's optimizer steps.
         rank_weight / kl_weight / rank_negatives: loss mix; hardest negatives in the ranking loss.
         teacher_forcing_fraction / sampling_ramp_fraction / max_sampling_rate: scheduled sampling starts
-            after this share of steps and rises linearly to ``max_sampling_rate`` over the next share.
+            after this share of steps and rises linearly to ``max_sampling_rate`` over the next share
+            (the probability that a rollout segment is replaced by the model's own rollout).
+        sampling_rollout: elements per scheduled-sampling segment (its first input stays true; the others
+            are a rollout of ``sampling_rollout - 1`` steps).
+        online_half_lives: half-lives of the online statistics the forecaster reads
+            (:class:`~expertcast.models.forecaster.OnlinePrior`; 0 = the last selection; [] = none).
         loss_on_prefill: also train on targets inside the prompt (the routing there is a sequence too).
         export_dir: where ``expertcast fit`` writes the export once training finished normally (default:
             ``export/`` in the run directory); never written from a hook mid-run.
@@ -133,8 +216,11 @@ class ForecasterModule(pl.LightningModule):
                  max_sampling_rate: float = 0.5, loss_on_prefill: bool = True, export_dir: str | None = None,
                  shape: dict[str, Any] | None = None, source: dict[str, Any] | None = None,
                  split_info: dict[str, Any] | None = None, calibration_elements: int = 4096,
-                 direct_horizons: int = 1, ahead_weight: float = 1.0):
+                 direct_horizons: int = 1, ahead_weight: float = 1.0, sampling_rollout: int = 8,
+                 online_half_lives: list[float] | None = None):
         super().__init__()
+        if sampling_rollout < 2:
+            raise ValueError(f"sampling_rollout must be >= 2 (one true input, then the rollout), got {sampling_rollout}")
         self.save_hyperparameters()
         self.net: ExpertForecaster | None = None
         self._calib: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
@@ -147,7 +233,8 @@ class ForecasterModule(pl.LightningModule):
         cfg = ForecasterConfig(num_layers=L, num_experts=E, top_k=K, trigger_layer=trigger_layer, backbone=h.backbone,
                                hidden_size=h.hidden_size, num_blocks=h.num_blocks, state_size=h.state_size,
                                head_dim=h.head_dim, expand=h.expand, conv_kernel=h.conv_kernel, n_groups=h.n_groups,
-                               chunk_size=h.chunk_size, direct_horizons=h.direct_horizons)
+                               chunk_size=h.chunk_size, direct_horizons=h.direct_horizons,
+                               online_half_lives=[float(v) for v in h.online_half_lives or []])
         self.net = ExpertForecaster(cfg)
         self.hparams.update(shape={"num_layers": L, "num_experts": E, "top_k": K, "trigger_layer": trigger_layer})
 
@@ -177,9 +264,8 @@ class ForecasterModule(pl.LightningModule):
         if h.max_sampling_rate <= 0 or self._trainer is None:
             return 0.0
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        frac = self.global_step / total
-        ramp = max(h.sampling_ramp_fraction, 1e-9)
-        return float(h.max_sampling_rate * min(1.0, max(0.0, (frac - h.teacher_forcing_fraction) / ramp)))
+        return sampling_schedule(self.global_step / total, h.teacher_forcing_fraction, h.sampling_ramp_fraction,
+                                 h.max_sampling_rate)
 
     # --- steps ---
     def _losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], use: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -214,14 +300,9 @@ class ForecasterModule(pl.LightningModule):
         x = batch["inputs"]
         rate = self.sampling_rate()
         if rate > 0:
-            with torch.no_grad():
-                first = self.net(x)
-            pred = predictions_to_input(first[:, :-1], self.net.config.top_k).to(x.dtype)  # predicts x[:, 1:]
-            replace = torch.rand(x.shape[:2], device=x.device) < rate
-            replace[:, 0] = False
-            replace[:, 1:] &= batch["mask"][:, :-1]
-            x = x.clone()
-            x[:, 1:][replace[:, 1:]] = pred[replace[:, 1:]]
+            replaced = sample_replacements(batch["mask"], rate, self.hparams.sampling_rollout)
+            if bool(replaced.any()):
+                x = rollout_inputs(self.net, x, replaced, self.hparams.sampling_rollout)
         logits = self.net(x, all_horizons=self.net.config.direct_horizons > 1)
         use = batch["mask"] if self.hparams.loss_on_prefill else batch["mask"] & batch["decode"]
         if not bool(use.any()):

@@ -22,7 +22,8 @@ def resolve_model(name: str, *, announce: bool = True) -> str:
     * ``tiny-default`` / ``default``: the embedded default model (trained once, then cached; the run
       says in one line when it reuses the cached build);
     * a tiny preset name (``qwen3_moe-tiny``, ...) or a real-size preset: kept as is;
-    * a local Hugging Face directory: must exist and hold ``config.json``;
+    * a local Hugging Face directory: must exist and hold ``config.json``; or a router-adaptation export
+      folder (``export.json``: ``model/`` merged, or a peft ``adapter/`` over its recorded base);
     * anything else that looks like ``owner/name``: a Hub id (``trust_remote_code`` stays off).
     """
     from expertcast.models.presets import is_preset
@@ -43,6 +44,8 @@ def resolve_model(name: str, *, announce: bool = True) -> str:
     if p.exists():
         if not p.is_dir():
             raise UsageError(f"--model {name}: is a file; expected a Hugging Face model directory")
+        if (p / "export.json").is_file():  # a router-adaptation export (`expertcast fit`): load_moe_model reads it
+            return str(p)
         if not (p / "config.json").is_file():
             raise UsageError(f"--model {name}: folder has no config.json (not a Hugging Face model directory)")
         return str(p)

@@ -1,31 +1,40 @@
-"""The cache-aware router study of `expertcast router-eval`: hit rate and traffic against quality.
+"""The cache-aware router study of `expertcast router-eval`: every mode through the offloading runtime.
 
 For each run (an export of :class:`~expertcast.train.router_module.RouterAdaptationModule`, trained
-here when missing: short CPU runs on the default model, resumable run by run), the evaluated model
-makes one teacher-forced pass over held-out text (question as prompt, gold solution as the decoded
-part), recording its native routing (a trace) and the routers' p^R/p^T/p^S (the replay). The
-simulator then replays the decode positions with per-layer pools of B slots through LRU (same
-backbone) and the run's router policy (Algorithm 1 for ``temporal``, Algorithm 2 for ``full`` with
-top-R, spatio-only), reporting Hit, AdjHit and MB/token with the model's real expert bytes and with
-Qwen3-30B-A3B's 9.44 MB, the held-out LM loss (token mean over the solutions), and the concentration
-of native expert use (max frequency, top-B mass, entropy). Prefill is replayed uncounted.
+here when missing: short CPU runs on the default model, resumable run by run) the study measures, on
+the same weights:
 
-Held-out text only: the evaluated texts are the data module's held-out split (by a hash of each text's
-id, :mod:`expertcast.train.router_data`), and every evaluated export's training texts are checked
-against them (:func:`expertcast.utils.provenance.check_overlap`; an export that records no training
-ids is refused unless overlap is allowed). Every row carries ``train_overlap`` (evaluated texts the
-export trained on) and ``overlap_allowed``.
+1. the **full-load run**: greedy decoding of held-out benchmark prompts (``benchmark``: ``arith`` by
+   default; ``gsm8k``/``math500`` when asked) by the plain model: its completions, accuracy (exact
+   grading) and decode tokens/s;
+2. the **offloaded runs**: the same prompts through :class:`~expertcast.inference.runtime.engine.OffloadedModel`
+   with B slots per MoE layer under LRU (every run: the router-vs-backbone comparison on the same
+   weights), static placement (the LM-only run; calibrated on the held-out texts' routing) and the
+   run's router policy with its routers attached live (:mod:`expertcast.inference.runtime.live_routers`:
+   Algorithm 1 for ``temporal``, Algorithm 2 at each top-R for ``full``, the spatio-only refinement),
+   each reporting decode-only Hit, AdjHit, MB/token (the model's expert bytes, and Qwen3-30B-A3B's
+   9.44 MB), tokens/s and % of the full-load tokens/s, accuracy, and whether its tokens equal the
+   full-load run's (they must: offloading never changes a token);
+3. the held-out **LM loss** (teacher-forced, token mean over the gold solutions of held-out texts) and
+   the concentration of native expert use on them (max frequency, top-B mass, entropy);
+4. the **greedy agreement** of its full-load completions with the LM-only run's (token by position).
 
-Outputs in the output folder: ``runs/<name>/export`` (the export, its ``training`` block listing the
-train ids) and ``runs/<name>/run.json`` (its settings key, held-out ids, training time), ``eval/`` (rows cached per export, B and R values,
-each with its settings key), ``table2.{csv,json}`` (modes and sw sweep, shaped like the paper's Table
-2; full/spatio at the evaluated R closest to 0.75*B), ``table3.{csv,json}`` (B and R sweeps, with the
-LM-only model under LRU at every B), ``tradeoff.png`` (hit and MB/token against held-out LM loss over
-the sw sweep; concentration of expert use against sw), ``all_rows.json``. Every router row carries
-``d_hit_vs_lru_pts``: its hit minus LRU's on the *same* adapted weights and B, the honest comparison
-(adaptation alone already raises LRU's hit by concentrating expert use). GSM8K accuracy is reported
-only with ``gsm8k > 0`` (greedy generation on N test problems); the embedded tiny model cannot solve
-GSM8K, so it is off by default.
+The gold-text simulation of earlier versions is gone: every cache figure now comes from the model's
+own decoding in the runtime.
+
+Held-out data only: the LM texts are the data module's held-out split (by a hash of each text's id,
+:mod:`expertcast.train.router_data`) and the prompts are the benchmark's test problems; both are
+checked against every export's training texts (:func:`expertcast.utils.provenance.check_overlap`; an
+export that records no training ids is refused unless overlap is allowed). Every row carries
+``train_overlap`` and ``overlap_allowed``.
+
+Outputs in the output folder: ``runs/<name>/export`` and ``runs/<name>/run.json`` (runs trained here),
+``eval/`` (rows and completions cached per export and B, each with its settings key), ``table2.{csv,json}``
+(base B: every run under LRU and its router policy, R sweep included), ``table3.{csv,json}`` (other
+budgets, when swept), ``table2.png`` (Hit and MB/token per row; Hit against held-out LM loss) and
+``all_rows.json``. ``d_hit_vs_lru_pts`` compares a row with LRU on the *same* weights (the router's own
+gain), ``d_hit_vs_lm_only_lru_pts`` with LRU on the LM-only weights (the total gain: router plus the
+backbone's more concentrated expert use).
 """
 
 from __future__ import annotations
@@ -60,8 +69,8 @@ class StudyConfig:
     budgets: list[float] = field(default_factory=list)
     """B sweep (separate trainings)."""
     sw_sweep: list[float] = field(default_factory=lambda: [0.3, 1.0, 2.0])
-    R: list[int] | None = None
-    """Top-R values for full/spatio (None: 0.75*B)."""
+    R: list[int] = field(default_factory=lambda: [2, 4, 6, 8])
+    """Top-R values of the full/spatio policies (those above B are skipped)."""
     modes: list[str] | None = None
     """Only these run names (None: the whole study)."""
     tau: float = 0.02
@@ -72,17 +81,29 @@ class StudyConfig:
     heldout: float = 0.05
     """Fraction of the texts held out (by a hash of each text's id)."""
     eval_limit: int | None = 96
-    """Evaluate the first N held-out texts (None: all of them)."""
+    """Held-out LM loss on the first N held-out texts (None: all of them)."""
+    benchmark: str = "arith"
+    """Benchmark whose test prompts are decoded (accuracy)."""
+    prompts: int = 32
+    """Decode the first N test prompts of the benchmark."""
+    max_new_tokens: int = 64
+    """Generated tokens per prompt at most."""
     limit: int | None = None
     """Use only the first N texts of the source."""
     source: str = "gsm8k"
     data_dir: str | None = None
-    gsm8k: int = 0
-    """Also measure GSM8K accuracy on N test problems."""
     seed: int = 0
     progress: bool = False
     allow_overlap: bool = False
     """Evaluate even when an export trained on evaluated texts (reported in every row)."""
+    wandb: bool = False
+    """Log the tables to W&B."""
+    wandb_project: str = "expertcast-router"
+
+    def decode_settings(self) -> dict[str, Any]:
+        """What selects and decodes the benchmark prompts."""
+        return {"benchmark": self.benchmark, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
+                "decode_batch_size": self.batch_size}
 
     def data_settings(self) -> dict[str, Any]:
         """What selects and tokenises the texts."""
@@ -244,186 +265,204 @@ def given_exports(paths: list[str]) -> list[EvalTarget]:
     return out
 
 
-def load_export(d: Path):
-    """(model, tokenizer, routers | None, info) of an export directory (no Lightning needed)."""
-    from expertcast.models.router_export import load_routers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    info = _read_export_info(d)
-    mdir = d / info["model_dir"]
-    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32, trust_remote_code=False).eval()
-    tok = AutoTokenizer.from_pretrained(mdir, trust_remote_code=False)
-    routers = None
-    if info.get("routers_dir"):
-        routers, _ = load_routers(d / info["routers_dir"], model=model)
-    return model, tok, routers, info
-
-
-# --------------------------------------------------------------------------------- evaluation
+# --------------------------------------------------------------------------------- held-out text
 
 
 @torch.no_grad()
-def record_heldout(model, routers, examples, batch_size: int = 8, model_id: str = "model"):
-    """Teacher-forced pass over held-out examples: (TraceMeta, [TraceSequence], RouterReplay, LM loss).
+def heldout_pass(model, examples, batch_size: int = 8, model_id: str = "model"):
+    """Teacher-forced pass over held-out texts: (TraceMeta, [TraceSequence], LM loss).
 
-    LM loss: mean token cross-entropy over the completion tokens."""
+    LM loss: mean token cross-entropy over the completion tokens. The traces (native routing of every
+    position) calibrate the static policy and give the concentration of expert use."""
     from expertcast.data.trace_format import TraceMeta, TraceSequence
-    from expertcast.inference.policies.router import RouterRecord, RouterReplay
-    from expertcast.models.cache_routers import RouterTap
     from expertcast.models.routing import record_routing
     from expertcast.models.spec import MoESpec
     from expertcast.train.router_data import collate
 
     spec = MoESpec.from_model(model)
-    seqs, recs = [], {}
+    seqs = []
     nll, ntok = 0.0, 0
-    tap = RouterTap(model, routers)
-    try:
-        with record_routing(model) as rr:
-            for i in range(0, len(examples), batch_size):
-                chunk = examples[i : i + batch_size]
-                b = collate(chunk, 0)
-                B, T = b["input_ids"].shape
-                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
-                ids, w, _ = rr.pop()
-                ro = tap.outputs(B, T)
-                lab = b["labels"][:, 1:]
-                ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                                       lab.reshape(-1), ignore_index=-100, reduction="sum")
-                nll += float(ce)
-                ntok += int((lab != -100).sum())
-                L, K = ids.shape[1], ids.shape[2]
-                ids, w = ids.view(B, T, L, K), w.view(B, T, L, K)
-                for j, ex in enumerate(chunk):
-                    n = len(ex.ids)
-                    sid = f"heldout-{i + j:05d}"
-                    seqs.append(TraceSequence(sid, np.asarray(ex.ids, np.int32), len(ex.prompt_ids),
-                                              ids[j, :n].numpy().astype(np.int16), w[j, :n].numpy().astype(np.float16)))
-                    f16 = (lambda x, j=j, n=n: None if x is None else x[j, :n].numpy().astype(np.float16))  # noqa: E731
-                    recs[sid] = RouterRecord(f16(ro.p_R), f16(ro.p_T), f16(ro.p_S))
-    finally:
-        tap.remove()
+    with record_routing(model) as rr:
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i : i + batch_size]
+            b = collate(chunk, 0)
+            B, T = b["input_ids"].shape
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
+            ids, w, _ = rr.pop()
+            lab = b["labels"][:, 1:]
+            ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                                   lab.reshape(-1), ignore_index=-100, reduction="sum")
+            nll += float(ce)
+            ntok += int((lab != -100).sum())
+            L, K = ids.shape[1], ids.shape[2]
+            ids, w = ids.view(B, T, L, K), w.view(B, T, L, K)
+            for j, ex in enumerate(chunk):
+                n = len(ex.ids)
+                seqs.append(TraceSequence(ex.seq_id or f"heldout-{i + j:05d}", np.asarray(ex.ids, np.int32),
+                                          len(ex.prompt_ids), ids[j, :n].numpy().astype(np.int16),
+                                          w[j, :n].numpy().astype(np.float16)))
     meta = TraceMeta(model_id=model_id, num_layers=spec.num_layers, num_experts=spec.num_experts, top_k=spec.top_k,
                      expert_bytes=spec.expert_bytes, moe_layers=spec.moe_layers, dataset="heldout")
-    return meta, seqs, RouterReplay(recs, routers.mode if routers is not None else "none"), nll / max(ntok, 1)
+    return meta, seqs, nll / max(ntok, 1)
 
 
-def evaluate_run(target: EvalTarget, examples, B: int, R_values: list[int], cfg: StudyConfig,
-                 overlap: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows (one per policy/R) for one export; ``overlap`` is its :func:`check_overlap` result."""
+# --------------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class Decoding:
+    """One pass of greedy decoding over the prompts: completions and figures."""
+
+    completions: list[list[int]]
+    """Generated ids per prompt, up to and including its first EOS."""
+    correct: list[bool]
+    decoded_tokens: int
+    decode_seconds: float
+    counters: dict[str, int] = field(default_factory=dict)
+    """Offloaded runs: accesses, demand, proactive (decode-only totals)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / len(self.correct) if self.correct else float("nan")
+
+
+def prompt_batches(tok, problems, benchmark: str, batch_size: int) -> list[tuple[list, dict]]:
+    """Left-padded tokenised batches of the prompts: [(problems, encoding)]."""
+    from expertcast.data.prompts import build_prompt, has_chat_template
+
+    templated = has_chat_template(tok)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    out = []
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        texts = [build_prompt(tok, p.question, benchmark, use_chat_template=templated) for p in chunk]
+        out.append((chunk, tok(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)))
+    return out
+
+
+def _graded(tok, chunk, gen: list[list[int]], benchmark: str) -> list[bool]:
+    from expertcast.data.grading import grade
+
+    return [bool(grade(benchmark, tok.decode(g, skip_special_tokens=True), p.answer)) for p, g in zip(chunk, gen, strict=True)]
+
+
+def decode_full_load(model, tok, batches, benchmark: str, max_new_tokens: int, eos: list[int]) -> Decoding:
+    """The plain model (every expert resident) decodes every batch greedily."""
+    from expertcast.inference.eval_run import decode_tokens, full_load_generate, generated
+
+    comps, correct, n, secs = [], [], 0, 0.0
+    for chunk, enc in batches:
+        seqs, dec_s = full_load_generate(model, enc, max_new_tokens=max_new_tokens, eos=eos,
+                                         pad_token_id=tok.pad_token_id)
+        gen = generated(seqs, enc["input_ids"].shape[1], eos)
+        comps += gen
+        correct += _graded(tok, chunk, gen, benchmark)
+        n += decode_tokens(gen)
+        secs += dec_s
+    return Decoding(comps, correct, n, secs)
+
+
+def decode_offloaded(model, tok, batches, policy, slots: int, benchmark: str, max_new_tokens: int, eos: list[int],
+                     routers=None) -> Decoding:
+    """The same batches through the runtime with ``slots`` per MoE layer under ``policy`` (a router policy
+    gets ``routers`` attached live); the model holds its experts again afterwards."""
+    from expertcast.inference.eval_run import generated
+    from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.inference.runtime.live_routers import ROUTER_POLICIES, LiveRouterScores
+
+    live = LiveRouterScores(model, routers) if policy.name in ROUTER_POLICIES else None
+    if live is not None:
+        policy.set_replay(live)
+    om = OffloadedModel(model, policy, int(slots))
+    comps, correct = [], []
+    try:
+        for chunk, enc in batches:
+            res = om.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens, eos_token_id=eos,
+                              pad_token_id=tok.pad_token_id, seq_ids=[p.id for p in chunk])
+            gen = generated(res.sequences, enc["input_ids"].shape[1], eos)
+            comps += gen
+            correct += _graded(tok, chunk, gen, benchmark)
+        st = om.stats
+        counters = {"accesses": int(st.accesses.sum()), "demand": int(st.demand.sum()),
+                    "proactive": int(st.proactive.sum())}
+        return Decoding(comps, correct, int(st.decoded_tokens), float(st.decode_seconds), counters)
+    finally:
+        om.restore()
+        if live is not None:
+            live.remove()
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean over prompts of the fraction of positions (of the longer completion) where ``a`` and ``b``
+    generated the same token."""
+    fr = [sum(x == y for x, y in zip(p, q, strict=False)) / max(len(p), len(q), 1) for p, q in zip(a, b, strict=True)]
+    return float(np.mean(fr)) if fr else float("nan")
+
+
+# --------------------------------------------------------------------------------- one export
+
+
+def study_policies(info: dict[str, Any], B: int, Rs: list[int], static_calibration) -> list[tuple[str, Any, Any]]:
+    """(policy name, policy, R) evaluated on one export: LRU, static (LM-only run), the run's router policy
+    (at every R <= B for the pre-access policies)."""
     from expertcast.inference.policies import make_policy
-    from expertcast.inference.simulator import simulate
-    from expertcast.models.cache_routers import expert_use_stats
 
-    d = target.export
-    model, tok, routers, info = load_export(d)
-    meta, seqs, rp, lm = record_heldout(model, routers, examples, cfg.batch_size, model_id=str(d))
-    dec = np.concatenate([s.decode_expert_ids for s in seqs]).astype(np.int64)
-    use = expert_use_stats(torch.from_numpy(dec), meta.num_experts, B)
-    pols: list[tuple[str, Any, int | None]] = [("lru", make_policy("lru"), None)]
+    pols: list[tuple[str, Any, Any]] = [("lru", make_policy("lru"), "-")]
     rmode = info.get("router_mode")
+    if info.get("mode") == "lm_only":
+        pols.append(("static", make_policy("static", calibration=static_calibration), "-"))
     if rmode == "temporal":
-        pols.append(("router-temporal", make_policy("router-temporal", replay=rp), None))
+        pols.append(("router-temporal", make_policy("router-temporal"), "-"))
     elif rmode in ("full", "spatio_only"):
         name = "router-full" if rmode == "full" else "router-spatio"
-        for R in R_values:
-            if R <= B:
-                pols.append((name, make_policy(name, replay=rp, R=R), R))
-    recs = simulate((meta, seqs), [p for _, p, _ in pols], capacities=None, slots_per_layer=[B],
-                    progress=False, engine="auto")
+        pols += [(name, make_policy(name, R=R), R) for R in Rs if R <= B]
+    return pols
+
+
+def evaluate_run(target: EvalTarget, examples, problems, B: int, cfg: StudyConfig,
+                 overlap: dict[str, Any]) -> dict[str, Any]:
+    """Rows (one per policy/R) and the full-load completions of one export; ``overlap`` is its
+    :func:`check_overlap` result."""
+    from expertcast.inference.eval_run import eos_ids
+    from expertcast.models.cache_routers import expert_use_stats
+    from expertcast.models.router_export import load_adaptation_export
+
+    model, tok, routers, info = load_adaptation_export(target.export)
+    meta, seqs, lm = heldout_pass(model, examples, cfg.batch_size, model_id=str(target.export))
+    dec = np.concatenate([s.decode_expert_ids for s in seqs]).astype(np.int64)
+    use = expert_use_stats(torch.from_numpy(dec), meta.num_experts, B)
+    eos = eos_ids(model, tok)
+    batches = prompt_batches(tok, problems, cfg.benchmark, cfg.batch_size)
+    full = decode_full_load(model, tok, batches, cfg.benchmark, cfg.max_new_tokens, eos)
     rows = []
     run = target.run_info.get("run", {})
-    for (pname, _, R), r in zip(pols, recs, strict=True):
-        loads = r["demand_misses"] + r["proactive_loads"]
+    for pname, policy, R in study_policies(info, B, cfg.R, seqs):
+        off = decode_offloaded(model, tok, batches, policy, B, cfg.benchmark, cfg.max_new_tokens, eos, routers)
+        A, D, P = off.counters["accesses"], off.counters["demand"], off.counters["proactive"]
+        ntok = max(off.decoded_tokens, 1)
         rows.append({
-            "run": target.name, "train_mode": info["mode"], "router_mode": rmode or "-", "sw": info.get("sw", 0.0),
-            "B": B, "R": R if R is not None else "-", "policy": pname,
-            "hit": r["hit"], "adj_hit": r["adj_hit"], "mb_per_token": r["mb_per_token"],
-            "mb_per_token_q3": loads * Q3_EXPERT_BYTES / 1e6 / max(r["decoded_tokens"], 1),
-            "belady_fraction": r.get("belady_fraction", float("nan")), "heldout_lm": lm,
-            "max_freq": use["max_freq"], "topB_mass": use["topb_mass"], "entropy": use["entropy"],
-            "decoded_tokens": r["decoded_tokens"], "heldout_texts": overlap["evaluated"],
+            "run": target.name, "train_mode": info["mode"], "router_mode": info.get("router_mode") or "-",
+            "sw": info.get("sw", 0.0), "seed": cfg.seed, "B": B, "R": R, "policy": pname,
+            "hit": 1 - D / A if A else float("nan"), "adj_hit": (A - D) / (A + P) if A else float("nan"),
+            "mb_per_token": (D + P) * meta.expert_bytes / 1e6 / ntok, "mb_per_token_q3": (D + P) * Q3_EXPERT_BYTES / 1e6 / ntok,
+            "tokens_per_s": off.tokens_per_s, "full_tokens_per_s": full.tokens_per_s,
+            "pct_full": 100 * off.tokens_per_s / full.tokens_per_s if full.tokens_per_s > 0 else float("nan"),
+            "accuracy": off.accuracy, "full_accuracy": full.accuracy, "identical_to_full": off.completions == full.completions,
+            "heldout_lm": lm, "max_freq": use["max_freq"], "topB_mass": use["topb_mass"], "entropy": use["entropy"],
+            "prompts": len(problems), "decoded_tokens": off.decoded_tokens, "heldout_texts": len(examples),
             "train_overlap": overlap["overlap"], "overlap_allowed": overlap["allowed"], "train_steps": info.get("steps"),
             "train_seconds": target.run_info.get("train_seconds"), "budget_arg": run.get("budget"),
         })
-    if cfg.gsm8k:
-        acc = gsm8k_accuracy(model, tok, cfg.gsm8k, cfg.data_dir)
-        for row in rows:
-            row["gsm8k_acc"] = acc
-    return rows
-
-
-@torch.no_grad()
-def gsm8k_accuracy(model, tok, n: int, data_dir: str | None, max_new_tokens: int = 256) -> float:
-    """Greedy accuracy on the first ``n`` GSM8K test problems."""
-    from expertcast.data.benchmarks import load_benchmark
-    from expertcast.data.grading import grade
-    from expertcast.data.prompts import build_prompt
-
-    probs = load_benchmark("gsm8k", "test", data_dir=data_dir, limit=n)
-    ok = 0
-    for p in probs:
-        ids = tok(build_prompt(tok, p.question, "gsm8k"), return_tensors="pt", add_special_tokens=False).input_ids
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id or 0, eos_token_id=tok.eos_token_id)
-        ok += grade("gsm8k", tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), p.answer)
-    return ok / max(len(probs), 1)
+    return {"rows": rows, "completions": full.completions}
 
 
 # --------------------------------------------------------------------------------- report
-
-
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Trade-off PNG: hit vs held-out LM loss, MB/token vs LM loss (one point per sw, annotated), and
-    the concentration of native expert use vs sw. Base budget only; full at its Table-2 R."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    base_B = _base_budget(rows)
-    lm_ref = next((r["heldout_lm"] for r in rows if r["train_mode"] == "lm_only"), None)
-    for rmode, pol, marker in (("temporal", "router-temporal", "o"), ("full", "router-full", "s")):
-        pts = sorted((r for r in rows if r["train_mode"] == rmode and r["policy"] == pol and r["B"] == base_B
-                      and r["R"] == _table_R(rows, r["run"], base_B)), key=lambda r: r["sw"])
-        pts = _dedupe(pts)
-        if not pts:
-            continue
-        sw = [r["sw"] for r in pts]
-        lm = [r["heldout_lm"] for r in pts]
-        axes[0].plot(lm, [100 * r["hit"] for r in pts], marker=marker, label=f"{rmode} (hit)")
-        axes[1].plot(lm, [r["mb_per_token"] for r in pts], marker=marker, label=rmode)
-        for r in pts:
-            axes[0].annotate(f"sw={r['sw']:g}", (r["heldout_lm"], 100 * r["hit"]), fontsize=7)
-            axes[1].annotate(f"sw={r['sw']:g}", (r["heldout_lm"], r["mb_per_token"]), fontsize=7)
-        axes[2].plot(sw, [100 * r["max_freq"] for r in pts], marker=marker, label=f"{rmode} max freq")
-        axes[2].plot(sw, [100 * r["topB_mass"] for r in pts], marker=marker, linestyle="--", label=f"{rmode} top-B mass")
-    lru = next((r for r in rows if r["train_mode"] == "lm_only" and r["policy"] == "lru" and r["B"] == base_B), None)
-    if lru:
-        axes[0].scatter([lru["heldout_lm"]], [100 * lru["hit"]], c="k", marker="x", label="LM-only + LRU")
-        axes[1].scatter([lru["heldout_lm"]], [lru["mb_per_token"]], c="k", marker="x", label="LM-only + LRU")
-    if lm_ref:
-        for a in axes[:2]:
-            a.axvline(lm_ref * 1.02, color="grey", linestyle=":", label="LM-only loss +2%")
-    axes[0].set_xlabel("held-out LM loss")
-    axes[0].set_ylabel("hit rate (%)")
-    axes[0].set_title(f"quality vs hit (sw sweep, B={base_B})")
-    axes[1].set_xlabel("held-out LM loss")
-    axes[1].set_ylabel("MB / token (real expert bytes)")
-    axes[1].set_title("quality vs traffic (sw sweep)")
-    axes[2].set_xlabel("sw")
-    axes[2].set_ylabel("%")
-    axes[2].set_xscale("symlog", linthresh=0.1)
-    axes[2].set_title("concentration of native expert use")
-    for a in axes:
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=7)
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _base_budget(rows) -> int:
@@ -432,70 +471,78 @@ def _base_budget(rows) -> int:
 
 
 def _table_R(rows, run: str, B: int):
-    """The R shown for ``run`` in Table 2 and the plot: of the R values evaluated, the one closest to
-    0.75*B (the paper's ratio, R=15 of B=20; ties to the larger); "-" for runs without R."""
+    """The R a one-row summary shows for ``run``: of the R values evaluated, the one closest to 0.75*B
+    (the paper's ratio, R=15 of B=20; ties to the larger); "-" for runs without R."""
     Rs = sorted({r["R"] for r in rows if r["run"] == run and r["B"] == B and r["R"] != "-"})
     if not Rs:
         return "-"
     return min(Rs, key=lambda R: (abs(R - 0.75 * B), -R))
 
 
-def _dedupe(rows):
-    seen, out = set(), []
-    for r in rows:
-        if r["sw"] not in seen:
-            seen.add(r["sw"])
-            out.append(r)
-    return out
-
-
 def add_lru_deltas(rows: list[dict[str, Any]]) -> None:
-    """``d_hit_vs_lru_pts``: a row's hit minus LRU's hit on the same export and B (percentage points),
-    the honest comparison (same adapted weights); ``lm_vs_lm_only_pct`` is set by the caller."""
+    """``d_hit_vs_lru_pts``: a row's hit minus LRU's hit on the same export and B (percentage points), the
+    router's own gain; ``d_hit_vs_lm_only_lru_pts``: minus the LM-only run's LRU at that B (router plus
+    backbone). NaN where the reference was not evaluated."""
     lru = {(r["run"], r["B"]): r["hit"] for r in rows if r["policy"] == "lru"}
+    ref = {r["B"]: r["hit"] for r in rows if r["policy"] == "lru" and r.get("train_mode") == "lm_only"}
     for r in rows:
-        ref = lru.get((r["run"], r["B"]))
-        r["d_hit_vs_lru_pts"] = 100 * (r["hit"] - ref) if ref is not None else float("nan")
+        same = lru.get((r["run"], r["B"]))
+        r["d_hit_vs_lru_pts"] = 100 * (r["hit"] - same) if same is not None else float("nan")
+        base = ref.get(r["B"])
+        r["d_hit_vs_lm_only_lru_pts"] = 100 * (r["hit"] - base) if base is not None else float("nan")
 
 
-COLUMNS = ["run", "policy", "sw", "B", "R", "hit", "d_hit_vs_lru_pts", "adj_hit", "belady_fraction", "mb_per_token",
-           "mb_per_token_q3", "heldout_lm", "lm_vs_lm_only_pct", "max_freq", "topB_mass", "entropy", "train_overlap"]
+def add_lm_only_refs(rows: list[dict[str, Any]], completions: dict[str, list[list[int]]]) -> None:
+    """``lm_vs_lm_only_pct`` (held-out LM loss change against the LM-only run) and ``agree_lm_only`` (greedy
+    agreement of the run's completions with the LM-only run's); NaN without an LM-only run."""
+    lm_run = next((r for r in rows if r["train_mode"] == "lm_only"), None)
+    for r in rows:
+        if lm_run is None:
+            r["lm_vs_lm_only_pct"] = r["agree_lm_only"] = float("nan")
+            continue
+        r["lm_vs_lm_only_pct"] = 100 * (r["heldout_lm"] / lm_run["heldout_lm"] - 1)
+        r["agree_lm_only"] = greedy_agreement(completions[r["run"]], completions[lm_run["run"]])
+
+
+COLUMNS = ["run", "policy", "sw", "B", "R", "hit", "d_hit_vs_lru_pts", "d_hit_vs_lm_only_lru_pts", "adj_hit",
+           "mb_per_token", "mb_per_token_q3", "tokens_per_s", "pct_full", "accuracy", "identical_to_full", "heldout_lm",
+           "lm_vs_lm_only_pct", "agree_lm_only", "topB_mass", "train_overlap"]
 
 
 def run_study(cfg: StudyConfig, out: OutputDir, exports: list[EvalTarget] | None = None) -> list[dict[str, Any]]:
-    """Train the study's runs (or take ``exports``, from :func:`given_exports`), evaluate each on the
-    held-out texts, write the tables and the plot into ``out``; returns every row."""
+    """Train the study's runs (or take ``exports``, from :func:`given_exports`), evaluate each through the
+    runtime, write the tables and the plot into ``out``; returns every row."""
+    from expertcast.data.benchmarks import load_benchmark
     from expertcast.models.cache_routers import resolve_budget
     from tqdm.auto import tqdm
 
+    problems = load_benchmark(cfg.benchmark, "test", data_dir=cfg.data_dir, limit=cfg.prompts)
     targets = exports or [train_run(s, out, cfg) for s in tqdm(select_runs(cfg), desc="train runs", unit="run")]
     examples = heldout_examples(cfg, targets[0].export)
-    evaluated = [e.seq_id for e in examples]
+    evaluated = [e.seq_id for e in examples] + [p.id for p in problems]
     # refuse leakage before any evaluation work
     overlaps = {t.name: check_overlap(evaluated, t.train_ids, what=f"export {t.export}",
                                       allow_overlap=cfg.allow_overlap) for t in targets}
     rows: list[dict[str, Any]] = []
+    completions: dict[str, list[list[int]]] = {}
     for t in tqdm(targets, desc="evaluate runs", unit="run"):
         info = _read_export_info(t.export)
         E = _num_experts(t.export, info)
-        B = int(info.get("budget") or resolve_budget(cfg.budget, E))
-        Rs = cfg.R or [max(1, int(round(0.75 * B)))]
-        rows += _evaluate_cached(t, examples, B, Rs, cfg, overlaps[t.name], out)
-        if info.get("mode") == "lm_only":  # the LM-only reference under LRU at every budget of the B sweep
-            for b in sorted({resolve_budget(x, E) for x in cfg.budgets} - {B}):
-                rows += _evaluate_cached(t, examples, b, [], cfg, overlaps[t.name], out)
-    lm_ref = next((r["heldout_lm"] for r in rows if r["train_mode"] == "lm_only"), None)
-    for r in rows:
-        r["lm_vs_lm_only_pct"] = 100 * (r["heldout_lm"] / lm_ref - 1) if lm_ref else float("nan")
-        if not cfg.gsm8k:
-            r["gsm8k_acc"] = "n/a (tiny model)"
+        budgets = [int(info.get("budget") or resolve_budget(cfg.budget, E))]
+        if info.get("mode") == "lm_only":  # the LM-only reference at every budget of the B sweep
+            budgets += sorted({resolve_budget(x, E) for x in cfg.budgets} - set(budgets))
+        for B in budgets:
+            got = _evaluate_cached(t, examples, problems, B, cfg, overlaps[t.name], out)
+            rows += got["rows"]
+            completions[t.name] = got["completions"]
+    add_lm_only_refs(rows, completions)
     add_lru_deltas(rows)
-    write_tables(rows, out, len(evaluated), overlaps, cfg.allow_overlap)
+    write_tables(rows, out, len(examples), len(problems), overlaps, cfg)
     return rows
 
 
 def heldout_examples(cfg: StudyConfig, export: Path) -> list:
-    """The held-out texts evaluated (the first ``cfg.eval_limit`` of the held-out split), tokenised
+    """The held-out texts of the LM loss (the first ``cfg.eval_limit`` of the held-out split), tokenised
     with the tokenizer of ``export``."""
     from transformers import AutoTokenizer
 
@@ -504,46 +551,102 @@ def heldout_examples(cfg: StudyConfig, export: Path) -> list:
     return examples[: cfg.eval_limit] if cfg.eval_limit else examples
 
 
-def write_tables(rows: list[dict[str, Any]], out: OutputDir, n_texts: int, overlaps: dict[str, dict[str, Any]],
-                 allow_overlap: bool) -> None:
-    """Table 2, Table 3 (terminal, JSON, CSV), ``tradeoff.png`` and ``all_rows.json``."""
+def write_tables(rows: list[dict[str, Any]], out: OutputDir, n_texts: int, n_prompts: int,
+                 overlaps: dict[str, dict[str, Any]], cfg: StudyConfig) -> None:
+    """Table 2 (base B), Table 3 (other budgets), ``table2.png``, ``all_rows.json``; W&B when asked."""
     base_B = _base_budget(rows)
     leaked = sum(1 for o in overlaps.values() if o["overlap"])
     unknown = sum(1 for o in overlaps.values() if o["overlap"] is None)
-    header = (f"{n_texts} held-out texts; training overlap: "
+    header = (f"{n_prompts} {cfg.benchmark} test prompts decoded greedily through the runtime, LM loss on {n_texts} "
+              f"held-out texts; training overlap: "
               + ("none" if not leaked and not unknown else
                  f"{leaked} export(s) trained on evaluated texts, {unknown} record no training ids")
-              + (" (--allow-overlap)" if allow_overlap else ""))
-    t2 = [r for r in rows if r["B"] == base_B and (r["policy"] == "lru" or r["R"] == _table_R(rows, r["run"], base_B))]
-    t3 = sorted((r for r in rows if r["train_mode"] == "lm_only"
-                 or (r["train_mode"] in ("temporal", "full") and r["sw"] == 0.1)),
-                key=lambda r: (r["B"], r["run"], r["policy"] != "lru", str(r["R"])))
-    report(t2, title=f"Table 2: modes and sw (B={base_B} per layer, decode-only; {header})",
+              + (" (--allow-overlap)" if cfg.allow_overlap else ""))
+    t2 = [r for r in rows if r["B"] == base_B]
+    t3 = sorted((r for r in rows if r["B"] != base_B), key=lambda r: (r["B"], r["run"], r["policy"] != "lru"))
+    report(t2, title=f"Table 2: modes through the runtime (B={base_B} per layer, decode-only, seed {cfg.seed}; {header})",
            json_path=out.file("table2.json"), csv_path=out.file("table2.csv"), columns=COLUMNS)
-    report(t3, title=f"Table 3: budget B and refinement R (sw=0.1; LRU on the same weights beside each run; {header})",
-           json_path=out.file("table3.json"), csv_path=out.file("table3.csv"), columns=COLUMNS)
-    _plot(rows, out.file("tradeoff.png"))
+    if t3:
+        report(t3, title=f"Table 3: other budgets B (LRU on the same weights beside each run; {header})",
+               json_path=out.file("table3.json"), csv_path=out.file("table3.csv"), columns=COLUMNS)
+    _plot(t2, out.file("table2.png"), base_B)
     atomic_write_json(out.file("all_rows.json"), rows)
-    print(f"{header}\nwrote {out.path}/table2.csv, table3.csv, tradeoff.png (MB/token: real expert bytes; "
+    if cfg.wandb:
+        _log_wandb(rows, cfg, out.path / "table2.png")
+    print(f"{header}\nwrote {out.path}/table2.csv, table2.png, all_rows.json (MB/token: real expert bytes; "
           f"mb_per_token_q3: {Q3_EXPERT_BYTES / 1e6} MB experts)")
 
 
-def _evaluate_cached(target: EvalTarget, examples, B: int, Rs: list[int], cfg: StudyConfig,
-                     overlap: dict[str, Any], out: OutputDir) -> list[dict[str, Any]]:
-    """evaluate_run with its rows cached in ``eval/<run>@B<B>[-R<r,..>].json``, reused only when the
+def _label(r: dict[str, Any]) -> str:
+    return f"{r['run']}+{r['policy']}" + (f" R={r['R']}" if r["R"] != "-" else "")
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, B: int) -> None:
+    """PNG: Hit and MB/token per row (left, middle); Hit against held-out LM loss (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from expertcast.utils.io import save_figure
+
+    labels = [_label(r) for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    axes[0].barh(labels, [100 * r["hit"] for r in rows])
+    axes[0].set_xlabel("decode hit rate (%)")
+    axes[1].barh(labels, [r["mb_per_token"] for r in rows])
+    axes[1].set_xlabel("MB / token (real expert bytes)")
+    axes[1].set_yticklabels([])
+    for r in rows:
+        marker = "x" if r["policy"] in ("lru", "static") else "o"
+        axes[2].scatter(r["heldout_lm"], 100 * r["hit"], marker=marker)
+        axes[2].annotate(_label(r), (r["heldout_lm"], 100 * r["hit"]), fontsize=6)
+    lm_ref = next((r["heldout_lm"] for r in rows if r["train_mode"] == "lm_only"), None)
+    if lm_ref:
+        axes[2].axvline(lm_ref * 1.02, color="grey", linestyle=":", label="LM-only loss +2%")
+        axes[2].legend(fontsize=7)
+    axes[2].set_xlabel("held-out LM loss")
+    axes[2].set_ylabel("decode hit rate (%)")
+    for a in axes:
+        a.grid(alpha=0.3)
+    fig.suptitle(f"cache-aware routers through the runtime, B={B} per layer (x: LRU/static, o: router policy)")
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+
+
+def _log_wandb(rows: list[dict[str, Any]], cfg: StudyConfig, png: Path | None = None) -> None:
+    import wandb
+    from expertcast.utils.tracking import start_wandb_run
+
+    run = start_wandb_run(cfg.wandb_project, {**asdict(cfg)}, job_type="router-eval", name=f"router-eval-s{cfg.seed}")
+    table = wandb.Table(columns=COLUMNS, data=[[_cell(r.get(c)) for c in COLUMNS] for r in rows])
+    run.log({"router_eval/table2": table})
+    if png is not None:
+        from expertcast.utils.tracking import log_image
+
+        log_image(run, "router_eval/plot", png)
+    run.finish()
+
+
+def _cell(v: Any) -> Any:
+    return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+
+
+def _evaluate_cached(target: EvalTarget, examples, problems, B: int, cfg: StudyConfig, overlap: dict[str, Any],
+                     out: OutputDir) -> dict[str, Any]:
+    """evaluate_run with its rows and completions cached in ``eval/<run>@B<B>.json``, reused only when the
     file's settings key matches (a ResumeMismatchError otherwise)."""
-    suffix = f"-R{','.join(map(str, Rs))}" if Rs else ""
-    cache_file = out.file("eval") / f"{target.name}@B{B}{suffix}.json"
-    key = settings_key(export=_read_export_info(target.export)["export_hash"], B=B, R=Rs, gsm8k=cfg.gsm8k, eval_limit=cfg.eval_limit,
-                       evaluated_ids=sha256_json([e.seq_id for e in examples]), overlap=overlap,
-                       **cfg.data_settings())
+    cache_file = out.file("eval") / f"{target.name}@B{B}.json"
+    key = settings_key(export=_read_export_info(target.export)["export_hash"], B=B, R=cfg.R, eval_limit=cfg.eval_limit,
+                       evaluated_ids=sha256_json([e.seq_id for e in examples]),
+                       prompt_ids=sha256_json([p.id for p in problems]), overlap=overlap,
+                       **cfg.decode_settings(), **cfg.data_settings())
     if cache_file.is_file():
         saved = json.loads(cache_file.read_text(encoding="utf-8"))
         check_resume(saved.get("settings"), key, cache_file)
-        return saved["rows"]
-    rows = evaluate_run(target, examples, B, Rs, cfg, overlap)
-    atomic_write_json(cache_file, {"settings": key, "rows": rows})
-    return rows
+        return saved
+    got = evaluate_run(target, examples, problems, B, cfg, overlap)
+    atomic_write_json(cache_file, {"settings": key, **got})
+    return got
 
 
 def _num_experts(d: Path, info: dict[str, Any]) -> int:
@@ -552,4 +655,3 @@ def _num_experts(d: Path, info: dict[str, Any]) -> int:
         if k in cfg:
             return int(cfg[k])
     raise UsageError(f"{d}/{info['model_dir']}/config.json names no expert count")
-

@@ -66,34 +66,17 @@ class LoraSettings:
     """Export a merged HF model (True) or the base id plus the peft adapter (False)."""
 
 
-def load_backbone(name: str, dtype: str = "float32"):
-    """(model, tokenizer) for ``name``: "default", a tiny preset, or an HF directory / Hub id."""
-    from expertcast.models import presets
+def load_backbone(name: str, dtype: str = "float32", seed: int = 0):
+    """(model, tokenizer, base identity) for ``name``: ``default``/``tiny-default``, a tiny preset, an HF
+    directory or a Hub id (:func:`expertcast.train.model_names.resolve_model`, then
+    :func:`expertcast.models.backbone.load_moe_model`); the identity is what an adapter export records
+    (:func:`expertcast.models.backbone.base_identity`)."""
+    from expertcast.models.backbone import base_identity, load_moe_model
+    from expertcast.train.model_names import resolve_model
 
-    torch_dtype = getattr(torch, dtype)
-    if name == "default":
-        from expertcast.train.tiny_default import ensure_default_model
-
-        name = str(ensure_default_model())
-    if presets.is_preset(name):
-        from expertcast.models.tokenizer import byte_level_tokenizer
-
-        return presets.build_tiny(name, dtype=torch_dtype), byte_level_tokenizer()
-    try:
-        from expertcast.models.backbone import load_moe_model  # the models engineer's loader, when present
-    except ImportError:
-        load_moe_model = None
-    from transformers import AutoTokenizer
-
-    if load_moe_model is not None:
-        loaded = load_moe_model(name, dtype=torch_dtype)
-        model = loaded[0] if isinstance(loaded, tuple) else getattr(loaded, "model", loaded)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, trust_remote_code=False)
-    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-    return model, tok
+    resolved = resolve_model(name, announce=False)
+    model, tok = load_moe_model(resolved, dtype=dtype, seed=seed)
+    return model, tok, base_identity(name, resolved, init_seed=seed)
 
 
 class RouterAdaptationModule(pl.LightningModule):
@@ -126,7 +109,7 @@ class RouterAdaptationModule(pl.LightningModule):
         self.router_mode = None if mode == "lm_only" else (aux_routers if mode == "aux_only" else mode)
         self.sw = 0.0 if mode == "lm_only" else float(sw)
         torch.manual_seed(seed)
-        backbone, self.tokenizer = load_backbone(model, dtype)
+        backbone, self.tokenizer, self.base_identity = load_backbone(model, dtype)
         sites = find_routers(backbone)
         self.num_layers, self.num_experts, self.top_k = len(sites), sites[0].num_experts, sites[0].top_k
         self.budget = resolve_budget(budget, self.num_experts, self.top_k)
@@ -142,7 +125,9 @@ class RouterAdaptationModule(pl.LightningModule):
             backbone.gradient_checkpointing_enable()
         backbone.train(mode != "aux_only")  # a frozen backbone stays in eval mode
         self.backbone = backbone
-        self._tap: RouterTap | None = None
+        # hooked now, before a strategy wraps or shards the model: RouterTap checks the routers against the
+        # native router weights, which FSDP flattens into shards; the hooks stay on the same modules
+        self.tap = RouterTap(backbone, self.routers)
 
     @staticmethod
     def _apply_lora(backbone, lora: LoraSettings):
@@ -158,12 +143,6 @@ class RouterAdaptationModule(pl.LightningModule):
         return get_peft_model(backbone, cfg)
 
     # ------------------------------------------------------------------ hooks
-    @property
-    def tap(self) -> RouterTap:
-        if self._tap is None:
-            self._tap = RouterTap(self.backbone, self.routers)
-        return self._tap
-
     def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         ids, am, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
         B, T = ids.shape
@@ -238,38 +217,45 @@ class RouterAdaptationModule(pl.LightningModule):
     # into ``export_dir`` when set, else into the run directory (expertcast.train.fit_run)
     task_name = "router"
     export_kind = "export-router"
+    collective_export = True
+    """`expertcast fit` calls :meth:`export` on every rank (FSDP gathers the shards; rank 0 writes)."""
 
-    def export(self, directory: str | Path, training: dict[str, Any] | None = None) -> Path:
-        """Write ``model/`` (HF format: LoRA merged, or ``adapter/`` with the base id), ``routers/``
-        (safetensors + JSON, :mod:`expertcast.models.router_export`), ``export.json`` (with the
-        provenance block ``training`` when given) and a manifest over every file of the export."""
+    def export(self, directory: str | Path, training: dict[str, Any] | None = None) -> Path | None:
+        """Write the export into ``directory``; returns it (None on ranks > 0 of a multi-process fit).
+
+        ``model/``: a plain Hugging Face folder, LoRA merged (``lora.merge_on_export``, the default), or
+        ``adapter/``: the peft adapter, loaded over the base model that ``export.json`` records (``base``,
+        :func:`expertcast.models.backbone.base_identity`) by :func:`~expertcast.models.backbone.load_moe_model`;
+        ``routers/`` (safetensors + JSON, :mod:`expertcast.models.router_export`), ``export.json`` (with the
+        provenance block ``training`` when given) and a manifest over every file of the export.
+
+        In a multi-process fit every rank must call it: under FSDP the full state dict is gathered to rank 0
+        (a collective, :func:`gathered_state_dict`); under DDP every rank already holds the whole model. All
+        ranks meet at a barrier, then rank 0 alone writes.
+        """
+        state = gathered_state_dict(self)
+        if _sync_ranks(self) != 0:
+            return None
+        source = self if state is None else self._unsharded_copy(state)
+        return source._write_export(Path(directory), training)
+
+    def _unsharded_copy(self, state: dict[str, torch.Tensor]) -> RouterAdaptationModule:
+        """A new module of the same settings (backbone loaded again, LoRA applied) holding ``state``."""
+        twin = type(self)(**{k: v for k, v in self.hparams.items() if k != "export_dir"})
+        twin.load_state_dict(state, strict=True)
+        return twin
+
+    def _write_export(self, d: Path, training: dict[str, Any] | None) -> Path:
         from expertcast.models.router_export import ADAPTATION_FILE, save_routers
         from expertcast.utils.io import atomic_write_json
         from expertcast.utils.provenance import EXPORT_MANIFEST, write_export_manifest
 
-        d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        lora = self.lora
-        bb = self.backbone
         info: dict[str, Any] = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION,
                                 "mode": self.mode, "router_mode": self.router_mode, "sw": self.sw,
-                                "budget": self.budget, "tau": self.tau, "base_model": self.hparams.model}
-        is_peft = hasattr(bb, "peft_config")
-        if is_peft and (lora is None or lora.merge_on_export):
-            merged = copy.deepcopy(bb).merge_and_unload()
-            merged.save_pretrained(d / "model")
-            plain = merged
-            info["model_dir"] = "model"
-        elif is_peft:
-            bb.save_pretrained(d / "adapter")
-            plain = bb
-            info["adapter_dir"] = "adapter"
-        else:
-            bb.save_pretrained(d / "model")
-            plain = bb
-            info["model_dir"] = "model"
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(d / ("model" if "model_dir" in info else "adapter"))
+                                "budget": self.budget, "tau": self.tau, "base_model": self.hparams.model,
+                                "base": self.base_identity}
+        plain = self._save_backbone(d, info)
         if self.routers is not None:
             save_routers(d / "routers", self.routers, plain,
                          extra={"budget": self.budget, "tau": self.tau, "sw": self.sw, "train_mode": self.mode})
@@ -286,6 +272,61 @@ class RouterAdaptationModule(pl.LightningModule):
                  and not any(part.startswith(".") for part in p.relative_to(d).parts)]
         write_export_manifest(d, files)
         return d
+
+    def _save_backbone(self, d: Path, info: dict[str, Any]) -> Any:
+        """Save ``model/`` (merged) or ``adapter/`` with the tokenizer; returns a plain model of the routers'
+        backbone (for their signature). Records the folder in ``info``."""
+        bb = self.backbone
+        if hasattr(bb, "peft_config") and self.lora is not None and not self.lora.merge_on_export:
+            info["adapter_dir"] = "adapter"
+            bb.save_pretrained(d / "adapter")
+            plain = bb
+        else:
+            info["model_dir"] = "model"
+            plain = bb
+            if hasattr(bb, "peft_config"):
+                self.tap.remove()  # the copy must not carry the training hooks
+                try:
+                    plain = copy.deepcopy(bb).merge_and_unload()
+                finally:
+                    self.tap = RouterTap(self.backbone, self.routers)
+            plain.save_pretrained(d / "model")
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(d / info.get("model_dir", info.get("adapter_dir")))
+        return plain
+
+
+def _is_sharded(module: torch.nn.Module) -> bool:
+    """True when FSDP (FullyShardedDataParallel submodules, or FSDP2's DTensor parameters) shards ``module``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    return (any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+            or any(isinstance(p, DTensor) for p in module.parameters()))
+
+
+def _sync_ranks(module: pl.LightningModule) -> int:
+    """Wait for every rank of a multi-process run (a barrier) and return this process's rank (0 when alone):
+    the trainer's, or torch.distributed's for a module sharded outside a trainer."""
+    if module._trainer is not None:
+        module.trainer.strategy.barrier("expertcast-export")
+        return module.trainer.global_rank
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        return torch.distributed.get_rank()
+    return 0
+
+
+def gathered_state_dict(module: pl.LightningModule) -> dict[str, torch.Tensor] | None:
+    """The full state dict of a module that FSDP shards, gathered to rank 0's CPU (keys as in the unwrapped
+    module's ``state_dict()``; empty on the other ranks). A collective: every rank must call it. None when
+    nothing is sharded (one process, or DDP, where every rank holds the whole model)."""
+    if not _is_sharded(module):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    root = module.trainer.strategy.model if module._trainer is not None else module
+    return get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 class DecoderLayerFSDPStrategy(FSDPStrategy):

@@ -2,20 +2,24 @@
 
 ``expertcast build-default [--force]`` (and :func:`ensure_default_model`, which every ``--model
 tiny-default`` resolves through) trains a small Qwen3-MoE on GSM8K train solutions (formatted as chat:
-question -> answer) and the long R1 chain-of-thought traces of ``cot/math153.jsonl`` (wrapped in
-``<think>...</think>``), so that its routers behave like a trained model's (experts specialise;
-consecutive tokens share experts) rather than random init.
+question -> answer), the long R1 chain-of-thought traces of ``cot/math153.jsonl`` (wrapped in
+``<think>...</think>``) and the ``train`` split of the synthetic arithmetic task
+(:mod:`expertcast.data.arith`, prompted exactly as ``expertcast eval --benchmark arith`` prompts), so
+that its routers behave like a trained model's (experts specialise; consecutive tokens share experts)
+rather than random init, and so that it answers held-out ``arith`` problems well above chance: the
+accuracy signal on CPU (GSM8K stays at 0% for a model this size).
 
 Reproducible: the recipe (:class:`TinyDefaultConfig`) fixes the number of optimizer steps, the seed and
 the number of torch threads, and the data order is drawn from the seed; two builds of one recipe on one
 software stack give identical weights. The cache key (:meth:`TinyDefaultConfig.key`) is a hash of the
-whole recipe, the sha256 of every data file it reads and the code format (``RECIPE_VERSION``).
+whole recipe, the sha256 of every data file it reads and of the generated arithmetic problems, and the
+code format (``RECIPE_VERSION``).
 
 The result is saved in Hugging Face format (``save_pretrained``, safetensors) under
 ``cache_dir()/tiny-default-v1/<key>``, written to a temporary directory and renamed into place once
 complete, with ``report.json`` (the recipe, the data hashes, the loss curve every ``LOSS_LOG_EVERY``
-steps, training time, held-out GSM8K-test perplexity, per-layer expert load balance against the
-untrained init) and ``train_loss.png``. A changed recipe gets a new key and retrains; an unchanged one
+steps, training time, held-out GSM8K-test perplexity, greedy accuracy on held-out ``arith`` test
+problems, per-layer expert load balance against the untrained init) and ``train_loss.png``. A changed recipe gets a new key and retrains; an unchanged one
 is reused. A file lock makes concurrent callers wait for one build instead of training in parallel.
 An interrupted build resumes from its last checkpoint (saved every ``checkpoint_every_s``) and ends
 with the same weights as an uninterrupted one.
@@ -49,8 +53,9 @@ from expertcast.utils.provenance import sha256_file
 
 DEFAULT_NAME = "tiny-default-v1"
 REPORT_FILE = "report.json"
-RECIPE_VERSION = 3
-"""Code format of the build (part of the cache key): 2 = a fixed number of steps on fixed threads."""
+RECIPE_VERSION = 4
+"""Code format of the build (part of the cache key): 2 = a fixed number of steps on fixed threads;
+3 = deterministic algorithms; 4 = the arithmetic task in the corpus."""
 LOSS_LOG_EVERY = 10
 """``report.json`` records the training loss at step 1 and every this many steps."""
 MAX_STEPS = 700
@@ -95,6 +100,8 @@ class TinyDefaultConfig:
     """Use only the first N math153 chain-of-thought traces (None: all 153)."""
     strip_calculator_notes: bool = True
     """Remove GSM8K's ``<<48/2=24>>`` calculator annotations from the solutions."""
+    arith_train: int = 12000
+    """The first N problems of the ``arith`` train split, as chats in the corpus (0: none)."""
 
     # --- optimisation
     batch_size: int = 4
@@ -121,12 +128,18 @@ class TinyDefaultConfig:
     """Held-out chain-of-thought traces (cot/labeled40.jsonl) for the routing statistics."""
     eval_max_len: int = 1024
     """Truncate held-out sequences to this many tokens."""
+    eval_arith: int = 100
+    """Held-out ``arith`` test problems for the greedy accuracy in the report (0: none)."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "threads", "batch_size", "seq_len", "num_layers", "num_experts", "top_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UsageError(f"tiny-default recipe: {name} must be a positive integer, got {v!r}")
+        for name in ("arith_train", "eval_arith"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise UsageError(f"tiny-default recipe: {name} must be a non-negative integer, got {v!r}")
         if self.top_k > self.num_experts:
             raise UsageError(f"tiny-default recipe: top_k {self.top_k} exceeds num_experts {self.num_experts}")
 
@@ -155,11 +168,20 @@ class TinyDefaultConfig:
 
     def key(self, data_files: dict[str, Path]) -> str:
         """Cache key: a hash of the whole recipe (every field: sizes, data limits, optimisation,
-        ``max_steps``, ``seed``, ``threads``), the code format ``RECIPE_VERSION`` and the sha256 of
-        every data file the build reads."""
-        payload = {"recipe_version": RECIPE_VERSION, "config": self.to_dict(), "data": data_hashes(data_files)}
+        ``max_steps``, ``seed``, ``threads``), the code format ``RECIPE_VERSION``, the sha256 of
+        every data file the build reads and of the generated arithmetic training problems."""
+        payload = {"recipe_version": RECIPE_VERSION, "config": self.to_dict(), "data": data_hashes(data_files),
+                   "arith": arith_hash(self.arith_train)}
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=8)
+def arith_hash(n: int) -> str:
+    """sha256 of the first ``n`` arith train problems (their chats, as the corpus holds them)."""
+    from expertcast.utils.provenance import sha256_json
+
+    return sha256_json([arith_messages(p) for p in arith_train_problems(n)])
 
 
 def data_hashes(files: dict[str, Path]) -> dict[str, str]:
@@ -241,6 +263,21 @@ def cot_messages(row: dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": "user", "content": row["problem"].strip()}, {"role": "assistant", "content": content}]
 
 
+def arith_train_problems(n: int) -> list:
+    """The first ``n`` problems of the arith ``train`` split (:class:`~expertcast.data.arith.ArithProblem`)."""
+    from expertcast.data.arith import arith_problems
+
+    return arith_problems("train", n) if n else []
+
+
+def arith_messages(problem) -> list[dict[str, str]]:
+    """Chat of one arith problem: the user turn exactly as ``eval --benchmark arith`` prompts it
+    (question + instruction), the worked solution as the answer."""
+    from expertcast.data.prompts import user_message
+
+    return [user_message(problem.question, "arith"), {"role": "assistant", "content": problem.solution}]
+
+
 @dataclass
 class _Corpus:
     train_chats: list[str]
@@ -249,12 +286,15 @@ class _Corpus:
     eval_cot: list[dict[str, Any]]
     n_gsm8k: int
     n_cot: int
+    n_arith: int
 
 
 def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path]) -> _Corpus:
     gsm = _read_jsonl(files["gsm8k_train"], cfg.gsm8k_train_limit)
     cot = _read_jsonl(files["cot_train"], cfg.cot_limit)
-    chats = [gsm8k_messages(r, cfg.strip_calculator_notes) for r in gsm] + [cot_messages(r) for r in cot]
+    arith = arith_train_problems(cfg.arith_train)
+    chats = ([gsm8k_messages(r, cfg.strip_calculator_notes) for r in gsm] + [cot_messages(r) for r in cot]
+             + [arith_messages(p) for p in arith])
     tok_texts = [m["content"] for c in chats for m in c]
     return _Corpus(
         train_chats=chats,  # type: ignore[arg-type]
@@ -263,6 +303,7 @@ def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path]) -> _Corpus:
         eval_cot=_read_jsonl(files["cot_heldout"], cfg.eval_cot) if cfg.eval_cot else [],
         n_gsm8k=len(gsm),
         n_cot=len(cot),
+        n_arith=len(arith),
     )
 
 
@@ -397,6 +438,29 @@ def heldout_perplexity(model, tokenizer, rows: list[dict[str, Any]], cfg: TinyDe
         count += int(m.sum())
     return {"perplexity": math.exp(nll / max(1, count)), "nll": nll / max(1, count), "tokens": count,
             "sequences": len(seqs)}
+
+
+@torch.no_grad()
+def heldout_arith_accuracy(model, tokenizer, n: int, max_new_tokens: int = 64, batch_size: int = 25) -> dict[str, Any]:
+    """Greedy accuracy on the first ``n`` held-out ``arith`` test problems, prompted and graded as
+    ``expertcast eval --benchmark arith`` does (chat template, exact match of the number after ``####``)."""
+    from expertcast.data.benchmarks import load_benchmark
+    from expertcast.data.grading import grade
+    from expertcast.data.prompts import build_prompt
+
+    model.eval()
+    problems = load_benchmark("arith", "test", limit=n)
+    correct = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        enc = tokenizer([build_prompt(tokenizer, p.question, "arith") for p in chunk], return_tensors="pt",
+                        padding=True, add_special_tokens=False)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(grade("arith", t, p.answer) for t, p in zip(texts, chunk, strict=True))
+    return {"accuracy": correct / len(problems), "correct": correct, "problems": len(problems),
+            "first_id": problems[0].id, "last_id": problems[-1].id}
 
 
 @torch.no_grad()
@@ -675,13 +739,15 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
         n_params = sum(p.numel() for p in model.parameters())
         print(f"build-default: {n_params / 1e6:.2f}M parameters, {cfg.num_layers} MoE layers x "
               f"{cfg.num_experts} experts (top-{cfg.top_k}), vocab {len(tokenizer)}; corpus "
-              f"{stream.total_tokens} tokens ({corpus.n_gsm8k} GSM8K + {corpus.n_cot} CoT chats); "
+              f"{stream.total_tokens} tokens ({corpus.n_gsm8k} GSM8K + {corpus.n_cot} CoT + {corpus.n_arith} "
+              f"arith chats); "
               f"{cfg.max_steps} steps on {cfg.threads} threads")
         state = _train(cfg, model, stream, work, progress, checkpoint_every_s)
 
         t_eval = time.perf_counter()
         ppl = heldout_perplexity(model, tokenizer, corpus.eval_gsm8k, cfg) if corpus.eval_gsm8k else None
         ppl_init = heldout_perplexity(init_model, tokenizer, corpus.eval_gsm8k, cfg) if corpus.eval_gsm8k else None
+        arith = heldout_arith_accuracy(model, tokenizer, cfg.eval_arith) if cfg.eval_arith else None
         seqs = _heldout_token_seqs(tokenizer, corpus, cfg)
         routing = _routing_report(model, seqs, cfg.num_experts) if seqs else {}
         routing_init = _routing_report(init_model, seqs, cfg.num_experts) if seqs else {}
@@ -701,7 +767,8 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
             "parameters": n_params,
             "threads": cfg.threads,
             "corpus_tokens": stream.total_tokens,
-            "corpus_chats": {"gsm8k_train": corpus.n_gsm8k, "cot_math153": corpus.n_cot},
+            "corpus_chats": {"gsm8k_train": corpus.n_gsm8k, "cot_math153": corpus.n_cot, "arith_train": corpus.n_arith},
+            "arith_sha256": arith_hash(cfg.arith_train),
             "epochs": stream.epoch + (stream._pos * cfg.seq_len) / max(1, stream.total_tokens),
             "tokenizer_train_s": tok_time,
             "train_time_s": state["elapsed_s"],
@@ -713,6 +780,7 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
             "resumed": state.get("resumed", 0),
             "heldout_gsm8k_test": ppl,
             "heldout_gsm8k_test_init": ppl_init,
+            "heldout_arith_test": arith,
             "routing": routing,
             "routing_init": routing_init,
             "uniform_overlap": cfg.top_k / cfg.num_experts,
@@ -760,10 +828,12 @@ def print_report(report: dict[str, Any]) -> None:
     """Summary and per-layer load-balance table in the terminal."""
     ppl = report.get("heldout_gsm8k_test") or {}
     ppl0 = report.get("heldout_gsm8k_test_init") or {}
+    arith = report.get("heldout_arith_test") or {}
     print_table([{
         "train_s": report["train_time_s"], "steps": report["steps"], "tokens_seen": report["tokens_seen"],
         "tokens_per_s": report["tokens_per_s"], "epochs": report["epochs"],
         "gsm8k_test_ppl": ppl.get("perplexity"), "init_ppl": ppl0.get("perplexity"),
+        "arith_test_acc": arith.get("accuracy"),
     }], title=f"tiny-default {report['key']}", floatfmt="{:.2f}")
     rows = []
     for domain, res in report.get("routing", {}).items():
@@ -788,5 +858,6 @@ def print_report(report: dict[str, Any]) -> None:
 __all__ = [
     "TinyDefaultConfig", "ensure_default_model", "default_model_dir", "build_default_model", "load_report",
     "print_report", "routing_of", "model_config",
-    "routing_stats", "heldout_perplexity", "gsm8k_messages", "cot_messages", "data_hashes",
+    "routing_stats", "heldout_perplexity", "heldout_arith_accuracy", "gsm8k_messages", "cot_messages",
+    "arith_messages", "arith_train_problems", "arith_hash", "data_hashes",
 ]

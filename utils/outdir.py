@@ -121,6 +121,12 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any] | None:
     return m if isinstance(m, dict) else None
 
 
+def _is_internal(name: str) -> bool:
+    """The marker, the lock, and a marker being written right now by a concurrent run (an atomic write's
+    temp file ``.<marker>.<random>.tmp``): that run is reported by the lock, not as foreign files."""
+    return name in _INTERNAL or (name.startswith(f".{MARKER}.") and name.endswith(".tmp"))
+
+
 def _take_lock(path: Path, kind: str) -> int:
     import fcntl
 
@@ -155,7 +161,7 @@ def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = Fa
         raise OutputDirError(f"output path {p} exists and is not a folder")
     p.mkdir(parents=True, exist_ok=True)
     marker = read_marker(p)
-    entries = [e.name for e in p.iterdir() if e.name not in _INTERNAL]
+    entries = [e.name for e in p.iterdir() if not _is_internal(e.name)]
     if marker is None:
         if entries:
             shown = ", ".join(sorted(entries)[:5]) + (" ..." if len(entries) > 5 else "")

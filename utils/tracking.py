@@ -1,16 +1,183 @@
-"""Experiment tracking outside Lightning (the offloaded-eval harness): W&B, imported only when asked,
-so that `inference/` and `models/` never import wandb themselves."""
+"""Experiment tracking with W&B beyond scalars: result tables, plots and exports.
+
+wandb is imported only when a run is asked for (``--wandb``), so that `inference/` and `models/` never
+import it. ``WANDB_MODE=offline`` (the tests') writes the run under ``$WANDB_DIR/wandb/offline-run-*``,
+to be uploaded later with ``wandb sync``.
+
+* :func:`log_table` logs rows (list of dicts) as a ``wandb.Table``; :func:`log_image` a PNG;
+* :func:`log_export` logs an export folder (forecaster, routers, fine-tuned model) as an artifact whose
+  metadata holds the export's JSON files (its config, training block, manifest);
+* :func:`log_results` does all three for one command in a run of its own (simulate, forecast-eval,
+  stages eval, ...); :func:`log_export_to_loggers` finds the W&B run of a Lightning fit.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+
+def add_wandb_args(parser: Any, project: str = "expertcast") -> None:
+    """``--wandb`` and ``--wandb-project`` on a command's parser."""
+    parser.add_argument("--wandb", action="store_true", help="also log the tables, plots and exports to W&B")
+    parser.add_argument("--wandb-project", default=project, help="W&B project (WANDB_MODE=offline to log locally)")
+
+
+def _wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as e:  # pragma: no cover - wandb is a core dependency
+        raise RuntimeError("--wandb needs the wandb package (pip install wandb)") from e
+    return wandb
 
 
 def start_wandb_run(project: str, config: dict[str, Any], job_type: str, name: str) -> Any:
     """Start a W&B run (honours ``WANDB_MODE=offline``); returns the run, whose ``log``/``finish`` the
     caller uses. A missing wandb package is a clear error."""
+    import os
+
+    # the folder is read now: wandb caches its settings at the first run of the process
+    return _wandb().init(project=project, config=_jsonable(config), job_type=job_type, name=name,
+                         dir=os.environ.get("WANDB_DIR") or None)
+
+
+def _jsonable(v: Any) -> Any:
+    return json.loads(json.dumps(v, default=str))
+
+
+def _cell(v: Any) -> Any:
+    """A table cell: scalars as they are, anything else as JSON text."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return json.dumps(_jsonable(v))
+
+
+def log_table(run: Any, key: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Log ``rows`` (the command's printed table) as a ``wandb.Table`` under ``key``; the columns are the
+    union of the rows' keys in first-seen order."""
+    columns: list[str] = []
+    for r in rows:
+        columns += [str(k) for k in r if str(k) not in columns]
+    data = [[_cell(r.get(c)) for c in columns] for r in rows]
+    run.log({key: _wandb().Table(columns=columns, data=data)})
+
+
+def log_image(run: Any, key: str, path: str | Path) -> None:
+    """Log the PNG at ``path`` under ``key`` (nothing when the command wrote no such file)."""
+    if Path(path).is_file():
+        run.log({key: _wandb().Image(str(path))})
+
+
+def _artifact_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.") or "export"
+
+
+UPLOAD_LIMIT_MB = 2048.0
+"""Exports up to this size are uploaded; larger ones (a fine-tuned 30B model) are logged as a reference to
+their folder (W&B records the paths, the metadata still holds the export manifest's sha256 of every file)."""
+
+
+def log_export(run: Any, export_dir: str | Path, kind: str, name: str | None = None,
+               upload_limit_mb: float = UPLOAD_LIMIT_MB) -> Any:
+    """Log the export folder ``export_dir`` as an artifact of type ``kind`` (``forecaster``, ``router``,
+    ``model``) holding its files (hidden ones, the output-folder marker and lock, left out); its metadata
+    holds every top-level JSON file of the export by file name (config, training block, manifest with the
+    sha256 of every file). Returns the artifact."""
+    d = Path(export_dir)
+    files = sorted(p for p in d.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(d).parts))
+    meta: dict[str, Any] = {}
+    for f in (p for p in files if p.parent == d and p.suffix == ".json"):
+        try:
+            meta[f.stem] = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+    art = _wandb().Artifact(_artifact_name(name or f"{kind}-{d.resolve().name}"), type=kind, metadata=meta)
+    if sum(p.stat().st_size for p in files) / 2**20 <= upload_limit_mb:
+        for f in files:  # the export's files, not the output-folder marker and lock
+            art.add_file(str(f), name=str(f.relative_to(d)))
+    else:
+        art.add_reference(f"file://{d.resolve()}", checksum=False)
+    run.log_artifact(art)
+    return art
+
+
+def export_kind(export_dir: str | Path) -> str:
+    """``model`` for an export holding a fine-tuned model (``model/``), else the kind its files name
+    (``forecaster``/``router``), else ``export``."""
+    d = Path(export_dir)
+    if (d / "model").is_dir():
+        return "model"
+    names = " ".join(p.name for p in d.iterdir()) if d.is_dir() else ""
+    return next((k for k in ("forecaster", "router") if k in names), "export")
+
+
+def log_results(project: str, job_type: str, name: str, config: Mapping[str, Any],
+                tables: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+                images: Mapping[str, str | Path] | None = None,
+                exports: Iterable[tuple[str | Path, str]] = ()) -> str:
+    """One W&B run for one command's results: ``tables`` (key -> rows), ``images`` (key -> PNG path),
+    ``exports`` ((folder, kind) pairs). Returns the run's local directory."""
+    run = start_wandb_run(project, dict(config), job_type=job_type, name=name)
     try:
-        import wandb
-    except ImportError as e:  # pragma: no cover - wandb is a core dependency
-        raise RuntimeError("--wandb needs the wandb package (pip install wandb)") from e
-    return wandb.init(project=project, config=config, job_type=job_type, name=name)
+        for key, rows in (tables or {}).items():
+            log_table(run, key, rows)
+        for key, path in (images or {}).items():
+            log_image(run, key, path)
+        for folder, kind in exports:
+            log_export(run, folder, kind)
+        return str(Path(run.dir).parent)
+    finally:
+        run.finish()
+
+
+def log_export_to_loggers(loggers: Iterable[Any], export_dir: str | Path) -> None:
+    """After a fit: log the export as an artifact to every W&B logger of the trainer (none: nothing)."""
+    for lg in loggers:
+        if type(lg).__name__ == "WandbLogger":
+            log_export(lg.experiment, export_dir, export_kind(export_dir))
+
+
+def _wandb_records(path: Path) -> Iterable[bytes]:
+    """The records of a ``run-*.wandb`` transaction log (LevelDB log format after a 7-byte header)."""
+    import struct
+
+    b, pos, block, buf = path.read_bytes(), 7, 32768, b""
+    while pos + 7 <= len(b):
+        room = block - pos % block
+        if room < 7:  # block trailer
+            pos += room
+            continue
+        _crc, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
+        pos += 7
+        if n == 0 and kind == 0:  # zero padding to the end of the block
+            pos += room - 7
+            continue
+        buf += b[pos:pos + n]
+        pos += n
+        if kind in (1, 4):  # FULL or LAST fragment
+            yield buf
+            buf = b""
+
+
+def offline_run_contents(run_dir: str | Path) -> dict[str, Any]:
+    """What an offline run directory (``wandb/offline-run-*``) holds: its table and image files and the
+    artifacts its transaction log records (name, type, files, metadata keys)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    d = Path(run_dir)
+    media = d / "files" / "media"
+    out: dict[str, Any] = {"run_dir": str(d), "artifacts": [],
+                           "tables": sorted(str(p.relative_to(d)) for p in media.glob("table/**/*.table.json")),
+                           "images": sorted(str(p.relative_to(d)) for p in media.glob("images/**/*.png"))}
+    for log in d.glob("run-*.wandb"):
+        for data in _wandb_records(log):
+            rec = pb.Record()
+            rec.ParseFromString(data)
+            if rec.WhichOneof("record_type") == "artifact":
+                a = rec.artifact
+                out["artifacts"].append({"name": a.name, "type": a.type, "files": [c.path for c in a.manifest.contents],
+                                         "metadata": sorted(json.loads(a.metadata or "{}"))})
+    return out

@@ -28,6 +28,7 @@ REGISTRY: dict[str, str] = {
     "belady-seq": "expertcast.inference.policies.oracle:SequentialBeladyPolicy",
     "seqmoe": "expertcast.inference.policies.seqmoe:SeqMoEPolicy",
     "seqmoe-async": "expertcast.inference.runtime.async_forecast:AsyncSeqMoEPolicy",
+    "hybrid": "expertcast.inference.policies.hybrid:HybridPolicy",
     "stage": "expertcast.inference.policies.stage_aware:StageAwarePolicy",
     "stage-oracle": "expertcast.inference.policies.stage_aware:StageOraclePolicy",
     "router-temporal": "expertcast.inference.policies.router:TemporalRetentionPolicy",

@@ -1,11 +1,17 @@
 """Cache policies of the cache-aware router adaptation (docs/design.md, "Cache-aware router adaptation").
 
-The routers' outputs are recorded in the teacher-forced pass of the evaluated model (one
-:class:`RouterRecord` per sequence: p^R, p^T, p^S, each float16 [T, L, E]) and kept in a
-:class:`RouterReplay` keyed by sequence id. The policy reads them at the position the driver says each member processes (``StepInfo.positions``:
-prefill steps first, then decode steps). A live generation (the runtime) reads the records of its
-sequence ids, recorded on the same text beforehand. With a batch of several sequences, a priority is
-the mean over the members processing a token.
+The policies read the routers' outputs through a *score source*: one :class:`RouterRecord` per
+sequence (p^R, p^T, p^S, each float16 [T, L, E]) returned by ``source.records_for(batch)`` when the
+batch opens, read at the position the driver says each member processes (``StepInfo.positions``:
+prefill steps first, then decode steps). Two sources exist and a policy does not tell them apart:
+
+- :class:`RouterReplay`: records of finished sequences keyed by sequence id (a teacher-forced pass,
+  or the router outputs a runtime run recorded), for the simulator;
+- :class:`expertcast.inference.runtime.live_routers.LiveRouterScores`: records that the export's routers
+  fill during a live generation, each position written by forward hooks on the native routers as
+  the model computes it (before the policy reads it at that step).
+
+With a batch of several sequences, a priority is the mean over the members processing a token.
 
 - :class:`TemporalRetentionPolicy` (``router-temporal``, Algorithm 1, update-only): demand-load
   misses, protect the selection, evict the lowest ``s^T_{t,l} = p^R_{t,l} + p^T_{t,l}`` resident.
@@ -76,6 +82,10 @@ class RouterReplay:
     def __len__(self) -> int:
         return len(self.records)
 
+    def records_for(self, batch: Sequence[Any]) -> list[RouterRecord]:
+        """The records of the batch's members (by ``seq_id``), in batch order."""
+        return [self[s.seq_id] for s in batch]
+
     def save(self, directory: str | os.PathLike) -> Path:
         from expertcast.utils.io import atomic_write_bytes, atomic_write_json
 
@@ -121,14 +131,17 @@ class _RouterPolicyBase(Policy):
     needs_p_T = False
     needs_p_S = False
 
-    def __init__(self, replay: RouterReplay | str | os.PathLike | None = None, R: int | None = None):
+    def __init__(self, replay: Any = None, R: int | None = None):
+        """``replay``: the score source (a :class:`RouterReplay`, its directory, or a
+        :class:`~expertcast.inference.runtime.live_routers.LiveRouterScores`)."""
         self.replay = RouterReplay.load(replay) if isinstance(replay, (str, os.PathLike)) else replay
         self.R = R
         self._batch: list[RouterRecord] = []
         self._act: list[tuple[RouterRecord, int]] = []
         self.t = -1
 
-    def set_replay(self, replay: RouterReplay) -> None:
+    def set_replay(self, replay: Any) -> None:
+        """Use another score source (a :class:`RouterReplay` or live scores) from the next batch on."""
         self.replay = replay
 
     def reset(self, config: CacheConfig) -> None:
@@ -149,8 +162,7 @@ class _RouterPolicyBase(Policy):
         if self.replay is None:
             raise ValueError(f"{type(self).__name__} needs the routers' recorded outputs: pass replay=RouterReplay")
         out = []
-        for s in batch:
-            rec = self.replay[s.seq_id]
+        for s, rec in zip(batch, self.replay.records_for(batch), strict=True):
             T = getattr(s, "num_tokens", None)  # a live prompt's length is not known yet
             L, E = self.config.num_layers, self.config.num_experts
             if (T is not None and rec.p_R.shape[0] != T) or rec.p_R.shape[1:] != (L, E):

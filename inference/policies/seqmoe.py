@@ -5,7 +5,12 @@ step (layers <= p of this step, layers > p of the previous one) and rolls out ``
 elements. Then:
 
 * Prefetch (6): from the first-step probabilities, up to ``max_tasks_per_layer`` (default K) tasks per
-  layer, confidence = probability, deadline = the layer's next execution. The
+  layer, deadline = the layer's next execution. ``prefetch_rule="floor"`` (default) is the paper's rule:
+  confidence = probability, fixed floor ``min_confidence``. ``"benefit"``: a task's confidence is its
+  expected benefit (its CacheScore minus that of the resident it would displace; tasks without a positive
+  benefit are not generated) and the floor is at most chance (K/E). Measured on real-like routing
+  (top-6 of 64, entropy ~0.99, step overlap ~0.27; forecaster with online statistics): both rules stay
+  above LRU at 15/25/45%, but "benefit" moves 1.5-3x the bytes for slightly lower Hit and lower AdjHit. The
   :class:`~expertcast.inference.prefetch.PrefetchScheduler` keeps the highest-confidence EDF-feasible
   set under the EMA transfer-time estimate and starts transfers in EDF order at every layer boundary;
   expired tasks are dropped. A task is issued only when a slot is free or its cache score beats the
@@ -38,7 +43,13 @@ import numpy as np
 import torch
 from expertcast.inference.cache import SlotState
 from expertcast.inference.policy import Policy
-from expertcast.inference.prefetch import PrefetchScheduler, TransferEstimator, generate_tasks
+from expertcast.inference.prefetch import (
+    PrefetchScheduler,
+    TransferEstimator,
+    chance_level,
+    expected_benefit,
+    generate_tasks,
+)
 from expertcast.models.forecaster import (
     ExpertForecaster,
     ForecasterState,
@@ -50,6 +61,10 @@ from expertcast.models.forecaster import (
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache import CacheConfig, ExpertCache
     from expertcast.inference.driver import StepInfo
+
+
+PREFETCH_RULES = ("benefit", "floor")
+"""How prefetch tasks are chosen: expected benefit over the displaced resident, or probability above a floor."""
 
 
 def _load_model(forecaster: Any, device: str) -> tuple[ExpertForecaster, str]:
@@ -188,9 +203,12 @@ class SeqMoEPolicy(Policy):
             process: gamma 0.5 matched Belady, 0.9 fell to LRU's level at 25% capacity).
         prefetch: issue proactive loads (False: eviction only, a demand-only policy).
         max_tasks_per_layer: prefetch tasks per layer per forecast (default K).
-        min_confidence: tasks below this probability are not generated. 0.2 measured on the default model's CoT
+        min_confidence: tasks below this probability are not generated (with ``prefetch_rule="benefit"`` the floor
+            is min(min_confidence, K/E)). 0.2 measured on the default model's CoT
             routing (12 held-out sequences): vs 0.05, at 25% capacity Hit 0.844 vs 0.850 with 1.19 vs 1.78
             MB/token (LRU 0.546, 1.43); at 45% Hit 0.956 vs 0.944 with 0.48 vs 0.76 MB/token.
+        prefetch_rule: ``"benefit"``: rank tasks by expected benefit over the displaced resident, floor capped at
+            chance (K/E); ``"floor"``: rank by probability above the fixed ``min_confidence`` (SeqMoE 6.1).
         lookahead: layer-executions of link time kept queued by the scheduler.
         transfer_layers: initial transfer-time estimate in layer-executions (default: from the cache's
             expert bytes with ``bandwidth_gbps`` and ``layer_compute_ms``).
@@ -205,7 +223,8 @@ class SeqMoEPolicy(Policy):
     needs_future = False
 
     def __init__(self, forecaster: Any = None, horizon: int = 8, gamma: float = 0.5, prefetch: bool = True,
-                 max_tasks_per_layer: int | None = None, min_confidence: float = 0.2, lookahead: float = 2.0,
+                 max_tasks_per_layer: int | None = None, min_confidence: float = 0.2, prefetch_rule: str = "floor",
+                 lookahead: float = 2.0,
                  transfer_layers: float | None = None, bandwidth_gbps: float = 25.0, layer_compute_ms: float = 0.15,
                  ema_alpha: float = 0.2, precompute: bool = True, device: str = "cpu",
                  forecast_cache_mb: float = 1024.0):
@@ -221,6 +240,9 @@ class SeqMoEPolicy(Policy):
         self.demand_only = not self.prefetch
         self.max_tasks = int(max_tasks_per_layer or self.fc.top_k)
         self.min_confidence = float(min_confidence)
+        if prefetch_rule not in PREFETCH_RULES:
+            raise ValueError(f"prefetch_rule must be one of {', '.join(PREFETCH_RULES)}, got {prefetch_rule!r}")
+        self.prefetch_rule = prefetch_rule
         self.lookahead = float(lookahead)
         self.transfer_layers = transfer_layers
         self.bandwidth_gbps = float(bandwidth_gbps)
@@ -405,6 +427,10 @@ class SeqMoEPolicy(Policy):
         ahead = (fx > x_now) | ((fx == x_now) & (phase == 0))
         return np.where(ahead, self.score_before[layers, experts], self.score_after[layers, experts])
 
+    def _load_scores(self) -> np.ndarray:
+        """float [L, E]: the score an expert loaded now would have (its CacheScore from its next execution)."""
+        return self.score_before
+
     def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
         cl = candidates[:, 0].astype(np.int64)
         ce = candidates[:, 1].astype(np.int64)
@@ -435,9 +461,7 @@ class SeqMoEPolicy(Policy):
         if layer == self.p:
             self._trigger(t)
             if self.prefetch and self.has_forecast:
-                skip = self._in_cache_mask(cache)
-                tasks = generate_tasks(self.first_probs, self.first_exec.astype(np.float64), skip, self.max_tasks,
-                                       self.min_confidence)
+                tasks = self._generate(cache)
                 self.scheduler.clear()
                 self.scheduler.submit(tasks)
                 self.stats["tasks"] += len(tasks)
@@ -453,6 +477,30 @@ class SeqMoEPolicy(Policy):
         self._inflight.discard((layer, expert))
 
     # ------------------------------------------------------------------------------------------ prefetch
+    def _generate(self, cache: ExpertCache) -> list:
+        """Prefetch tasks of the newest forecast under :attr:`prefetch_rule`."""
+        skip = self._in_cache_mask(cache)
+        deadlines = self.first_exec.astype(np.float64)
+        if self.prefetch_rule == "floor":
+            return generate_tasks(self.first_probs, deadlines, skip, self.max_tasks, self.min_confidence)
+        floor = min(self.min_confidence, chance_level(self.E, self.K))
+        value = expected_benefit(self._load_scores(), self._displaced(cache))
+        return generate_tasks(self.first_probs, deadlines, skip, self.max_tasks, floor, value=value)
+
+    def _displaced(self, cache: ExpertCache) -> np.ndarray:
+        """float [L]: the score of the resident a load into each layer's pool would evict now (0 with a free slot)."""
+        low: dict[int, float] = {}
+        out = np.zeros(self.L)
+        for layer in range(self.L):
+            pool = cache.pool_of(layer)
+            if pool not in low:
+                cands = cache.eviction_candidates(pool)
+                full = cache.free_count(pool) == 0 and len(cands)
+                low[pool] = float(self._scores(cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)).min()) \
+                    if full else 0.0
+            out[layer] = low[pool]
+        return out
+
     def _in_cache_mask(self, cache: ExpertCache) -> np.ndarray:
         return cache.slot_of >= 0
 
@@ -480,6 +528,7 @@ class SeqMoEPolicy(Policy):
             return []
         # admission: a prefetch must beat the resident it would evict (per pool, lowest scores first)
         out: list[tuple[int, int]] = []
+        incoming = self._load_scores()
         victims: dict[int, list[float]] = {}
         free: dict[int, int] = {}
         for task in picks:
@@ -489,7 +538,7 @@ class SeqMoEPolicy(Policy):
                 cands = cache.eviction_candidates(pool)
                 sc = self._scores(cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)) if len(cands) else []
                 victims[pool] = sorted(float(v) for v in sc)
-            mine = float(self.score_before[task.layer, task.expert])
+            mine = float(incoming[task.layer, task.expert])
             if free[pool] > 0:
                 free[pool] -= 1
             elif victims[pool] and victims[pool][0] < mine:

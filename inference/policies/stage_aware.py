@@ -166,6 +166,10 @@ class StageAwarePolicy(Policy):
         self.n_boundaries = self.n_updates = self.n_cpu = self.n_temp = 0
         self.update_steps = []
 
+    def use_latency(self, latency: LatencyModel) -> None:
+        """Decide CPU vs transfer with ``latency`` from now on (e.g. measured by the runtime at start-up)."""
+        self._latency = latency
+
     @property
     def latency(self) -> LatencyModel:
         if self._latency is None:
@@ -227,16 +231,24 @@ class StageAwarePolicy(Policy):
                 self._pending_update = True
 
     def before_layer(self, t: int, layer: int, cache: Any) -> Sequence[tuple[int, int]]:
-        if self._pending_update:
-            self._pending_update = False
-            scores = self._next_ranking(t)
-            self._stage_counts[:] = 0
-            self.n_updates += 1
-            self.update_steps.append(int(t))
-            self._last_update = t
-            self._priority = np.asarray(scores, np.float64) + self._tiebreak
-            return self._top_placement(scores, cache, only_missing=True, first_layer=layer)
-        return ()
+        scores = self.refresh_ranking(t)
+        if scores is None:
+            return ()
+        return self._top_placement(scores, cache, only_missing=True, first_layer=layer)
+
+    def refresh_ranking(self, t: int) -> np.ndarray | None:
+        """At a pending stage boundary: the ranking float [L, E] of the stage that starts now (the finished stage's
+        counts), with the bookkeeping of an update; None when no boundary is pending (also used by ``hybrid``)."""
+        if not self._pending_update:
+            return None
+        self._pending_update = False
+        scores = self._next_ranking(t)
+        self._stage_counts[:] = 0
+        self.n_updates += 1
+        self.update_steps.append(int(t))
+        self._last_update = t
+        self._priority = np.asarray(scores, np.float64) + self._tiebreak
+        return scores
 
     def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: Any) -> MissAction:
         n = max(int(n_tokens), 1)

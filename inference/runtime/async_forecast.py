@@ -17,6 +17,11 @@ forecasts are older (``stats["staleness"]`` sums d over the applied forecasts). 
 the hook waits for the step's forecast: the result then equals the online synchronous ``seqmoe`` (a
 test checks it), which makes the asynchronous mode's cost/benefit measurable against it.
 
+Placement (the policies' ``device`` option, e.g. ``seqmoe-async:device=cuda``): on a GPU the worker
+runs the forecaster on a CUDA stream of its own (:func:`forecaster_stream`), so its kernels overlap the
+decoding thread's instead of queuing behind them; on the CPU it never touches CUDA (the Mamba kernels
+are dispatched by device: :mod:`expertcast.models.mamba_kernels`).
+
 Only the public forecaster API is used (``ExpertForecaster.step/rollout/probs``, ``ForecasterState``);
 the policy overrides :class:`~expertcast.inference.policies.seqmoe.SeqMoEPolicy`'s ``_trigger`` and reuses its
 score update by feeding it the shifted forecast.
@@ -26,7 +31,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +44,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache import ExpertCache
 
 _STOP = object()
+
+
+@contextmanager
+def forecaster_stream(device: str | torch.device) -> Iterator[torch.cuda.Stream | None]:
+    """Make a new CUDA stream current in this thread when ``device`` is CUDA (yields it); on any other
+    device nothing happens (yields None)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        yield None
+        return
+    stream = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(stream):
+        yield stream
 
 
 class _ForecastWorker:
@@ -53,6 +72,7 @@ class _ForecastWorker:
         self.rollouts = 0
         self._cv = threading.Condition()
         self._done_t = -1
+        self.stream: torch.cuda.Stream | None = None
         self.thread = threading.Thread(target=self._run, name="expertcast-forecaster", daemon=True)
         self.thread.start()
 
@@ -83,9 +103,13 @@ class _ForecastWorker:
 
     @torch.no_grad()
     def _run(self) -> None:
+        torch.set_num_threads(1)
+        with forecaster_stream(self.policy.device) as self.stream:
+            self._loop()
+
+    def _loop(self) -> None:
         pol = self.policy
         model = pol.model
-        torch.set_num_threads(1)
         while True:
             job = self.jobs.get()
             try:
@@ -165,6 +189,8 @@ class AsyncSeqMoEPolicy(SeqMoEPolicy):
         if self._state is None:
             self._state = self.model.init_state(len(self.members), self.device)
             self._latest = np.zeros((len(self.members), self.L, self.E), np.float32)
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)  # the state was made on this thread's stream; the worker has its own
 
     def close(self) -> None:
         """Stop the worker thread (also done at interpreter exit: it is a daemon)."""

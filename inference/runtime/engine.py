@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from expertcast.inference.cache import CacheConfig, ExpertCache
 from expertcast.inference.driver import CPU, SLOT, TEMP, Driver
 from expertcast.inference.policy import Policy, check_policy_compatible
 from expertcast.inference.runtime import experts as X
+from expertcast.inference.runtime import graph_decode as GD
 from expertcast.inference.runtime.residency import RuntimeTransport
 from expertcast.inference.runtime.run_state import (
     GenerationResult,
@@ -85,12 +87,22 @@ class OffloadedModel:
             an in-situ CPU execution of a cold expert takes at least. On a CPU-only machine the "device"
             and the host are the same processor, so without it CPU execution would cost no more than a
             resident expert; the link emulation (``link_gbps``) has the same max(real, modelled) rule.
+        cpu_parallel: CPU-executed experts (SAEM) run on a host thread in parallel with the device's work
+            on the layer's other experts (False: one after another inside the layer, the serial reference).
+        measure_latency: time this machine's CPU expert execution and expert transfer at start-up
+            (:meth:`measure_latency`) and give the measured :class:`~expertcast.inference.cpu_exec.LatencyModel`
+            to a policy that decides CPU vs transfer (``use_latency``); the figures are in
+            :attr:`latency_measurement`.
+        decode_path: ``"eager"`` (the reference), ``"graph"`` (the graph-compatible path of
+            :mod:`.graph_decode`; lru and seqmoe) or ``"auto"`` (graph where it can run); which path runs and
+            why is in :attr:`decode_path` / :attr:`decode_path_reason` (printed unless ``"eager"`` was asked).
     """
 
     def __init__(self, model: nn.Module, policy: Policy, capacity: float | int, *, pool: str = "per-layer",
                  device: torch.device | str | None = None, link_gbps: float | None = None,
                  mmap_path: str | None = None, num_temp_slots: int = 2, future: Any = None,
-                 store: HostExpertStore | None = None, cpu_exec_ms: Any = None):
+                 store: HostExpertStore | None = None, cpu_exec_ms: Any = None, cpu_parallel: bool = True,
+                 measure_latency: bool = False, decode_path: str = "eager"):
         self.model = model
         self.refs: list[MoELayerRef] = find_experts_modules(model)  # unsupported architecture -> error
         mod0 = self.refs[0].module
@@ -127,13 +139,23 @@ class OffloadedModel:
         release_model_experts(self.refs, self.layout)
         model.to(self.device)
         self.cache = ExpertCache(self.cache_config)
+        self.decode_path, self.decode_path_reason = GD.choose_decode_path(decode_path, policy, self.device, link_gbps,
+                                                                          self.store.is_pinned,
+                                                                          modules=[r.module for r in self.refs],
+                                                                          announce=True)
+        if self.decode_path == "graph":
+            num_temp_slots = max(num_temp_slots, GD.GraphDecoder.scratch_rows(self.K, getattr(policy, "max_tasks", 0)))
         self.pool = SlotPool(self.layout, self.cache.num_slots, self.device, num_temp=num_temp_slots)
         self.transfer: TransferEngine = make_transfer_engine(self.device, link_gbps)
         self.transport = RuntimeTransport(self.store, self.pool, self.transfer)
         self.stats = RuntimeStats(self.L, self.layout.expert_bytes)
         self.driver = Driver(policy, self.cache, self.transport, self.stats)
         self.workspace = X.Workspace(self.device, self.layout.dtype)
+        self.graph = GD.GraphDecoder(self, GD.policy_kind(policy)) if self.decode_path == "graph" else None
         self.cpu_exec_ms = cpu_exec_ms
+        self.cpu_parallel = bool(cpu_parallel)
+        self._cpu_pool: ThreadPoolExecutor | None = None
+        self.latency_measurement: dict[str, Any] | None = None
         for i, r in enumerate(self.refs):
             setattr(r.module, X.RUNTIME_ATTR, self)
             setattr(r.module, X.LAYER_ATTR, i)
@@ -141,6 +163,8 @@ class OffloadedModel:
         model.set_experts_implementation(X.register())
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         self._run: RunState | None = None
+        if measure_latency:
+            self.use_measured_latency()
         self.reset()
 
     # ------------------------------------------------------------------------------------------ setup
@@ -164,6 +188,11 @@ class OffloadedModel:
         """Stop the transfer thread and detach from the model (the expert weights stay released)."""
         self.transfer.synchronize()
         self.transfer.close()
+        if self.graph is not None:
+            self.graph.close()
+        if self._cpu_pool is not None:
+            self._cpu_pool.shutdown(wait=True)
+            self._cpu_pool = None
         self._hook.remove()
 
     def restore(self) -> nn.Module:
@@ -288,6 +317,8 @@ class OffloadedModel:
             self._replay_prefill(rs)
         else:
             rs.flush_decode_log()
+            if self.graph is not None and self.graph.active:
+                self.graph.end_decode()
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         rs = self._run
@@ -303,11 +334,15 @@ class OffloadedModel:
         if phase is Phase.FIRST_DECODE:
             rs.close_prefill()
             self._replay_prefill(rs)
+            if self.graph is not None:
+                self.graph.begin_decode(rs.B)
         else:  # the previous decode step ends with the tokens this forward feeds
             self.driver.end_step(rs.fed_tokens(self.driver.info))
             rs.flush_decode_log()
         info = self.driver.begin_step()
         rs.start_step(info)
+        if self.graph is not None and self.graph.active:
+            self.graph.begin_step(info.t, rs.active, [int(info.positions[i]) for i in rs.active])
         self.stats.decode_steps += 1
         self.stats.decoded_tokens += len(rs.active)
 
@@ -356,6 +391,8 @@ class OffloadedModel:
         return out
 
     def _decode_layer(self, module, layer, h, idx, w) -> torch.Tensor:
+        if self.graph is not None and self.graph.active:
+            return self.graph.decode_layer(module, layer, h, idx, w)
         rs = self._run
         grouping = X.Grouping(idx, self.E)
         sel, cnt = grouping.selected, grouping.selected_counts
@@ -419,13 +456,99 @@ class OffloadedModel:
 
         feed()
         cpu = {e for e in grouping.active if plan[e][0] == CPU}
+        waited = [0.0]
         y = X.grouped_expert_compute(module, h, idx, w, weights_of, self.workspace, grouping=grouping,
                                      cpu_weights_of=lambda e: self.store.views(layer, e), cpu_experts=cpu,
-                                     before_expert=before, after_expert=after)
+                                     before_expert=before, after_expert=after,
+                                     cpu_async=self._cpu_submitter(module, layer, waited) if cpu and self.cpu_parallel
+                                     else None)
         tp.mark_compute()
         if count_stall:
-            self.stats.stall_seconds += stall
+            self.stats.stall_seconds += stall + waited[0]
         return y
+
+    # ------------------------------------------------------------------------------------------ CPU execution
+    def _cpu_submitter(self, module: nn.Module, layer: int, waited: list[float]):
+        """``cpu_async`` of :func:`~.experts.grouped_expert_compute`: each CPU expert of the layer runs on the
+        host thread while the device computes the others; the time the layer then waits for the host
+        thread's results is added to ``waited[0]`` (stall)."""
+        if self._cpu_pool is None:  # the host thread uses torch's intra-op thread count of the caller (OpenMP's
+            # setting is per thread: without this the worker would spawn its own default-sized team)
+            self._cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertcast-cpu-exec",
+                                                initializer=torch.set_num_threads,
+                                                initargs=(torch.get_num_threads(),))
+
+        def submit(e: int, xc: torch.Tensor):
+            fut = self._cpu_pool.submit(self._cpu_expert, module, layer, e, xc)
+
+            def result() -> torch.Tensor:
+                t0 = time.perf_counter()
+                out = fut.result()
+                waited[0] += time.perf_counter() - t0
+                return out
+            return result
+        return submit
+
+    @torch.no_grad()
+    def _cpu_expert(self, module: nn.Module, layer: int, e: int, xc: torch.Tensor) -> torch.Tensor:
+        """One expert on its host copy: rows ``xc`` [n, H] (CPU) -> [n, H]. On a CPU "device" with
+        ``cpu_exec_ms`` it takes at least the emulated time (the host stands in for a slower CPU)."""
+        t0 = time.perf_counter()
+        out = X.expert_forward(module, xc, self.store.views(layer, e))
+        if self.cpu_exec_ms is not None and self.device.type == "cpu":
+            left = self.cpu_exec_ms(xc.shape[0]) * 1e-3 - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
+        return out
+
+    def use_measured_latency(self) -> None:
+        """Give a policy that decides CPU execution vs transfer (``use_latency``) the latency model measured
+        now on this machine (:meth:`measure_latency`); the figures go to :attr:`latency_measurement`."""
+        if hasattr(self.policy, "use_latency"):
+            lat, self.latency_measurement = self.measure_latency()
+            self.policy.use_latency(lat)
+
+    def measure_latency(self, token_counts: Sequence[int] = (1, 2, 4, 8), repeats: int = 15
+                        ) -> tuple[Any, dict[str, Any]]:
+        """The CPU-vs-transfer :class:`~expertcast.inference.cpu_exec.LatencyModel` measured on this machine:
+        one expert of layer 0 executed on its host copy for each token count (a line fitted through the
+        medians; at least the emulated ``cpu_exec_ms`` on a CPU device), one expert copied from the host
+        store into a temporary slot through the transfer engine (the emulated link on a CPU device), and
+        the device compute of the K experts of one token from a slot (``device_ms``). Returns the model
+        and the measured figures (JSON-ready)."""
+        from expertcast.inference.cpu_exec import LatencyModel
+
+        mod = self.refs[0].module
+        cfg = self.model.config
+        H = int(getattr(cfg, "get_text_config", lambda: cfg)().hidden_size)
+        host_w = self.store.views(0, 0)
+        dtype = next(iter(host_w.values())).dtype
+        g = torch.Generator().manual_seed(0)
+        xs = {int(n): torch.randn(int(n), H, generator=g).to(dtype) for n in token_counts}
+        emulate = self.cpu_exec_ms if self.device.type == "cpu" else None
+
+        def cpu_run(n: int) -> None:
+            X.expert_forward(mod, xs[n], host_w)
+
+        def copy_one() -> None:
+            s = self.transport.temp_slot()
+            self.transport.submit(s, 0, 0, demand=True)
+            self.transport.wait_slot(s)
+            self.transport.mark_compute()
+
+        x1 = xs[min(xs)][:1].to(self.device)
+        slot_w = self.pool.views(self.transport.temp_slot())
+
+        def device_run() -> None:
+            for _ in range(self.K):
+                X.expert_forward(mod, x1, slot_w)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        return LatencyModel.measure(cpu_run, copy_one, device_run, token_counts=token_counts, repeats=repeats,
+                                    parallel=self.cpu_parallel, cpu_floor_ms=emulate,
+                                    sync=(lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda"
+                                    else None)
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -73,6 +73,13 @@ def _expert_mlp(module: nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor], 
         out.add_(b2)
 
 
+def expert_forward(module: nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One expert of ``module`` on rows ``x`` [n, H] with weights ``w`` (on ``x``'s device) -> [n, H]."""
+    out = torch.empty_like(x)
+    _expert_mlp(module, x, w, out, None)
+    return out
+
+
 class Grouping:
     """The (token, k) pairs of one layer-execution grouped by expert (expert-aligned repacking).
 
@@ -120,6 +127,7 @@ def grouped_expert_compute(
     cpu_experts: frozenset[int] | set[int] = frozenset(),
     before_expert: Callable[[int], None] | None = None,
     after_expert: Callable[[int], None] | None = None,
+    cpu_async: Callable[[int, torch.Tensor], Callable[[], torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Mixture output of the routed experts with weights supplied per expert.
 
@@ -130,6 +138,10 @@ def grouped_expert_compute(
         before_expert: called with each expert right before its GEMMs (the runtime waits for the
             expert's transfer there, so other experts compute while later transfers land).
         after_expert: called with each expert once its kernels were issued.
+        cpu_async: CPU experts in parallel with the device's: called with each CPU expert and its
+            repacked rows [n, H] (on the CPU) before any device expert runs; returns a function that
+            gives the rows' output [n, H] (waiting for the host thread), collected after the device
+            experts. ``before_expert``/``after_expert`` are not called for these experts.
     Returns:
         [T, H] in ``hidden_states.dtype``.
     """
@@ -143,10 +155,20 @@ def grouped_expert_compute(
     torch.index_select(hidden_states.to(dtype), 0, perm // K, out=x)
     y = workspace.get("y", S, H)
     gu_width = None
+    offsets = np.cumsum([0] + [cnt[e] for e in active]).tolist()
+    pending = {}  # CPU expert -> (start, end, result getter): run on a host thread beside the loop below
+    if cpu_async is not None:
+        for i, e in enumerate(active):
+            if e in cpu_experts:
+                s0, s1 = offsets[i], offsets[i + 1]
+                pending[e] = (s0, s1, cpu_async(e, x[s0:s1].to("cpu")))
     start = 0
     for e in active:
         n = cnt[e]
         end = start + n
+        if e in pending:
+            start = end
+            continue
         if before_expert is not None:
             before_expert(e)
         if e in cpu_experts:
@@ -165,6 +187,8 @@ def grouped_expert_compute(
         if after_expert is not None:
             after_expert(e)
         start = end
+    for s0, s1, result in pending.values():
+        y[s0:s1].copy_(result(), non_blocking=False)
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y)
     sw = top_k_weights.reshape(-1)[perm].to(y.dtype)

@@ -107,5 +107,10 @@ class RuntimeTransport(Transport):
     def temp_slot(self) -> int:
         return self.pool.temp_slot()
 
+    def set_holdings(self, holdings: list[tuple[int, int]]) -> None:
+        """The (layer, expert) whose bytes each resident slot holds after copies made outside this transport
+        (the graph decode path, :mod:`.graph_decode`)."""
+        self._holds[:len(holdings)] = list(holdings)
+
 
 __all__ = ["RuntimeTransport"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,8 +299,18 @@ def release_model_experts(refs: list[MoELayerRef], layout: ExpertLayout) -> int:
 
 # --------------------------------------------------------------------- safetensors I/O (no pickle)
 def _write_store_file(path: Path, refs: list[MoELayerRef], lay: ExpertLayout) -> None:
-    """Stream the packed rows into a safetensors file, layer by layer (never all in RAM), atomically."""
-    L, E, N = len(refs), lay.num_experts, lay.row_numel
+    """Stream the packed rows of the modules ``refs`` into a safetensors file (see :func:`write_store_file`)."""
+    write_store_file(path, [r.name for r in refs], lay, lambda i, buf: _pack_layer(refs[i].module, lay, buf))
+
+
+def write_store_file(path: Path, layer_names: list[str], lay: ExpertLayout,
+                     fill: Callable[[int, torch.Tensor], None]) -> None:
+    """Write an expert store file layer by layer (never all layers in RAM), atomically.
+
+    ``fill(i, buf)`` packs MoE layer ``i``'s experts into ``buf`` [E, row_numel] (host); the file is
+    what :meth:`HostExpertStore.open_mmap` reads.
+    """
+    L, E, N = len(layer_names), lay.num_experts, lay.row_numel
     itemsize = torch.empty((), dtype=lay.dtype).element_size()
     total = L * E * N * itemsize
     header = {
@@ -307,7 +318,7 @@ def _write_store_file(path: Path, refs: list[MoELayerRef], lay: ExpertLayout) ->
             "format": "expertcast-expert-store",
             "format_version": str(STORE_FORMAT_VERSION),
             "layout": json.dumps(lay.to_dict()),
-            "layers": json.dumps([r.name for r in refs]),
+            "layers": json.dumps(list(layer_names)),
         },
         "rows": {"dtype": _SAFETENSORS_DTYPES[lay.dtype], "shape": [L, E, N], "data_offsets": [0, total]},
     }
@@ -319,9 +330,9 @@ def _write_store_file(path: Path, refs: list[MoELayerRef], lay: ExpertLayout) ->
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(hb)))
         f.write(hb)
-        for r in refs:
-            _pack_layer(r.module, lay, buf)
-            f.write(buf.view(torch.uint8).numpy().tobytes())
+        for i in range(L):
+            fill(i, buf)
+            f.write(buf.view(torch.uint8).numpy().data)  # no per-layer bytes copy
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -18,7 +18,8 @@ from expertcast.commands.evaluate import main
 from expertcast.inference.eval_run import SAMPLES, read_samples
 
 BASE = ["--model", "qwen3_moe-tiny", "--benchmark", "gsm8k", "--policy", "lru", "--capacity", "0.5",
-        "--limit", "2", "--max-new-tokens", "4", "--no-progress", "--device", "cpu"]
+        "--limit", "2", "--max-new-tokens", "4", "--no-progress", "--device", "cpu",
+        "--baseline", "none"]  # the paired speed measurement: tests/integration/test_eval_speed.py
 SLOW_LINK = ["--link-gbps", "0.02"]
 """An emulated 20 MB/s host link: every batch takes long enough to be interrupted between batches."""
 DETERMINISTIC = ("id", "batch", "batch_rows", "correct", "answer", "gold", "completion", "new_tokens")
@@ -84,8 +85,10 @@ def _router_replay(tmp: Path) -> str:
 BAD = [
     ("--policy", "nosuch", "unknown policy"),
     ("--policy", "belady", "oracle"),
-    ("--policy", "router-temporal:replay=/nonexistent", "does not exist"),
-    ("--policy", "router-full:replay=ROUTER_REPLAY", "runs only in `expertcast simulate`"),
+    ("--policy", "router-temporal:replay=/nonexistent", "replay= is for `expertcast simulate`"),
+    ("--policy", "router-full:replay=ROUTER_REPLAY", "replay= is for `expertcast simulate`"),
+    ("--policy", "router-full:R=0", "R must be >= 1"),
+    ("--policy", "router-full", "--model must be such an export"),
     ("--policy", "lrfu:lamda=0.1", "no option 'lamda'"),
     ("--policy", "lrfu:lam=fast", "expected a number"),
     ("--policy", "lrfu:lam", "must be key=value"),

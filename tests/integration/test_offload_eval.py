@@ -9,7 +9,8 @@ from expertcast.commands.evaluate import main
 from expertcast.inference.eval_run import SAMPLES, read_samples
 
 ARGS = ["--model", "qwen3_moe-tiny", "--benchmark", "gsm8k", "--policy", "lru", "--capacity", "0.25",
-        "--batch-size", "2", "--limit", "3", "--max-new-tokens", "4", "--no-progress", "--device", "cpu"]
+        "--batch-size", "2", "--limit", "3", "--max-new-tokens", "4", "--no-progress", "--device", "cpu",
+        "--baseline", "none"]  # the paired speed measurement: tests/integration/test_eval_speed.py
 
 
 def test_eval_outputs_and_resume(tmp_path, data_dir, capsys):

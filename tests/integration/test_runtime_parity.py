@@ -29,7 +29,7 @@ EOS = [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]
 NEW = 12
 SLOTS = 6  # per layer, of E=16 (top-K=4)
 LINK_GBPS = 0.02  # ~1.2 ms per 24 kB expert: prefetches land late
-PREFETCHING = {"seqmoe", "seqmoe-async", "stage", "stage-oracle", "router-full", "router-spatio"}
+PREFETCHING = {"seqmoe", "seqmoe-async", "hybrid", "stage", "stage-oracle", "router-full", "router-spatio"}
 
 
 class Run:
@@ -71,7 +71,9 @@ class Run:
               "seqmoe": dict(forecaster=self.forecaster, precompute=False, min_confidence=0.05),
               "seqmoe-async": dict(forecaster=self.forecaster, blocking=True, min_confidence=0.05),
               "router-temporal": dict(replay=self.router_replay), "router-full": dict(replay=self.router_replay),
-              "router-spatio": dict(replay=self.router_replay, R=3)}.get(name, {})
+              "router-spatio": dict(replay=self.router_replay, R=3),
+              "hybrid": dict(forecaster=self.forecaster, precompute=False, min_confidence=0.05,
+                             replay=self.router_replay, cues=stage["cues"], decoder=stage["decoder"])}.get(name, {})
         return make_policy(name, **kw)
 
 

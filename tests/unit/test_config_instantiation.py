@@ -1,36 +1,98 @@
-"""Every shipped training YAML builds its LightningModule and LightningDataModule (class paths and
-argument names checked for real); the real-size router YAML with a tiny preset substituted for the
-Qwen3-30B-A3B backbone, so a typo or a wrong class path fails CI without a download or a GPU."""
+"""Every shipped training YAML goes through LightningCLI itself (``expertcast fit``'s FitCLI, ``run=False``):
+model, data module, run directory and trainer (strategy, precision, logger, callbacks) are instantiated for
+real, so a typo or a wrong class path fails CI. The real-size configs run with what this machine can hold
+substituted: a tiny preset for the Qwen3-30B-A3B backbone (with a cache budget that fits its 16 experts), a
+tiny synthetic trace folder for the forecaster traces, ``accelerator: cpu`` with one device; everything else
+(FSDP strategy and its decoder-layer class, precision, LoRA targets, W&B logger, checkpoint callbacks) is the
+shipped value. The default model's recipe (``configs/tiny_default/default.yaml``) is not a Lightning config: it
+is read the way ``expertcast build-default --config`` reads it."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for sub in ("forecaster", "router") for p in (REPO / "configs" / sub).glob("*.yaml"))
-BACKBONE = {"router": {"model": "qwen3_moe-tiny", "budget": 4}}
-"""Substitutes for what this machine cannot hold: the router backbones (the embedded default model would
-be trained on first use, Qwen3-30B-A3B downloaded), with a cache budget that fits the tiny preset's 16 experts."""
+ROUTER = ["--model.init_args.model", "qwen3_moe-tiny", "--model.init_args.budget", "4",
+          "--data.init_args.limit", "16"]
+"""The router backbone (the embedded default model would be trained on first use, Qwen3-30B-A3B downloaded)."""
+ON_CPU = ["--trainer.accelerator", "cpu", "--trainer.devices", "1"]
 
 
-def _build(spec: dict, overrides: dict):
-    module, _, name = spec["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    return cls(**{**(spec.get("init_args") or {}), **overrides})
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> Path:
+    from expertcast.data.traces import write_traces
+    from expertcast.train.forecaster_synthetic import ModeMarkovProcess
+
+    proc = ModeMarkovProcess.random(num_modes=4, num_layers=2, num_experts=8, top_k=2, seed=0)
+    seqs, _ = proc.sample(12, 24, prompt_len=4, seed=0)
+    return write_traces(tmp_path_factory.mktemp("cfg_traces") / "traces", proc.meta(), seqs)
+
+
+def _overrides(config: Path, traces: Path) -> list[str]:
+    raw = yaml.safe_load(config.read_text())
+    extra = list(ROUTER) if config.parent.name == "router" else ["--data.init_args.traces", str(traces)]
+    if raw["trainer"].get("accelerator") != "cpu":
+        extra += ON_CPU
+    return extra
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_shipped_yaml_instantiates_model_and_data(config, tmp_path, monkeypatch):
+def test_shipped_yaml_instantiates_through_lightning_cli(config, traces, tmp_path, monkeypatch):
+    from expertcast.train.cli import build_cli
+    from expertcast.train.fit_run import RUN_DIR_ENV
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["expertcast"])
+    monkeypatch.setenv(RUN_DIR_ENV, "")  # build_cli shares its run directory through it (fit() restores it)
+    monkeypatch.delenv(RUN_DIR_ENV)
+    torch.set_num_threads(1)
     raw = yaml.safe_load(config.read_text())
-    task = config.parent.name
-    model = _build(raw["model"], {"dtype": "float32"} | BACKBONE[task] if task == "router" else {})
-    data = _build(raw["data"], {})
-    assert model is not None and data is not None
-    if task == "router":  # the backbone (and LoRA, where configured) is attached in configure_model
-        model.configure_model()
-        assert sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+    cli = build_cli(["--config", str(config), *_overrides(config, traces)])
+    try:
+        model, data, trainer = cli.model, cli.datamodule, cli.trainer
+        assert type(model).__name__ == raw["model"]["class_path"].rpartition(".")[2]
+        assert type(data).__name__ == raw["data"]["class_path"].rpartition(".")[2]
+        run_dir = cli.plan.run_dir.resolve()
+        assert run_dir.parent == (tmp_path / raw["trainer"]["default_root_dir"]).resolve()
+        strategy = raw["trainer"].get("strategy", "auto")
+        if isinstance(strategy, dict):  # a class from the YAML, with its init_args
+            assert type(trainer.strategy).__name__ == strategy["class_path"].rpartition(".")[2]
+            layer = strategy["init_args"]["layer_class"].rpartition(".")[2]
+            wrap = trainer.strategy.kwargs["auto_wrap_policy"]._module_classes  # FSDP units: one per decoder layer
+            assert {c.__name__ for c in wrap} == {layer}
+            assert trainer.strategy.sharding_strategy.name == strategy["init_args"]["sharding_strategy"]
+        assert trainer.precision == str(raw["trainer"].get("precision", "32-true"))
+        logger = raw["trainer"]["logger"]["class_path"].rpartition(".")[2]
+        assert type(trainer.logger).__name__ == logger and Path(trainer.logger.save_dir).resolve() == run_dir
+        checkpoints = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
+        assert all(Path(c.dirpath).resolve() == run_dir / "checkpoints" for c in checkpoints)
+        assert len(checkpoints) == sum("ModelCheckpoint" in c["class_path"] for c in raw["trainer"].get("callbacks", []))
+        assert {k: model.hparams[k] for k in raw["model"]["init_args"] if k != "lora"} == {
+            k: v for k, v in raw["model"]["init_args"].items() if k != "lora"} | {
+            k: model.hparams[k] for k in ("model", "budget") if config.parent.name == "router"}
+        if config.parent.name == "router":  # the forecaster's network is built from the traces' shape at setup
+            assert sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+        lora = (raw["model"]["init_args"].get("lora") or {})
+        if lora:  # the LoRA targets of the recipe exist on the backbone's family (peft wrapped them)
+            names = {n for n, p in model.backbone.named_parameters() if p.requires_grad and "lora_" in n}
+            owners = list(lora["target_modules"]) + [t.rpartition(".")[0] for t in lora.get("target_parameters", [])]
+            for owner in owners:  # q_proj, ..., and the modules holding the target parameters (mlp.experts, mlp.gate)
+                assert any(f".{owner}." in n for n in names), owner
+            assert sorted(model.backbone.peft_config["default"].target_parameters) == sorted(lora["target_parameters"])
+    finally:
+        cli.plan.release()
+
+
+def test_default_model_recipe_reads_as_build_default_does():
+    from expertcast.train.tiny_default import TinyDefaultConfig
+
+    path = REPO / "configs/tiny_default/default.yaml"
+    cfg = TinyDefaultConfig.from_yaml(path)
+    raw = yaml.safe_load(path.read_text())
+    assert {k: getattr(cfg, k) for k in raw} == raw

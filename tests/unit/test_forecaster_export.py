@@ -37,7 +37,7 @@ def test_round_trip_same_predictions(tmp_path, model):
     with torch.no_grad():
         assert torch.equal(exp.model(x), model(x))
     cfg = json.loads((out / CONFIG_NAME).read_text())
-    assert cfg["format"] == "expertcast-forecaster" and cfg["format_version"] == 1
+    assert cfg["format"] == "expertcast-forecaster" and cfg["format_version"] == 2
     exp.check_compatible(2, 8, 2)
     with pytest.raises(ValueError, match="another model"):
         exp.check_compatible(48, 128, 8, what="trace")
@@ -129,3 +129,28 @@ def test_training_ids_are_train_and_val(tmp_path, model):
     out = save_forecaster(model, tmp_path / "exp", training=block)
     assert training_ids(out) == {"a", "b", "c"}
     assert load_forecaster(out).training == block
+
+
+def test_online_statistics_round_trip_and_format_1_exports_still_load(tmp_path, model):
+    """Format 2 carries the online prior (config + tensors); a format-1 export (no online statistics)
+    loads as the same forecaster without them."""
+    cfg = ForecasterConfig(**{**model.config.to_dict(), "online_half_lives": [0.0, 8.0]})
+    online = ExpertForecaster(cfg).eval()
+    with torch.no_grad():
+        online.online.mix.normal_()
+        online.head.weight.normal_()
+    exp = load_forecaster(save_forecaster(online, tmp_path / "online"))
+    assert exp.config.online_half_lives == [0.0, 8.0]
+    x = torch.rand(2, 5, 2, 8)
+    with torch.no_grad():
+        assert torch.equal(exp.model(x), online(x))
+    old = save_forecaster(model, tmp_path / "v1")
+    c = json.loads((old / CONFIG_NAME).read_text())
+    c["format_version"] = 1
+    del c["config"]["online_half_lives"]
+    (old / CONFIG_NAME).write_text(json.dumps(c))
+    write_export_manifest(old, [WEIGHTS_NAME, CONFIG_NAME])
+    exp1 = load_forecaster(old)
+    assert exp1.model.online is None
+    with torch.no_grad():
+        assert torch.equal(exp1.model(x), model(x))

@@ -30,3 +30,18 @@ def test_lru_delta_compares_same_run_and_budget():
     assert rows[0]["d_hit_vs_lru_pts"] == 0.0
     assert math.isnan(rows[4]["d_hit_vs_lru_pts"])  # no LRU on run b
     assert _base_budget(rows) == 8
+
+
+def test_gain_against_lm_only_lru_and_greedy_agreement():
+    from expertcast.train.router_eval import add_lm_only_refs, greedy_agreement
+
+    rows = [{**_row("lm", "lru", 0.50), "train_mode": "lm_only", "heldout_lm": 2.0},
+            {**_row("t", "lru", 0.55), "train_mode": "temporal", "heldout_lm": 2.02},
+            {**_row("t", "router-temporal", 0.61), "train_mode": "temporal", "heldout_lm": 2.02}]
+    add_lru_deltas(rows)
+    assert rows[2]["d_hit_vs_lru_pts"] == pytest.approx(6.0)  # the router's own gain (same weights)
+    assert rows[2]["d_hit_vs_lm_only_lru_pts"] == pytest.approx(11.0)  # router + backbone
+    add_lm_only_refs(rows, {"lm": [[1, 2, 3, 4]], "t": [[1, 2, 9]]})
+    assert rows[1]["lm_vs_lm_only_pct"] == pytest.approx(1.0)
+    assert rows[0]["agree_lm_only"] == 1.0 and rows[2]["agree_lm_only"] == pytest.approx(0.5)  # 2 of 4 positions
+    assert greedy_agreement([[5], [1, 2]], [[5], [2, 1]]) == pytest.approx(0.5)

@@ -17,7 +17,7 @@ LIMIT, HELDOUT = 40, 0.25
 IDS = [f"gsm8k-train-{i:05d}" for i in range(LIMIT)]
 TRAIN = [IDS[i] for i in split_heldout(IDS, HELDOUT, seed=0)[0]]
 EVAL = ["--limit", str(LIMIT), "--heldout", str(HELDOUT), "--max-length", "64", "--eval-limit", "4",
-        "--batch-size", "4"]
+        "--batch-size", "4", "--benchmark", "arith", "--prompts", "2", "--max-new-tokens", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +48,11 @@ def test_heldout_texts_only_and_overlap_reported(exports, tmp_path, capsys, data
     rc, err = _run(["--exports", str(exports / "clean"), "--out", str(out), *EVAL], capsys)
     assert rc == 0, err
     rows = json.loads((out / "all_rows.json").read_text())
-    assert {r["policy"] for r in rows} == {"lru"} and len(rows) == 1
-    (row,) = rows
-    assert row["train_overlap"] == 0 and row["overlap_allowed"] is False and row["heldout_texts"] == 4
-    assert 0 < row["hit"] <= 1 and row["heldout_lm"] > 0
+    assert [r["policy"] for r in rows] == ["lru", "static"]  # an LM-only run: LRU and static placement
+    for row in rows:
+        assert row["train_overlap"] == 0 and row["overlap_allowed"] is False and row["heldout_texts"] == 4
+        assert 0 < row["hit"] <= 1 and row["heldout_lm"] > 0 and row["prompts"] == 2
+        assert row["identical_to_full"] is True and row["agree_lm_only"] == 1.0
     # a second run reuses the cached evaluation (same settings key)
     rc, err = _run(["--exports", str(exports / "clean"), "--out", str(out), *EVAL], capsys)
     assert rc == 0 and json.loads((out / "all_rows.json").read_text()) == rows
@@ -66,7 +67,7 @@ def test_heldout_texts_only_and_overlap_reported(exports, tmp_path, capsys, data
     rc, err = _run(["--exports", str(exports / "leaky"), "--out", str(tmp_path / "leak"), *EVAL, "--allow-overlap"],
                    capsys)
     assert rc == 0, err
-    (row,) = json.loads((tmp_path / "leak" / "all_rows.json").read_text())
+    row = json.loads((tmp_path / "leak" / "all_rows.json").read_text())[0]
     assert row["train_overlap"] == 4 and row["overlap_allowed"] is True
     # another evaluation setting on the same output folder is refused, not mixed in
     rc, err = _run(["--exports", str(exports / "clean"), "--out", str(out), *EVAL, "--max-length", "48"], capsys)
@@ -81,6 +82,7 @@ BAD = [
     (["--exports", "{x}/clean", "{x}/clean"], "two exports are named 'clean'"),
     (["--modes", "bogus"], "unknown run names bogus"),
     (["--heldout", "96"], "expected a fraction in (0, 1)"),
+    (["--exports", "{x}/clean", "--benchmark", "nosuch"], "unknown benchmark 'nosuch'"),
     (["--steps", "0"], "expected a positive integer"),
     (["--budget", "-1"], "expected a finite positive number"),
     (["--R", "x"], "expected a positive integer"),
@@ -100,6 +102,6 @@ def test_bad_input_is_one_line_and_exit_2(exports, tmp_path, monkeypatch, capsys
         info["budget"] = 8
         (exports / "altered" / "export.json").write_text(json.dumps(info))
     monkeypatch.chdir(tmp_path)
-    rc, err = _run([a.format(tmp=tmp_path, x=exports) for a in argv] + EVAL, capsys)
+    rc, err = _run(EVAL + [a.format(tmp=tmp_path, x=exports) for a in argv], capsys)
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("expertcast router-eval: error:") and words in err[0], err[0]

@@ -21,6 +21,7 @@ TINY = td.TinyDefaultConfig(
     vocab_size=320, num_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
     moe_intermediate_size=16, num_experts=8, top_k=2, seq_len=64, batch_size=4, lr=1e-2, warmup_steps=3,
     max_steps=25, threads=1, gsm8k_train_limit=150, cot_limit=1, eval_gsm8k_test=8, eval_cot=2, eval_max_len=192,
+    arith_train=100, eval_arith=4,
 )
 
 
@@ -55,6 +56,11 @@ def test_build_load_and_reuse(cache, monkeypatch):
     ppl, ppl0 = rep["heldout_gsm8k_test"]["perplexity"], rep["heldout_gsm8k_test_init"]["perplexity"]
     assert math.isfinite(ppl) and ppl < ppl0 < 1.5 * 320  # training helped; init is near uniform
     assert rep["spec"]["num_experts"] == 8 and rep["spec"]["num_layers"] == 2
+    # the arith train problems are in the corpus; the held-out arith accuracy is measured on test problems
+    assert rep["corpus_chats"] == {"gsm8k_train": 150, "cot_math153": 1, "arith_train": 100}
+    assert rep["arith_sha256"] == td.arith_hash(100)
+    arith = rep["heldout_arith_test"]
+    assert arith["problems"] == 4 and arith["first_id"] == "arith-test-00000" and 0 <= arith["accuracy"] <= 1
     for domain in ("gsm8k_test", "cot_heldout"):
         layers = rep["routing"][domain]["per_layer"]
         assert len(layers) == 2
@@ -92,7 +98,7 @@ def test_interrupted_build_resumes(cache, monkeypatch):
         return orig(self)
 
     monkeypatch.setattr(td._PackedStream, "next_batch", flaky)
-    cfg = dataclasses.replace(TINY, max_steps=20, eval_gsm8k_test=2, eval_cot=0)
+    cfg = dataclasses.replace(TINY, max_steps=20, eval_gsm8k_test=2, eval_cot=0, eval_arith=0)
     with pytest.raises(KeyboardInterrupt):
         td.ensure_default_model(cfg, progress=False, checkpoint_every_s=1e-9)
     partial = cache / "tiny-default-v1" / f".{cfg.key(td._data_files())}.partial" / "ckpt.pt"
@@ -150,6 +156,8 @@ def test_yaml_recipe_matches_dataclass_defaults(tmp_path):
         td.TinyDefaultConfig.from_yaml(bad)
     with pytest.raises(ValueError, match="threads must be a positive integer"):
         td.TinyDefaultConfig(threads=0)
+    with pytest.raises(ValueError, match="arith_train must be a non-negative integer"):
+        td.TinyDefaultConfig(arith_train=-1)
 
 
 def test_two_builds_are_identical_and_the_key_covers_the_recipe(tmp_path, monkeypatch, data_dir):
@@ -161,7 +169,7 @@ def test_two_builds_are_identical_and_the_key_covers_the_recipe(tmp_path, monkey
     import yaml
 
     cfg = dataclasses.replace(TINY, max_steps=30, threads=2, hidden_size=64, moe_intermediate_size=64, seq_len=256,
-                              gsm8k_train_limit=60, eval_gsm8k_test=0, eval_cot=0)
+                              gsm8k_train_limit=60, eval_gsm8k_test=0, eval_cot=0, eval_arith=0)
     monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(data_dir))
     monkeypatch.setenv("EXPERTCAST_CACHE_DIR", str(tmp_path / "a"))
     a = td.ensure_default_model(cfg, progress=False)
@@ -180,7 +188,7 @@ def test_two_builds_are_identical_and_the_key_covers_the_recipe(tmp_path, monkey
     # every recipe field that changes the weights changes the key
     files = td._data_files()
     for change in ({"max_steps": 13}, {"seed": 1}, {"threads": 1}, {"lr": 2e-2}, {"seq_len": 32},
-                   {"gsm8k_train_limit": 61}):
+                   {"gsm8k_train_limit": 61}, {"arith_train": 7}):
         assert dataclasses.replace(cfg, **change).key(files) != cfg.key(files), change
     # and so does the content of a data file (same name, same size)
     import shutil
@@ -238,7 +246,7 @@ def test_full_size_builds_in_two_processes_are_identical(tmp_path, data_dir):
     import yaml
 
     cfg = dataclasses.replace(td.TinyDefaultConfig(), max_steps=40, gsm8k_train_limit=400, cot_limit=4,
-                              eval_gsm8k_test=0, eval_cot=0)
+                              eval_gsm8k_test=0, eval_cot=0, eval_arith=0)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(dataclasses.asdict(cfg)))
     digests = []

@@ -1,0 +1,193 @@
+"""Hybrid policy: one eviction/prefetch priority from the forecaster, the routers and the stage signal (issue 17).
+
+Every (layer, expert) gets one priority, in units of expected uses (docs/design.md, "Forecaster"):
+
+    P(l, e) = [forecast] CacheScore(l, e)                     SeqMoE's discounted forecast of its next uses
+            + [routers]  router_weight * K/2 * s^T_{t,l}(e)   the adapted routers' retention score (p^R + p^T; the
+                                                              K/2 scale makes its per-layer sum K, as the uses)
+            + [stage]    stage_weight * f_stage(l, e)         per-token selection frequency of the stage that just
+                                                              ended, refreshed at each stage boundary (SAEM's cues)
+
+The lowest-P evictable resident is evicted (ties: least recently used); a forecast prefetch is admitted only when
+its P beats the resident it would displace, and ranked by that expected benefit under the link budget, exactly as
+``seqmoe`` (this class is SeqMoE with a wider score). ``parts`` switches the terms: ``forecast+routers+stage``,
+any subset (``+``-separated), or ``auto`` = the forecaster plus every part whose inputs were given (router
+scores: ``replay``; cues: ``cue_set``/``cues``). Without ``forecast`` the forecaster is loaded (it fixes the
+trigger layer) but not run, and nothing is prefetched: the policy is demand-only.
+
+The router part reads ``s^T`` through the router policies' score source (a :class:`RouterReplay` in the simulator,
+live scores in the runtime via :meth:`set_replay`) and needs per-layer pools, like ``router-temporal``; the stage
+part runs a :class:`~expertcast.inference.policies.stage_aware.StageAwarePolicy` for its boundary detection and
+stage counts only (no CPU execution, no SAEM refill loads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from expertcast.inference.policies.seqmoe import SeqMoEPolicy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from expertcast.inference.cache import CacheConfig, ExpertCache
+    from expertcast.inference.driver import StepInfo
+
+PARTS = ("forecast", "routers", "stage")
+
+
+def parse_parts(parts: str, has_routers: bool, has_stage: bool) -> tuple[str, ...]:
+    """The enabled parts of ``parts`` (``auto`` or a ``+``-separated subset of :data:`PARTS`); ValueError for an
+    unknown part or a part whose inputs are missing."""
+    text = str(parts).strip().lower()
+    if text == "auto":
+        return tuple(p for p, on in zip(PARTS, (True, has_routers, has_stage), strict=True) if on)
+    chosen = tuple(dict.fromkeys(p.strip() for p in text.split("+") if p.strip()))
+    bad = [p for p in chosen if p not in PARTS]
+    if bad or not chosen:
+        raise ValueError(f"hybrid parts must be 'auto' or a '+'-separated subset of {', '.join(PARTS)}; got {parts!r}")
+    if "routers" in chosen and not has_routers:
+        raise ValueError("hybrid part 'routers' needs the routers' scores: replay=DIR (recorded router outputs) or "
+                         "a router-adaptation export in the runtime")
+    if "stage" in chosen and not has_stage:
+        raise ValueError("hybrid part 'stage' needs stage cues: cue_set=JSON (expertcast stages calibrate) or "
+                         "cues='Wait|Alternatively|...'")
+    return chosen
+
+
+class HybridPolicy(SeqMoEPolicy):
+    """Forecaster + router + stage-boundary priorities in one eviction/prefetch score (registered as ``hybrid``).
+
+    Args:
+        forecaster: as ``seqmoe`` (required).
+        parts: ``auto`` or a ``+``-separated subset of ``forecast``, ``routers``, ``stage``.
+        replay: router score source for the ``routers`` part (a RouterReplay, its directory, or live scores).
+        router_weight / stage_weight: weights of the router and stage terms.
+        cue_set / cues / tokenizer / decoder / min_stage_steps: the ``stage`` part's inputs (as ``stage``).
+        **seqmoe_kwargs: every ``seqmoe`` option (horizon, gamma, prefetch, prefetch_rule, ...).
+    """
+
+    name = "hybrid"
+
+    def __init__(self, forecaster: Any = None, parts: str = "auto", replay: Any = None, router_weight: float = 1.0,
+                 stage_weight: float = 1.0, cue_set: Any = None, cues: Any = None, tokenizer: Any = None,
+                 decoder: Any = None, min_stage_steps: int = 1, **seqmoe_kwargs: Any) -> None:
+        super().__init__(forecaster, **seqmoe_kwargs)
+        self.parts = parse_parts(parts, replay is not None, cue_set is not None or cues is not None)
+        self.router_weight = float(router_weight)
+        self.stage_weight = float(stage_weight)
+        if "forecast" not in self.parts:
+            self.prefetch = False
+            self.demand_only = True
+        self._router = None
+        if "routers" in self.parts:
+            from expertcast.inference.policies.router import TemporalRetentionPolicy
+
+            self._router = TemporalRetentionPolicy(replay=replay)
+        self._stage = None
+        if "stage" in self.parts:
+            from expertcast.inference.policies.stage_aware import StageAwarePolicy
+
+            self._stage = StageAwarePolicy(cue_set=cue_set, cues=cues, tokenizer=tokenizer, decoder=decoder,
+                                           cpu_exec=False, min_stage_steps=min_stage_steps)
+
+    # ------------------------------------------------------------------------------------------ router source
+    @property
+    def replay(self) -> Any:
+        """The routers' score source (None without the ``routers`` part)."""
+        return self._router.replay if self._router is not None else None
+
+    def set_replay(self, replay: Any) -> None:
+        """Read s^T from ``replay`` (a RouterReplay or live router scores) from the next batch on."""
+        if self._router is not None:
+            self._router.set_replay(replay)
+
+    def default_tokenizer(self, spec: Any) -> None:
+        if self._stage is not None:
+            self._stage.default_tokenizer(spec)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def reset(self, config: CacheConfig) -> None:
+        super().reset(config)
+        self.extra = np.zeros((self.L, self.E))
+        """float [L, E]: the router and stage terms of the priority."""
+        self._router_term = np.zeros((self.L, self.E))
+        self._stage_term = np.zeros((self.L, self.E))
+        for part in (self._router, self._stage):
+            if part is not None:
+                part.reset(config)
+        self.stats.update({"stage_refreshes": 0})
+
+    def begin_batch(self, batch: Any) -> None:
+        super().begin_batch(batch)
+        members = list(batch)
+        for part in (self._router, self._stage):
+            if part is not None:
+                part.begin_batch(members)
+        self._router_term[:] = 0.0
+        self._stage_term[:] = 0.0
+        self._combine()
+
+    def prepare_sequences(self, sequences: Sequence[Any]) -> None:
+        if "forecast" in self.parts:
+            super().prepare_sequences(sequences)
+
+    def on_step(self, t: int, info: StepInfo) -> None:
+        super().on_step(t, info)
+        for part in (self._router, self._stage):
+            if part is not None:
+                part.on_step(t, info)
+
+    def observe_tokens(self, t: int, token_ids: Sequence[int | None]) -> None:
+        if self._stage is not None:
+            self._stage.observe_tokens(t, token_ids)
+
+    # ------------------------------------------------------------------------------------------ the priority
+    def _combine(self) -> None:
+        self.extra = self.router_weight * self._router_term + self.stage_weight * self._stage_term
+
+    def _read_router(self, t: int, layer: int) -> None:
+        """s^T_{t,layer} of the members processing a token (after this layer's routing), scaled to sum K."""
+        s = self._router.temporal_priority(t, layer)
+        if s is not None:
+            self._router_term[layer] = np.asarray(s, np.float64) * (self.K / 2.0)
+            self._combine()
+
+    def _refresh_stage(self, t: int) -> None:
+        """At a stage boundary: the finished stage's per-token selection frequency becomes the stage term."""
+        counts = self._stage.refresh_ranking(t)
+        if counts is None:
+            return
+        tokens = np.maximum(counts.sum(axis=1, keepdims=True) / self.K, 1.0)
+        self._stage_term = np.asarray(counts, np.float64) / tokens
+        self._combine()
+        self.stats["stage_refreshes"] += 1
+
+    def _scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        base = super()._scores(layers, experts) if "forecast" in self.parts else np.zeros(len(layers))
+        return base + self.extra[layers, experts]
+
+    def _load_scores(self) -> np.ndarray:
+        return (self.score_before if "forecast" in self.parts else 0.0) + self.extra
+
+    def _trigger(self, t: int) -> None:
+        if "forecast" in self.parts:
+            super()._trigger(t)
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        if self._stage is not None:
+            self._refresh_stage(t)
+        return super().before_layer(t, layer, cache)
+
+    def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: ExpertCache):
+        if self._router is not None:
+            self._read_router(t, layer)
+        return super().on_miss(t, layer, expert, n_tokens, cache)
+
+    def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:
+        super().on_access(t, layer, selected, counts, cache)
+        if self._router is not None:
+            self._read_router(t, layer)
+        if self._stage is not None:
+            self._stage.on_access(t, layer, selected, counts, cache)

@@ -1,0 +1,670 @@
+"""Load an MoE checkpoint straight into the offloading runtime (docs/design.md, "Runtime").
+
+:func:`load_offloaded` never holds the whole model on the device, nor two copies of the experts on
+the host:
+
+1. the model skeleton is built with every parameter on the meta device (no weights materialised;
+   buffers such as rotary frequencies are computed as usual, they are small);
+2. the checkpoint's safetensors shards (``model.safetensors`` or the ``*.safetensors.index.json``
+   shard map) are read tensor by tensor with plain file reads (no memory map of the shards, so the
+   checkpoint's pages never count in the process's RSS);
+3. non-expert tensors go to the compute device; routed-expert tensors go straight into their rows
+   of the host store (:class:`~expertcast.inference.runtime.store.HostExpertStore`; pinned on CUDA,
+   or streamed layer by layer into a memory-mapped store file with ``mmap_path``). A checkpoint
+   whose experts are per-expert tensors (``...experts.3.gate_proj.weight``, what ``save_pretrained``
+   writes for most families) is converted on load with transformers' own checkpoint conversion
+   mapping (``MergeModulelist`` + ``Concatenate``: gate then up, stacked over experts); a fused
+   checkpoint (``...experts.gate_up_proj`` [E, ...], GPT-OSS) is read one expert slice at a time;
+4. the skeleton's expert parameters are replaced by empty tensors and an ordinary
+   :class:`~expertcast.inference.runtime.engine.OffloadedModel` is built on top with the filled store.
+
+Peak device memory is then non-expert weights + slots + workspace (+ KV cache); peak host memory is
+one copy of the experts (none beyond the page cache with ``mmap_path``). :func:`plan_offload` gives the
+sizes from the checkpoint headers alone, and both refuse, with one line naming the capacity and the
+byte counts, a configuration whose slots do not fit the device or whose experts do not fit the host.
+
+    >>> om, tok, report = load_offloaded("/models/Qwen3-30B-A3B", make_policy("lru"), 0.25, device="cuda")
+    >>> report.to_dict()    # expert / non-expert bytes, slots, peak RSS, peak device bytes, seconds
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from expertcast.inference.cache import CacheConfig
+from expertcast.inference.runtime.store import (
+    ExpertLayout,
+    HostExpertStore,
+    MoELayerRef,
+    UnsupportedModelError,
+    _read_safetensors_header,
+    find_experts_modules,
+    layout_of,
+    write_store_file,
+)
+from expertcast.utils.errors import UsageError
+from torch import nn
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------- checkpoint
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors shard: where its bytes are and what they are."""
+
+    key: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    """Absolute byte offset of the data in ``file``."""
+    nbytes: int
+
+
+def checkpoint_tensors(model_dir: str | os.PathLike) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint in ``model_dir`` (``model.safetensors``, or the shards listed by
+    ``model.safetensors.index.json``), read from the headers only (no pickle, no weights)."""
+    d = Path(model_dir)
+    if (d / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((d / INDEX_FILE).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise UsageError(f"{d / INDEX_FILE}: not a safetensors index ({e})") from None
+        files = sorted({d / f for f in weight_map.values()})
+    elif (d / SINGLE_FILE).is_file():
+        weight_map, files = None, [d / SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"model directory {d} has neither {SINGLE_FILE} nor {INDEX_FILE} "
+                                "(only safetensors checkpoints can be loaded straight to the host store)")
+    out: dict[str, TensorEntry] = {}
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{d / INDEX_FILE} lists shard {f.name}, which does not exist")
+        header, start = _read_safetensors_header(f)
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            if weight_map is not None and weight_map.get(key) != f.name:
+                continue
+            if info["dtype"] not in _ST_DTYPES:
+                raise UnsupportedModelError(f"{f.name}: tensor {key} has dtype {info['dtype']}, which the loader "
+                                            f"does not read (supported: {', '.join(_ST_DTYPES)})")
+            b, e = info["data_offsets"]
+            out[key] = TensorEntry(key, f, _ST_DTYPES[info["dtype"]], tuple(info["shape"]), start + b, e - b)
+    return out
+
+
+class ShardReader:
+    """Reads tensors from safetensors shards with plain ``readinto`` (one open file per shard)."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, Any] = {}
+
+    def _file(self, path: Path):
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "rb")  # noqa: SIM115 - closed by close()
+        return f
+
+    def read_into(self, entry: TensorEntry, out: torch.Tensor, start: int = 0) -> None:
+        """Fill the contiguous CPU tensor ``out`` with ``out.nbytes`` bytes of ``entry`` from byte ``start``."""
+        n = out.numel() * out.element_size()
+        if start + n > entry.nbytes:
+            raise UsageError(f"{entry.file.name}: tensor {entry.key} is shorter than its shape says")
+        f = self._file(entry.file)
+        f.seek(entry.offset + start)
+        if f.readinto(out.view(-1).view(torch.uint8).numpy()) != n:
+            raise UsageError(f"{entry.file.name}: truncated file (tensor {entry.key})")
+
+    def read(self, entry: TensorEntry) -> torch.Tensor:
+        """The whole tensor on the CPU (a fresh tensor of the checkpoint's dtype)."""
+        t = torch.empty(entry.shape, dtype=entry.dtype)
+        self.read_into(entry, t)
+        return t
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+# --------------------------------------------------------------------------------------------- skeleton
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the block lives on the meta device; buffers stay real.
+
+    (``torch.device("meta")`` would also put the non-persistent buffers, e.g. rotary frequencies
+    computed in ``__init__``, on meta, and they are in no checkpoint.)
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_skeleton(config: Any, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of ``config`` with all parameters on the meta device (buffers on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    return model.eval()
+
+
+def _expert_param_ids(refs: list[MoELayerRef], layout: ExpertLayout) -> set[int]:
+    return {id(getattr(r.module, p.name)) for r in refs for p in layout.parts}
+
+
+def _non_expert_tensors(model: nn.Module, refs: list[MoELayerRef], layout: ExpertLayout) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of ``model`` other than the routed experts, by state-dict key."""
+    skip = _expert_param_ids(refs, layout)
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in skip}
+
+
+# --------------------------------------------------------------------------------------------- key mapping
+@dataclass(frozen=True)
+class ExpertTarget:
+    """Where a checkpoint tensor goes in the store: part ``part`` of layer ``layer``'s rows.
+
+    ``expert`` None: a fused tensor [E, *part.shape] with every expert; else one expert's tensor that
+    fills chunk ``chunk`` of ``num_chunks`` along dim ``dim`` of the part (gate then up)."""
+
+    layer: int
+    part: str
+    expert: int | None
+    chunk: int = 0
+    num_chunks: int = 1
+    dim: int = 0
+
+
+class KeyMapper:
+    """Maps checkpoint keys to the skeleton's non-expert state-dict keys or to store targets, with
+    transformers' checkpoint conversion mapping of the model (renamings, then expert converters)."""
+
+    def __init__(self, model: nn.Module, refs: list[MoELayerRef], non_expert: dict[str, torch.Tensor]):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+
+        transforms = get_model_conversion_mapping(model)
+        self._renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self._prefix = getattr(model, "base_model_prefix", None) or None
+        self._known = dict.fromkeys(non_expert) | {f"{r.name}.{p}": None for r in refs for p in _parts(r.module)}
+        self._layer_of = {r.name: i for i, r in enumerate(refs)}
+
+    def map(self, key: str) -> str | ExpertTarget | None:
+        """The non-expert state-dict key, the :class:`ExpertTarget`, or None (a tensor the model lacks)."""
+        from transformers.core_model_loading import apply_renamings, rename_source_key
+
+        target, pattern = rename_source_key(key, self._renamings, self._converters, self._prefix, self._known)
+        module, _, part = target.rpartition(".")
+        layer = self._layer_of.get(module)
+        if layer is None:
+            return target if target in self._known else None
+        if pattern is None:
+            return ExpertTarget(layer, part, None)  # fused checkpoint tensor [E, ...]
+        conv = next(c for c in self._converters if pattern in c.source_patterns)
+        dim = _concat_dim(conv)
+        m = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), apply_renamings(key, self._renamings))
+        if m is None or not m.groups():
+            raise UnsupportedModelError(f"checkpoint key {key}: cannot find the expert index ({pattern})")
+        return ExpertTarget(layer, part, int(m.group(1)), conv.source_patterns.index(pattern),
+                            len(conv.source_patterns), dim)
+
+
+def _parts(module: nn.Module) -> list[str]:
+    return [p.name for p in layout_of(module).parts]
+
+
+def _concat_dim(conv: Any) -> int:
+    """Per-expert dim along which the converter concatenates its sources (gate, up); 0 when it only
+    stacks experts. Other conversions are refused."""
+    ops = [(type(o).__name__, getattr(o, "dim", None)) for o in conv.operations]
+    if ops == [("MergeModulelist", 0)]:
+        return 0
+    if len(ops) == 2 and ops[0] == ("MergeModulelist", 0) and ops[1][0] == "Concatenate" and ops[1][1] >= 1:
+        return ops[1][1] - 1
+    raise UnsupportedModelError(f"checkpoint conversion {conv.source_patterns} -> {conv.target_patterns} uses "
+                                f"operations {ops}, which the offloading loader does not implement")
+
+
+# --------------------------------------------------------------------------------------------- expert filling
+class ExpertFiller:
+    """Copies the checkpoint's expert tensors of one MoE layer into that layer's packed rows [E, N]."""
+
+    def __init__(self, layout: ExpertLayout, reader: ShardReader,
+                 by_layer: dict[int, list[tuple[TensorEntry, ExpertTarget]]]):
+        self.layout = layout
+        self.reader = reader
+        self.by_layer = by_layer
+        self._parts = {p.name: p for p in layout.parts}
+
+    def fill(self, layer: int, rows: torch.Tensor) -> None:
+        """Fill ``rows`` [E, row_numel] (host) for MoE layer ``layer``; every part of every expert must be
+        covered (all chunks of it)."""
+        E = self.layout.num_experts
+        seen: dict[tuple[str, int], set[tuple[int, int]]] = {}  # (part, expert) -> {(chunk, num_chunks)}
+        for entry, tgt in sorted(self.by_layer.get(layer, []), key=lambda it: (str(it[0].file), it[0].offset)):
+            part = self._parts.get(tgt.part)
+            if part is None:
+                raise UnsupportedModelError(f"checkpoint tensor {entry.key} maps to expert part {tgt.part!r}, "
+                                            f"which the model's experts module does not hold")
+            for e in range(E) if tgt.expert is None else [tgt.expert]:
+                if not 0 <= e < E:
+                    raise UsageError(f"checkpoint tensor {entry.key}: expert {e} outside 0..{E - 1}")
+                self._copy(entry, tgt, part, e, rows[e])
+                seen.setdefault((tgt.part, e), set()).add((tgt.chunk, tgt.num_chunks))
+        missing = [(p.name, e) for p in self.layout.parts for e in range(E) if not _complete(seen.get((p.name, e)))]
+        if missing:
+            raise UsageError(f"the checkpoint lacks expert weights of MoE layer {layer} (part, expert): {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''}")
+
+    def _copy(self, entry: TensorEntry, tgt: ExpertTarget, part: Any, e: int, row: torch.Tensor) -> None:
+        dst = row[part.offset:part.offset + part.numel].view(part.shape)
+        if tgt.num_chunks > 1:
+            size = part.shape[tgt.dim] // tgt.num_chunks
+            dst = dst.narrow(tgt.dim, tgt.chunk * size, size)
+        shape = entry.shape[1:] if tgt.expert is None else entry.shape
+        if tuple(shape) != tuple(dst.shape):
+            raise UsageError(f"checkpoint tensor {entry.key} has shape {list(entry.shape)}, the model expects "
+                             f"{list(dst.shape)} per expert (is config.json the checkpoint's?)")
+        if entry.dtype not in _FLOAT_DTYPES:
+            raise UnsupportedModelError(f"checkpoint tensor {entry.key} is {entry.dtype} (quantized experts are not "
+                                        "supported: dequantize the checkpoint first)")
+        start = e * dst.numel() * entry.dtype.itemsize if tgt.expert is None else 0
+        if entry.dtype == dst.dtype and dst.is_contiguous():
+            self.reader.read_into(entry, dst, start)  # straight into the store row, no temporary
+        else:
+            tmp = torch.empty(dst.shape, dtype=entry.dtype)
+            self.reader.read_into(entry, tmp, start)
+            dst.copy_(tmp)
+
+
+def _complete(chunks: set[tuple[int, int]] | None) -> bool:
+    """All ``num_chunks`` chunks of a part were read (a fused or single tensor is one chunk of one)."""
+    return bool(chunks) and len(chunks) == next(iter(chunks))[1]
+
+
+# --------------------------------------------------------------------------------------------- memory
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (None where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free bytes on ``device`` now: ``torch.cuda.mem_get_info`` on CUDA, host MemAvailable on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        return host_available_bytes()
+    return None
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+@dataclass
+class LoadPlan:
+    """Sizes of an offloaded load, from config.json and the checkpoint headers (no weights read)."""
+
+    model_dir: str
+    device: str
+    dtype: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+    """Bytes of one routed expert (one store row / one slot) at the load dtype."""
+    expert_bytes_total: int
+    """L * E * expert_bytes: the host store."""
+    non_expert_bytes: int
+    """Parameters and buffers that stay on the device (attention, embeddings, norms, routers, shared
+    experts, dense layers)."""
+    num_slots: int
+    num_temp_slots: int
+    slot_bytes: int
+    """Device bytes of the slot pool (resident + temporary slots)."""
+    device_free: int | None
+    host_available: int | None
+    checkpoint_files: list[str] = field(default_factory=list)
+    checkpoint_layout: str = ""
+    """``per-expert`` (converted on load), ``fused`` or ``mixed``."""
+
+    @property
+    def full_load_fits(self) -> bool:
+        """The whole model (non-expert weights + all experts) fits the device's free memory now."""
+        total = self.non_expert_bytes + self.expert_bytes_total
+        return self.device_free is None or total <= self.device_free
+
+    def check_fits(self, mmap: bool, capacity_flag: str = "--capacity/--slots") -> None:
+        """Refuse (UsageError) when the slots do not fit the device or the experts do not fit the host."""
+        dev = self.non_expert_bytes + self.slot_bytes
+        if self.device_free is not None and self.device.startswith("cuda") and dev > self.device_free:
+            raise UsageError(
+                f"the slots do not fit {self.device}: {self.num_slots} slots + {self.num_temp_slots} temporary x "
+                f"{self.expert_bytes / 1e6:.2f} MB = {_gb(self.slot_bytes)} plus {_gb(self.non_expert_bytes)} of "
+                f"non-expert weights exceed the {_gb(self.device_free)} free; lower {capacity_flag}")
+        host = self.expert_bytes_total + (self.non_expert_bytes + self.slot_bytes if self.device == "cpu" else 0)
+        if not mmap and self.host_available is not None and host > self.host_available:
+            what = "the experts" if self.device != "cpu" else "the experts, the slots and the non-expert weights"
+            raise UsageError(
+                f"host memory cannot hold {what}: {_gb(host)} needed ({self.num_layers} layers x "
+                f"{self.num_experts} experts x {self.expert_bytes / 1e6:.2f} MB), {_gb(self.host_available)} "
+                f"available; memory-map the expert store (--mmap-store) or free memory")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "full_load_fits": self.full_load_fits}
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_offloaded` did and the memory it took."""
+
+    plan: LoadPlan
+    load_seconds: float
+    store_pinned: bool
+    store_mmap: str | None
+    unused_checkpoint_keys: list[str]
+    """Checkpoint tensors the model has no place for (e.g. multi-token-prediction layers)."""
+    peak_rss_bytes: int
+    """Peak resident set of the process right after loading (:func:`peak_rss_bytes`)."""
+    device_peak_bytes: int | None
+    """torch.cuda.max_memory_allocated after loading (None on CPU)."""
+    source: str = "checkpoint"
+    """``checkpoint`` (streamed from safetensors) or ``host`` (a tiny preset or an adapter export, built in
+    host memory first)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "plan"}
+        d["plan"] = self.plan.to_dict()
+        d["unused_checkpoint_keys"] = self.unused_checkpoint_keys[:20]
+        d["num_unused_checkpoint_keys"] = len(self.unused_checkpoint_keys)
+        return d
+
+
+# --------------------------------------------------------------------------------------------- entry points
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process: ``VmHWM`` of /proc/self/status (the high-water mark of this
+    program's own address space), else ``ru_maxrss``. (Linux carries ``ru_maxrss`` over ``execve``, so
+    a subprocess started by a large parent would report the parent's peak.)"""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local model directory: as given, or the Hub snapshot (config, tokenizer, safetensors only)."""
+    from expertcast.models.backbone import resolve_model_path
+
+    path, local = resolve_model_path(name_or_path)
+    if local:
+        return Path(path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, revision=revision,
+                                  allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+
+
+def _config_and_dtype(model_dir: Path, dtype: str | torch.dtype | None, revision: str | None):
+    from expertcast.models.backbone import _torch_dtype, check_supported
+    from expertcast.models.spec import _config_dtype
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False, revision=revision)
+    check_supported(config)
+    td = _torch_dtype(dtype)
+    return config, (_config_dtype(config) if td == "auto" else td)
+
+
+def _plan(model_dir: Path, model: nn.Module, refs: list[MoELayerRef], layout: ExpertLayout,
+          tensors: dict[str, TensorEntry], expert_entries: dict[int, list[tuple[TensorEntry, ExpertTarget]]],
+          capacity: float | int, device: torch.device, pool: str, num_temp_slots: int, top_k: int) -> LoadPlan:
+    L, E = len(refs), layout.num_experts
+    kw = {"capacity": float(capacity)} if isinstance(capacity, float) else {"slots": int(capacity)}
+    cc = CacheConfig(num_layers=L, num_experts=E, top_k=top_k, pool=pool, expert_bytes=layout.expert_bytes, **kw)
+    skip = _expert_param_ids(refs, layout)
+    tensors_ = [*(p for p in model.parameters() if id(p) not in skip), *model.buffers()]
+    non_expert = sum(t.numel() * t.element_size() for t in tensors_)  # as MemoryReport counts them
+    kinds = {"fused" if tgt.expert is None else "per-expert" for ts in expert_entries.values() for _, tgt in ts}
+    slots = cc.total_slots
+    return LoadPlan(
+        model_dir=str(model_dir), device=str(device), dtype=str(layout.dtype).removeprefix("torch."),
+        num_layers=L, num_experts=E, top_k=top_k, expert_bytes=layout.expert_bytes,
+        expert_bytes_total=L * E * layout.expert_bytes, non_expert_bytes=non_expert, num_slots=slots,
+        num_temp_slots=num_temp_slots, slot_bytes=(slots + num_temp_slots) * layout.expert_bytes,
+        device_free=device_free_bytes(device), host_available=host_available_bytes(),
+        checkpoint_files=sorted({e.file.name for e in tensors.values()}),
+        checkpoint_layout=kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "none"))
+
+
+def _prepare(name_or_path, capacity, device, dtype, pool, num_temp_slots, revision):
+    """Skeleton, experts modules, layout, checkpoint entries split by destination, and the plan."""
+    from expertcast.inference.runtime.engine import _top_k_of
+
+    model_dir = resolve_model_dir(name_or_path, revision)
+    config, td = _config_and_dtype(model_dir, dtype, revision)
+    tensors = checkpoint_tensors(model_dir)
+    model = build_skeleton(config, td)
+    refs = find_experts_modules(model)
+    layout = layout_of(refs[0].module)
+    for r in refs[1:]:
+        if layout_of(r.module) != layout:
+            raise UnsupportedModelError(f"experts module {r.name} differs in shape/dtype from {refs[0].name}")
+    split = _split_entries(tensors, KeyMapper(model, refs, _non_expert_tensors(model, refs, layout)))
+    plan = _plan(model_dir, model, refs, layout, tensors, split[1], capacity, torch.device(device), pool,
+                 num_temp_slots, _top_k_of(model))
+    return model_dir, model, refs, layout, split, plan
+
+
+def plan_offload(name_or_path: str | os.PathLike, capacity: float | int, *, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype | None = "auto", pool: str = "per-layer", num_temp_slots: int = 2,
+                 revision: str | None = None) -> LoadPlan:
+    """The sizes of offloading ``name_or_path`` at ``capacity`` (fraction of L*E, or int slots) on
+    ``device``, read from config.json and the safetensors headers (no weights)."""
+    return _prepare(name_or_path, capacity, device, dtype, pool, num_temp_slots, revision)[-1]
+
+
+def _place(model: nn.Module, key: str, value: torch.Tensor) -> None:
+    """Put ``value`` as parameter/buffer ``key`` of ``model`` (replacing the meta placeholder)."""
+    mod_name, _, leaf = key.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    if leaf in mod._parameters:
+        mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        mod._buffers[leaf] = value
+
+
+def _load_non_expert(model: nn.Module, non_expert: dict[str, torch.Tensor], entries: dict[str, TensorEntry],
+                     reader: ShardReader, device: torch.device) -> None:
+    """Read every non-expert tensor onto ``device`` (skeleton dtype), tie embeddings where the config
+    says so, move the computed buffers; refuse a checkpoint that lacks one."""
+    for key, entry in entries.items():
+        want = non_expert[key]
+        if tuple(entry.shape) != tuple(want.shape):
+            raise UsageError(f"checkpoint tensor {entry.key} has shape {list(entry.shape)}, the model expects "
+                             f"{list(want.shape)} for {key} (is config.json the checkpoint's?)")
+        _place(model, key, reader.read(entry).to(device=device, dtype=want.dtype))
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+    state = model.state_dict(keep_vars=True)
+    lacking = [k for k in non_expert if state[k].device.type == "meta"]
+    if lacking:
+        raise UsageError(f"the checkpoint lacks {', '.join(lacking[:4])}{' ...' if len(lacking) > 4 else ''} "
+                         "(expected by the model's config)")
+    for name, b in model.named_buffers():
+        if b.device != device:
+            _place(model, name, b.to(device))
+
+
+def _release_experts(refs: list[MoELayerRef], layout: ExpertLayout, device: torch.device) -> None:
+    """Replace the skeleton's meta expert parameters by empty tensors on the compute device."""
+    for r in refs:
+        for p in layout.parts:
+            setattr(r.module, p.name, nn.Parameter(torch.empty(0, dtype=layout.dtype, device=device),
+                                                   requires_grad=False))
+
+
+def _split_entries(tensors: dict[str, TensorEntry], mapper: KeyMapper):
+    non_expert: dict[str, TensorEntry] = {}
+    experts: dict[int, list[tuple[TensorEntry, ExpertTarget]]] = {}
+    unused: list[str] = []
+    for key, entry in tensors.items():
+        tgt = mapper.map(key)
+        if tgt is None:
+            unused.append(key)
+        elif isinstance(tgt, ExpertTarget):
+            experts.setdefault(tgt.layer, []).append((entry, tgt))
+        else:
+            non_expert[tgt] = entry
+    return non_expert, experts, sorted(unused)
+
+
+def _fill_store(layout: ExpertLayout, refs: list[MoELayerRef], filler: ExpertFiller, pin: bool,
+                mmap_path: str | os.PathLike | None) -> HostExpertStore:
+    L = len(refs)
+    if mmap_path is not None:
+        write_store_file(Path(mmap_path), [r.name for r in refs], layout, filler.fill)
+        return HostExpertStore.open_mmap(mmap_path)
+    rows = torch.empty((L, layout.num_experts, layout.row_numel), dtype=layout.dtype, pin_memory=pin)
+    for i in range(L):
+        filler.fill(i, rows[i])
+    return HostExpertStore(rows, layout)
+
+
+def _tokenizer(model_dir: Path, revision: str | None):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False, revision=revision)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"{model_dir}: no usable tokenizer next to the model ({e})") from None
+
+
+def _generation_config(model: nn.Module, model_dir: Path) -> None:
+    if (model_dir / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+
+
+def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float | int, *,
+                   device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "auto",
+                   pool: str = "per-layer", link_gbps: float | None = None, mmap_path: str | os.PathLike | None = None,
+                   num_temp_slots: int = 2, future: Any = None, cpu_exec_ms: Callable[[int], float] | None = None,
+                   seed: int = 0, revision: str | None = None):
+    """(OffloadedModel, tokenizer, :class:`LoadReport`) of ``name_or_path`` loaded straight to the host store.
+
+    Args:
+        name_or_path: a local Hugging Face directory (config.json + safetensors; a fine-tuned export's
+            ``model/`` folder, or the export folder itself), a Hub id, or what has no checkpoint to
+            stream: a tiny preset name (random init) or an adapter export (merged on load), built in
+            host memory, then offloaded.
+        policy, capacity, pool, link_gbps, num_temp_slots, future, cpu_exec_ms: as
+            :class:`~expertcast.inference.runtime.engine.OffloadedModel` (capacity: float = fraction of
+            all L*E experts, int = slots).
+        mmap_path: stream the packed experts into this store file and memory-map it (host RAM holds no
+            copy beyond the page cache).
+    Raises:
+        UsageError: the slots do not fit the device, the experts do not fit the host, or the
+            checkpoint does not match its config.
+    """
+    from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.models.backbone import export_model_dir, is_export_dir
+    from expertcast.models.presets import get_preset, is_preset
+
+    dev = torch.device(device)
+    t0 = time.perf_counter()
+    name = str(name_or_path)
+    adapter_export = is_export_dir(name) and export_model_dir(name) is None
+    if (is_preset(name) and get_preset(name).size == "tiny") or adapter_export:
+        return _load_in_host(name, policy, capacity, dev, dtype, pool, link_gbps, mmap_path, num_temp_slots, future,
+                             cpu_exec_ms, seed, t0)
+    model_dir, model, refs, layout, split, plan = _prepare(name_or_path, capacity, dev, dtype, pool,
+                                                            num_temp_slots, revision)
+    plan.check_fits(mmap=mmap_path is not None)
+    if mmap_path is not None:
+        mmap_path = Path(mmap_path).expanduser()
+        mmap_path.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(mmap_path.parent).free
+        if plan.expert_bytes_total > free:
+            raise UsageError(f"the expert store file {mmap_path} needs {_gb(plan.expert_bytes_total)}, its disk has "
+                             f"{_gb(free)} free")
+    non_expert_entries, expert_entries, unused = split
+    non_expert = _non_expert_tensors(model, refs, layout)
+    reader = ShardReader()
+    try:
+        _load_non_expert(model, non_expert, non_expert_entries, reader, dev)
+        store = _fill_store(layout, refs, ExpertFiller(layout, reader, expert_entries), dev.type == "cuda", mmap_path)
+    finally:
+        reader.close()
+    _release_experts(refs, layout, dev)
+    _generation_config(model, model_dir)
+    om = OffloadedModel(model, policy, capacity, pool=pool, device=dev, link_gbps=link_gbps,
+                        num_temp_slots=num_temp_slots, future=future, store=store, cpu_exec_ms=cpu_exec_ms)
+    report = LoadReport(plan=plan, load_seconds=time.perf_counter() - t0, store_pinned=store.is_pinned,
+                        store_mmap=str(mmap_path) if mmap_path is not None else None, unused_checkpoint_keys=unused,
+                        peak_rss_bytes=peak_rss_bytes(),
+                        device_peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
+    return om, _tokenizer(model_dir, revision), report
+
+
+def _load_in_host(name, policy, capacity, dev, dtype, pool, link_gbps, mmap_path, num_temp_slots, future,
+                  cpu_exec_ms, seed, t0):
+    """What has no checkpoint to stream: a tiny random-init preset, or a router-adaptation export that
+    keeps a peft adapter (merged over its base on load). Built in host memory, then offloaded."""
+    from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.models.backbone import load_moe_model
+
+    model, tok = load_moe_model(name, dtype=dtype, device="cpu", seed=seed)
+    om = OffloadedModel(model, policy, capacity, pool=pool, device=dev, link_gbps=link_gbps, mmap_path=mmap_path,
+                        num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms)
+    mem = om.memory_report()
+    L, E, eb = om.L, om.E, om.layout.expert_bytes
+    plan = LoadPlan(model_dir=name, device=str(dev), dtype=str(om.layout.dtype).removeprefix("torch."),
+                    num_layers=L, num_experts=E, top_k=om.K, expert_bytes=eb, expert_bytes_total=L * E * eb,
+                    non_expert_bytes=mem.device_non_expert_bytes, num_slots=om.cache.num_slots,
+                    num_temp_slots=num_temp_slots, slot_bytes=om.pool.nbytes, device_free=device_free_bytes(dev),
+                    host_available=host_available_bytes(), checkpoint_layout="none")
+    report = LoadReport(plan=plan, load_seconds=time.perf_counter() - t0, store_pinned=om.store.is_pinned,
+                        store_mmap=str(mmap_path) if mmap_path is not None else None, unused_checkpoint_keys=[],
+                        peak_rss_bytes=peak_rss_bytes(), device_peak_bytes=mem.device_peak_allocated, source="host")
+    return om, tok, report

@@ -1,0 +1,144 @@
+"""Python steps of ``scripts/gpu_check.sh``; each prints one line ``PASS|FAIL|SKIP name figure`` and exits 1 on
+FAIL.
+
+``forecaster``: one training epoch of the Qwen3-30B-A3B forecaster (configs/forecaster/qwen3-30b-a3b.yaml's
+model, L=48, E=128, K=8) on synthetic mode-Markov traces, Lightning on one GPU in bf16-mixed, first with
+mamba-ssm's kernels (asserted: every dispatched Mamba call took the kernel,
+:mod:`expertcast.models.mamba_kernels`), then the same epoch on transformers' PyTorch reference; the
+figure is the median step time of each and their ratio. ``--dry-run``: the same code on the CPU at a tiny
+size, PyTorch path only.
+
+``memory OUT``: the peak device memory of the runtime benchmark (``OUT/memory.json`` of
+scripts/bench_runtime.py) against its memory report (slots + non-expert weights + workspace).
+
+    python scripts/gpu_check_steps.py forecaster [--dry-run]
+    python scripts/gpu_check_steps.py memory runs/bench_runtime
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs/forecaster/qwen3-30b-a3b.yaml"
+
+
+def line(ok: bool | None, name: str, figure: str) -> int:
+    print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} {name} {figure}", flush=True)
+    return 1 if ok is False else 0
+
+
+def _model_args(dry_run: bool) -> dict:
+    import yaml
+
+    args = dict(yaml.safe_load(CONFIG.read_text())["model"]["init_args"])
+    args.pop("export_dir", None)
+    if dry_run:
+        args.update(hidden_size=32, num_blocks=1, state_size=8, head_dim=16, chunk_size=16, direct_horizons=2,
+                    online_half_lives=[0, 2])
+    return args
+
+
+def _epoch(args: dict, dm, accelerator: str, precision: str) -> list[float]:
+    """One epoch; returns the step times in seconds (device-synchronized)."""
+    import lightning as pl
+    import torch
+    from expertcast.train.forecaster_module import ForecasterModule
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def _sync(self) -> None:
+            if torch.cuda.is_available() and accelerator == "gpu":
+                torch.cuda.synchronize()
+
+        def on_train_batch_start(self, *a) -> None:
+            self._sync()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *a) -> None:
+            self._sync()
+            self.times.append(time.perf_counter() - self.t0)
+
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    trainer = pl.Trainer(max_epochs=1, accelerator=accelerator, devices=1, precision=precision, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], gradient_clip_val=1.0)
+    trainer.fit(ForecasterModule(**args), dm)
+    return timer.times
+
+
+def forecaster(dry_run: bool) -> int:
+    from expertcast.models import mamba_kernels
+    from expertcast.train.forecaster_data import ForecasterDataModule
+    from expertcast.train.forecaster_synthetic import ModeMarkovProcess
+
+    L, E, K, n, T, batch = (48, 128, 8, 64, 512, 8) if not dry_run else (4, 16, 2, 8, 48, 4)
+    proc = ModeMarkovProcess.random(num_modes=8, num_layers=L, num_experts=E, top_k=K, seed=0)
+    seqs, _ = proc.sample(n, T, prompt_len=16, seed=1)
+    dm = ForecasterDataModule.from_sequences(proc.meta(), seqs, window=T, batch_size=batch, val_fraction=0.0)
+    args = _model_args(dry_run)
+    status = mamba_kernels.install()
+    kernels = status.get("modeling_mamba2.mamba2_chunk_scan", False)
+    if dry_run:
+        mamba_kernels.reset_calls()
+        times = _epoch(args, dm, "cpu", "32-true")
+        path = "torch" if not any(k.endswith(":kernel") for k in mamba_kernels.calls()) else "kernel"
+        return line(path == "torch", "forecaster-epoch", f"dry-run cpu fp32 L={L} E={E} K={K}: {len(times)} steps, "
+                    f"median {1e3 * statistics.median(times):.1f} ms/step, mamba path {path}")
+    if not kernels:
+        return line(False, "forecaster-epoch", "mamba-ssm kernels not importable (pip install -e '.[gpu]')")
+    mamba_kernels.reset_calls()
+    fast = _epoch(args, dm, "gpu", "bf16-mixed")
+    calls = mamba_kernels.calls()
+    used = sum(v for k, v in calls.items() if k.endswith(":kernel"))
+    fallback = sum(v for k, v in calls.items() if k.endswith(":torch"))
+    with mamba_kernels.reference_only():
+        slow = _epoch(args, dm, "gpu", "bf16-mixed")
+    f, s = statistics.median(fast[1:] or fast), statistics.median(slow[1:] or slow)
+    return line(used > 0 and fallback == 0, "forecaster-epoch",
+                f"bf16 L={L} E={E} K={K}, {len(fast)} steps: mamba path kernel ({used} kernel calls, {fallback} "
+                f"PyTorch) {1e3 * f:.1f} ms/step vs PyTorch fallback {1e3 * s:.1f} ms/step ({s / f:.2f}x)")
+
+
+def memory(out: Path, dry_run: bool) -> int:
+    f = out / "memory.json"
+    if not f.is_file():
+        return line(False, "peak-memory", f"{f} missing (the bench step failed?)")
+    m = json.loads(f.read_text())["lru_max_residency"]
+    report = m["device_non_expert_bytes"] + m["device_slot_bytes"] + m["device_workspace_bytes"]
+    peak = m.get("device_peak_allocated")
+    if peak is None:
+        return line(True if dry_run else False, "peak-memory", f"report {report / 2**20:.1f} MiB; no device peak "
+                    f"on {'the CPU (dry run)' if dry_run else 'this device'}")
+    # the report holds weights, slots and workspace; activations and the KV cache of batch-1 decoding come on top
+    ok = peak <= 1.25 * report + 512 * 2**20
+    return line(ok, "peak-memory", f"peak allocated {peak / 2**20:.0f} MiB vs memory report {report / 2**20:.0f} MiB "
+                f"({peak / report:.2f}x; pass <= 1.25x + 512 MiB)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("step", choices=["forecaster", "memory"])
+    ap.add_argument("out", nargs="?", default="runs/bench_runtime", help="memory: the benchmark's --out folder")
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        return forecaster(a.dry_run) if a.step == "forecaster" else memory(Path(a.out), a.dry_run)
+    except Exception as e:  # one FAIL line, the traceback on stderr
+        import traceback
+
+        traceback.print_exc()
+        return line(False, "forecaster-epoch" if a.step == "forecaster" else "peak-memory",
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`expertcast sweep`: policies x capacities x benchmarks through eval's code, one table/CSV/PNG, resumable
+per cell (a finished cell is re-read, not regenerated), refusals before the model loads."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+from expertcast.cli import main as cli_main
+from expertcast.commands.sweep import main
+from expertcast.inference.eval_run import SAMPLES
+from expertcast.utils.tracking import offline_run_contents
+
+ARGS = ["--model", "qwen3_moe-tiny", "--benchmarks", "gsm8k,math500", "--policies", "lru", "--capacity", "0.5",
+        "--limit", "1", "--max-new-tokens", "3", "--no-progress", "--device", "cpu", "--speed-repeats", "1"]
+
+
+def with_opt(flag: str, value: str) -> list[str]:
+    """ARGS with ``flag``'s value replaced."""
+    out = list(ARGS)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def test_sweep_table_and_resume(tmp_path, data_dir, capsys, monkeypatch):
+    wb = tmp_path / "wb"
+    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(wb), "WANDB_SILENT": "true",
+                 "WANDB_CACHE_DIR": str(wb / "cache"), "WANDB_DATA_DIR": str(wb / "data")}.items():
+        monkeypatch.setenv(k, v)
+    wb.mkdir()
+    out = tmp_path / "sw"
+    assert main([*ARGS, "--wandb", "--wandb-project", "t", "--out", str(out)]) == 0
+    table = list(csv.DictReader((out / "sweep.csv").open()))
+    [run] = sorted((wb / "wandb").glob("offline-run-*"))  # the table and the plot, logged offline
+    for _ in range(40):  # wandb's service may still be writing the run's log
+        got = offline_run_contents(run)
+        if got["tables"] and got["images"]:
+            break
+        time.sleep(0.25)
+    [logged] = [json.loads((run / t).read_text()) for t in got["tables"] if Path(t).name.startswith("sweep")]
+    assert [r[logged["columns"].index("benchmark")] for r in logged["data"]] == ["gsm8k", "math500"]
+    assert any(Path(i).name.startswith("sweep_plot") for i in got["images"])
+    assert [(r["benchmark"], r["policy"], float(r["capacity"])) for r in table] == [
+        ("gsm8k", "lru", 0.5), ("math500", "lru", 0.5)]
+    assert (out / "sweep.png").stat().st_size > 0
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    for r in rows:
+        assert 0 <= r["hit"] <= 1 and r["baseline"] == "full-load" and r["tokens_match"]
+        assert r["pct_full_min"] <= r["pct_full"] <= r["pct_full_max"]
+    for bench in ("gsm8k", "math500"):
+        cell = out / "cells" / bench / "lru@c0.5"
+        assert (cell / SAMPLES).is_file()
+        assert json.loads((cell / "settings.json").read_text())["benchmark"] == bench
+        assert (cell / "speed.json").is_file()
+    samples = {p: (p / SAMPLES).read_bytes() for p in (out / "cells").glob("*/*")}
+    capsys.readouterr()
+
+    assert main([*ARGS, "--out", str(out)]) == 0  # finished cells are re-read, nothing regenerated
+    o = capsys.readouterr().out
+    assert o.count("speed: reusing") == 2 and o.count("0 to go") == 2
+    assert {p: (p / SAMPLES).read_bytes() for p in (out / "cells").glob("*/*")} == samples
+
+    # a cell made with other settings is refused, naming the setting
+    assert main([*with_opt("--max-new-tokens", "4"), "--out", str(out)]) == 2
+    assert "max_new_tokens" in capsys.readouterr().err
+
+
+def test_sweep_refuses_bad_cells_before_loading(tmp_path, data_dir, capsys):
+    assert main([*with_opt("--benchmarks", "gsm8k,nope"), "--out", str(tmp_path / "a")]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+    assert main([*with_opt("--policies", "lru,belady"), "--out", str(tmp_path / "b")]) == 2
+    assert "oracle" in capsys.readouterr().err
+    assert main([*with_opt("--capacity", "0.25,1.5"), "--out", str(tmp_path / "c")]) == 2
+    assert "--capacity" in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in "abc")
+    assert cli_main(["sweep", "--help"]) == 0 and "--policies" in capsys.readouterr().out

@@ -1,0 +1,62 @@
+"""The generalisation protocol: nested stable fit subsets, disjoint fit/eval sets, baselines fitted on the fit set
+only while the online ones read the evaluated sequences, and train_sequences in the data module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from expertcast.train.forecast_eval import _frequency
+from expertcast.train.forecaster_data import ForecasterDataModule, training_subset
+from expertcast.train.forecaster_synthetic import StickyRoutingProcess
+from expertcast.train.generalisation import in_domain_split, margin_over_online, protocol_rows, recall_row
+from expertcast.utils.errors import OverlapError
+
+torch.set_num_threads(1)
+
+
+def _sets():
+    a = StickyRoutingProcess.realistic(num_layers=2, num_experts=16, top_k=2, seed=0)
+    b = StickyRoutingProcess.realistic(num_layers=2, num_experts=16, top_k=2, seed=7, concentration=0.3)
+    return a.meta(), a.sample(60, 30, prompt_len=4, seed=1, prefix="a"), b.sample(8, 30, prompt_len=4, seed=2, prefix="b")
+
+
+def test_fit_subsets_are_nested_stable_and_sized_by_what_the_data_allows():
+    meta, fit, ev = _sets()
+    rows = protocol_rows("a->b", fit, ev)
+    assert [r.n_fit for r in rows] == [10, 50, None] and [len(r.fit) for r in rows] == [10, 50, 60]
+    ids = [{s.seq_id for s in r.fit} for r in rows]
+    assert ids[0] < ids[1] < ids[2]
+    assert [s.seq_id for s in training_subset(list(reversed(fit)), 10)] == [s.seq_id for s in rows[0].fit]
+    assert [r.n_fit for r in protocol_rows("small", fit[:30], ev)] == [10, None]
+    with pytest.raises(OverlapError):
+        protocol_rows("leak", fit, ev + fit[:1])
+    f, e = in_domain_split(fit)
+    assert f and e and not {s.seq_id for s in f} & {s.seq_id for s in e}
+
+
+def test_baselines_fit_on_the_fit_set_and_online_ones_read_the_evaluated_sequences():
+    meta, fit, ev = _sets()
+    row = protocol_rows("a->b", fit, ev, sizes=[10])[0]
+    tables = recall_row(None, meta, row, horizons=2)
+    assert set(tables) == {"repeat-last", "frequency", "transition", "recent-freq"}
+    # recent-freq and repeat-last read the evaluated sequences: they beat the fit set's frequency on the
+    # other process, whose sequences favour their own experts
+    assert tables["recent-freq"].recall("k")[0] > tables["frequency"].recall("k")[0] + 0.05
+    assert tables["repeat-last"].recall("k")[0] > tables["frequency"].recall("k")[0] + 0.05
+    tables["forecaster"] = tables["frequency"]
+    assert (margin_over_online(tables) < 0).all()
+    # the frequency baseline is the 10 fit sequences' frequency, not the evaluated ones'
+    from expertcast.train.forecast_eval import fit_baselines
+
+    freq = next(b for b in fit_baselines(row.fit, meta, 1) if b.name == "frequency").freq
+    assert torch.allclose(freq, _frequency(row.fit, 2, 16, 1))
+    assert not torch.allclose(freq, _frequency(ev, 2, 16, 1))
+
+
+def test_data_module_trains_on_exactly_n_sequences_of_its_training_split():
+    meta, fit, _ = _sets()
+    full = ForecasterDataModule.from_sequences(meta, fit, window=16, val_fraction=0.2)
+    dm = ForecasterDataModule.from_sequences(meta, fit, window=16, val_fraction=0.2, train_sequences=10)
+    info = dm.training_info()
+    assert len(info["train_ids"]) == 10 and info["val_ids"] == full.training_info()["val_ids"]
+    assert set(info["train_ids"]) == {s.seq_id for s in training_subset(full.splits["train"], 10)}
