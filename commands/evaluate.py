@@ -83,6 +83,10 @@ def add_run_args(ap: CommandParser) -> None:
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch CPU threads (None = torch's default; 1 avoids oversubscription on a shared host)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="model dtype (auto = the checkpoint's)")
+    ap.add_argument("--decode-path", choices=("eager", "graph", "auto"), default="eager",
+                    help="MoE decode path: eager (the reference), graph (residency and miss handling on the device, "
+                         "no host sync per layer; lru and seqmoe), auto (graph where it applies; the run prints "
+                         "which path runs and why)")
     ap.add_argument("--link-gbps", type=positive_float, default=None,
                     help="CPU only: emulated host-device bandwidth in GB/s (None = memory speed)")
     ap.add_argument("--data-dir", default=None, help="local benchmark folder (None = $EXPERTCAST_DATA_DIR, ../shared/data, else the Hub)")
@@ -240,7 +244,8 @@ def eval_settings(args: Any, *, resolved: str, device: str, policy_name: str, op
         max_new_tokens=args.max_new_tokens,
         policy={"name": policy_name, "options": {k: v for k, v in sorted(opts.items()) if k not in files},
                 "artefacts_sha256": artefact_hashes(files)},
-        capacity=capacity, pool=args.pool, batch_size=args.batch_size, link_gbps=args.link_gbps, greedy=True)
+        capacity=capacity, pool=args.pool, batch_size=args.batch_size, link_gbps=args.link_gbps, greedy=True,
+        decode_path=args.decode_path)
 
 
 def resume_rows(out: Any, settings: dict[str, Any], settings_hash: str) -> list[dict[str, Any]]:
@@ -343,14 +348,15 @@ class ModelSession:
 
             mmap = str(Path(a.out) / "experts.safetensors") if a.mmap_store else None
             om, self.tok, report = load_offloaded(self.resolved, policy, cap, device=self.device, dtype=a.dtype,
-                                                  pool=a.pool, link_gbps=a.link_gbps, mmap_path=mmap, seed=a.seed)
+                                                  pool=a.pool, link_gbps=a.link_gbps, mmap_path=mmap, seed=a.seed,
+                                                  decode_path=a.decode_path)
             _pad_left(self.tok)
             self.model, self.store, self.load_report = om.model, om.store, report.to_dict()
             if measure_latency:
                 om.use_measured_latency()
         else:
             om = OffloadedModel(self.model, policy, cap, pool=a.pool, device=self.device, link_gbps=a.link_gbps,
-                                store=self.store, measure_latency=measure_latency)
+                                store=self.store, measure_latency=measure_latency, decode_path=a.decode_path)
         self.full = False
         attach_live_routers(policy, om.model, a.model)  # router policies: the --model export's routers, live
         return om

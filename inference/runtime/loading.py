@@ -590,7 +590,7 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float
                    device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "auto",
                    pool: str = "per-layer", link_gbps: float | None = None, mmap_path: str | os.PathLike | None = None,
                    num_temp_slots: int = 2, future: Any = None, cpu_exec_ms: Callable[[int], float] | None = None,
-                   seed: int = 0, revision: str | None = None):
+                   seed: int = 0, revision: str | None = None, decode_path: str = "eager"):
     """(OffloadedModel, tokenizer, :class:`LoadReport`) of ``name_or_path`` loaded straight to the host store.
 
     Args:
@@ -598,7 +598,7 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float
             ``model/`` folder, or the export folder itself), a Hub id, or what has no checkpoint to
             stream: a tiny preset name (random init) or an adapter export (merged on load), built in
             host memory, then offloaded.
-        policy, capacity, pool, link_gbps, num_temp_slots, future, cpu_exec_ms: as
+        policy, capacity, pool, link_gbps, num_temp_slots, future, cpu_exec_ms, decode_path: as
             :class:`~expertcast.inference.runtime.engine.OffloadedModel` (capacity: float = fraction of
             all L*E experts, int = slots).
         mmap_path: stream the packed experts into this store file and memory-map it (host RAM holds no
@@ -617,7 +617,7 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float
     adapter_export = is_export_dir(name) and export_model_dir(name) is None
     if (is_preset(name) and get_preset(name).size == "tiny") or adapter_export:
         return _load_in_host(name, policy, capacity, dev, dtype, pool, link_gbps, mmap_path, num_temp_slots, future,
-                             cpu_exec_ms, seed, t0)
+                             cpu_exec_ms, seed, t0, decode_path)
     model_dir, model, refs, layout, split, plan = _prepare(name_or_path, capacity, dev, dtype, pool,
                                                             num_temp_slots, revision)
     plan.check_fits(mmap=mmap_path is not None)
@@ -639,7 +639,8 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float
     _release_experts(refs, layout, dev)
     _generation_config(model, model_dir)
     om = OffloadedModel(model, policy, capacity, pool=pool, device=dev, link_gbps=link_gbps,
-                        num_temp_slots=num_temp_slots, future=future, store=store, cpu_exec_ms=cpu_exec_ms)
+                        num_temp_slots=num_temp_slots, future=future, store=store, cpu_exec_ms=cpu_exec_ms,
+                        decode_path=decode_path)
     report = LoadReport(plan=plan, load_seconds=time.perf_counter() - t0, store_pinned=store.is_pinned,
                         store_mmap=str(mmap_path) if mmap_path is not None else None, unused_checkpoint_keys=unused,
                         peak_rss_bytes=peak_rss_bytes(),
@@ -648,7 +649,7 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float
 
 
 def _load_in_host(name, policy, capacity, dev, dtype, pool, link_gbps, mmap_path, num_temp_slots, future,
-                  cpu_exec_ms, seed, t0):
+                  cpu_exec_ms, seed, t0, decode_path="eager"):
     """What has no checkpoint to stream: a tiny random-init preset, or a router-adaptation export that
     keeps a peft adapter (merged over its base on load). Built in host memory, then offloaded."""
     from expertcast.inference.runtime.engine import OffloadedModel
@@ -656,7 +657,7 @@ def _load_in_host(name, policy, capacity, dev, dtype, pool, link_gbps, mmap_path
 
     model, tok = load_moe_model(name, dtype=dtype, device="cpu", seed=seed)
     om = OffloadedModel(model, policy, capacity, pool=pool, device=dev, link_gbps=link_gbps, mmap_path=mmap_path,
-                        num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms)
+                        num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms, decode_path=decode_path)
     mem = om.memory_report()
     L, E, eb = om.L, om.E, om.layout.expert_bytes
     plan = LoadPlan(model_dir=name, device=str(dev), dtype=str(om.layout.dtype).removeprefix("torch."),
