@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,50 +49,58 @@ def test_fit_exports_merged_model_and_routers(fitted):
     assert meta["format_version"] == 1 and meta["mode"] == "full"
 
 
-def test_reload_record_and_replay(fitted):
+def test_reload_and_live_routers_on_the_fitted_export(fitted):
+    """The fitted export loads without Lightning (LoRA merged into ``model/``), and its trained routers drive
+    router-full live in the runtime: the same greedy tokens as full load, proactive loads issued, and the
+    simulator replaying the recorded run (routing and router outputs) ends with equal counters."""
+    from expertcast.data.trace_format import TraceMeta
+    from expertcast.inference.driver import COUNTER_NAMES, RecordedTransport
     from expertcast.inference.policies import make_policy
-    from expertcast.inference.simulator import simulate
-    from expertcast.train.router_data import LMExample
-    from expertcast.train.router_eval import load_export, record_heldout
-
-    model, tok, routers, info = load_export(fitted)
-    assert routers is not None and routers.mode == "full"
-    # the LoRA was merged: the exported model differs from the random init it started from
+    from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.inference.runtime.live_routers import LiveRouterScores
+    from expertcast.inference.simulator import build_stream, replay
     from expertcast.models.presets import build_tiny
+    from expertcast.models.router_export import load_adaptation_export
 
-    init = build_tiny("qwen3_moe-tiny")
+    model, _, routers, info = load_adaptation_export(fitted)
+    assert routers is not None and routers.mode == "full" and info["router_mode"] == "full"
+    init = build_tiny("qwen3_moe-tiny")  # the LoRA was merged: the exported model differs from its random init
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, init.model.layers[0].self_attn.q_proj.weight)
-    g = torch.Generator().manual_seed(0)
-    ex = [LMExample(torch.randint(4, 500, (6,), generator=g).tolist(), torch.randint(4, 500, (20,), generator=g).tolist())
-          for _ in range(3)]
-    meta, seqs, rp, lm = record_heldout(model, routers, ex, batch_size=2)
-    assert len(seqs) == 3 and seqs[0].expert_ids.shape == (26, 4, 4)
-    assert rp["heldout-00000"].p_S.shape == (26, 4, 16) and lm > 0
-    # the recorded routing is the model's own: the trace's experts are a top-K of the native distribution
-    # (p_R is stored in float16, so two experts may tie at the K-th place)
-    p_r = torch.from_numpy(rp["heldout-00001"].p_R.astype("float32"))
-    chosen = torch.zeros_like(p_r, dtype=torch.bool).scatter_(-1, torch.from_numpy(seqs[1].expert_ids.astype("int64")), True)
-    assert int(chosen.sum(-1).min()) == 4
-    assert bool((p_r.masked_fill(~chosen, 2.0).amin(-1) >= p_r.masked_fill(chosen, -1.0).amax(-1)).all())
-    recs = simulate((meta, seqs), ["lru", make_policy("router-full", replay=rp, R=4),
-                                   make_policy("router-temporal", replay=rp)],
-                    capacities=None, slots_per_layer=[6], progress=False)
-    assert [r["decoded_tokens"] for r in recs] == [60, 60, 60]
-    assert recs[1]["proactive_loads"] > 0 and recs[0]["proactive_loads"] == 0
+    ids = torch.randint(40, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    live = LiveRouterScores(model, routers)
+    om = OffloadedModel(model, make_policy("router-full", replay=live, R=4), 6)
+    try:
+        res = om.generate(ids, torch.ones_like(ids), max_new_tokens=10, eos_token_id=None, pad_token_id=0,
+                          record=True, seq_ids=["a", "b"])
+        recorded = live.recorded(res.traces)
+        meta = TraceMeta("tiny", om.L, om.E, om.K, om.layout.expert_bytes)
+        sim = replay(build_stream(meta, res.traces, batch_size=2), make_policy("router-full", replay=recorded, R=4),
+                     om.cache_config, transport=RecordedTransport(res.landings))
+        st = om.stats
+    finally:
+        om.restore()
+        live.remove()
+    assert torch.equal(res.sequences, ref)
+    assert st.P > 0, "the trained routers' pre-access refinement should issue proactive loads"
+    for k in COUNTER_NAMES:
+        assert np.array_equal(getattr(st, k), getattr(sim, k)), k
 
 
 def test_router_eval_cli_on_export(fitted, tmp_path):
     from expertcast.commands.router_eval import main
 
     rc = main(["--exports", str(fitted), "--out", str(tmp_path), "--limit", "48", "--heldout", "0.2",
-               "--max-length", "96", "--R", "3", "5"])
+               "--max-length", "96", "--R", "3", "5", "--prompts", "4", "--max-new-tokens", "6"])
     assert rc == 0
     rows = json.loads((tmp_path / "all_rows.json").read_text())
     assert {r["train_overlap"] for r in rows} == {0}  # held-out texts only, checked against the export's ids
     assert {r["policy"] for r in rows} == {"lru", "router-full"}
     assert sorted(r["R"] for r in rows if r["policy"] == "router-full") == [3, 5]
-    assert (tmp_path / "tradeoff.png").stat().st_size > 1000
-    assert (tmp_path / "table2.csv").is_file() and (tmp_path / "table3.csv").is_file()
+    assert all(r["identical_to_full"] for r in rows)  # offloaded decoding = full load, every row
+    assert (tmp_path / "table2.png").stat().st_size > 1000
+    assert (tmp_path / "table2.csv").is_file()
+    assert not (tmp_path / "table3.csv").exists()  # one export, one budget B: Table 3 (other budgets) is empty
 
 
 def test_wrong_budget_is_refused():

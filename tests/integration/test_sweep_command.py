@@ -34,9 +34,10 @@ def test_sweep_table_and_resume(tmp_path, data_dir, capsys, monkeypatch):
     assert main([*ARGS, "--wandb", "--wandb-project", "t", "--out", str(out)]) == 0
     table = list(csv.DictReader((out / "sweep.csv").open()))
     [run] = sorted((wb / "wandb").glob("offline-run-*"))  # the table and the plot, logged offline
-    for _ in range(40):  # wandb's service may still be writing the run's log
+    for _ in range(240):  # wandb's service may still be writing the run's log (slow on a loaded machine)
         got = offline_run_contents(run)
-        if got["tables"] and got["images"]:
+        if any(Path(t).name.startswith("sweep") for t in got["tables"]) and \
+                any(Path(i).name.startswith("sweep_plot") for i in got["images"]):
             break
         time.sleep(0.25)
     [logged] = [json.loads((run / t).read_text()) for t in got["tables"] if Path(t).name.startswith("sweep")]

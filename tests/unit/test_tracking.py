@@ -28,7 +28,7 @@ def _runs(d: Path) -> list[Path]:
 
 def _contents(run: Path, ready) -> dict:
     """The offline run's contents once ``ready(contents)`` (wandb's service may still be writing its log)."""
-    for _ in range(40):
+    for _ in range(240):  # up to 60 s: slow on a loaded machine
         got = offline_run_contents(run)
         if ready(got):
             break
