@@ -60,7 +60,10 @@ def _base_tokenizer(vocab: dict[str, int] | None = None, merges: list[tuple[str,
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges) if vocab is not None else models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # digits one by one (before the byte-level split): a merged "47" would make every 2-digit number its own
+    # token, and digit-wise arithmetic (the arith task's worked solutions) a lookup of thousands of ids
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
     return tok
 

@@ -58,7 +58,7 @@ from expertcast.train.fit_run import (
 )
 from expertcast.utils.errors import UsageError
 from expertcast.utils.outdir import OutputDir, claim_output_dir, read_marker
-from expertcast.utils.tracking import log_export_to_loggers
+from expertcast.utils.tracking import finish_wandb_loggers, log_export_to_loggers
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, instantiate_class
 
@@ -388,6 +388,7 @@ def fit(args: list[str], options: FitOptions | None = None) -> FitResult:
             try:
                 return _train(cli, plan, args)
             finally:
+                finish_wandb_loggers(cli.trainer.loggers)
                 plan.release()
         finally:
             if shared is None:

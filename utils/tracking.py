@@ -39,9 +39,10 @@ def start_wandb_run(project: str, config: dict[str, Any], job_type: str, name: s
     caller uses. A missing wandb package is a clear error."""
     import os
 
-    # the folder is read now: wandb caches its settings at the first run of the process
+    # the folder is read now: wandb caches its settings at the first run of the process; "create_new": a run
+    # another caller left open in this process (a trainer's WandbLogger) is never reused for this one
     return _wandb().init(project=project, config=_jsonable(config), job_type=job_type, name=name,
-                         dir=os.environ.get("WANDB_DIR") or None)
+                         dir=os.environ.get("WANDB_DIR") or None, reinit="create_new")
 
 
 def _jsonable(v: Any) -> Any:
@@ -138,6 +139,14 @@ def log_export_to_loggers(loggers: Iterable[Any], export_dir: str | Path) -> Non
     for lg in loggers:
         if type(lg).__name__ == "WandbLogger":
             log_export(lg.experiment, export_dir, export_kind(export_dir))
+
+
+def finish_wandb_loggers(loggers: Iterable[Any]) -> None:
+    """End the W&B run of every W&B logger that started one, so that the run a fit opened is closed when the
+    fit returns (a later run in the same process must not be logged into it)."""
+    for lg in loggers:
+        if type(lg).__name__ == "WandbLogger" and getattr(lg, "_experiment", None) is not None:
+            lg.experiment.finish()
 
 
 def _wandb_records(path: Path) -> Iterable[bytes]:

@@ -53,6 +53,9 @@ def test_fit_resume_export_and_eval(tmp_path, traces, monkeypatch, caplog):
     assert last.exists()
     step1 = torch.load(last, weights_only=True, map_location="cpu")["global_step"]
     assert list(run.glob("wandb/offline-run-*")), "W&B offline run directory missing"
+    import wandb
+
+    assert wandb.run is None, "the fit left its W&B run open: a later run in this process would log into it"
     assert list(run.glob("checkpoints/epoch=*.ckpt")), "the configured best checkpoint is not in the run directory"
     # more epochs: --resume continues the run from its last.ckpt
     with caplog.at_level(logging.INFO):

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import csv
 import json
+import time
+from pathlib import Path
 
 from expertcast.cli import main as cli_main
 from expertcast.commands.sweep import main
 from expertcast.inference.eval_run import SAMPLES
+from expertcast.utils.tracking import offline_run_contents
 
 ARGS = ["--model", "qwen3_moe-tiny", "--benchmarks", "gsm8k,math500", "--policies", "lru", "--capacity", "0.5",
         "--limit", "1", "--max-new-tokens", "3", "--no-progress", "--device", "cpu", "--speed-repeats", "1"]
@@ -28,10 +31,18 @@ def test_sweep_table_and_resume(tmp_path, data_dir, capsys, monkeypatch):
         monkeypatch.setenv(k, v)
     wb.mkdir()
     out = tmp_path / "sw"
-    # W&B logging of tables is tested in tests/unit/test_tracking.py (a wandb run leaked by an earlier test in
-    # the same process made this check order-dependent in the full suite)
-    assert main([*ARGS, "--out", str(out)]) == 0
+    assert main([*ARGS, "--wandb", "--wandb-project", "t", "--out", str(out)]) == 0
     table = list(csv.DictReader((out / "sweep.csv").open()))
+    [run] = sorted((wb / "wandb").glob("offline-run-*"))  # the table and the plot, logged offline
+    for _ in range(240):  # wandb's service may still be writing the run's log (slow on a loaded machine)
+        got = offline_run_contents(run)
+        if any(Path(t).name.startswith("sweep") for t in got["tables"]) and \
+                any(Path(i).name.startswith("sweep_plot") for i in got["images"]):
+            break
+        time.sleep(0.25)
+    [logged] = [json.loads((run / t).read_text()) for t in got["tables"] if Path(t).name.startswith("sweep")]
+    assert [r[logged["columns"].index("benchmark")] for r in logged["data"]] == ["gsm8k", "math500"]
+    assert any(Path(i).name.startswith("sweep_plot") for i in got["images"])
     assert [(r["benchmark"], r["policy"], float(r["capacity"])) for r in table] == [
         ("gsm8k", "lru", 0.5), ("math500", "lru", 0.5)]
     assert (out / "sweep.png").stat().st_size > 0

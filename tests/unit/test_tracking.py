@@ -51,6 +51,27 @@ def test_simulate_logs_its_table_and_plot(tmp_path, wandb_dir):
     assert any(Path(i).name.startswith("hit_vs_capacity") for i in got["images"])
 
 
+def test_a_run_left_open_by_another_caller_is_not_reused(tmp_path, wandb_dir):
+    """A trainer's WandbLogger (or any caller) may leave a run open in the process; a command's table goes to
+    the command's own run, and the open run is left as it was."""
+    import wandb
+
+    from expertcast.commands.simulate import main
+
+    other = wandb.init(project="other", dir=str(wandb_dir))
+    try:
+        assert main(["--synthetic", "zipf", "--synthetic-shape", "2,8,2,3,24", "--policies", "lru",
+                     "--capacity", "0.5", "--out", str(tmp_path / "sim"), "--wandb", "--wandb-project", "t"]) == 0
+        runs = _runs(wandb_dir)
+        assert len(runs) == 2
+        mine = [r for r in runs if other.id not in r.name]
+        assert len(mine) == 1
+        got = _contents(mine[0], lambda c: c["tables"])
+        assert any(Path(t).name.startswith("simulate") for t in got["tables"])
+    finally:
+        other.finish()
+
+
 def test_fit_export_is_an_artifact_with_its_config(tmp_path, wandb_dir):
     from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
     from expertcast.models.forecaster_export import save_forecaster
