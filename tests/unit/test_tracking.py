@@ -55,7 +55,6 @@ def test_a_run_left_open_by_another_caller_is_not_reused(tmp_path, wandb_dir):
     """A trainer's WandbLogger (or any caller) may leave a run open in the process; a command's table goes to
     the command's own run, and the open run is left as it was."""
     import wandb
-
     from expertcast.commands.simulate import main
 
     other = wandb.init(project="other", dir=str(wandb_dir))
