@@ -25,6 +25,7 @@ from expertcast.commands.common import (
     resolve_model,
     run_command,
 )
+from expertcast.data.benchmarks import BENCHMARKS
 
 PROG = "expertcast collect"
 
@@ -34,7 +35,7 @@ def build_parser() -> CommandParser:
     p.add_argument("--model", required=True, help="preset name, 'tiny-default', local model directory or Hub id")
     p.add_argument("--out", required=True,
                    help="output trace folder: new, empty, or one this command wrote (then the run resumes)")
-    p.add_argument("--benchmark", default="gsm8k", choices=["gsm8k", "math500"], help="benchmark to generate on")
+    p.add_argument("--benchmark", default="gsm8k", choices=list(BENCHMARKS), help="benchmark to generate on")
     p.add_argument("--split", default="test", help="benchmark split")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="first N benchmark problems or completion rows (None = all); a resume may raise it")

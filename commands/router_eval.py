@@ -23,6 +23,7 @@ from expertcast.commands.common import (
     resolve_model,
     run_command,
 )
+from expertcast.utils.errors import UsageError
 
 PROG = "expertcast router-eval"
 
@@ -47,11 +48,16 @@ def build_parser() -> CommandParser:
     p.add_argument("--overwrite", action="store_true", help="remove this command's earlier output in --out first")
     p.add_argument("--exports", nargs="+", default=None, metavar="DIR",
                    help="evaluate these router-adaptation exports only (no training)")
+    p.add_argument("--combine", nargs="+", default=None, metavar="STUDY",
+                   help="no training or evaluation: combine finished router-eval outputs of different --seed values "
+                        "into table2_seeds.csv (mean and spread of every metric) in --out")
     p.add_argument("--steps", type=positive_int, default=150, help="optimizer steps per training run")
     p.add_argument("--budget", type=positive_float, default=0.25,
                    help="per-layer router budget B of the base runs: a fraction of E (< 1) or a number of experts")
     p.add_argument("--budgets", type=positive_float, nargs="*", default=[],
                    help="B sweep (each value trains temporal and full runs)")
+    p.add_argument("--sw", type=nonneg_float, default=0.1,
+                   help="coverage-loss weight of the base runs (every mode: temporal, full, spatio_only, aux)")
     p.add_argument("--sw-sweep", type=nonneg_float, nargs="*", default=[0.3, 1.0, 2.0],
                    help="coverage-loss weights sw of the sweep (temporal and full runs)")
     p.add_argument("--R", type=positive_int, nargs="+", default=[2, 4, 6, 8],
@@ -60,7 +66,11 @@ def build_parser() -> CommandParser:
     p.add_argument("--tau", type=positive_float, default=0.02, help="temperature of the soft top-B coverage loss")
     p.add_argument("--lr", type=positive_float, default=5e-4, help="backbone learning rate")
     p.add_argument("--router-lr", type=positive_float, default=3e-3, help="learning rate of the cache routers")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="texts per batch (training and evaluation)")
+    p.add_argument("--batch-size", type=positive_int, default=8,
+                   help="texts per batch (training and the held-out LM-loss pass)")
+    p.add_argument("--decode-batch-size", type=positive_int, default=1,
+                   help="prompts decoded together through the runtime; 1: each sequence owns the B slots of a "
+                        "layer (the paper's setting); n > 1: a layer serves the union of n selections")
     p.add_argument("--max-length", type=positive_int, default=320, help="tokens per text (prompt + solution)")
     p.add_argument("--heldout", type=heldout_fraction, default=0.05,
                    help="fraction of the texts held out, chosen by a hash of each text's id (stable under --limit)")
@@ -88,6 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
+        if args.combine:
+            from pathlib import Path
+
+            from expertcast.train.router_eval import combine_seeds, write_seed_table
+            from expertcast.utils.outdir import claim_output_dir
+
+            if len(args.combine) < 2:
+                raise UsageError("--combine needs two or more router-eval outputs (one per seed)")
+            studies = [Path(s) for s in args.combine]
+            rows = combine_seeds(studies)  # bad input fails before the output folder is claimed
+            with claim_output_dir(args.out, "router-eval-seeds", overwrite=args.overwrite) as out:
+                write_seed_table(rows, studies, out)
+            return 0
         import torch
         from expertcast.data.benchmarks import load_benchmark
         from expertcast.train.router_eval import StudyConfig, given_exports, run_study, select_runs
@@ -95,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = StudyConfig(
             model=args.model, steps=args.steps, budget=args.budget, budgets=list(args.budgets),
-            sw_sweep=list(args.sw_sweep), R=list(args.R), modes=args.modes or None, tau=args.tau, lr=args.lr,
-            router_lr=args.router_lr, batch_size=args.batch_size, max_length=args.max_length, heldout=args.heldout,
+            sw=args.sw, sw_sweep=list(args.sw_sweep), R=list(args.R), modes=args.modes or None, tau=args.tau, lr=args.lr,
+            router_lr=args.router_lr, batch_size=args.batch_size,
+            decode_batch_size=args.decode_batch_size, max_length=args.max_length, heldout=args.heldout,
             eval_limit=args.eval_limit or None, limit=args.limit, source=args.source, data_dir=args.data_dir,
             benchmark=args.benchmark, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
             progress=args.progress, allow_overlap=args.allow_overlap, wandb=args.wandb,

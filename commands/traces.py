@@ -1,7 +1,8 @@
 """expertcast traces import | stats: routing trace tools (library: ``expertcast.data.trace_import``,
 ``expertcast.data.trace_stats``).
 
-    expertcast traces import FILE.jsonl --out DIR --num-experts E [--expert-bytes N] [--model ID]
+    expertcast traces import FILE --out DIR [--format auto|jsonl|granite] [--num-experts E] [--expert-bytes N]
+                             [--model ID]
     expertcast traces stats DIR [--json PATH] [--csv PATH] [--plot PNG] [--phase decode|prefill|both]
 """
 
@@ -11,22 +12,31 @@ import sys
 import warnings
 
 from expertcast.commands.common import CommandParser, nonneg_int, positive_int, run_command
+from expertcast.utils.errors import UsageError
 
 PROG = "expertcast traces"
 
 
 def build_parser() -> CommandParser:
+    from expertcast.data.trace_import import IMPORT_FORMATS
+
     p = CommandParser(prog=PROG, description="routing trace tools")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{import,stats}")
 
-    imp = sub.add_parser("import", help="JSONL rows per (seq, token, layer) -> trace set",
-                         description="Validate a JSONL file of routing rows and write it as a trace set.")
-    imp.add_argument("file", help="JSONL import file (docs/design.md, 'Routing traces')")
+    imp = sub.add_parser("import", help="routing traces made elsewhere (JSONL rows, granite JSON) -> trace set",
+                         description="Validate a file of routing traces made elsewhere and write it as a trace set.")
+    imp.add_argument("file", help="import file (layouts: docs/design.md, 'Routing traces')")
     imp.add_argument("--out", required=True, help="output trace folder (new, empty, or a trace set with --overwrite)")
-    imp.add_argument("--num-experts", type=positive_int, required=True, help="E: routed experts per layer")
-    imp.add_argument("--num-layers", type=positive_int, default=None, help="L (None = largest layer index + 1)")
-    imp.add_argument("--expert-bytes", type=nonneg_int, default=0, help="bytes of one expert (for MB/token)")
-    imp.add_argument("--model", default=None, help="model id the traces come from (None = 'imported')")
+    imp.add_argument("--format", choices=["auto", *IMPORT_FORMATS], default="auto",
+                     help="layout of FILE: jsonl (one row per sequence, token, layer), granite (per-prompt expert "
+                          "ids [T][L][K], as ../shared/data/traces/granite-3.0-1b-a400m), auto (detected)")
+    imp.add_argument("--num-experts", type=positive_int, default=None,
+                     help="E: routed experts per layer (required for jsonl; granite: read from the file)")
+    imp.add_argument("--num-layers", type=positive_int, default=None,
+                     help="L (jsonl: None = largest layer index + 1; granite: read from the file)")
+    imp.add_argument("--expert-bytes", type=nonneg_int, default=None,
+                     help="bytes of one expert, for MB/token (default 0; granite-3.0-1b-a400m: its f16 expert size)")
+    imp.add_argument("--model", default=None, help="model id the traces come from (None: the file's, else 'imported')")
     imp.add_argument("--shard-size", type=positive_int, default=256, help="sequences per shard")
     imp.add_argument("--overwrite", action="store_true",
                      help="replace a trace set expertcast wrote in --out (foreign files are never deleted)")
@@ -42,11 +52,16 @@ def build_parser() -> CommandParser:
 
 
 def _import(a) -> int:
-    from expertcast.data.trace_import import import_jsonl
+    from expertcast.data.trace_import import detect_format, import_jsonl
 
+    fmt = detect_format(a.file) if a.format == "auto" else a.format
+    if fmt == "granite":
+        return _import_granite(a)
+    if a.num_experts is None:
+        raise UsageError("--num-experts is required for the jsonl layout (its rows do not name E)")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        meta, counts = import_jsonl(a.file, a.out, a.num_experts, a.expert_bytes, a.model, a.num_layers,
+        meta, counts = import_jsonl(a.file, a.out, a.num_experts, a.expert_bytes or 0, a.model, a.num_layers,
                                     a.shard_size, overwrite=a.overwrite)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
@@ -56,10 +71,37 @@ def _import(a) -> int:
     return 0
 
 
+def _import_granite(a) -> int:
+    """``--format granite``: the per-prompt expert-trace JSON (one sequence per prompt; weights 1/K)."""
+    from expertcast.data.trace_import import (
+        default_expert_bytes,
+        import_expert_trace_json,
+        read_expert_trace_json,
+    )
+
+    meta, seqs = read_expert_trace_json(a.file, a.model)  # validated before --out is touched
+    for flag, given, have in (("--num-experts", a.num_experts, meta.num_experts),
+                              ("--num-layers", a.num_layers, meta.num_layers)):
+        if given is not None and given != have:
+            raise UsageError(f"{flag} {given}, but {a.file} records {have} (granite layout)")
+    expert_bytes = a.expert_bytes
+    if expert_bytes is None:
+        expert_bytes = default_expert_bytes(meta.model_id)
+        if expert_bytes:
+            print(f"expert bytes: {expert_bytes} (one f16 expert of {meta.model_id}; --expert-bytes overrides)",
+                  file=sys.stderr)
+    meta, n = import_expert_trace_json(a.file, a.out, expert_bytes, a.model, overwrite=a.overwrite,
+                                       shard_size=a.shard_size)
+    tokens = sum(s.num_tokens for s in seqs)
+    decode = sum(s.num_tokens - s.prompt_len for s in seqs)
+    print(f"imported {n} sequences (granite layout, L={meta.num_layers}, E={meta.num_experts}, K={meta.top_k}, "
+          f"{tokens} tokens, {decode} decode tokens, router weights not recorded: 1/K) -> {a.out}")
+    return 0
+
+
 def _stats(a) -> int:
     from expertcast.data.trace_stats import plot_frequencies, trace_stats
     from expertcast.data.traces import iter_traces, read_manifest, read_meta
-    from expertcast.utils.errors import UsageError
     from expertcast.utils.io import report
 
     meta = read_meta(a.dir)

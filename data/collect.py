@@ -72,7 +72,8 @@ class CollectConfig:
     out: str
     """Output trace directory."""
     benchmark: str = "gsm8k"
-    """``gsm8k`` or ``math500`` (ignored with ``completions``)."""
+    """A benchmark of :data:`expertcast.data.benchmarks.BENCHMARKS` (``gsm8k``, ``math500``, ``arith``);
+    ignored with ``completions``."""
     split: str = "test"
     limit: int | None = None
     """Use only the first N items (benchmark problems or completion rows); None = all."""

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.utils.errors import UsageError
+from expertcast.utils.jsonfields import int_field, is_int, require_keys
 
 FLOAT16_MAX = 65504.0
 INT16_MAX = 32767
@@ -39,21 +40,13 @@ class ImportFormatError(UsageError):
     """A JSONL import row is malformed (the message names the file and line)."""
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _int_field(v: Any, what: str, where: str, lo: int, hi: int) -> int:
     """``v`` if it is a JSON integer in [lo, hi], else ImportFormatError."""
-    if not _is_int(v):
-        raise ImportFormatError(f"{where}: {what} must be an integer, got {json.dumps(v)}")
-    if not lo <= v <= hi:
-        raise ImportFormatError(f"{where}: {what} {v} outside [{lo}, {hi}]")
-    return v
+    return int_field(v, what, where, lo, hi, ImportFormatError)
 
 
 def _seq_id(v: Any, where: str) -> str:
-    if _is_int(v) or (isinstance(v, str) and v):
+    if is_int(v) or (isinstance(v, str) and v):
         return str(v)
     raise ImportFormatError(f"{where}: seq must be a non-empty string or an integer, got {json.dumps(v)}")
 
@@ -63,10 +56,10 @@ def _experts(v: Any, num_experts: int, where: str) -> list[int]:
         raise ImportFormatError(f"{where}: experts must be a non-empty list of integers, got {json.dumps(v)}")
     out = []
     for e in v:
-        if not _is_int(e):
+        if not is_int(e):
             raise ImportFormatError(f"{where}: experts must be a list of integers, got {json.dumps(e)} in {json.dumps(v)}")
         if not 0 <= e < num_experts:
-            raise ImportFormatError(f"{where}: expert id(s) {[x for x in v if _is_int(x) and not 0 <= x < num_experts]} "
+            raise ImportFormatError(f"{where}: expert id(s) {[x for x in v if is_int(x) and not 0 <= x < num_experts]} "
                                     f"outside [0, E={num_experts})")
         out.append(e)
     if len(set(out)) != len(out):
@@ -94,13 +87,12 @@ def _parse_row(r: Any, where: str, num_experts: int, num_layers: int | None, k: 
     number of experts of the earlier rows (None on the first row)."""
     if not isinstance(r, dict):
         raise ImportFormatError(f"{where}: expected a JSON object")
-    missing = [k for k in ("seq", "token", "layer", "experts") if k not in r]
-    if missing:
-        raise ImportFormatError(f"{where}: missing field(s) {', '.join(missing)}")
+    require_keys(r, ("seq", "token", "layer", "experts"), ImportFormatError,
+                 lambda missing: f"{where}: missing field(s) {', '.join(missing)}")
     sid = _seq_id(r["seq"], where)
     t = _int_field(r["token"], "token", where, 0, INT32_MAX)
     max_layer = (num_layers - 1) if num_layers is not None else INT16_MAX
-    if _is_int(r["layer"]) and num_layers is not None and r["layer"] >= num_layers:
+    if is_int(r["layer"]) and num_layers is not None and r["layer"] >= num_layers:
         raise ImportFormatError(f"{where}: layer {r['layer']} but --num-layers is {num_layers}")
     li = _int_field(r["layer"], "layer", where, 0, max_layer)
     experts = _experts(r["experts"], num_experts, where)
@@ -299,7 +291,8 @@ def read_expert_trace_json(path: str | os.PathLike, model_id: str | None = None,
 
 
 def import_expert_trace_json(path: str | os.PathLike, out: str | os.PathLike, expert_bytes: int = 0,
-                             model_id: str | None = None, overwrite: bool = False) -> tuple[TraceMeta, int]:
+                             model_id: str | None = None, overwrite: bool = False, shard_size: int = 256,
+                             ) -> tuple[TraceMeta, int]:
     """Read ``path`` (:func:`read_expert_trace_json`) and write the trace set ``out`` (claimed like
     :func:`import_jsonl`'s). Returns its meta and the number of sequences."""
     from expertcast.data.traces import OUTPUT_KIND, is_trace_dir, write_traces
@@ -312,5 +305,57 @@ def import_expert_trace_json(path: str | os.PathLike, out: str | os.PathLike, ex
     with claim_output_dir(out, OUTPUT_KIND, overwrite=overwrite) as od:
         if is_trace_dir(od.path):
             raise UsageError(f"{od.path} already holds a trace set (pass --overwrite to replace it)")
-        write_traces(od, meta, seqs, run={"import": str(Path(path).resolve()), "sha256": sha256_file(path)})
+        write_traces(od, meta, seqs, shard_size=shard_size,
+                     run={"import": str(Path(path).resolve()), "sha256": sha256_file(path), "format": "granite"})
     return meta, len(seqs)
+
+
+def default_expert_bytes(model_id: str) -> int:
+    """Bytes of one expert of a model whose size this module knows (granite-3.0-1b-a400m), else 0."""
+    return GRANITE_1B_EXPERT_BYTES if str(model_id).lower().startswith("granite-3.0-1b-a400m") else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# layout detection
+
+IMPORT_FORMATS = ("jsonl", "granite")
+"""Layouts ``expertcast traces import`` reads: ``jsonl`` (one row per (sequence, token, layer), the format at the
+top of this module) and ``granite`` (the per-prompt expert-trace JSON of :func:`read_expert_trace_json`)."""
+
+_JSONL_KEYS = ("seq", "token", "layer", "experts")
+_GRANITE_KEYS = ("num_layers", "num_experts", "top_k", "prompts")
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """The layout of ``path`` (one of :data:`IMPORT_FORMATS`), from its first JSON value: an object with
+    ``seq/token/layer/experts`` is ``jsonl``, one with ``num_layers/num_experts/top_k/prompts`` is ``granite``.
+    ImportFormatError naming what was found otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"import file {path} does not exist")
+    first = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                first = line
+                break
+    if first is None:
+        raise ImportFormatError(f"{path} is empty: nothing to import")
+    try:
+        obj = json.loads(first)
+    except json.JSONDecodeError:
+        try:  # a pretty-printed single JSON document
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None
+    hint = f"layouts read: {', '.join(IMPORT_FORMATS)} (docs/design.md, 'Routing traces'); give --format to force one"
+    if not isinstance(obj, dict):
+        found = "no JSON object on its first line" if obj is None else f"a JSON {type(obj).__name__}"
+        raise ImportFormatError(f"{path}: unknown trace layout ({found}); {hint}")
+    if all(k in obj for k in _JSONL_KEYS):
+        return "jsonl"
+    if all(k in obj for k in _GRANITE_KEYS):
+        return "granite"
+    keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
+    raise ImportFormatError(f"{path}: unknown trace layout (an object with keys {keys}; jsonl rows have "
+                            f"{'/'.join(_JSONL_KEYS)}, granite files {'/'.join(_GRANITE_KEYS)}); {hint}")

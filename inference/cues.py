@@ -32,6 +32,7 @@ import numpy as np
 from expertcast.inference.stages import BoundaryEvent, StageDetector, TokenDecoder
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_json
+from expertcast.utils.jsonfields import check_format, is_str_list
 
 CUESET_FORMAT = "expertcast.saem.cueset"
 CUESET_FORMAT_VERSION = 1
@@ -312,14 +313,12 @@ class CueSet:
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "cue set") -> CueSet:
-        if not isinstance(d, dict) or d.get("format") != CUESET_FORMAT:
-            raise UsageError(f"{source} is not an expertcast cue set (missing \"format\": \"{CUESET_FORMAT}\")")
-        ver = d.get("format_version")
-        if not isinstance(ver, int) or ver > CUESET_FORMAT_VERSION or ver < 1:
-            raise UsageError(f"{source} has cue-set format_version {ver!r}; this expertcast reads versions "
-                             f"1..{CUESET_FORMAT_VERSION}")
-        cues = d.get("cues")
-        if not isinstance(cues, list) or not cues or not all(isinstance(c, str) and c for c in cues):
+        check_format(d, CUESET_FORMAT, CUESET_FORMAT_VERSION, UsageError,
+                     wrong_format=lambda _: f"{source} is not an expertcast cue set (missing \"format\": "
+                                            f"\"{CUESET_FORMAT}\")",
+                     bad_version=lambda ver: f"{source} has cue-set format_version {ver!r}; this expertcast reads "
+                                             f"versions 1..{CUESET_FORMAT_VERSION}")
+        if not is_str_list(d.get("cues")):
             raise UsageError(f"{source}: \"cues\" must be a non-empty list of strings")
         freq = d.get("expert_frequency")
         if freq is not None:

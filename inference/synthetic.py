@@ -165,3 +165,32 @@ def staged_traces(num_sequences: int = 4, num_tokens: int = 128, num_layers: int
         seqs.append(_seq(i, ids, w, prompt_len, rng, vocab, tokens=tokens))
         stages.append(st)
     return SyntheticTraces(meta, seqs, popularity=pop, stage_ids=stages, cue_token=cue_token)
+
+
+# ---------------------------------------------------------------------------------------------- check policies
+def untrained_forecaster(num_layers: int, num_experts: int, top_k: int, seed: int = 0):
+    """A small randomly initialised :class:`~expertcast.models.forecaster.ExpertForecaster` (eval mode) of the
+    given routing shape: a deterministic stand-in for checks that exercise SeqMoE's mechanics, not its quality."""
+    import torch
+    from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+
+    torch.manual_seed(seed)
+    return ExpertForecaster(ForecasterConfig(num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+                                             hidden_size=32, num_blocks=1, state_size=8, head_dim=16,
+                                             chunk_size=16)).eval()
+
+
+def check_policy(name: str, model, **seqmoe_kw):
+    """The policy of the decode-path checks (tests and ``scripts/gpu_check_graph.py``): ``"lru"``, or ``"seqmoe"``
+    with :func:`untrained_forecaster` for ``model``'s routing shape (online forecasts, min_confidence 0.05;
+    ``seqmoe_kw`` overrides)."""
+    from expertcast.inference.policies import make_policy
+
+    if name == "lru":
+        return make_policy("lru")
+    if name != "seqmoe":
+        raise ValueError(f"check_policy: 'lru' or 'seqmoe', got {name!r}")
+    c = model.config
+    fc = untrained_forecaster(c.num_hidden_layers, c.num_experts, c.num_experts_per_tok)
+    kw = {"precompute": False, "min_confidence": 0.05, **seqmoe_kw}
+    return make_policy("seqmoe", forecaster=fc, **kw)

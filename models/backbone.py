@@ -132,12 +132,36 @@ def load_moe_model(name_or_path: str | os.PathLike, dtype: str | torch.dtype | N
     kwargs: dict[str, Any] = {"dtype": _torch_dtype(dtype), "trust_remote_code": False, "revision": revision}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+    model = realign_tensors(AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs))
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False, revision=revision)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"{path}: no usable tokenizer next to the model ({e})") from None
     return model.to(device).eval(), tok
+
+
+TENSOR_ALIGNMENT = 64
+"""Bytes: the alignment of every CPU tensor torch allocates itself (and SIMD kernels assume for their fast path)."""
+
+
+def realign_tensors(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every CPU parameter and buffer in storage of its own, aligned to :data:`TENSOR_ALIGNMENT`.
+
+    ``from_pretrained`` may leave tensors as views of the memory-mapped safetensors file, at whatever offset
+    the file's header gives them. CPU kernels take another accumulation order for unaligned operands, so the
+    same weights then give different logits (last-bit differences, which flip greedy tokens) than when built
+    or copied in memory, and "token-identical to the full load" would depend on how the model was loaded.
+    Copying a tensor moves it into torch's own (aligned) allocation; aligned tensors are left as they are."""
+    with torch.no_grad():
+        for mod in model.modules():
+            for store in (mod._parameters, mod._buffers):
+                for name, t in store.items():
+                    if t is not None and t.device.type == "cpu" and t.data_ptr() % TENSOR_ALIGNMENT:
+                        if isinstance(t, torch.nn.Parameter):
+                            t.data = t.data.clone(memory_format=torch.contiguous_format)
+                        else:
+                            store[name] = t.clone(memory_format=torch.contiguous_format)
+    return model
 
 
 def save_tiny(name: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:

@@ -22,6 +22,7 @@ restores the state, so a rollout never disturbs the next one-step prediction (Se
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -72,6 +73,25 @@ class ForecasterConfig:
     online_half_lives: list[float] = field(default_factory=list)
     """Half-lives (in elements) of the online expert frequencies :class:`OnlinePrior` reads; 0 is the last
     selection. Empty: no online statistics (the paper's forecaster; every format-1 export)."""
+    online_hedge_rate: float = 0.0
+    """Rate eta of the per-sequence weighting of the online sources (:class:`OnlinePrior`): each head's mixture
+    logits get + eta · C, C the sequence's own discounted recall@K of each source at that horizon so far, so the
+    prior moves towards the statistic that has been forecasting this sequence best (fixed, not learned). 0: no
+    per-sequence weighting (the mixture is fixed per head and layer; every earlier format-2 export)."""
+    online_hedge_half_life: float = 64.0
+    """Half-life (elements) of the discount of the per-sequence scores (sources and learned gate)."""
+    learned_gate_rate: float = 0.0
+    """Rate kappa of the per-sequence gate on the learned logits: per head j, g_j = exp(kappa · min(D_j, 0)) with
+    D_j the sequence's discounted recall@K of (scaled learned + prior) minus that of the prior alone at horizon
+    j+1 so far. 1 while the learned part helps on this sequence, falling towards 0 where it hurts (routing
+    unlike the fit set's). 0: off. Needs online statistics."""
+    learned_gate_half_life: float = 8.0
+    """Half-life (elements) of the discount of D: short, so credit banked where the learned part helped (e.g. in
+    the prompt) cannot hold the gate open for long once it starts to cost recall (e.g. in the decode)."""
+    residual_scale: list[float] | None = None
+    """Per direct head j, the factor alpha_j in [0, 1] on the learned logits (logits = alpha_j · learned + online
+    prior term). Fitted after training on held-out elements (:func:`fit_residual_scale` in the training code,
+    like ``temperature``): 0 where the learned part does not beat the online prior there. None: 1 everywhere."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +119,20 @@ class ForecasterConfig:
         if any(not h >= 0 for h in self.online_half_lives) or len(set(self.online_half_lives)) != len(
                 self.online_half_lives):
             raise ValueError(f"online_half_lives must be distinct and >= 0, got {self.online_half_lives}")
+        if self.online_hedge_rate < 0 or not self.online_hedge_half_life > 0:
+            raise ValueError(f"online_hedge_rate must be >= 0 and online_hedge_half_life > 0, got "
+                             f"{self.online_hedge_rate}, {self.online_hedge_half_life}")
+        if self.online_hedge_rate > 0 and not self.online_half_lives:
+            raise ValueError("online_hedge_rate needs online statistics (online_half_lives)")
+        if not self.learned_gate_half_life > 0:
+            raise ValueError(f"learned_gate_half_life must be > 0, got {self.learned_gate_half_life}")
+        if self.learned_gate_rate < 0 or (self.learned_gate_rate > 0 and not self.online_half_lives):
+            raise ValueError(f"learned_gate_rate must be >= 0 and needs online statistics, got {self.learned_gate_rate}")
+        if self.residual_scale is not None:
+            rs = self.residual_scale
+            if len(rs) != self.direct_horizons or any(not 0 <= a <= 1 for a in rs):
+                raise ValueError(f"residual_scale must hold direct_horizons={self.direct_horizons} values in [0, 1], "
+                                 f"got {rs}")
         if self.backbone not in BACKBONES:
             raise ValueError(f"unknown backbone {self.backbone!r}; choose one of {BACKBONES}")
         if self.backbone == "mamba2":
@@ -113,14 +147,16 @@ class ForecasterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ForecasterConfig:
-        """Inverse of :meth:`to_dict`; keys added later (``direct_horizons``, ``online_half_lives``) take their
-        defaults, so a format-1 export is a forecaster without online statistics."""
+        """Inverse of :meth:`to_dict`; keys added later (``direct_horizons``, ``online_half_lives``,
+        ``residual_scale``) take their defaults, so a format-1 export is a forecaster without online statistics."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown forecaster config keys: {sorted(unknown)}")
         d = dict(d)
         d["online_half_lives"] = [float(h) for h in d.get("online_half_lives") or []]
+        if d.get("residual_scale") is not None:
+            d["residual_scale"] = [float(a) for a in d["residual_scale"]]
         return cls(**d)
 
 
@@ -226,8 +262,13 @@ class ForecasterState:
 
     Shapes (B = batch): Mamba2 conv [B, expand·d + 2·G·N, k], ssm [B, H, head_dim, N];
     Mamba conv [B, expand·d, k], ssm [B, expand·d, N]; ``online`` [B, M, L·E + 1] (the M moving averages
-    of :class:`OnlinePrior`, last column their mass) or None without online statistics. ``steps`` counts
-    the elements consumed.
+    of :class:`OnlinePrior`, last column their mass) or None without online statistics; ``hedge`` (with
+    ``online_hedge_rate`` > 0): the sources' frequencies of the last H_d elements [B, H_d, M, L·E]
+    (newest first), their discounted per-head scores [B, H_d, M+1] and the elements each row has seen [B, 1];
+    then (with ``learned_gate_rate`` > 0) the top-K of the last H_d forecasts with and without the learned part
+    [B, H_d, H_d, 2, L, K] (long, newest first), their discounted recall difference [B, H_d] and the elements
+    seen [B, 1]. None when neither is on.
+    ``steps`` counts the elements consumed.
 
     The object implements the part of transformers' linear-attention cache protocol that the Mamba
     mixers call (get/update conv and recurrent state), so it can be passed as their ``cache``.
@@ -235,17 +276,20 @@ class ForecasterState:
     """
 
     def __init__(self, conv: list[torch.Tensor], ssm: list[torch.Tensor], steps: int = 0,
-                 online: torch.Tensor | None = None):
+                 online: torch.Tensor | None = None, hedge: list[torch.Tensor] | None = None):
         if len(conv) != len(ssm):
             raise ValueError("conv and ssm state lists differ in length")
+        if hedge is not None and online is None:
+            raise ValueError("a hedge state needs the online statistics")
         self.conv = conv
         self.ssm = ssm
         self.steps = steps
         self.online = online
+        self.hedge = hedge
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every state tensor (batch first): conv, ssm, then the online statistics when present."""
-        return self.conv + self.ssm + ([self.online] if self.online is not None else [])
+        """Every state tensor (batch first): conv, ssm, then the online statistics and hedge state when present."""
+        return self.conv + self.ssm + ([self.online] if self.online is not None else []) + list(self.hedge or [])
 
     # --- transformers cache protocol (Mamba2Mixer / MambaMixer) ---
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
@@ -279,7 +323,8 @@ class ForecasterState:
         """A state of the same layout holding ``tensors`` (in :meth:`tensors` order)."""
         n = len(self.conv)
         online = tensors[2 * n] if self.online is not None else None
-        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online)
+        hedge = list(tensors[2 * n + 1:]) if self.hedge is not None else None
+        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online, hedge)
 
     def clone(self) -> ForecasterState:
         return self._like([t.clone() for t in self.tensors()])
@@ -354,47 +399,113 @@ def ema_scan(x: torch.Tensor, decays: torch.Tensor, prev: torch.Tensor | None = 
 
 
 class OnlinePrior(nn.Module):
-    """The sequence's own running statistics as a log-prior on every head (docs/design.md "Forecaster").
+    """The sequence's own running statistics as a log-prior on every head (docs/design.md "Online statistics").
 
     Per layer, M moving averages of the activation vectors (half-lives ``half_lives`` elements; 0 is the
     last element itself) are divided by the moving average of a constant 1 (their mass), so right after
     a state reset they average what was seen so far. Head j, layer l mixes them and the uniform
-    distribution with weights softmax(``mix[j, l]``) [M+1] into a distribution ``prior`` over the E
-    experts and contributes ``gate[j, l] · log prior``. Parameters: ``mix`` [H_d, L, M+1] (zeros: equal
-    shares), ``gate`` [H_d, L] (ones).
+    distribution with weights softmax(``mix[j, l]`` + eta_j · C_j) [M+1] into a distribution ``prior`` over
+    the E experts and contributes ``gate[j, l] · log prior``. Parameters: ``mix`` [H_d, L, M+1] (zeros: equal
+    shares) and ``gate`` [H_d, L] (ones).
+
+    Per-sequence weighting (``hedge_rate`` > 0): C_j [M+1] is, per sequence, the discounted sum (half-life
+    ``hedge_half_life`` elements) of each source's recall@K at horizon j+1: when element t arrives, the top-K
+    of source m's frequencies at element t-j-1 is scored against element t's experts (mean over layers; the
+    uniform source scores K/E). Exponential weights over the sources: the prior moves, within the sequence,
+    towards whichever statistic has been forecasting this sequence best at that horizon, whatever the fit
+    set preferred. The rate eta = ``hedge_rate`` is fixed, not learned: what it guards against (routing unlike
+    the fit set's) is exactly what the fit set cannot show. The scores are data (no gradient flows through them).
     """
 
-    def __init__(self, half_lives: list[float], num_layers: int, num_experts: int, heads: int):
+    def __init__(self, half_lives: list[float], num_layers: int, num_experts: int, heads: int, top_k: int = 1,
+                 hedge_rate: float = 0.0, hedge_half_life: float = 64.0):
         super().__init__()
         decays = [0.0 if h == 0 else 0.5 ** (1.0 / h) for h in half_lives]
         self.register_buffer("decays", torch.tensor(decays), persistent=False)
-        self.L, self.E = num_layers, num_experts
+        self.L, self.E, self.K, self.heads = num_layers, num_experts, top_k, heads
         self.mix = nn.Parameter(torch.zeros(heads, num_layers, len(decays) + 1))
         self.gate = nn.Parameter(torch.ones(heads, num_layers))
+        self.rate = float(hedge_rate)
+        self.hedge_decay = 0.5 ** (1.0 / hedge_half_life)
 
     @property
     def num_sources(self) -> int:
         return self.decays.shape[0]
 
+    @torch.no_grad()
+    def start_on(self, source: int, share: float = 0.9) -> None:
+        """Set every head's mixture to put ``share`` on source ``source`` (index into the half-lives) and the rest
+        in equal parts on the others and the uniform distribution: the prior then starts as that statistic."""
+        if not 0 <= source < self.num_sources or not 0 < share < 1:
+            raise ValueError(f"start_on needs a source in [0, {self.num_sources - 1}] and a share in (0, 1), got "
+                             f"{source}, {share}")
+        self.mix.zero_()
+        self.mix[..., source] = math.log(share * self.num_sources / (1 - share))
+
     def init_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
         """Zero averages and mass: [B, M, L·E + 1]."""
         return torch.zeros(batch_size, self.num_sources, self.L * self.E + 1, device=device)
 
+    def init_hedge(self, batch_size: int, device: torch.device | str) -> list[torch.Tensor] | None:
+        """Zero hedge state (None without per-sequence weighting): frequencies of the last H_d elements
+        [B, H_d, M, L·E], scores [B, H_d, M+1], elements seen [B, 1]."""
+        if self.rate <= 0:
+            return None
+        M, H = self.num_sources, self.heads
+        return [torch.zeros(batch_size, H, M, self.L * self.E, device=device),
+                torch.zeros(batch_size, H, M + 1, device=device), torch.zeros(batch_size, 1, device=device)]
+
     def forward(self, x: torch.Tensor, state: ForecasterState | None, heads: int) -> torch.Tensor:
         """x [B, T, L·E] (the inputs) -> log-prior terms [B, T, heads, L, E] of the first ``heads`` heads;
-        ``state.online`` (when given) is continued and advanced in place."""
+        ``state.online`` / ``state.hedge`` (when given) are continued and advanced in place."""
         B, T, _ = x.shape
+        M, L, E = self.num_sources, self.L, self.E
         with torch.no_grad():
             xs = torch.cat([x.float(), x.new_ones(B, T, 1, dtype=torch.float32)], dim=-1)
             prev = state.online if state is not None else None
             ema = ema_scan(xs, self.decays, prev)  # [B, T, M, L·E + 1]
             if state is not None and T:
                 state.online.copy_(ema[:, -1])
-            freq = (ema[..., :-1] / ema[..., -1:].clamp_min(1e-6)).view(B, T, self.num_sources, self.L, self.E)
-        w = torch.softmax(self.mix[:heads].float(), dim=-1)  # [H, L, M+1]
-        prior = torch.einsum("btmle,hlm->bthle", freq, w[..., :-1]) + (w[..., -1] / self.E).view(1, 1, heads,
-                                                                                                  self.L, 1)
-        return self.gate[:heads].view(1, 1, heads, self.L, 1) * torch.log(prior.clamp_min(1e-12))
+            freq = ema[..., :-1] / ema[..., -1:].clamp_min(1e-6)  # [B, T, M, L·E]
+            score = self._scores(x, freq, state) if self.rate > 0 else None  # [B, T, H_d, M+1]
+        logit_w = self.mix[:heads].float().view(1, 1, heads, L, M + 1)
+        if score is not None:
+            logit_w = logit_w + self.rate * score[:, :, :heads].unsqueeze(3)
+        w = torch.softmax(logit_w, dim=-1)  # [B or 1, T or 1, H, L, M+1]
+        prior = torch.einsum("btmle,bthlm->bthle", freq.view(B, T, M, L, E), w[..., :-1].expand(B, T, -1, -1, -1)) \
+            + (w[..., -1:] / E)
+        return self.gate[:heads].view(1, 1, heads, L, 1) * torch.log(prior.clamp_min(1e-12))
+
+    def _scores(self, x: torch.Tensor, freq: torch.Tensor, state: ForecasterState | None) -> torch.Tensor:
+        """Discounted per-sequence recall@K of every source at every horizon: x [B, T, L·E], freq [B, T, M, L·E]
+        -> C [B, T, H_d, M+1] (C at t includes the forecasts that element t resolves); advances ``state.hedge``."""
+        B, T, _ = x.shape
+        M, L, E, K, H = self.num_sources, self.L, self.E, self.K, self.heads
+        if state is not None:
+            buf, c_prev, seen = state.hedge[:3]
+        else:
+            buf, c_prev, seen = (x.new_zeros(B, H, M, L * E, dtype=torch.float32), x.new_zeros(B, H, M + 1),
+                                 x.new_zeros(B, 1))
+        hist = torch.cat([buf.flip(1), freq], dim=1)  # [B, H + T, M, L·E], oldest first
+        top = hist.view(B, H + T, M, L, E).topk(K, dim=-1).indices  # [B, H + T, M, L, K]
+        support = (x > 0).view(B, T, 1, L, E).expand(B, T, M, L, E)
+        t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)  # [B, T] index of element t
+        r = x.new_zeros(B, T, H, M + 1, dtype=torch.float32)
+        for j in range(H):
+            src = top[:, H - j - 1: H - j - 1 + T]  # forecasts issued at element t-j-1
+            hit = support.gather(-1, src).float().mean(dim=(-1, -2))  # [B, T, M]
+            valid = (t_glob - j - 1 >= 0).float().unsqueeze(-1)
+            r[:, :, j, :M] = hit * valid
+            r[:, :, j, M] = (K / E) * valid[..., 0]
+        d = self.hedge_decay
+        dec = torch.tensor([d], device=x.device)
+        c = ema_scan(r.view(B, T, H * (M + 1)), dec, (c_prev * (1 - d)).view(B, 1, H * (M + 1)))
+        c = (c[:, :, 0] / (1 - d)).view(B, T, H, M + 1)
+        if state is not None and T:
+            buf.copy_(hist[:, -H:].flip(1))
+            c_prev.copy_(c[:, -1])
+            seen.add_(T)
+        return c
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,7 +554,8 @@ class ExpertForecaster(nn.Module):
         self.head = nn.Linear(c.hidden_size, c.input_size * c.direct_horizons)
         self.online: OnlinePrior | None = None
         if c.online_half_lives:
-            self.online = OnlinePrior(c.online_half_lives, c.num_layers, c.num_experts, c.direct_horizons)
+            self.online = OnlinePrior(c.online_half_lives, c.num_layers, c.num_experts, c.direct_horizons, c.top_k,
+                                      c.online_hedge_rate, c.online_hedge_half_life)
             # the learned part starts at zero: the first forecasts are the online prior's
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
@@ -463,7 +575,13 @@ class ExpertForecaster(nn.Module):
                 conv.append(torch.zeros(batch_size, m.intermediate_size, k, device=device))
                 ssm.append(torch.zeros(batch_size, m.intermediate_size, m.ssm_state_size, device=device))
         online = self.online.init_state(batch_size, device) if self.online is not None else None
-        return ForecasterState(conv, ssm, online=online)
+        hedge = (self.online.init_hedge(batch_size, device) or []) if self.online is not None else []
+        if self.config.learned_gate_rate > 0:
+            c = self.config
+            H = c.direct_horizons
+            hedge += [torch.zeros(batch_size, H, H, 2, c.num_layers, c.top_k, dtype=torch.long, device=device),
+                      torch.zeros(batch_size, H, device=device), torch.zeros(batch_size, 1, device=device)]
+        return ForecasterState(conv, ssm, online=online, hedge=hedge or None)
 
     # --- compute ---
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
@@ -479,7 +597,56 @@ class ExpertForecaster(nn.Module):
 
     def forward(self, x: torch.Tensor, state: ForecasterState | None = None, all_horizons: bool = False
                 ) -> torch.Tensor:
-        """x [B, T, L, E] or [B, T, L·E] -> logits [B, T, L, E] (or [B, T, H_d, L, E] with ``all_horizons``)."""
+        """x [B, T, L, E] or [B, T, L·E] -> logits [B, T, L, E] (or [B, T, H_d, L, E] with ``all_horizons``):
+        ``residual_scale`` · learned logits + the online prior term."""
+        gate = self.config.learned_gate_rate > 0 and self.online is not None
+        learned, prior = self.forward_parts(x, state, all_horizons=True if (all_horizons or gate) else None)
+        rs = self.config.residual_scale
+        if rs is not None:
+            a = torch.tensor(rs[: learned.shape[2]], dtype=learned.dtype, device=learned.device)
+            learned = learned * a.view(1, 1, -1, 1, 1)
+        if gate:
+            learned = learned * self._learned_gate(self._flat(x), learned, prior, state).unsqueeze(-1).unsqueeze(-1)
+        logits = learned if prior is None else learned + prior
+        return logits if all_horizons else logits[:, :, 0]
+
+    def _learned_gate(self, x: torch.Tensor, learned: torch.Tensor, prior: torch.Tensor,
+                      state: ForecasterState | None) -> torch.Tensor:
+        """Per-sequence gate on the learned logits (:attr:`ForecasterConfig.learned_gate_rate`): x [B, T, L·E],
+        learned (scaled) / prior [B, T, H_d, L, E] -> g [B, T, H_d] in (0, 1]; advances the gate's state."""
+        c = self.config
+        B, T, H = learned.shape[:3]
+        L, E, K = c.num_layers, c.num_experts, c.top_k
+        with torch.no_grad():
+            cand = torch.stack([learned.float() + prior.float(), prior.float()], dim=3)  # [B, T, H, 2, L, E]
+            top = cand.topk(K, dim=-1).indices  # [B, T, H, 2, L, K]
+            if state is not None:
+                buf, d_prev, seen = state.hedge[-3:]
+            else:
+                buf = top.new_zeros(B, H, H, 2, L, K)
+                d_prev, seen = x.new_zeros(B, H, dtype=torch.float32), x.new_zeros(B, 1, dtype=torch.float32)
+            hist = torch.cat([buf.flip(1), top], dim=1)  # [B, H + T, H, 2, L, K], oldest first
+            support = (x > 0).view(B, T, 1, L, E).expand(B, T, 2, L, E)
+            t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)
+            r = x.new_zeros(B, T, H, dtype=torch.float32)
+            for j in range(H):
+                src = hist[:, H - j - 1: H - j - 1 + T, j]  # [B, T, 2, L, K]: issued at element t-j-1 by head j
+                hit = support.gather(-1, src).float().mean(dim=(-1, -2))  # [B, T, 2]
+                r[:, :, j] = (hit[..., 0] - hit[..., 1]) * (t_glob - j - 1 >= 0).float()
+            d = 0.5 ** (1.0 / c.learned_gate_half_life)
+            dsum = ema_scan(r, torch.tensor([d], device=x.device), (d_prev * (1 - d)).view(B, 1, H))
+            dsum = dsum[:, :, 0] / (1 - d)  # [B, T, H]
+            if state is not None and T:
+                buf.copy_(hist[:, -H:].flip(1))
+                d_prev.copy_(dsum[:, -1])
+                seen.add_(T)
+            return torch.exp(c.learned_gate_rate * dsum.clamp_max(0)).to(learned.dtype)
+
+    def forward_parts(self, x: torch.Tensor, state: ForecasterState | None = None, all_horizons: bool | None = True
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The two terms of the logits before ``residual_scale``: (learned [B, T, H, L, E], online prior term
+        [B, T, H, L, E] or None without online statistics); H = H_d (``all_horizons``) or 1 (None/False).
+        The state, when given, is advanced in place as by :meth:`forward`."""
         x = self._flat(x)
         B, T, _ = x.shape
         if state is not None and state.batch_size != B:
@@ -488,13 +655,12 @@ class ExpertForecaster(nn.Module):
         c = self.config
         heads = c.direct_horizons if all_horizons else 1
         n = c.input_size * heads  # only the rows of the heads asked for
-        logits = nn.functional.linear(out, self.head.weight[:n], self.head.bias[:n]).view(
+        learned = nn.functional.linear(out, self.head.weight[:n], self.head.bias[:n]).view(
             B, T, heads, c.num_layers, c.num_experts)
-        if self.online is not None:
-            logits = logits + self.online(x, state, heads)
+        prior = self.online(x, state, heads) if self.online is not None else None
         if state is not None:
             state.steps += T
-        return logits if all_horizons else logits[:, :, 0]
+        return learned, prior
 
     def _backbone(self, h: torch.Tensor, state: ForecasterState | None) -> torch.Tensor:
         """Embedded inputs h [B, T, d] -> last hidden states [B, T, d] (the state advanced in place)."""
@@ -580,4 +746,6 @@ class ExpertForecaster(nn.Module):
         if self.online is not None:  # moving averages + mixture and gate of every head
             M = self.online.num_sources
             macs += M * (c.input_size + 1) + c.direct_horizons * c.input_size * (M + 2)
+            if self.online.rate > 0:  # top-K of the sources and their scores at every horizon
+                macs += M * c.input_size + c.direct_horizons * M * c.num_layers * c.top_k
         return 2 * macs

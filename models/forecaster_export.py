@@ -35,6 +35,7 @@ import torch
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_bytes, atomic_write_json
+from expertcast.utils.jsonfields import check_format, require_keys
 from expertcast.utils.provenance import (
     safe_member,
     verify_named_export,
@@ -125,17 +126,13 @@ def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
         cfg = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ForecasterExportError(f"{p} is not a forecaster export: not valid JSON ({e})") from e
-    if not isinstance(cfg, dict) or cfg.get("format") != EXPORT_FORMAT:
-        found = cfg.get("format") if isinstance(cfg, dict) else type(cfg).__name__
-        raise ForecasterExportError(f"{p} is not a forecaster export: format {found!r}, expected {EXPORT_FORMAT!r}")
-    ver = cfg.get("format_version")
-    if not isinstance(ver, int) or ver < 1 or ver > EXPORT_FORMAT_VERSION:
-        raise ForecasterExportError(
-            f"{p}: forecaster export format version {ver!r} is not supported (this expertcast reads 1..{EXPORT_FORMAT_VERSION})"
-        )
-    for key in ("config", "weights", "weights_sha256"):
-        if key not in cfg:
-            raise ForecasterExportError(f"{p}: forecaster export is missing the {key!r} entry")
+    check_format(cfg, EXPORT_FORMAT, EXPORT_FORMAT_VERSION, ForecasterExportError,
+                 wrong_format=lambda found: f"{p} is not a forecaster export: format {found!r}, expected "
+                                            f"{EXPORT_FORMAT!r}",
+                 bad_version=lambda ver: f"{p}: forecaster export format version {ver!r} is not supported (this "
+                                         f"expertcast reads 1..{EXPORT_FORMAT_VERSION})")
+    require_keys(cfg, ("config", "weights", "weights_sha256"), ForecasterExportError,
+                 lambda missing: f"{p}: forecaster export is missing the {missing[0]!r} entry")
     return cfg
 
 

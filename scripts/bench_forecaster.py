@@ -22,7 +22,6 @@ Measured in the same run (ratios against baselines of this machine and process):
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
@@ -110,7 +109,10 @@ def time_default_decode(name: str, reps: int) -> float | None:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Peak resident set of this process so far, MiB (VmHWM: not inherited across exec, unlike ru_maxrss)."""
+    from expertcast.inference.runtime.loading import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 def bench_training(args, cfg_path: Path) -> dict:

@@ -25,6 +25,8 @@ import shlex
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,7 +207,6 @@ class FitCLI(LightningCLI):
             run_dir, claims, export_claim = self._take_run_dir(resumed, config, settings)
             self._record(run_dir, settings, fingerprint, export_claim.path if export_claim else run_dir / EXPORT_DIR,
                          resume_ckpt, ck)
-            os.environ[RUN_DIR_ENV] = str(run_dir)  # for the processes Lightning launches (fit() restores it)
         block = {"settings": settings, "data_fingerprint": fingerprint, "run_dir": str(run_dir)}
         cb = ResumeCheckpoint(run_dir / CKPT_DIR, block, self.request, self.options.checkpoint_every)
         return RunPlan(run_dir=run_dir, settings=settings, fingerprint=fingerprint, config=config,
@@ -361,9 +362,26 @@ def _import(class_path: str) -> type:
     return getattr(importlib.import_module(mod), name)
 
 
+@contextmanager
+def _run_dir_env(run_dir: Path) -> Iterator[None]:
+    """``RUN_DIR_ENV`` = ``run_dir`` inside the block, for the processes Lightning's launcher starts in
+    ``trainer.fit`` (they rebuild the CLI and take rank 0's run directory from it); its earlier value
+    (or its absence) afterwards."""
+    before = os.environ.get(RUN_DIR_ENV)
+    os.environ[RUN_DIR_ENV] = str(run_dir)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RUN_DIR_ENV, None)
+        else:
+            os.environ[RUN_DIR_ENV] = before
+
+
 def build_cli(args: list[str], options: FitOptions | None = None, request: StopRequest | None = None) -> FitCLI:
     """Parse ``args`` (LightningCLI options: ``--config``, ``--trainer.*``, ...) and build model, data, run
-    directory and trainer without training."""
+    directory and trainer without training. It reads ``RUN_DIR_ENV`` (a torchrun/SLURM launch) and leaves the
+    environment as it was (:func:`fit` sets the variable only while training)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # ``args`` is the whole command line: hide the process's own argv, which LightningCLI would warn about
     saved, sys.argv = sys.argv, sys.argv[:1]
@@ -379,22 +397,16 @@ def fit(args: list[str], options: FitOptions | None = None) -> FitResult:
     ``interrupted`` result (exit code 128 + signal) with no export."""
     options = options or FitOptions()
     request = StopRequest()
-    shared = os.environ.get(RUN_DIR_ENV)
     with stop_on_signals(request):
+        cli = build_cli(args, options, request)
+        plan = cli.plan
+        assert plan is not None
         try:
-            cli = build_cli(args, options, request)
-            plan = cli.plan
-            assert plan is not None
-            try:
+            with _run_dir_env(plan.run_dir):
                 return _train(cli, plan, args)
-            finally:
-                finish_wandb_loggers(cli.trainer.loggers)
-                plan.release()
         finally:
-            if shared is None:
-                os.environ.pop(RUN_DIR_ENV, None)
-            else:
-                os.environ[RUN_DIR_ENV] = shared
+            finish_wandb_loggers(cli.trainer.loggers)
+            plan.release()
 
 
 def _train(cli: FitCLI, plan: RunPlan, args: list[str]) -> FitResult:

@@ -20,6 +20,7 @@ from typing import Any
 
 import lightning as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from expertcast.models.forecaster import (
     ExpertForecaster,
@@ -153,14 +154,77 @@ def fit_temperature(logits: torch.Tensor, target_ids: torch.Tensor, top_k: int,
     return best
 
 
+RESIDUAL_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""Candidate factors alpha_j on the learned logits of each head (:class:`ResidualScaleFit`)."""
+
+
+class ResidualScaleFit:
+    """Held-out choice of ``ForecasterConfig.residual_scale``: for each direct head j, the alpha in ``grid`` whose
+    logits alpha · learned + online prior reach the highest recall@K on the held-out targets of head j (the
+    smallest such alpha on ties, so a head whose learned part adds nothing there reduces to the online prior).
+
+    Accumulates hits [H_d, len(grid)] and targets [H_d] batch by batch (no logits kept)."""
+
+    def __init__(self, heads: int, top_k: int, grid: tuple[float, ...] = RESIDUAL_GRID):
+        if not grid or any(not 0 <= a <= 1 for a in grid):
+            raise ValueError(f"residual grid values must be in [0, 1], got {grid}")
+        self.grid = tuple(sorted(grid))
+        self.top_k = top_k
+        self.hits = torch.zeros(heads, len(self.grid), dtype=torch.float64)
+        self.count = torch.zeros(heads, dtype=torch.float64)
+
+    @torch.no_grad()
+    def add(self, learned: torch.Tensor, prior: torch.Tensor, target_ids: torch.Tensor, use: torch.Tensor) -> None:
+        """learned / prior [B, W, H, L, E] (:meth:`ExpertForecaster.forward_parts`), target_ids long [B, W, L, K]
+        (target of position i = element i+1), use bool [B, W] (targets to score). Head j at position i is scored
+        against the target of position i+j."""
+        W, H = learned.shape[1], min(learned.shape[2], self.hits.shape[0])
+        for j in range(H):
+            sel = use[:, j:]
+            n = int(sel.sum())
+            if not n:
+                continue
+            lg, pr = learned[:, : W - j, j][sel].float(), prior[:, : W - j, j][sel].float()
+            tid = target_ids[:, j:][sel]
+            for a_i, a in enumerate(self.grid):
+                self.hits[j, a_i] += float(recall_at(a * lg + pr, tid, self.top_k).mean(-1).sum())
+            self.count[j] += n
+
+    def result(self) -> list[float] | None:
+        """alpha per head (None until every head has held-out targets)."""
+        if not bool((self.count > 0).all()):
+            return None
+        best = (self.hits / self.count.unsqueeze(1)).argmax(1)  # first maximum: the smallest alpha
+        return [float(self.grid[int(i)]) for i in best]
+
+    def recall(self) -> torch.Tensor:
+        """Held-out recall@K [H_d, len(grid)] (NaN where a head had no targets)."""
+        return self.hits / self.count.unsqueeze(1)
+
+
 @torch.no_grad()
-def calibrate_on_loader(net: ExpertForecaster, loader: Any, max_elements: int = 4096) -> float:
-    """Fit ``net.config.temperature`` on the one-step logits of a loader's windows (held-out data). Returns T."""
+def calibrate_on_loader(net: ExpertForecaster, loader: Any, max_elements: int = 4096, residual: bool = False
+                        ) -> float:
+    """Fit ``net.config.temperature`` on the one-step logits of a loader's windows (held-out data). Returns T.
+
+    ``residual``: first fit ``net.config.residual_scale`` on the same windows (:class:`ResidualScaleFit`; only
+    with online statistics; pass held-out windows: on the training windows the learned part always wins)."""
     was = net.training
     net.eval()
+    dev = next(net.parameters()).device
+    c = net.config
+    if residual and net.online is not None:
+        fit = ResidualScaleFit(c.direct_horizons, c.top_k)
+        n = 0
+        for batch in loader:
+            learned, prior = net.forward_parts(batch["inputs"].to(dev), all_horizons=True)
+            fit.add(learned.cpu(), prior.cpu(), batch["target_ids"], _scored(batch))
+            n += int(batch["mask"].sum())
+            if n >= max_elements:
+                break
+        c.residual_scale = fit.result()
     logits, ids = [], []
     n = 0
-    dev = next(net.parameters()).device
     for batch in loader:
         lg = net(batch["inputs"].to(dev)).float().cpu()
         m = batch["mask"]
@@ -175,6 +239,12 @@ def calibrate_on_loader(net: ExpertForecaster, loader: Any, max_elements: int = 
     T, _ = fit_temperature(torch.cat(logits), torch.cat(ids), net.config.top_k)
     net.config.temperature = T
     return T
+
+
+def _scored(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """bool [B, W]: the decode targets of a batch (all valid targets when it holds none), as recall is scored."""
+    dec = batch["mask"] & batch["decode"]
+    return dec if bool(dec.any()) else batch["mask"]
 
 
 class ForecasterModule(pl.LightningModule):
@@ -203,6 +273,24 @@ class ForecasterModule(pl.LightningModule):
         direct_horizons: H_d output heads, head j trained on element i+j of the same window (multi-horizon
             sequence-to-sequence training; 1 = next element only, longer horizons by recursive rollout).
         ahead_weight: weight of the mean loss of heads 2..H_d relative to the next-element head.
+        prior_lr: learning rate of the online prior's mixture and gates (``net.online``; None: ``lr``). They are
+            a few hundred scalars that must move by several units within a short fit (which statistic to trust
+            at which horizon), so they get a larger rate than the network.
+        fit_residual_scale: after training, choose per head the factor on the learned logits on the held-out
+            (validation) targets (:class:`ResidualScaleFit`): the forecaster then falls back to its online prior
+            at the horizons where its learned part does not help. Needs online statistics and a validation split.
+        prior_start: half-life (one of ``online_half_lives``) of the statistic the online prior starts on (0.9 of
+            every head's mixture; :meth:`~expertcast.models.forecaster.OnlinePrior.start_on`), e.g. the recent-freq
+            baseline's 16; None: equal shares. Training moves the mixture from there only as far as the fit
+            set asks.
+        learned_gate_rate / learned_gate_half_life: per-sequence gate on the learned logits (kappa and the
+            discount of :attr:`~expertcast.models.forecaster.ForecasterConfig.learned_gate_rate`; 0 = off).
+        online_hedge_rate / online_hedge_half_life: per-sequence weighting of the online sources by their recall
+            on the sequence so far (:class:`~expertcast.models.forecaster.OnlinePrior`; 0 = off).
+
+    Loss normalisation: every loss term is a mean over the valid targets of all data-parallel ranks (the
+    per-rank sums divided by the all-reduced count over the world size, which DDP's gradient averaging turns
+    into sum / total count), not a mean of per-rank means, so ranks holding partial windows weigh what they hold.
     """
 
     task_name = "forecaster"
@@ -217,13 +305,19 @@ class ForecasterModule(pl.LightningModule):
                  shape: dict[str, Any] | None = None, source: dict[str, Any] | None = None,
                  split_info: dict[str, Any] | None = None, calibration_elements: int = 4096,
                  direct_horizons: int = 1, ahead_weight: float = 1.0, sampling_rollout: int = 8,
-                 online_half_lives: list[float] | None = None):
+                 online_half_lives: list[float] | None = None, prior_lr: float | None = 0.05,
+                 fit_residual_scale: bool = True, online_hedge_rate: float = 0.0,
+                 online_hedge_half_life: float = 64.0, prior_start: float | None = None,
+                 learned_gate_rate: float = 0.0, learned_gate_half_life: float = 8.0):
         super().__init__()
         if sampling_rollout < 2:
             raise ValueError(f"sampling_rollout must be >= 2 (one true input, then the rollout), got {sampling_rollout}")
         self.save_hyperparameters()
         self.net: ExpertForecaster | None = None
         self._calib: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._residual_fit: ResidualScaleFit | None = None
+        self._residual_scale: list[float] | None = None
+        """The residual scale chosen at the last validation; written into the network's config when fitting ends."""
         if shape:
             self._build(shape["num_layers"], shape["num_experts"], shape["top_k"], shape.get("trigger_layer"))
 
@@ -234,8 +328,17 @@ class ForecasterModule(pl.LightningModule):
                                hidden_size=h.hidden_size, num_blocks=h.num_blocks, state_size=h.state_size,
                                head_dim=h.head_dim, expand=h.expand, conv_kernel=h.conv_kernel, n_groups=h.n_groups,
                                chunk_size=h.chunk_size, direct_horizons=h.direct_horizons,
-                               online_half_lives=[float(v) for v in h.online_half_lives or []])
+                               online_half_lives=[float(v) for v in h.online_half_lives or []],
+                               online_hedge_rate=float(h.get("online_hedge_rate", 0.0)),
+                               online_hedge_half_life=float(h.get("online_hedge_half_life", 64.0)),
+                               learned_gate_rate=float(h.get("learned_gate_rate", 0.0)),
+                               learned_gate_half_life=float(h.get("learned_gate_half_life", 8.0)))
         self.net = ExpertForecaster(cfg)
+        start = h.get("prior_start")
+        if start is not None:
+            if float(start) not in cfg.online_half_lives:
+                raise ValueError(f"prior_start {start} is not one of online_half_lives {cfg.online_half_lives}")
+            self.net.online.start_on(cfg.online_half_lives.index(float(start)))
         self.hparams.update(shape={"num_layers": L, "num_experts": E, "top_k": K, "trigger_layer": trigger_layer})
 
     def setup(self, stage: str) -> None:
@@ -268,32 +371,46 @@ class ForecasterModule(pl.LightningModule):
                                  h.max_sampling_rate)
 
     # --- steps ---
-    def _losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], use: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], use: torch.Tensor,
+                global_mean: bool = False) -> dict[str, torch.Tensor]:
         """Losses of next-element logits [B, W, L, E] (or all heads [B, W, H_d, L, E]) on the targets selected by
         ``use`` [B, W]. Head j (0-based) at position i is scored against the target of position i+j, i.e.
-        element i+1+j of the window; positions whose element i+1+j lies outside the window are skipped."""
+        element i+1+j of the window; positions whose element i+1+j lies outside the window are skipped.
+
+        Each term is sum / count over the selected targets; with ``global_mean`` the count is the all-ranks total
+        over the world size (:meth:`_global_counts`), so DDP's gradient average is the mean over every rank's
+        targets. Heads without a target on any rank are left out of ``ahead``."""
         if logits.dim() == 4:
             logits = logits.unsqueeze(2)
         h = self.hparams
-        out: dict[str, torch.Tensor] = {}
-        ahead = []
-        W = logits.shape[1]
-        for j in range(logits.shape[2]):
+        W, H = logits.shape[1], logits.shape[2]
+        rank_s, kl_s, counts = [], [], []
+        for j in range(H):
             sel = use[:, j:]
-            if not bool(sel.any()):
-                continue
             lg = logits[:, : W - j, j][sel]
-            rank = ranking_loss(lg.float(), batch["target_ids"][:, j:][sel], h.rank_negatives).mean()
-            kl = kl_loss(lg, batch["target_dist"][:, j:][sel]).mean()
-            part = h.rank_weight * rank + h.kl_weight * kl
-            if j == 0:
-                out.update(loss=part, rank=rank, kl=kl)
-            else:
-                ahead.append(part)
-        if ahead:
-            out["ahead"] = torch.stack(ahead).mean()
+            rank_s.append(ranking_loss(lg.float(), batch["target_ids"][:, j:][sel], h.rank_negatives).sum())
+            kl_s.append(kl_loss(lg, batch["target_dist"][:, j:][sel]).sum())
+            counts.append(sel.sum())
+        n = torch.stack(counts).to(logits.device, torch.float32)
+        denom = self._global_counts(n) if global_mean else n
+        rank = torch.stack(rank_s) / denom.clamp_min(1e-9)
+        kl = torch.stack(kl_s) / denom.clamp_min(1e-9)
+        part = h.rank_weight * rank + h.kl_weight * kl  # [H]
+        out: dict[str, torch.Tensor] = {"loss": part[0], "rank": rank[0], "kl": kl[0]}
+        has = denom[1:] > 0
+        if bool(has.any()):
+            out["ahead"] = part[1:][has].mean()
             out["loss"] = out["loss"] + h.ahead_weight * out["ahead"]
         return out
+
+    def _global_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts [H] (this rank's targets per head) -> [H] all ranks' total / world size (the same tensor on one
+        process). One all-reduce per call, made by every rank (no rank skips it), so ranks never fall out of step."""
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
+            return counts
+        total = counts.detach().clone()
+        dist.all_reduce(total)
+        return total / dist.get_world_size()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.net is not None
@@ -307,7 +424,7 @@ class ForecasterModule(pl.LightningModule):
         use = batch["mask"] if self.hparams.loss_on_prefill else batch["mask"] & batch["decode"]
         if not bool(use.any()):
             use = batch["mask"]
-        out = self._losses(logits, batch, use)
+        out = self._losses(logits, batch, use, global_mean=True)
         bs = x.shape[0]
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=bs)
         self.log("train/rank", out["rank"], batch_size=bs)
@@ -336,6 +453,9 @@ class ForecasterModule(pl.LightningModule):
         if prefix == "val" and sum(x.shape[0] for x in self._calib[0]) < self.hparams.calibration_elements:
             self._calib[0].append(logits[sel].detach().float().cpu())
             self._calib[1].append(batch["target_ids"][sel].cpu())
+            if self._residual_fit is not None:
+                learned, prior = self.net.forward_parts(batch["inputs"], all_horizons=True)
+                self._residual_fit.add(learned.cpu(), prior.cpu(), batch["target_ids"].cpu(), sel.cpu())
         self.log(f"{prefix}/recall@K", r_k, prog_bar=True, batch_size=n, sync_dist=True)
         self.log(f"{prefix}/recall@K+3", r_k3, batch_size=n, sync_dist=True)
         if H > 1:  # the farthest direct head, scored on the targets H-1 positions later
@@ -348,6 +468,9 @@ class ForecasterModule(pl.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._calib = ([], [])
+        c = self.net.config if self.net is not None else None
+        self._residual_fit = ResidualScaleFit(c.direct_horizons, c.top_k) \
+            if c is not None and self.hparams.get("fit_residual_scale", True) and self.net.online is not None else None
 
     def calibrate(self) -> float | None:
         """Fit the probability temperature on the logits kept from the last validation epoch."""
@@ -357,7 +480,16 @@ class ForecasterModule(pl.LightningModule):
         self.net.config.temperature = T
         self.log("val/temperature", T, sync_dist=True)
         self.log("val/bce", bce, sync_dist=True)
+        if self._residual_fit is not None and self._residual_fit.result() is not None:
+            # kept aside: applying it now would stop the gradient of heads with alpha 0 for the rest of training
+            self._residual_scale = self._residual_fit.result()
+            self.log("val/residual_scale_mean", sum(self._residual_scale) / len(self._residual_scale), sync_dist=True)
         return T
+
+    def on_fit_end(self) -> None:
+        """The residual scale chosen at the last validation goes into the network's config (and the export)."""
+        if self.net is not None and self._residual_scale is not None:
+            self.net.config.residual_scale = list(self._residual_scale)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -369,11 +501,16 @@ class ForecasterModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         assert self.net is not None
         h = self.hparams
-        decay, no_decay = [], []
+        decay, no_decay, prior = [], [], []
         for n, p in self.net.named_parameters():
-            (no_decay if p.ndim < 2 or n.endswith(("A_log", "D", "dt_bias")) else decay).append(p)
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=h.lr)
+            if n.startswith("online.") and h.get("prior_lr") is not None:
+                prior.append(p)
+            else:
+                (no_decay if p.ndim < 2 or n.endswith(("A_log", "D", "dt_bias")) else decay).append(p)
+        groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if prior:  # the online prior's mixture and gates: no decay, their own rate (same schedule)
+            groups.append({"params": prior, "weight_decay": 0.0, "lr": float(h.prior_lr)})
+        opt = torch.optim.AdamW(groups, lr=h.lr)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warm = max(1, int(h.warmup_fraction * total))
 
@@ -391,11 +528,13 @@ class ForecasterModule(pl.LightningModule):
         # the calibrated temperature lives in the network's config, not in its state dict
         if self.net is not None:
             checkpoint["forecaster_temperature"] = float(self.net.config.temperature)
+            checkpoint["forecaster_residual_scale"] = self._residual_scale
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         t = checkpoint.get("forecaster_temperature")
         if t is not None and self.net is not None:
             self.net.config.temperature = float(t)
+        self._residual_scale = checkpoint.get("forecaster_residual_scale")
 
     # --- export ---
     def export(self, path: str | Path, extra: dict[str, Any] | None = None,

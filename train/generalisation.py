@@ -68,15 +68,31 @@ def protocol_rows(name: str, fit: Sequence[TraceSequence], evaluated: Sequence[T
     return rows
 
 
+def holdout_split(fit: Sequence[TraceSequence], fraction: float = 0.2, seed: int = 0
+                  ) -> tuple[list[TraceSequence], list[TraceSequence]]:
+    """(train, held out) of a fit set: the last max(1, round(``fraction`` · n)) sequences in
+    :func:`training_subset` order are held out (none when n < 2 or ``fraction`` is 0)."""
+    order = training_subset(fit, None, seed)
+    k = 0 if len(order) < 2 or fraction <= 0 else min(len(order) - 1, max(1, round(fraction * len(order))))
+    return order[: len(order) - k], order[len(order) - k:]
+
+
 def train_row_forecaster(meta: TraceMeta, row: ProtocolRow, *, max_steps: int, seed: int = 0,
-                         **module_kwargs: Any) -> ExpertForecaster:
-    """A forecaster trained on ``row.fit`` only (every fit sequence trains; the probability temperature is
-    fitted on them too), ``max_steps`` optimizer steps whatever the fit size. ``module_kwargs`` go to
+                         holdout: float = 0.2, **module_kwargs: Any) -> ExpertForecaster:
+    """A forecaster trained on ``row.fit`` only, ``max_steps`` optimizer steps whatever the fit size.
+
+    ``holdout`` of the fit sequences (at least one when there are two or more; :func:`holdout_split`) are kept
+    out of training: the probability temperature and the residual scale (the per-horizon factor on the learned
+    logits, docs/design.md "Online statistics") are fitted on them, so a learned part that only fits its
+    training sequences gives way to the online prior. 0: train on every fit sequence (temperature fitted on
+    them, residual scale left at 1). ``module_kwargs`` go to
     :class:`~expertcast.train.forecaster_module.ForecasterModule` (and ``window``/``batch_size``/
     ``trigger_layer`` to the data module)."""
     from expertcast.train.forecaster_synthetic import fit_forecaster
 
-    module, _ = fit_forecaster(meta, row.fit, val_fraction=0.0, seed=seed, max_steps=max_steps, **module_kwargs)
+    train, held = holdout_split(row.fit, holdout, seed)
+    module, _ = fit_forecaster(meta, train, val_fraction=0.0, seed=seed, max_steps=max_steps,
+                               val_sequences=held or None, **module_kwargs)
     return module.net
 
 

@@ -24,9 +24,15 @@ own decoding in the runtime.
 
 Held-out data only: the LM texts are the data module's held-out split (by a hash of each text's id,
 :mod:`expertcast.train.router_data`) and the prompts are the benchmark's test problems; both are
-checked against every export's training texts (:func:`expertcast.utils.provenance.check_overlap`; an
-export that records no training ids is refused unless overlap is allowed). Every row carries
-``train_overlap`` and ``overlap_allowed``.
+checked against every export's training texts (:func:`expertcast.utils.provenance.check_overlap` on the ids;
+an export that records no training ids is refused unless overlap is allowed), and every prompt's question
+is searched in the export's recorded training texts (:mod:`expertcast.train.router_leakage`). Every row
+carries ``train_overlap``, ``prompt_overlap`` and ``overlap_allowed``.
+
+Prompts are decoded ``decode_batch_size`` at a time (default 1: each sequence owns the B slots of a layer, the
+paper's setting; with n sequences a layer serves the union of up to n*K experts and the hit rate measures
+that union more than the policy). :func:`combine_seeds` merges finished studies of different seeds (mean and
+max - min spread per metric, ``table2_seeds.csv``).
 
 Outputs in the output folder: ``runs/<name>/export`` and ``runs/<name>/run.json`` (runs trained here),
 ``eval/`` (rows and completions cached per export and B, each with its settings key), ``table2.{csv,json}``
@@ -68,6 +74,8 @@ class StudyConfig:
     """Per-layer B of the base runs: a fraction of E (< 1) or a number of experts."""
     budgets: list[float] = field(default_factory=list)
     """B sweep (separate trainings)."""
+    sw: float = 0.1
+    """Coverage-loss weight of the base runs (every mode; the paper's Table 2 uses 0.1)."""
     sw_sweep: list[float] = field(default_factory=lambda: [0.3, 1.0, 2.0])
     R: list[int] = field(default_factory=lambda: [2, 4, 6, 8])
     """Top-R values of the full/spatio policies (those above B are skipped)."""
@@ -77,6 +85,11 @@ class StudyConfig:
     lr: float = 5e-4
     router_lr: float = 3e-3
     batch_size: int = 8
+    """Texts per batch of training and of the held-out LM-loss pass."""
+    decode_batch_size: int = 1
+    """Prompts decoded together through the runtime. 1 (default): each sequence owns the B slots of a layer,
+    the setting of the paper's Hit/AdjHit; with n > 1 a layer serves the union of n selections (up to n*K
+    experts for B slots), so hit rates mostly measure that union, not what a policy retains."""
     max_length: int = 320
     heldout: float = 0.05
     """Fraction of the texts held out (by a hash of each text's id)."""
@@ -103,7 +116,7 @@ class StudyConfig:
     def decode_settings(self) -> dict[str, Any]:
         """What selects and decodes the benchmark prompts."""
         return {"benchmark": self.benchmark, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
-                "decode_batch_size": self.batch_size}
+                "decode_batch_size": self.decode_batch_size}
 
     def data_settings(self) -> dict[str, Any]:
         """What selects and tokenises the texts."""
@@ -141,27 +154,29 @@ class EvalTarget:
     run_info: dict[str, Any] = field(default_factory=dict)
 
 
-def study_runs(sw_sweep: list[float], budgets: list[float], base_budget: float) -> list[RunSpec]:
-    """The default study: modes at sw=0.1 (paper Table 2), sw sweep for temporal/full, B sweep."""
+def study_runs(sw_sweep: list[float], budgets: list[float], base_budget: float, base_sw: float = 0.1) -> list[RunSpec]:
+    """The default study: every mode at the base ``base_sw`` (paper Table 2: 0.1), the sw sweep for
+    temporal/full, the B sweep (at ``base_sw``)."""
+    sw0 = f"{base_sw:g}"
     runs = [
         RunSpec("lm_only", "lm_only", 0.0, base_budget),
-        RunSpec("aux_temporal", "aux_only", 0.1, base_budget, "temporal"),
-        RunSpec("aux_full", "aux_only", 0.1, base_budget, "full"),
-        RunSpec("temporal_sw0.1", "temporal", 0.1, base_budget),
-        RunSpec("full_sw0.1", "full", 0.1, base_budget),
-        RunSpec("spatio_sw0.1", "spatio_only", 0.1, base_budget),
+        RunSpec(f"aux_temporal_sw{sw0}", "aux_only", base_sw, base_budget, "temporal"),
+        RunSpec(f"aux_full_sw{sw0}", "aux_only", base_sw, base_budget, "full"),
+        RunSpec(f"temporal_sw{sw0}", "temporal", base_sw, base_budget),
+        RunSpec(f"full_sw{sw0}", "full", base_sw, base_budget),
+        RunSpec(f"spatio_sw{sw0}", "spatio_only", base_sw, base_budget),
     ]
     for sw in sw_sweep:
         runs += [RunSpec(f"temporal_sw{sw:g}", "temporal", sw, base_budget), RunSpec(f"full_sw{sw:g}", "full", sw, base_budget)]
     for b in budgets:
         if b != base_budget:
-            runs += [RunSpec(f"temporal_B{b:g}", "temporal", 0.1, b), RunSpec(f"full_B{b:g}", "full", 0.1, b)]
+            runs += [RunSpec(f"temporal_B{b:g}", "temporal", base_sw, b), RunSpec(f"full_B{b:g}", "full", base_sw, b)]
     return list({r.name: r for r in runs}.values())
 
 
 def select_runs(cfg: StudyConfig) -> list[RunSpec]:
     """The study's runs, restricted to ``cfg.modes`` (a UsageError names unknown run names)."""
-    specs = study_runs(cfg.sw_sweep, cfg.budgets, cfg.budget)
+    specs = study_runs(cfg.sw_sweep, cfg.budgets, cfg.budget, cfg.sw)
     if cfg.modes:
         unknown = sorted(set(cfg.modes) - {s.name for s in specs})
         if unknown:
@@ -438,7 +453,7 @@ def evaluate_run(target: EvalTarget, examples, problems, B: int, cfg: StudyConfi
     dec = np.concatenate([s.decode_expert_ids for s in seqs]).astype(np.int64)
     use = expert_use_stats(torch.from_numpy(dec), meta.num_experts, B)
     eos = eos_ids(model, tok)
-    batches = prompt_batches(tok, problems, cfg.benchmark, cfg.batch_size)
+    batches = prompt_batches(tok, problems, cfg.benchmark, cfg.decode_batch_size)
     full = decode_full_load(model, tok, batches, cfg.benchmark, cfg.max_new_tokens, eos)
     rows = []
     run = target.run_info.get("run", {})
@@ -456,7 +471,8 @@ def evaluate_run(target: EvalTarget, examples, problems, B: int, cfg: StudyConfi
             "accuracy": off.accuracy, "full_accuracy": full.accuracy, "identical_to_full": off.completions == full.completions,
             "heldout_lm": lm, "max_freq": use["max_freq"], "topB_mass": use["topb_mass"], "entropy": use["entropy"],
             "prompts": len(problems), "decoded_tokens": off.decoded_tokens, "heldout_texts": len(examples),
-            "train_overlap": overlap["overlap"], "overlap_allowed": overlap["allowed"], "train_steps": info.get("steps"),
+            "train_overlap": overlap["overlap"], "prompt_overlap": overlap.get("prompt_overlap"),
+            "overlap_allowed": overlap["allowed"], "decode_batch_size": cfg.decode_batch_size, "train_steps": info.get("steps"),
             "train_seconds": target.run_info.get("train_seconds"), "budget_arg": run.get("budget"),
         })
     return {"rows": rows, "completions": full.completions}
@@ -520,9 +536,11 @@ def run_study(cfg: StudyConfig, out: OutputDir, exports: list[EvalTarget] | None
     targets = exports or [train_run(s, out, cfg) for s in tqdm(select_runs(cfg), desc="train runs", unit="run")]
     examples = heldout_examples(cfg, targets[0].export)
     evaluated = [e.seq_id for e in examples] + [p.id for p in problems]
-    # refuse leakage before any evaluation work
-    overlaps = {t.name: check_overlap(evaluated, t.train_ids, what=f"export {t.export}",
-                                      allow_overlap=cfg.allow_overlap) for t in targets}
+    # refuse leakage before any evaluation work: evaluated ids against the training ids, and the prompts'
+    # questions against the recorded training texts (train/router_leakage.py)
+    overlaps = {t.name: {**check_overlap(evaluated, t.train_ids, what=f"export {t.export}",
+                                         allow_overlap=cfg.allow_overlap),
+                         **prompt_leakage(problems, t.export, cfg)} for t in targets}
     rows: list[dict[str, Any]] = []
     completions: dict[str, list[list[int]]] = {}
     for t in tqdm(targets, desc="evaluate runs", unit="run"):
@@ -541,6 +559,32 @@ def run_study(cfg: StudyConfig, out: OutputDir, exports: list[EvalTarget] | None
     return rows
 
 
+_TRAINING_TEXTS: dict[str, list[str]] = {}
+"""Training texts reloaded for the leakage check, by the JSON of their source fields (exports of one study
+share them)."""
+
+
+def prompt_leakage(problems, export: Path, cfg: StudyConfig) -> dict[str, Any]:
+    """:func:`expertcast.train.router_leakage.check_prompt_leakage` of the prompts against ``export``'s recorded
+    training texts (reloaded once per source): ``{"prompt_overlap", "leaked_prompts", "allowed"}``; an
+    OverlapError when they leak and ``cfg.allow_overlap`` is off."""
+    from expertcast.train.router_leakage import check_prompt_leakage, recorded_training, training_texts
+
+    training = recorded_training(export)
+    texts = None
+    if training is not None:
+        key = json.dumps({k: training.get(k) for k in ("source", "dataset_split", "text_field", "dataset_config",
+                                                       "limit", "train_ids", "val_ids")}, sort_keys=True)
+        if key not in _TRAINING_TEXTS:
+            try:
+                _TRAINING_TEXTS[key] = training_texts(training, data_dir=cfg.data_dir)
+            except (FileNotFoundError, ValueError):
+                _TRAINING_TEXTS[key] = None  # check_prompt_leakage reloads and says why
+        texts = _TRAINING_TEXTS[key]
+    got = check_prompt_leakage(problems, export, allow_overlap=cfg.allow_overlap, data_dir=cfg.data_dir, texts=texts)
+    return {"prompt_overlap": got["prompt_overlap"], "leaked_prompts": got["leaked_prompts"]}
+
+
 def heldout_examples(cfg: StudyConfig, export: Path) -> list:
     """The held-out texts of the LM loss (the first ``cfg.eval_limit`` of the held-out split), tokenised
     with the tokenizer of ``export``."""
@@ -555,12 +599,13 @@ def write_tables(rows: list[dict[str, Any]], out: OutputDir, n_texts: int, n_pro
                  overlaps: dict[str, dict[str, Any]], cfg: StudyConfig) -> None:
     """Table 2 (base B), Table 3 (other budgets), ``table2.png``, ``all_rows.json``; W&B when asked."""
     base_B = _base_budget(rows)
-    leaked = sum(1 for o in overlaps.values() if o["overlap"])
-    unknown = sum(1 for o in overlaps.values() if o["overlap"] is None)
-    header = (f"{n_prompts} {cfg.benchmark} test prompts decoded greedily through the runtime, LM loss on {n_texts} "
+    leaked = sum(1 for o in overlaps.values() if o["overlap"] or o.get("prompt_overlap"))
+    unknown = sum(1 for o in overlaps.values() if o["overlap"] is None or o.get("prompt_overlap", 0) is None)
+    header = (f"{n_prompts} {cfg.benchmark} test prompts decoded greedily through the runtime "
+              f"({cfg.decode_batch_size} per batch), LM loss on {n_texts} "
               f"held-out texts; training overlap: "
               + ("none" if not leaked and not unknown else
-                 f"{leaked} export(s) trained on evaluated texts, {unknown} record no training ids")
+                 f"{leaked} export(s) trained on evaluated texts or prompts, {unknown} record no training ids")
               + (" (--allow-overlap)" if cfg.allow_overlap else ""))
     t2 = [r for r in rows if r["B"] == base_B]
     t3 = sorted((r for r in rows if r["B"] != base_B), key=lambda r: (r["B"], r["run"], r["policy"] != "lru"))
@@ -655,3 +700,66 @@ def _num_experts(d: Path, info: dict[str, Any]) -> int:
         if k in cfg:
             return int(cfg[k])
     raise UsageError(f"{d}/{info['model_dir']}/config.json names no expert count")
+
+
+# --------------------------------------------------------------------------------- seeds
+
+
+SPREAD_METRICS = ("hit", "d_hit_vs_lru_pts", "d_hit_vs_lm_only_lru_pts", "adj_hit", "mb_per_token", "accuracy",
+                  "heldout_lm", "lm_vs_lm_only_pct")
+"""Metrics :func:`combine_seeds` reports as mean and spread (max - min over the seeds)."""
+
+
+def combine_seeds(studies: list[Path]) -> list[dict[str, Any]]:
+    """One row per (run, policy, B, R) present in every study folder of ``studies`` (each a finished
+    ``router-eval`` output, ``table2.json``): ``seeds``, and per metric of :data:`SPREAD_METRICS` its mean
+    (``<metric>``), spread ``<metric>_spread`` (max - min) and per-seed values ``<metric>_by_seed``.
+    A UsageError when a folder holds no Table 2, two folders have the same seed, or they share no row."""
+    tables = []
+    for d in studies:
+        p = Path(d) / "table2.json"
+        if not p.is_file():
+            raise UsageError(f"--combine: {d} holds no table2.json (a finished `expertcast router-eval` output)")
+        tables.append(json.loads(p.read_text(encoding="utf-8")))
+    seeds = [sorted({r["seed"] for r in t}) for t in tables]
+    flat = [s for ss in seeds for s in ss]
+    if len(set(flat)) != len(flat):
+        raise UsageError(f"--combine: the studies repeat a seed ({', '.join(map(str, flat))}); combine different seeds")
+
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["run"], r["policy"], r["B"], str(r["R"]))
+
+    by = [{key(r): r for r in t} for t in tables]
+    keys = [k for k in by[0] if all(k in b for b in by[1:])]
+    if not keys:
+        raise UsageError("--combine: the studies share no (run, policy, B, R) row")
+    out = []
+    for k in keys:
+        rs = [b[k] for b in by]
+        row: dict[str, Any] = {"run": k[0], "policy": k[1], "B": k[2], "R": rs[0]["R"], "sw": rs[0].get("sw"),
+                               "seeds": ",".join(str(r["seed"]) for r in rs), "prompts": rs[0].get("prompts")}
+        for m in SPREAD_METRICS:
+            vals = [float(r.get(m, float("nan"))) for r in rs]
+            row[m] = float(np.mean(vals))
+            row[f"{m}_spread"] = float(np.max(vals) - np.min(vals))
+            row[f"{m}_by_seed"] = vals
+        row["identical_to_full"] = all(bool(r.get("identical_to_full")) for r in rs)
+        row["train_overlap"] = sum(int(r.get("train_overlap") or 0) for r in rs)
+        row["prompt_overlap"] = sum(int(r.get("prompt_overlap") or 0) for r in rs)
+        out.append(row)
+    return out
+
+
+SEED_COLUMNS = ["run", "policy", "B", "R", "seeds", "hit", "hit_spread", "d_hit_vs_lm_only_lru_pts",
+                "d_hit_vs_lm_only_lru_pts_spread", "d_hit_vs_lru_pts", "adj_hit", "adj_hit_spread", "mb_per_token",
+                "accuracy", "accuracy_spread", "heldout_lm", "lm_vs_lm_only_pct", "lm_vs_lm_only_pct_spread",
+                "identical_to_full", "train_overlap", "prompt_overlap"]
+
+
+def write_seed_table(rows: list[dict[str, Any]], studies: list[Path], out: OutputDir) -> None:
+    """``rows`` (:func:`combine_seeds` of ``studies``) as ``table2_seeds.{csv,json}`` in ``out`` (printed), with
+    ``seeds_source.json`` naming the studies."""
+    report(rows, title=f"Table 2 over seeds {rows[0]['seeds']}: mean and spread (max - min) of each metric "
+                       f"(studies: {', '.join(str(s) for s in studies)})",
+           json_path=out.file("table2_seeds.json"), csv_path=out.file("table2_seeds.csv"), columns=SEED_COLUMNS)
+    atomic_write_json(out.file("seeds_source.json"), {"studies": [str(Path(s).resolve()) for s in studies]})

@@ -16,7 +16,11 @@ scores: ``replay``; cues: ``cue_set``/``cues``). Without ``forecast`` the foreca
 trigger layer) but not run, and nothing is prefetched: the policy is demand-only.
 
 The router part reads ``s^T`` through the router policies' score source (a :class:`RouterReplay` in the simulator,
-live scores in the runtime via :meth:`set_replay`) and needs per-layer pools, like ``router-temporal``; the stage
+live scores in the runtime via :meth:`use_routers`) and needs per-layer pools, like ``router-temporal``. In a live
+evaluation (``expertcast eval --model ROUTER_EXPORT``) the export's routers are attached to the running model
+(:func:`expertcast.inference.runtime.live_routers.attach_live_routers`): ``auto`` gains the routers part when the
+export carries Temporal routers and says why not otherwise; an explicit ``routers`` part may be given without
+``replay`` for that case, and a batch that opens with no score source is refused. The stage
 part runs a :class:`~expertcast.inference.policies.stage_aware.StageAwarePolicy` for its boundary detection and
 stage counts only (no CPU execution, no SAEM refill loads).
 """
@@ -36,9 +40,14 @@ if TYPE_CHECKING:  # pragma: no cover
 PARTS = ("forecast", "routers", "stage")
 
 
-def parse_parts(parts: str, has_routers: bool, has_stage: bool) -> tuple[str, ...]:
+ROUTERS_MISSING = ("hybrid part 'routers' needs the routers' scores: replay=DIR (recorded router outputs) or "
+                   "a router-adaptation export in the runtime")
+
+
+def parse_parts(parts: str, has_routers: bool, has_stage: bool, routers_later: bool = False) -> tuple[str, ...]:
     """The enabled parts of ``parts`` (``auto`` or a ``+``-separated subset of :data:`PARTS`); ValueError for an
-    unknown part or a part whose inputs are missing."""
+    unknown part or a part whose inputs are missing (``routers_later``: the router scores may still arrive, from
+    live routers attached before the first batch)."""
     text = str(parts).strip().lower()
     if text == "auto":
         return tuple(p for p, on in zip(PARTS, (True, has_routers, has_stage), strict=True) if on)
@@ -46,9 +55,8 @@ def parse_parts(parts: str, has_routers: bool, has_stage: bool) -> tuple[str, ..
     bad = [p for p in chosen if p not in PARTS]
     if bad or not chosen:
         raise ValueError(f"hybrid parts must be 'auto' or a '+'-separated subset of {', '.join(PARTS)}; got {parts!r}")
-    if "routers" in chosen and not has_routers:
-        raise ValueError("hybrid part 'routers' needs the routers' scores: replay=DIR (recorded router outputs) or "
-                         "a router-adaptation export in the runtime")
+    if "routers" in chosen and not has_routers and not routers_later:
+        raise ValueError(ROUTERS_MISSING)
     if "stage" in chosen and not has_stage:
         raise ValueError("hybrid part 'stage' needs stage cues: cue_set=JSON (expertcast stages calibrate) or "
                          "cues='Wait|Alternatively|...'")
@@ -73,7 +81,10 @@ class HybridPolicy(SeqMoEPolicy):
                  stage_weight: float = 1.0, cue_set: Any = None, cues: Any = None, tokenizer: Any = None,
                  decoder: Any = None, min_stage_steps: int = 1, **seqmoe_kwargs: Any) -> None:
         super().__init__(forecaster, **seqmoe_kwargs)
-        self.parts = parse_parts(parts, replay is not None, cue_set is not None or cues is not None)
+        self.parts_spec = str(parts).strip().lower()
+        """``parts`` as given (``auto`` lets live routers add the routers part)."""
+        self.parts = parse_parts(parts, replay is not None, cue_set is not None or cues is not None,
+                                 routers_later=True)
         self.router_weight = float(router_weight)
         self.stage_weight = float(stage_weight)
         if "forecast" not in self.parts:
@@ -102,6 +113,26 @@ class HybridPolicy(SeqMoEPolicy):
         if self._router is not None:
             self._router.set_replay(replay)
 
+    @property
+    def routers_explicit(self) -> bool:
+        """True when ``parts`` names ``routers`` (not ``auto``): the part must get scores or the run fails."""
+        return self.parts_spec != "auto" and "routers" in self.parts
+
+    def use_routers(self, source: Any) -> None:
+        """Read s^T from ``source`` (e.g. live router scores) from the next batch on; an ``auto`` policy without
+        the routers part gains it (ValueError for explicit ``parts`` without ``routers``)."""
+        if self._router is None:
+            if self.parts_spec != "auto":
+                raise ValueError(f"hybrid parts={self.parts_spec} leave the routers part off: no router scores read")
+            from expertcast.inference.policies.router import TemporalRetentionPolicy
+
+            self._router = TemporalRetentionPolicy(replay=source)
+            self.parts = tuple(p for p in PARTS if p in self.parts or p == "routers")
+            if getattr(self, "config", None) is not None:  # already reset by a runtime: the part catches up
+                self._router.reset(self.config)
+            return
+        self._router.set_replay(source)
+
     def default_tokenizer(self, spec: Any) -> None:
         if self._stage is not None:
             self._stage.default_tokenizer(spec)
@@ -119,8 +150,16 @@ class HybridPolicy(SeqMoEPolicy):
         self.stats.update({"stage_refreshes": 0})
 
     def begin_batch(self, batch: Any) -> None:
-        super().begin_batch(batch)
+        if self._router is not None and self._router.replay is None:
+            raise ValueError(ROUTERS_MISSING)
         members = list(batch)
+        if "forecast" in self.parts:
+            super().begin_batch(members)
+        else:  # the forecaster never runs: no forecast tables, no recurrent state to step
+            self.members = members
+            self._traced = False
+            self._row_tables = [None] * len(members)
+            self._state = self._latest = None
         for part in (self._router, self._stage):
             if part is not None:
                 part.begin_batch(members)

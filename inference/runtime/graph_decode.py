@@ -12,6 +12,8 @@ that masked writes go to:
 
 * ``table`` int64 [L*E + 1]: slot of each key, or -1;
 * ``slot_key`` int64 [N + 1]: key held by each slot of the shared slot pool, or -1 (empty);
+* ``pool_slots`` int64 [pools, S]: the slots of each pool (ascending, padded with N), ``layer_pool`` [L] the
+  pool of each layer, ``slot_pool`` [N] the pool of each slot;
 * ``recency`` float64 [L*E + 1]: LRU access clock (lru) / last layer-execution (seqmoe) of each key;
 * seqmoe only: ``before`` / ``after`` float32 [L*E + 1] (the policy's CacheScore before and after the
   key's next execution), ``first_exec`` int64 [L], ``plan`` int64 [L, P] (proactive loads, -1 padded);
@@ -19,14 +21,20 @@ that masked writes go to:
 
 One layer (:meth:`GraphDecoder.layer_fn`, M = T*K (token, choice) pairs): keys -> slots through the table;
 the first occurrence of each key is an access; hits are resident; every miss takes the next victim of the
-layer's pool in eviction order (stable sort of the policy's keys: empty slots first, then the lowest
-score, ties to the lowest slot; slots holding the layer's selection are protected); a miss with no
-evictable slot left is served from a scratch row (temporary, not retained). The table is updated with
+layer's pool (its S slots only, not all N) in eviction order (the order of a stable sort of the policy's
+keys: empty slots first, then the lowest score, ties to the lowest slot; slots holding the layer's
+selection are protected), found by M successive argmins rather than a sort; a miss with no evictable slot
+left is served from a scratch row (temporary, not retained). The table is updated with
 masked scatters, the miss rows are copied from the host store into their slots on the device
 (:class:`RowCopier`: on CUDA a Triton kernel reading pinned, device-mapped host memory, rows of non-missing
 pairs masked off; on CPU an ``index_copy_`` of all M rows, the non-missing ones into their own scratch
 rows), and the experts run as gathered batched matmuls of fixed shape over the slot pool (transformers'
 ``batched_mm`` arithmetic, so greedy tokens equal the full-load model's).
+
+Compiled, the layer is one fixed-shape function: ``torch.compile(fullgraph=True)`` (no graph break) or, on the
+CPU, :class:`AOTLayer` (AOTInductor: fused C++ kernels, no guards, no Python wrapper per layer call),
+which is what makes the per-layer host time a small fraction of the eager path's (docs/design.md, "Runtime",
+graph-compatible decode path; ``scripts/bench_runtime.py --overhead``).
 
 Policies: ``lru`` (eviction key: the access clock; hits first, then misses, in selection order, as the
 host LRU ticks) and ``seqmoe`` (key: the forecast CacheScore, ties to the least recent layer-execution).
@@ -43,6 +51,7 @@ prefetches: on CUDA they do not yet overlap the compute of the layer before).
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import sys
 import threading
@@ -60,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
 DECODE_PATHS = ("eager", "graph", "auto")
 COUNTERS = ("accesses", "hits", "demand", "temp", "proactive", "dropped")
 ACC, HIT, DEM, TMP, PRO, DROP = range(len(COUNTERS))
+COMPILE_BACKENDS = ("none", "aot_eager", "inductor", "aoti")
 MAX_BATCH = 4
 """Decode batches up to this size run on the graph path (the scratch rows are sized for MAX_BATCH * K)."""
 
@@ -141,6 +151,98 @@ class RowCopier:
             self.dst.index_copy_(0, dst_rows, self.src.index_select(0, src_keys))
 
 
+# ---------------------------------------------------------------------------------------------- AOT compiled
+AOTI_CONFIG = {"aot_inductor.allow_stack_allocation": True}
+"""Inductor options of :class:`AOTLayer`: the intermediates of a call live on the C++ stack (a layer makes a few
+dozen tiny buffers; a tensor object and a malloc per buffer cost more than the layer's fused kernel)."""
+
+
+class AOTLayer:
+    """:meth:`GraphDecoder._layer` compiled ahead of time by AOTInductor (CPU), one artefact per batch size T.
+
+    ``torch.compile`` pays, at every call, dynamo's guard evaluation and the compiled graph's Python wrapper
+    (AOTAutograd runtime wrappers, input mutation bookkeeping): hundreds of microseconds per layer on a CPU,
+    more than the layer's kernels. Here the layer is exported once (``torch.export``, the device state, the
+    pool buffer and the host store as inputs that the function mutates in place), compiled into a shared
+    library whose C++ wrapper launches the fused kernels, and called through the package loader's ``run``:
+    no guards, one Python-to-C++ call per layer. The shapes are fixed per artefact (the state's, and T x K of
+    the selection): a new batch size compiles a new artefact (seconds, on first use). CPU only: on CUDA the
+    host cost is removed by capturing the decode step in a CUDA Graph instead.
+
+    Call: ``(layer int64 [] , h [T, H], idx int64 [T, K], w [T, K]) -> y [T, H]`` like ``_layer``.
+    """
+
+    def __init__(self, decoder: GraphDecoder):
+        if decoder.device.type != "cpu":
+            raise UsageError("the AOTInductor-compiled layer function runs on the CPU (CUDA: capture a CUDA Graph)")
+        self.decoder = decoder
+        self.fields = [f.name for f in dataclasses.fields(DeviceResidency)]
+        self.runners: dict[tuple, Any] = {}
+        """(T, dtypes of h, idx, w) -> the loaded artefact's runner."""
+        self.compile_seconds: dict[int, float] = {}
+        self._args: list[torch.Tensor] = []
+        """The call's inputs: 4 per call, then the store, the pool buffer and the state tensors (bound once)."""
+        self._bound: DeviceResidency | None = None
+
+    def __call__(self, layer: torch.Tensor, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h, idx, w = h.contiguous(), idx.contiguous(), w.contiguous()
+        key = (h.shape[0], h.dtype, idx.dtype, w.dtype)
+        run = self.runners.get(key)
+        if run is None:
+            run = self.runners[key] = self._build(layer, h, idx, w)
+        d = self.decoder
+        if self._bound is not d.state:  # the argument list holds the state's tensors
+            self._bind()
+        a = self._args
+        a[0], a[1], a[2], a[3] = layer, h, idx, w
+        return run(a)[0]
+
+    def _bind(self) -> None:
+        d = self.decoder
+        self._args = [d.layer_ids[0]] * 4 + [d.copier.src, d.copier.dst, *(getattr(d.state, f) for f in self.fields)]
+        self._bound = d.state
+
+    def _build(self, layer: torch.Tensor, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> Any:
+        import os
+        import tempfile
+        import time
+
+        t0 = time.perf_counter()
+        self._bind()
+        args = (layer, h, idx, w, *self._args[4:])
+        with torch.no_grad():
+            ep = torch.export.export(_BoundLayer(self.decoder, self.fields), args, strict=False)
+            with tempfile.TemporaryDirectory(prefix="expertcast-aoti-") as tmp:
+                pkg = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp, "layer.pt2"),
+                                                               inductor_configs=AOTI_CONFIG)
+                compiled = torch._inductor.aoti_load_package(pkg)
+        self.compile_seconds[h.shape[0]] = time.perf_counter() - t0
+        loader = getattr(compiled, "loader", None)
+        return loader.run if loader is not None else (lambda a: [compiled(*a)])
+
+
+class _BoundLayer(torch.nn.Module):
+    """``GraphDecoder._layer`` as a module whose inputs are every tensor it reads or writes (for torch.export):
+    ``forward(layer, h, idx, w, store_rows, pool_buffer, *state_fields)``. While it runs, the decoder's state,
+    pool views and row copier point at the inputs."""
+
+    def __init__(self, decoder: GraphDecoder, fields: list[str]):
+        super().__init__()
+        self.decoder = decoder  # not a Module: not registered, no parameters or buffers
+        self.fields = fields
+
+    def forward(self, layer, h, idx, w, store_rows, pool_buffer, *state):
+        d = self.decoder
+        saved = d.state, d.weights, d.copier.src, d.copier.dst
+        d.state = DeviceResidency(**dict(zip(self.fields, state, strict=True)))
+        d.weights = d._weight_views(pool_buffer)
+        d.copier.src, d.copier.dst = store_rows, pool_buffer
+        try:
+            return d._layer(layer, h, idx, w)
+        finally:
+            d.state, d.weights, d.copier.src, d.copier.dst = saved
+
+
 # ---------------------------------------------------------------------------------------------- device state
 @dataclass
 class DeviceResidency:
@@ -150,6 +252,7 @@ class DeviceResidency:
     slot_key: torch.Tensor
     slot_pool: torch.Tensor
     layer_pool: torch.Tensor
+    pool_slots: torch.Tensor
     recency: torch.Tensor
     clock: torch.Tensor
     step: torch.Tensor
@@ -168,6 +271,7 @@ class DeviceResidency:
                    slot_key=torch.full((N + 1,), -1, dtype=torch.long, **z),
                    slot_pool=torch.as_tensor(slot_pool, dtype=torch.long, device=device),
                    layer_pool=torch.as_tensor(layer_pool, dtype=torch.long, device=device),
+                   pool_slots=torch.as_tensor(_pool_slots(slot_pool, N), device=device),
                    recency=torch.zeros(LE + 1, dtype=torch.float64, **z),
                    clock=torch.zeros(1, dtype=torch.float64, **z), step=torch.zeros(1, dtype=torch.long, **z),
                    before=torch.zeros(LE + 1, **z), after=torch.zeros(LE + 1, **z),
@@ -199,11 +303,11 @@ class GraphDecoder:
         self.state = DeviceResidency.empty(self.L, self.E, self.N, om.cache.slot_pool, om.cache_config.pool_of_layer,
                                            self.P, self.device)
         self.copier = RowCopier(om.store.rows, om.pool.buffer)
-        self.weights = {p.name: om.pool.buffer[:, p.offset:p.offset + p.numel].view(-1, *p.shape)
-                        for p in om.layout.parts}
+        self.weights = self._weight_views(om.pool.buffer)
         """Named weight stacks [R, ...] over every pool row (views of the pool buffer, slot = row)."""
         self.layer_ids = [torch.tensor(i, dtype=torch.long, device=self.device) for i in range(self.L)]
         self.arange = torch.arange(max(self.scratch, 1), device=self.device)
+        self.layer_range = torch.arange(self.L, device=self.device)
         self.planner = ForecastPlanner(om.policy, self.L, self.E, self.P, blocking) if kind == "seqmoe" else None
         self.routing_ids = torch.zeros((self.L, MAX_BATCH, self.K), dtype=torch.long, device=self.device)
         self.routing_w = torch.zeros((self.L, MAX_BATCH, self.K), dtype=torch.float32, device=self.device)
@@ -215,6 +319,24 @@ class GraphDecoder:
         self.active = False
         self._step: tuple[int, list[int], list[int]] | None = None
         """(t, members, positions) of the running decode step (its routing goes to the planner next)."""
+
+    def _weight_views(self, pool_buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named weight stacks [R, ...] of the pool buffer [R, row_numel] (views)."""
+        return {p.name: pool_buffer[:, p.offset:p.offset + p.numel].view(-1, *p.shape) for p in self.om.layout.parts}
+
+    def compile(self, backend: str) -> None:
+        """Compile the per-layer function (``layer_fn``). ``backend``: ``"none"`` (eager tensor ops),
+        ``"aot_eager"`` / ``"inductor"`` (``torch.compile(fullgraph=True)``: dynamo guards and the compiled
+        wrapper run in Python at every call) or ``"aoti"`` (CPU: :class:`AOTLayer`, compiled ahead of time by
+        AOTInductor for each batch size met, called without guards through its C++ runner)."""
+        if backend not in COMPILE_BACKENDS:
+            raise UsageError(f"compile backend must be one of {COMPILE_BACKENDS}, got {backend!r}")
+        if backend == "none":
+            self.layer_fn = self._layer
+        elif backend == "aoti":
+            self.layer_fn = AOTLayer(self)
+        else:
+            self.layer_fn = torch.compile(self._layer, fullgraph=True, backend=backend)
 
     @staticmethod
     def scratch_rows(top_k: int, plan_width: int) -> int:
@@ -298,25 +420,37 @@ class GraphDecoder:
         slot = st.table[key]
         hit = first & (slot >= 0)
         miss = first & (slot < 0)
-        protect = torch.zeros(N + 1, dtype=torch.bool, device=h.device)
-        protect[torch.where(hit, slot, N)] = True
-        k1, k2 = self._evict_keys(layer, phase=1)
-        dst, load, v = self._take_slots(layer, miss, k1, k2, protect[:N], M)
+        cand = self._candidates(layer)  # [S] the slots of the layer's pool
+        protect = (cand[:, None] == torch.where(hit, slot, -1)[None, :]).any(1)  # [S] they hold a hit
+        k1, k2 = self._evict_keys(layer, cand, phase=1)
+        dst, load, v, _ = self._take_slots(want=miss, k1=k1, k2=k2, cand=cand, protect=protect)
         self._assign(key, load, v)
         self.copier.copy(key, torch.where(miss, dst, N + ar), miss)
         resolved = torch.where(hit, slot, dst)
         y = self._compute(h, w, resolved[first_of])
         self._touch(layer, key, first, hit, miss, load)
         c = torch.stack([first.sum(), hit.sum(), miss.sum(), (miss & ~load).sum()])
-        st.counters[:4].index_add_(1, layer.view(1), c.view(4, 1))
+        self._count(layer, ACC, c)
         if self.prefetch:
             self._admit_plan((layer + 1) % self.L)
         return y
 
-    def _evict_keys(self, layer: torch.Tensor, phase: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(primary, secondary) eviction keys [N] of every slot (lowest evicted first), empty slots -inf."""
-        st, LE, N = self.state, self.L * self.E, self.N
-        held = st.slot_key[:N]
+    def _candidates(self, layer: torch.Tensor) -> torch.Tensor:
+        """int64 [S]: the slots of ``layer``'s pool, ascending, padded with N (the sink slot; S: the largest
+        pool). A per-layer pool makes every per-layer pass over S = N/L slots instead of N."""
+        st = self.state
+        return st.pool_slots.index_select(0, st.layer_pool.index_select(0, layer.view(1))).squeeze(0)
+
+    def _count(self, layer: torch.Tensor, first: int, c: torch.Tensor) -> None:
+        """counters[first:first+len(c), layer] += c (a dense masked add: no scatter)."""
+        st = self.state
+        onehot = (self.layer_range == layer).long()  # [L]
+        st.counters[first:first + c.shape[0]] += c[:, None] * onehot[None, :]
+
+    def _evict_keys(self, layer: torch.Tensor, cand: torch.Tensor, phase: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(primary, secondary) eviction keys [S] of the slots ``cand`` [S] (lowest evicted first), empty -inf."""
+        st, LE = self.state, self.L * self.E
+        held = st.slot_key[cand]
         k = torch.where(held >= 0, held, LE)
         rec = st.recency[k]
         if self.kind == "lru":
@@ -328,24 +462,21 @@ class GraphDecoder:
             k1, k2 = torch.where(ahead, st.before[k], st.after[k]).double(), rec
         return torch.where(held >= 0, k1, -torch.inf), k2
 
-    def _take_slots(self, layer: torch.Tensor, want: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor,
-                    protect: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Victims for the ``want`` [M] pairs in eviction order. Returns (dst rows [M]: the victim slot, else a
-        scratch row; load [M]: got a slot; v [M]: the victim slot of each pair's rank)."""
-        st, N = self.state, self.N
-        ok = (st.slot_pool == st.layer_pool[layer.view(1)]) & ~protect
-        k1 = torch.where(ok, k1, torch.inf)
-        order = torch.sort(k1, stable=True).indices
-        if self.kind != "lru":  # secondary key (lru has none): sort by it first, then stably by the primary
-            order = torch.sort(k2, stable=True).indices
-            order = order[torch.sort(k1[order], stable=True).indices]
-        m = min(M, N)
-        victims = order[:m]
+    def _take_slots(self, want: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, cand: torch.Tensor,
+                    protect: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Victims among the slots ``cand`` [S] (keys ``k1`` / ``k2`` [S], ``protect`` [S]: never evicted) for
+        the ``want`` [M] pairs in eviction order. Returns (dst rows [M]: the victim slot, else a scratch row;
+        load [M]: got a slot; v [M]: the victim slot of each pair's rank; kv [M]: its primary key)."""
+        N, M = self.N, want.shape[0]
+        k1 = torch.where((cand < N) & ~protect, k1, torch.inf)
+        m = min(M, cand.shape[0])
+        first, valid = _first_in_order(k1, None if self.kind == "lru" else k2, m)
         rank = self._count_upto(want) - 1
         rc = rank.clamp(0, m - 1)
-        v = victims[rc]
-        load = want & (rank < m) & (k1[v] < torch.inf)
-        return torch.where(load, v, N + self.arange[:M]), load, v
+        j = first[rc]
+        v = cand[j]
+        load = want & (rank < m) & valid[rc]
+        return torch.where(load, v, N + self.arange[:M]), load, v, k1[j]
 
     def _count_upto(self, flags: torch.Tensor) -> torch.Tensor:
         """Inclusive running count of the bool ``flags`` [M] (int64 [M]): a masked [M, M] sum, which compiles
@@ -384,14 +515,15 @@ class GraphDecoder:
         valid = pk >= 0
         key = torch.where(valid, pk, 0)
         want = valid & (st.table[key] < 0)
-        k1, k2 = self._evict_keys(layer, phase=2)
-        nothing = torch.zeros(N, dtype=torch.bool, device=pk.device)
-        dst, got, v = self._take_slots(layer, want, k1, k2, nothing, P)
-        admit = got & (k1[v] < st.before[key].double())
+        cand = self._candidates(layer)
+        k1, k2 = self._evict_keys(layer, cand, phase=2)
+        nothing = torch.zeros_like(cand, dtype=torch.bool)
+        dst, got, v, kv = self._take_slots(want=want, k1=k1, k2=k2, cand=cand, protect=nothing)
+        admit = got & (kv < st.before[key].double())
         self._assign(key, admit, v)
         self.copier.copy(key, torch.where(admit, dst, N + self.arange[:P]), admit)
         c = torch.stack([admit.sum(), (want & ~got).sum()])
-        st.counters[PRO:].index_add_(1, layer.view(1), c.view(2, 1))
+        self._count(layer, PRO, c)
 
     def _compute(self, h: torch.Tensor, w: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Gathered batched matmuls of the M (token, choice) pairs with the weights of ``slots`` [M] (the
@@ -456,6 +588,35 @@ class GraphDecoder:
         pol.score_before, pol.score_after = np.asarray(pub.before), np.asarray(pub.after)
         pol.first_exec = np.asarray(pub.first_exec, np.int64)
         pol.has_forecast = pub.t >= 0 or pol.has_forecast
+
+
+def _pool_slots(slot_pool: np.ndarray, N: int) -> np.ndarray:
+    """int64 [pools, S]: the slots of each pool id (``slot_pool`` [N]: pool of each slot), ascending, padded with
+    N; S is the largest pool."""
+    slot_pool = np.asarray(slot_pool, np.int64)
+    pools = int(slot_pool.max()) + 1 if slot_pool.size else 1
+    members = [np.flatnonzero(slot_pool == p) for p in range(pools)]
+    out = np.full((pools, max(1, *(len(m) for m in members))), N, np.int64)
+    for p, m in enumerate(members):
+        out[p, :len(m)] = m
+    return out
+
+
+def _first_in_order(k1: torch.Tensor, k2: torch.Tensor | None, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``m`` slots in eviction order: ascending ``k1`` [N], ties by ``k2`` [N] (when given), then by the
+    lowest slot: the order of a stable sort by k2 then by k1, found as ``m`` successive argmins (argmin returns
+    the first of equal values), O(m*N) elementwise work that compiles into fused loops instead of a sort of N.
+    Returns (slots int64 [m], valid bool [m]: the slot's k1 is finite, i.e. it may be evicted)."""
+    taken = torch.zeros_like(k1, dtype=torch.bool)
+    slots, valid = [], []
+    for _ in range(m):
+        k = torch.where(taken, torch.inf, k1)
+        lo = k.min()
+        s = k.argmin() if k2 is None else torch.where(k == lo, k2, torch.inf).argmin()
+        valid.append(lo < torch.inf)
+        slots.append(s)
+        taken = taken.index_fill(0, s.view(1), True)
+    return torch.stack(slots), torch.stack(valid)
 
 
 def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor,

@@ -233,21 +233,79 @@ def router_export_model(export: str, policy_name: str) -> tuple[str, dict[str, s
     return str(export), {"routers": str(Path(export) / info["routers_dir"])}
 
 
+HYBRID_ROUTER_MODES = ("temporal", "full")
+"""Router modes whose export gives the ``hybrid`` policy's routers part its s^T (p^R + p^T, as router-temporal)."""
+
+
+def hybrid_routers_off(policy: Any, export: str) -> str | None:
+    """Why the ``hybrid`` ``policy`` runs without live routers on ``--model export`` (None: they attach).
+    UsageError when its ``parts`` name ``routers`` explicitly and they cannot attach, or when it holds
+    recorded router outputs (``replay=``: those belong to `expertcast simulate`)."""
+    from expertcast.models.backbone import is_export_dir
+
+    source = policy.replay
+    if source is not None and not isinstance(source, LiveRouterScores):
+        raise UsageError("--policy hybrid: replay= holds recorded router outputs, which `expertcast simulate` "
+                         "replays; a live evaluation computes them from the --model export's routers")
+    if "routers" not in policy.parts and policy.parts_spec != "auto":
+        return f"parts={policy.parts_spec} leave it off"
+    reason = None
+    if not is_export_dir(export):
+        reason = f"--model {export} is no router-adaptation export (no cache routers)"
+    else:
+        from expertcast.models.router_export import read_adaptation_export
+
+        mode = read_adaptation_export(export).get("router_mode")
+        if mode not in HYBRID_ROUTER_MODES:
+            have = f"{mode} routers" if mode else "no cache routers (an lm_only export)"
+            reason = f"--model {export} has {have}; s^T needs {' or '.join(HYBRID_ROUTER_MODES)} routers"
+    config = getattr(policy, "config", None)
+    if reason is None and config is not None and config.pool != "per-layer":
+        reason = f"the routers part manages B slots per MoE layer: use --pool per-layer, not {config.pool}"
+    if reason is not None and policy.routers_explicit:
+        raise UsageError(f"--policy hybrid:parts={policy.parts_spec}: the routers part cannot run: {reason}")
+    return reason
+
+
 def attach_live_routers(policy: Any, model: nn.Module, export: str) -> None:
-    """Give a router ``policy`` (else nothing happens) live scores from ``export``'s routers on ``model``
-    (the routers checked against the model). Undo with :func:`detach_live_routers`."""
+    """Give a router ``policy`` or a ``hybrid`` (else nothing happens) live scores from ``export``'s routers on
+    ``model`` (the routers checked against the model). A ``hybrid`` whose routers cannot attach runs without
+    its routers part and says so on stderr, once (:func:`hybrid_routers_off`). Undo with
+    :func:`detach_live_routers`."""
     from pathlib import Path
 
     from expertcast.models.router_export import load_routers, read_adaptation_export
 
-    if getattr(policy, "name", None) not in ROUTER_POLICIES or isinstance(policy.replay, LiveRouterScores):
+    name = getattr(policy, "name", None)
+    if name not in (*ROUTER_POLICIES, "hybrid") or isinstance(policy.replay, LiveRouterScores):
         return
+    if name == "hybrid":
+        reason = hybrid_routers_off(policy, export)
+        if reason is not None:
+            _say_once(policy, f"hybrid: routers part off ({reason}); parts: {'+'.join(policy.parts)}")
+            return
     info = read_adaptation_export(export)
     try:
         routers, _ = load_routers(Path(export) / info["routers_dir"], model=model)
     except ValueError as e:
         raise UsageError(f"--model {export}: {e}") from None
-    policy.set_replay(LiveRouterScores(model, routers))
+    live = LiveRouterScores(model, routers)
+    if name == "hybrid":
+        policy.use_routers(live)
+        _say_once(policy, f"hybrid: routers part on: s^T from the live {live.mode} routers of {export}; parts: "
+                          f"{'+'.join(policy.parts)}")
+    else:
+        policy.set_replay(live)
+
+
+def _say_once(policy: Any, line: str) -> None:
+    """Print ``line`` to stderr unless this policy said it already (a sweep re-attaches for every pass)."""
+    import sys
+
+    said = policy.__dict__.setdefault("_live_router_notes", set())
+    if line not in said:
+        said.add(line)
+        print(line, file=sys.stderr)
 
 
 def detach_live_routers(policy: Any) -> None:

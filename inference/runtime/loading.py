@@ -34,6 +34,7 @@ import os
 import re
 import resource
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -314,15 +315,21 @@ def _complete(chunks: set[tuple[int, int]] | None) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- memory
-def host_available_bytes() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (None where unknown)."""
+def _proc_kib_field(path: str, name: str) -> int | None:
+    """The ``name:  N kB`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes; None
+    where the file or the line is missing (not Linux)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{name}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (None where unknown)."""
+    return _proc_kib_field("/proc/meminfo", "MemAvailable")
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -402,7 +409,8 @@ class LoadReport:
     unused_checkpoint_keys: list[str]
     """Checkpoint tensors the model has no place for (e.g. multi-token-prediction layers)."""
     peak_rss_bytes: int
-    """Peak resident set of the process right after loading (:func:`peak_rss_bytes`)."""
+    """:func:`peak_rss_bytes` right after loading: the process's resident-set high-water mark since it
+    started, in bytes (the load's peak, plus whatever the process held before it)."""
     device_peak_bytes: int | None
     """torch.cuda.max_memory_allocated after loading (None on CPU)."""
     source: str = "checkpoint"
@@ -419,16 +427,17 @@ class LoadReport:
 
 # --------------------------------------------------------------------------------------------- entry points
 def peak_rss_bytes() -> int:
-    """Peak resident set of this process: ``VmHWM`` of /proc/self/status (the high-water mark of this
-    program's own address space), else ``ru_maxrss``. (Linux carries ``ru_maxrss`` over ``execve``, so
-    a subprocess started by a large parent would report the parent's peak.)"""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set of this process, in bytes: ``VmHWM`` of /proc/self/status, the high-water mark of
+    this program's own address space since it was exec'd (it never goes down: a measurement is the peak
+    up to now, including imports and whatever the process held before the thing being measured).
+    Without /proc, ``ru_maxrss`` (converted: KiB on Linux and the BSDs, bytes on macOS). ``ru_maxrss`` is not
+    used on Linux because it is carried over ``execve``: a subprocess started by a large parent would report
+    the parent's peak."""
+    hwm = _proc_kib_field("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
@@ -586,6 +595,53 @@ def _generation_config(model: nn.Module, model_dir: Path) -> None:
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
 
 
+@dataclass(frozen=True)
+class OffloadOptions:
+    """How :func:`load_offloaded` builds the :class:`~expertcast.inference.runtime.engine.OffloadedModel`
+    (the same for a streamed checkpoint and for a model built in host memory first)."""
+
+    policy: Any
+    """The cache policy (``make_policy(...)``), reset to the model's cache configuration."""
+    capacity: float | int
+    """Resident experts: float = fraction of all L*E experts, int = number of slots."""
+    device: torch.device
+    """Compute device: non-expert weights, slots and workspace live here."""
+    pool: str = "per-layer"
+    """Slot pools: ``per-layer`` (one pool per MoE layer) or ``shared`` (one pool for all layers)."""
+    link_gbps: float | None = None
+    """CPU only: emulated host-device bandwidth of the transfer thread in GB/s (None = memory speed)."""
+    mmap_path: Path | None = None
+    """Store file of the packed experts, memory-mapped (None = experts in host RAM)."""
+    num_temp_slots: int = 2
+    """Temporary slots (TEMP loads, prefill streaming, selections larger than a pool)."""
+    future: Any = None
+    """Oracles only (Belady): the access stream (``simulator.build_stream``) of the run to come."""
+    cpu_exec_ms: Callable[[int], float] | None = None
+    """CPU-device emulation only: ``n_tokens -> ms``, the least time an in-situ CPU execution of a cold
+    expert takes (e.g. ``LatencyModel.cpu_ms``)."""
+    decode_path: str = "eager"
+    """``eager`` (the reference), ``graph`` or ``auto``: the decode step implementation."""
+
+    def build(self, model: nn.Module, store: HostExpertStore | None = None):
+        """The OffloadedModel over ``model`` (with the filled ``store``, or packing one from the model's
+        experts into host memory or ``mmap_path``)."""
+        from expertcast.inference.runtime.engine import OffloadedModel
+
+        return OffloadedModel(model, self.policy, self.capacity, pool=self.pool, device=self.device,
+                              link_gbps=self.link_gbps, mmap_path=self.mmap_path, num_temp_slots=self.num_temp_slots,
+                              future=self.future, store=store, cpu_exec_ms=self.cpu_exec_ms,
+                              decode_path=self.decode_path)
+
+    def report(self, om: Any, plan: LoadPlan, t0: float, unused: list[str], source: str) -> LoadReport:
+        """The :class:`LoadReport` of ``om``, loaded since ``t0`` (``time.perf_counter()``)."""
+        dev = self.device
+        return LoadReport(plan=plan, load_seconds=time.perf_counter() - t0, store_pinned=om.store.is_pinned,
+                          store_mmap=str(self.mmap_path) if self.mmap_path is not None else None,
+                          unused_checkpoint_keys=unused, peak_rss_bytes=peak_rss_bytes(),
+                          device_peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+                          source=source)
+
+
 def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float | int, *,
                    device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "auto",
                    pool: str = "per-layer", link_gbps: float | None = None, mmap_path: str | os.PathLike | None = None,
@@ -600,72 +656,64 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float
             host memory, then offloaded.
         policy, capacity, pool, link_gbps, num_temp_slots, future, cpu_exec_ms, decode_path: as
             :class:`~expertcast.inference.runtime.engine.OffloadedModel` (capacity: float = fraction of
-            all L*E experts, int = slots).
+            all L*E experts, int = slots); see :class:`OffloadOptions`.
         mmap_path: stream the packed experts into this store file and memory-map it (host RAM holds no
             copy beyond the page cache).
     Raises:
         UsageError: the slots do not fit the device, the experts do not fit the host, or the
             checkpoint does not match its config.
     """
-    from expertcast.inference.runtime.engine import OffloadedModel
     from expertcast.models.backbone import export_model_dir, is_export_dir
     from expertcast.models.presets import get_preset, is_preset
 
-    dev = torch.device(device)
     t0 = time.perf_counter()
+    opts = OffloadOptions(policy, capacity, torch.device(device), pool=pool, link_gbps=link_gbps,
+                          mmap_path=Path(mmap_path).expanduser() if mmap_path is not None else None,
+                          num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms,
+                          decode_path=decode_path)
     name = str(name_or_path)
     adapter_export = is_export_dir(name) and export_model_dir(name) is None
     if (is_preset(name) and get_preset(name).size == "tiny") or adapter_export:
-        return _load_in_host(name, policy, capacity, dev, dtype, pool, link_gbps, mmap_path, num_temp_slots, future,
-                             cpu_exec_ms, seed, t0, decode_path)
+        return _load_in_host(name, opts, dtype=dtype, seed=seed, t0=t0)
+    dev = opts.device
     model_dir, model, refs, layout, split, plan = _prepare(name_or_path, capacity, dev, dtype, pool,
                                                             num_temp_slots, revision)
-    plan.check_fits(mmap=mmap_path is not None)
-    if mmap_path is not None:
-        mmap_path = Path(mmap_path).expanduser()
-        mmap_path.parent.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(mmap_path.parent).free
+    plan.check_fits(mmap=opts.mmap_path is not None)
+    if opts.mmap_path is not None:
+        opts.mmap_path.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(opts.mmap_path.parent).free
         if plan.expert_bytes_total > free:
-            raise UsageError(f"the expert store file {mmap_path} needs {_gb(plan.expert_bytes_total)}, its disk has "
-                             f"{_gb(free)} free")
+            raise UsageError(f"the expert store file {opts.mmap_path} needs {_gb(plan.expert_bytes_total)}, its disk "
+                             f"has {_gb(free)} free")
     non_expert_entries, expert_entries, unused = split
     non_expert = _non_expert_tensors(model, refs, layout)
     reader = ShardReader()
     try:
         _load_non_expert(model, non_expert, non_expert_entries, reader, dev)
-        store = _fill_store(layout, refs, ExpertFiller(layout, reader, expert_entries), dev.type == "cuda", mmap_path)
+        store = _fill_store(layout, refs, ExpertFiller(layout, reader, expert_entries), dev.type == "cuda",
+                            opts.mmap_path)
     finally:
         reader.close()
     _release_experts(refs, layout, dev)
     _generation_config(model, model_dir)
-    om = OffloadedModel(model, policy, capacity, pool=pool, device=dev, link_gbps=link_gbps,
-                        num_temp_slots=num_temp_slots, future=future, store=store, cpu_exec_ms=cpu_exec_ms,
-                        decode_path=decode_path)
-    report = LoadReport(plan=plan, load_seconds=time.perf_counter() - t0, store_pinned=store.is_pinned,
-                        store_mmap=str(mmap_path) if mmap_path is not None else None, unused_checkpoint_keys=unused,
-                        peak_rss_bytes=peak_rss_bytes(),
-                        device_peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
-    return om, _tokenizer(model_dir, revision), report
+    om = opts.build(model, store)
+    return om, _tokenizer(model_dir, revision), opts.report(om, plan, t0, unused, "checkpoint")
 
 
-def _load_in_host(name, policy, capacity, dev, dtype, pool, link_gbps, mmap_path, num_temp_slots, future,
-                  cpu_exec_ms, seed, t0, decode_path="eager"):
-    """What has no checkpoint to stream: a tiny random-init preset, or a router-adaptation export that
-    keeps a peft adapter (merged over its base on load). Built in host memory, then offloaded."""
-    from expertcast.inference.runtime.engine import OffloadedModel
+def _load_in_host(name: str, opts: OffloadOptions, *, dtype: str | torch.dtype | None, seed: int, t0: float):
+    """What has no checkpoint to stream: a tiny random-init preset (``seed``), or a router-adaptation export
+    that keeps a peft adapter (merged over its base on load). Built in host memory at ``dtype``, then
+    offloaded per ``opts``; ``t0`` is when the load began."""
     from expertcast.models.backbone import load_moe_model
 
     model, tok = load_moe_model(name, dtype=dtype, device="cpu", seed=seed)
-    om = OffloadedModel(model, policy, capacity, pool=pool, device=dev, link_gbps=link_gbps, mmap_path=mmap_path,
-                        num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms, decode_path=decode_path)
+    om = opts.build(model)
     mem = om.memory_report()
-    L, E, eb = om.L, om.E, om.layout.expert_bytes
+    L, E, eb, dev = om.L, om.E, om.layout.expert_bytes, opts.device
     plan = LoadPlan(model_dir=name, device=str(dev), dtype=str(om.layout.dtype).removeprefix("torch."),
                     num_layers=L, num_experts=E, top_k=om.K, expert_bytes=eb, expert_bytes_total=L * E * eb,
                     non_expert_bytes=mem.device_non_expert_bytes, num_slots=om.cache.num_slots,
-                    num_temp_slots=num_temp_slots, slot_bytes=om.pool.nbytes, device_free=device_free_bytes(dev),
-                    host_available=host_available_bytes(), checkpoint_layout="none")
-    report = LoadReport(plan=plan, load_seconds=time.perf_counter() - t0, store_pinned=om.store.is_pinned,
-                        store_mmap=str(mmap_path) if mmap_path is not None else None, unused_checkpoint_keys=[],
-                        peak_rss_bytes=peak_rss_bytes(), device_peak_bytes=mem.device_peak_allocated, source="host")
-    return om, tok, report
+                    num_temp_slots=opts.num_temp_slots, slot_bytes=om.pool.nbytes,
+                    device_free=device_free_bytes(dev), host_available=host_available_bytes(),
+                    checkpoint_layout="none")
+    return om, tok, opts.report(om, plan, t0, [], "host")

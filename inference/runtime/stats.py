@@ -109,6 +109,9 @@ class MemoryReport:
     device_peak_allocated: int | None = None
     """torch.cuda.max_memory_allocated on CUDA (None on CPU)."""
     process_peak_rss: int | None = None
+    """:func:`~expertcast.inference.runtime.loading.peak_rss_bytes` when measured: the process's resident-set
+    high-water mark in bytes since it started (``VmHWM``), so it includes everything the process held
+    before (imports, an earlier model), not the offloaded model alone."""
 
     @property
     def device_total(self) -> int:
@@ -121,9 +124,8 @@ class MemoryReport:
     @classmethod
     def measure(cls, om: Any) -> MemoryReport:
         """The report of an :class:`~expertcast.inference.runtime.engine.OffloadedModel` now."""
-        import resource
-
         import torch
+        from expertcast.inference.runtime.loading import peak_rss_bytes
 
         expert_param_ids = {id(getattr(r.module, p.name)) for r in om.refs for p in om.layout.parts}
         non_expert = expert_left = 0
@@ -141,7 +143,7 @@ class MemoryReport:
                    device_slot_bytes=om.pool.nbytes, device_workspace_bytes=om.workspace.nbytes,
                    num_slots=om.cache.num_slots, num_temp_slots=om.pool.num_temp, expert_bytes=om.layout.expert_bytes,
                    device_expert_param_bytes=expert_left, device_peak_allocated=peak,
-                   process_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                   process_peak_rss=peak_rss_bytes())
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)

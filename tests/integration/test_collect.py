@@ -124,6 +124,22 @@ def test_completions_mode_cli(tmp_path, data_dir, capsys):
     assert seqs[0].seq_id == str(first["id"])
 
 
+def test_cli_collects_every_registered_benchmark_including_arith(tmp_path, capsys):
+    from expertcast.commands.collect import build_parser
+    from expertcast.data.benchmarks import BENCHMARKS
+
+    action = next(a for a in build_parser()._actions if a.dest == "benchmark")
+    assert list(action.choices) == list(BENCHMARKS) and "arith" in action.choices
+    out = tmp_path / "arith"
+    rc = collect_main(["--model", MODEL, "--benchmark", "arith", "--split", "test", "--limit", "3",
+                       "--max-new-tokens", "4", "--out", str(out), "--device", "cpu", "--no-progress"])
+    assert rc == 0
+    assert "accuracy of the generated completions: " in capsys.readouterr().out  # graded against arith's golds
+    meta, seqs = load_traces(out)
+    assert meta.dataset == "arith" and meta.split == "test"
+    assert [s.seq_id for s in seqs] == [f"arith-test-{i:05d}" for i in range(3)]
+
+
 def test_cli_errors(tmp_path, data_dir, capsys):
     rc = collect_main(["--model", MODEL, "--out", str(tmp_path / "x"), "--data-dir", str(tmp_path / "none"),
                        "--no-progress"])

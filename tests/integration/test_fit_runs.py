@@ -152,6 +152,34 @@ def test_explicit_export_dir_is_claimed_and_replaced_only_with_overwrite(traces,
     assert json.loads((export / "forecaster.json").read_text())["training"]["run_dir"] == str(second.run_dir)
 
 
+def test_run_dir_variable_is_set_only_while_training(traces, tmp_path, monkeypatch):
+    """build_cli alone leaves RUN_DIR_ENV as it found it (unset, or a torchrun launch's folder); fit() sets it
+    to the run directory for the processes Lightning launches while it trains, and restores it after."""
+    from expertcast.train import cli as fit_cli
+    from expertcast.train.fit_run import RUN_DIR_ENV
+
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    built = fit_cli.build_cli(fit_args(tmp_path / "built", traces["a"], 1))
+    built.plan.release()
+    assert built.plan.run_dir.parent == tmp_path / "built" and RUN_DIR_ENV not in os.environ
+    shared = tmp_path / "launch" / "run"
+    monkeypatch.setenv(RUN_DIR_ENV, str(shared))  # as torchrun / SLURM users set it
+    built = fit_cli.build_cli(fit_args(tmp_path / "unused", traces["a"], 1))
+    built.plan.release()
+    assert built.plan.run_dir == shared and os.environ[RUN_DIR_ENV] == str(shared)
+
+    monkeypatch.delenv(RUN_DIR_ENV)
+    seen, train = [], fit_cli._train
+
+    def spy(cli, plan, args):
+        seen.append(os.environ.get(RUN_DIR_ENV))
+        return train(cli, plan, args)
+
+    monkeypatch.setattr(fit_cli, "_train", spy)
+    rc, result = run_fit(fit_args(tmp_path / "fit", traces["a"], 1))
+    assert rc == 0 and seen == [str(result.run_dir)] and RUN_DIR_ENV not in os.environ
+
+
 def _fork_fit(args: list[str], log: Path) -> int:
     """Run the fit command in a forked child (a real separate process, output to ``log``); returns its pid."""
     pid = os.fork()

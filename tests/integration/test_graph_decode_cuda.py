@@ -14,21 +14,10 @@ import pytest
 import torch
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+from expertcast.inference.synthetic import check_policy
 from expertcast.models.presets import build_tiny
 
 pytestmark = pytest.mark.gpu
-
-
-def _policy(name, model):
-    if name == "lru":
-        return make_policy("lru")
-    c = model.config
-    torch.manual_seed(0)
-    fc = ExpertForecaster(ForecasterConfig(num_layers=c.num_hidden_layers, num_experts=c.num_experts,
-                                           top_k=c.num_experts_per_tok, hidden_size=32, num_blocks=1, state_size=8,
-                                           head_dim=16, chunk_size=16)).eval()
-    return make_policy("seqmoe", forecaster=fc, precompute=False, min_confidence=0.05)
 
 
 @pytest.mark.parametrize("name", ["lru", "seqmoe"])
@@ -39,7 +28,7 @@ def test_cuda_graph_path_tokens_equal_full_load(name):
     ids = torch.randint(5, 500, (2, 9), generator=g).to(dev)
     am = torch.ones_like(ids)
     ref = model.generate(ids, attention_mask=am, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    om = OffloadedModel(model, _policy(name, model), 6, device=dev, decode_path="graph")
+    om = OffloadedModel(model, check_policy(name, model), 6, device=dev, decode_path="graph")
     try:
         assert om.decode_path == "graph" and om.store.is_pinned
         out = om.generate(ids, am, max_new_tokens=12, eos_token_id=None, pad_token_id=0)

@@ -19,8 +19,9 @@ from expertcast.data.trace_format import TraceMeta
 from expertcast.inference.driver import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
+from expertcast.inference.runtime.graph_decode import AOTLayer
 from expertcast.inference.simulator import build_stream, replay
-from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+from expertcast.inference.synthetic import untrained_forecaster
 from expertcast.models.presets import build_tiny
 
 torch.set_num_threads(1)
@@ -44,11 +45,8 @@ class Batch:
         self.batch = batch
         self.ref = self.model.generate(self.ids, attention_mask=self.am, max_new_tokens=NEW, do_sample=False,
                                        eos_token_id=EOS, pad_token_id=0)
-        torch.manual_seed(0)
         c = self.model.config
-        self.forecaster = ExpertForecaster(ForecasterConfig(
-            num_layers=c.num_hidden_layers, num_experts=c.num_experts, top_k=c.num_experts_per_tok, hidden_size=32,
-            num_blocks=1, state_size=8, head_dim=16, chunk_size=16)).eval()
+        self.forecaster = untrained_forecaster(c.num_hidden_layers, c.num_experts, c.num_experts_per_tok)
 
     def policy(self, name: str):
         if name == "seqmoe":
@@ -56,13 +54,13 @@ class Batch:
         return make_policy(name)
 
     def run(self, name: str, path: str, pool: str = "per-layer", slots: int = SLOTS, record: bool = False,
-            compile_layer: bool = False):
+            compile_backend: str = "none"):
         om = OffloadedModel(self.model, self.policy(name), slots, pool=pool, decode_path=path)
         try:
             if om.graph is not None and om.graph.planner is not None:
                 om.graph.planner.blocking = True
-            if compile_layer:
-                om.graph.layer_fn = torch.compile(om.graph._layer, fullgraph=True, backend="aot_eager")
+            if compile_backend != "none":
+                om.graph.compile(compile_backend)
             res = om.generate(self.ids, self.am, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=0, record=record,
                               seq_ids=[f"s{i}" for i in range(self.batch)])
             out = (res, om.stats, om.cache.resident_set(), om.cache_config, om)
@@ -152,7 +150,7 @@ def test_fullgraph_compile_of_layer_function_same_tokens(name):
     """torch.compile(fullgraph=True) raises on any graph break (host sync, data-dependent Python); the compiled
     layer function takes the same decisions (counters) and gives the same tokens."""
     b = Batch(1)
-    res, st, _, _, _ = b.run(name, "graph", compile_layer=True)
+    res, st, _, _, _ = b.run(name, "graph", compile_backend="aot_eager")
     assert torch.equal(res.sequences, b.ref)
     _, ref_st, _, _, _ = b.run(name, "graph")
     for k in COUNTER_NAMES:
@@ -176,3 +174,59 @@ def test_gpu_check_graph_dry_run(tmp_path, capsys):
     assert "FAIL" not in out
     over = __import__("json").loads((tmp_path / "overhead.json").read_text())
     assert over["eager_us_per_layer"] > 0 and over["graph_us_per_layer"] > 0
+
+
+@pytest.mark.parametrize("name", ["lru", "seqmoe"])
+def test_aoti_compiled_layer_same_tokens_and_counters(name):
+    """The layer function compiled ahead of time by AOTInductor (GraphDecoder.compile("aoti"): exported with the
+    device state as mutated inputs, called through the artefact's C++ runner) is the one that runs, gives the
+    full-load tokens and takes the uncompiled function's decisions (counters, resident set)."""
+    b = Batch(1)
+    res, st, resident, _, om = b.run(name, "graph", compile_backend="aoti")
+    fn = om.graph.layer_fn
+    assert isinstance(fn, AOTLayer) and list(fn.compile_seconds) == [1], "one artefact, for batch size 1"
+    assert torch.equal(res.sequences, b.ref)
+    _, ref_st, ref_resident, _, _ = b.run(name, "graph")
+    for k in COUNTER_NAMES:
+        assert np.array_equal(getattr(st, k), getattr(ref_st, k)), k
+    assert resident == ref_resident and st.D > 0
+
+
+def test_overhead_bench_aoti_json(tmp_path):
+    """``bench_runtime.py --overhead`` with the default compile backend on the CPU (AOTInductor): both paths timed
+    in the same run, the JSON holds the issue's two figures with their spread and the graph path's split, and the
+    compiled graph path takes less time per layer than the eager one."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_runtime.py"
+    spec = importlib.util.spec_from_file_location("bench_runtime_overhead", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    js = tmp_path / "overhead.json"
+    assert mod.main(["--overhead", "--device", "cpu", "--overhead-layers", "4", "--tokens", "6", "--repeats", "3",
+                     "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    assert r["compile_backend"] == "aoti" and "host time per MoE layer" in r["definition"]
+    for p in ("eager", "graph"):
+        lo, hi = r[f"{p}_us_per_layer_range"]
+        assert 0 < lo <= r[f"{p}_us_per_layer"] <= hi
+    assert len(r["paired_us"]) == 3 and all(m["graph_calls"] == m["eager_calls"] > 0 for m in r["paired_us"])
+    assert 0 < r["graph_call_us_per_layer"] < r["graph_us_per_layer"]
+    assert r["graph_us_per_layer"] < r["eager_us_per_layer"]
+
+
+@pytest.mark.slow
+def test_aoti_compiled_layer_one_artefact_per_batch_size():
+    """A left-padded batch of 3 whose members end on EOS at different steps: the AOTInductor layer compiles one
+    artefact per active batch size met and still gives the full-load tokens and the uncompiled path's counters."""
+    b = Batch(3)
+    res, st, resident, _, om = b.run("lru", "graph", compile_backend="aoti")
+    assert torch.equal(res.sequences, b.ref)
+    sizes = sorted(om.graph.layer_fn.compile_seconds)
+    assert sizes[-1] == 3 and len(sizes) == len(set(sizes))
+    _, ref_st, ref_resident, _, _ = b.run("lru", "graph")
+    for k in COUNTER_NAMES:
+        assert np.array_equal(getattr(st, k), getattr(ref_st, k)), k
+    assert resident == ref_resident

@@ -9,6 +9,10 @@ stays below its RSS before loading + non-expert weights + experts + slots + 300 
 full copy of the experts (nor the checkpoint's pages) ever existed, its runtime memory report
 matches the plan, and its greedy tokens equal the full-load run's.
 
+The peak RSS both reports give (``LoadReport.peak_rss_bytes``, ``MemoryReport.process_peak_rss``) is the
+process's own: a process exec'd by one that had touched 1 GiB reports its own peak, not the inherited
+``ru_maxrss``.
+
 The ``gpu`` test does the same on CUDA under ``torch.cuda.set_per_process_memory_fraction`` set below
 the model's size: the model does not fit the device and still runs, token-identical.
 """
@@ -61,6 +65,35 @@ out["tokens"] = seq.tolist()
 out["peak_rss"] = rss()
 print("RESULT " + json.dumps(out))
 """
+
+
+EXEC_PARENT = r"""
+import os, sys
+big = b"\x01" * int(sys.argv[1])  # touched: resident
+del big
+os.execv(sys.executable, [sys.executable, "-c", sys.argv[2]])
+"""
+
+EXEC_CHILD = r"""
+import json, resource, torch
+torch.set_num_threads(1)
+from expertcast.inference.policies import make_policy
+from expertcast.inference.runtime.loading import load_offloaded
+om, _, report = load_offloaded("qwen3_moe-tiny", make_policy("lru"), 0.5)
+print("RESULT " + json.dumps({"load": report.peak_rss_bytes, "memory": om.memory_report().process_peak_rss,
+                              "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def test_peak_rss_is_the_process_own_not_an_exec_parents():
+    parent_peak = 1 << 30
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", EXEC_PARENT, str(parent_peak), EXEC_CHILD], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")).removeprefix("RESULT "))
+    assert r["ru_maxrss"] >= parent_peak  # the premise: Linux carried the parent's peak over execve
+    assert 0 < r["load"] <= r["memory"] < parent_peak, r  # both reports give the child's own high-water mark
 
 
 def _write_big_checkpoint(d: Path) -> None:

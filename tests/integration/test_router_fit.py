@@ -95,6 +95,8 @@ def test_router_eval_cli_on_export(fitted, tmp_path):
     assert rc == 0
     rows = json.loads((tmp_path / "all_rows.json").read_text())
     assert {r["train_overlap"] for r in rows} == {0}  # held-out texts only, checked against the export's ids
+    # the prompts were checked against the texts the fit recorded (source reloaded): none of them leaks
+    assert {r["prompt_overlap"] for r in rows} == {0}
     assert {r["policy"] for r in rows} == {"lru", "router-full"}
     assert sorted(r["R"] for r in rows if r["policy"] == "router-full") == [3, 5]
     assert all(r["identical_to_full"] for r in rows)  # offloaded decoding = full load, every row

@@ -17,20 +17,6 @@ from expertcast.models.forecaster import (
 torch.set_num_threads(1)
 
 
-def _cfg(**kw) -> ForecasterConfig:
-    base = dict(num_layers=3, num_experts=8, top_k=2, hidden_size=32, head_dim=16, state_size=8, chunk_size=8,
-                num_blocks=2)
-    base.update(kw)
-    return ForecasterConfig(**base)
-
-
-def _inputs(B: int, T: int, L: int = 3, E: int = 8, K: int = 2, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * T * L)]).view(B, T, L, K)
-    w = torch.rand(B, T, L, K, generator=g)
-    return activation_vector(ids, w, E)
-
-
 def test_activation_vector_normalizes_and_scatters():
     ids = torch.tensor([[[1, 3], [0, 2]]])  # [T=1, L=2, K=2]
     w = torch.tensor([[[3.0, 1.0], [1.0, 1.0]]])
@@ -43,9 +29,9 @@ def test_activation_vector_normalizes_and_scatters():
 
 
 @pytest.mark.parametrize("backbone", ["mamba2", "mamba"])
-def test_window_forward_equals_recurrent_steps(backbone):
-    m = ExpertForecaster(_cfg(backbone=backbone)).eval()
-    x = _inputs(2, 11)
+def test_window_forward_equals_recurrent_steps(backbone, tiny_forecaster_cfg, activation_inputs):
+    m = ExpertForecaster(tiny_forecaster_cfg(backbone=backbone)).eval()
+    x = activation_inputs(2, 11)
     with torch.no_grad():
         full = m(x)
         assert full.shape == (2, 11, 3, 8)
@@ -59,9 +45,9 @@ def test_window_forward_equals_recurrent_steps(backbone):
         assert st2.steps == 11
 
 
-def test_rollout_does_not_disturb_next_step():
-    m = ExpertForecaster(_cfg()).eval()
-    x = _inputs(2, 6)
+def test_rollout_does_not_disturb_next_step(tiny_forecaster_cfg, activation_inputs):
+    m = ExpertForecaster(tiny_forecaster_cfg()).eval()
+    x = activation_inputs(2, 6)
     st_a, st_b = m.init_state(2), m.init_state(2)
     for i in range(5):
         la, _ = m.step(x[:, i], st_a)
@@ -76,9 +62,9 @@ def test_rollout_does_not_disturb_next_step():
         assert torch.equal(a, b)
 
 
-def test_rollout_feeds_predictions_back():
-    m = ExpertForecaster(_cfg()).eval()
-    x = _inputs(1, 3)
+def test_rollout_feeds_predictions_back(tiny_forecaster_cfg, activation_inputs):
+    m = ExpertForecaster(tiny_forecaster_cfg()).eval()
+    x = activation_inputs(1, 3)
     st = m.init_state(1)
     for i in range(3):
         lg, _ = m.step(x[:, i], st)
@@ -89,9 +75,9 @@ def test_rollout_feeds_predictions_back():
     assert torch.allclose(roll[:, 1], l2, atol=1e-6) and torch.allclose(roll[:, 2], l3, atol=1e-6)
 
 
-def test_state_rows_select_and_put():
-    m = ExpertForecaster(_cfg()).eval()
-    x = _inputs(3, 4)
+def test_state_rows_select_and_put(tiny_forecaster_cfg, activation_inputs):
+    m = ExpertForecaster(tiny_forecaster_cfg()).eval()
+    x = activation_inputs(3, 4)
     st = m.init_state(3)
     for i in range(4):
         m.step(x[:, i], st)
@@ -125,33 +111,33 @@ def test_activation_probs_sum_to_k_and_prediction_format():
     assert ((x > 0).sum(-1) == 2).all() and torch.allclose(x.sum(-1), torch.ones(2, 3))
 
 
-def test_bad_inputs_are_named():
+def test_bad_inputs_are_named(tiny_forecaster_cfg):
     with pytest.raises(ValueError, match="top_k"):
-        _cfg(top_k=8)
+        tiny_forecaster_cfg(top_k=8)
     with pytest.raises(ValueError, match="trigger_layer"):
-        _cfg(trigger_layer=3)
+        tiny_forecaster_cfg(trigger_layer=3)
     with pytest.raises(ValueError, match="backbone"):
-        _cfg(backbone="lstm")
+        tiny_forecaster_cfg(backbone="lstm")
     with pytest.raises(ValueError, match="head_dim"):
-        _cfg(head_dim=24)
-    m = ExpertForecaster(_cfg())
+        tiny_forecaster_cfg(head_dim=24)
+    m = ExpertForecaster(tiny_forecaster_cfg())
     with pytest.raises(ValueError, match=r"L=3, E=8"):
         m(torch.zeros(1, 2, 3, 7))
     with pytest.raises(ValueError, match="batch"):
         m(torch.zeros(2, 1, 3, 8), m.init_state(1))
 
 
-def test_step_flops_counts_linear_layers():
-    m = ExpertForecaster(_cfg())
+def test_step_flops_counts_linear_layers(tiny_forecaster_cfg):
+    m = ExpertForecaster(tiny_forecaster_cfg())
     n_lin = sum(mod.in_features * mod.out_features for mod in m.modules() if isinstance(mod, torch.nn.Linear))
     assert m.step_flops() >= 2 * n_lin
 
 
-def test_direct_heads_forward_step_and_rollout():
+def test_direct_heads_forward_step_and_rollout(tiny_forecaster_cfg, activation_inputs):
     """H_d direct heads: head 0 is the next-element forecast of the plain forward; rollout up to H_d reads the
     heads without touching the state; beyond H_d it feeds next-element predictions back and reads head H_d."""
-    m = ExpertForecaster(_cfg(direct_horizons=3)).eval()
-    x = _inputs(2, 7)
+    m = ExpertForecaster(tiny_forecaster_cfg(direct_horizons=3)).eval()
+    x = activation_inputs(2, 7)
     with torch.no_grad():
         allh = m(x, all_horizons=True)
         assert allh.shape == (2, 7, 3, 3, 8)
@@ -174,10 +160,10 @@ def test_direct_heads_forward_step_and_rollout():
     with pytest.raises(ValueError, match="heads"):
         m.rollout(lg[:, :2], st, horizon=4)
     with pytest.raises(ValueError, match="direct_horizons"):
-        _cfg(direct_horizons=0)
+        tiny_forecaster_cfg(direct_horizons=0)
 
 
-def test_config_from_older_export_gets_single_head():
-    d = _cfg().to_dict()
+def test_config_from_older_export_gets_single_head(tiny_forecaster_cfg):
+    d = tiny_forecaster_cfg().to_dict()
     d.pop("direct_horizons")
     assert ForecasterConfig.from_dict(d).direct_horizons == 1

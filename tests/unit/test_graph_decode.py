@@ -100,3 +100,40 @@ def test_layer_loads_evicts_and_serves_temporaries(layer_setup):
         if k >= 0:
             assert int(st.table[k]) == s
     assert int((st.table[:-1] >= 0).sum()) == int((st.slot_key[:-1] >= 0).sum())
+
+
+@pytest.mark.parametrize("with_k2", [False, True])
+def test_first_in_order_equals_stable_sort(with_k2):
+    """The victims found by successive argmins are the first m of the stable sort by (k1, k2, slot), ties and
+    infinities included (empty slots -inf first, excluded slots +inf never valid)."""
+    from expertcast.inference.runtime.graph_decode import _first_in_order
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        S = int(torch.randint(1, 24, (1,), generator=g))
+        k1 = torch.randint(0, 4, (S,), generator=g).double()
+        k1[torch.rand(S, generator=g) < 0.2] = -torch.inf
+        k1[torch.rand(S, generator=g) < 0.2] = torch.inf
+        k2 = torch.randint(0, 3, (S,), generator=g).double() if with_k2 else None
+        m = int(torch.randint(1, S + 1, (1,), generator=g))
+        slots, valid = _first_in_order(k1, k2, m)
+        order = sorted(range(S), key=lambda s: (float(k1[s]), float(k2[s]) if with_k2 else 0.0, s))[:m]
+        finite = [bool(k1[s] < torch.inf) for s in order]
+        assert valid.tolist() == finite, trial
+        n = sum(finite)  # +inf sorts last: the valid victims are a prefix
+        assert slots.tolist()[:n] == order[:n], trial
+
+
+def test_pool_slots_and_compile_choices():
+    from expertcast.inference.runtime.graph_decode import _pool_slots
+
+    got = _pool_slots([0, 0, 1, 2, 1, 1], 6)
+    assert got.tolist() == [[0, 1, 6], [2, 4, 5], [3, 6, 6]]
+    om = OffloadedModel(build_tiny("qwen3_moe-tiny", seed=0), make_policy("lru"), 4, decode_path="graph")
+    try:
+        with pytest.raises(UsageError, match="compile backend must be one of"):
+            om.graph.compile("fast")
+        om.graph.compile("none")
+        assert om.graph.layer_fn == om.graph._layer
+    finally:
+        om.restore()

@@ -143,3 +143,24 @@ def test_stage_part_refreshes_priorities_at_cue_boundaries():
     # the stage term is the finished stage's per-token selection frequency: K selections per token per layer
     assert pol._stage_term.sum(axis=1) == pytest.approx(np.full(L, float(K)))
     assert pol.extra == pytest.approx(pol._stage_term)
+
+
+def test_routers_part_without_scores_is_refused_at_the_first_batch_and_auto_gains_live_scores():
+    """An explicit routers part may wait for live scores (the runtime attaches them after reset), but a batch never
+    runs without them; ``auto`` gains the part when a score source is attached, explicit parts without it refuse."""
+    tr, fc = _traces(), _forecaster()
+    pol = make_policy("hybrid", forecaster=fc, parts="forecast+routers")
+    assert pol.parts == ("forecast", "routers") and pol.routers_explicit and pol.replay is None
+    with pytest.raises(ValueError, match="needs the routers' scores"):
+        simulate(tr, [pol], [0.5], progress=False, belady_fraction=False)
+    rp = _oracle_replay(tr)
+    auto = make_policy("hybrid", forecaster=fc, parts="auto", prefetch=False)
+    auto.reset(CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="per-layer", capacity=0.5))
+    assert auto.parts == ("forecast",) and not auto.routers_explicit
+    auto.use_routers(rp)  # after reset, as the runtime does: the new part is reset too
+    assert auto.parts == ("forecast", "routers") and auto.replay is rp and not auto.routers_explicit
+    ref = make_policy("hybrid", forecaster=fc, parts="forecast+routers", replay=rp, prefetch=False)
+    recs = simulate(tr, [auto, ref], [0.5], progress=False, belady_fraction=False)
+    assert recs[0]["hit"] == recs[1]["hit"] and recs[0]["demand_misses"] == recs[1]["demand_misses"]
+    with pytest.raises(ValueError, match="leave the routers part off"):
+        make_policy("hybrid", forecaster=fc, parts="forecast").use_routers(rp)

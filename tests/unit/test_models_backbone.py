@@ -30,6 +30,8 @@ def test_local_directory_roundtrip(tmp_path):
     path = save_tiny("qwen2_moe-tiny", tmp_path / "m", seed=3)
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
     model, tok = load_moe_model(path)
+    # safetensors views at the file's offsets would take other CPU kernel paths (last-bit logit differences)
+    assert all(t.data_ptr() % 64 == 0 for t in [*model.parameters(), *model.buffers()])
     x = torch.tensor([tok("Alternatively, 12 + 30 = 42")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, ref(input_ids=x).logits)

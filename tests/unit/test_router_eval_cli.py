@@ -53,12 +53,19 @@ def test_heldout_texts_only_and_overlap_reported(exports, tmp_path, capsys, data
         assert row["train_overlap"] == 0 and row["overlap_allowed"] is False and row["heldout_texts"] == 4
         assert 0 < row["hit"] <= 1 and row["heldout_lm"] > 0 and row["prompts"] == 2
         assert row["identical_to_full"] is True and row["agree_lm_only"] == 1.0
+        assert row["decode_batch_size"] == 1 and row["prompt_overlap"] == 0  # one sequence owns the B slots
     # a second run reuses the cached evaluation (same settings key)
     rc, err = _run(["--exports", str(exports / "clean"), "--out", str(out), *EVAL], capsys)
     assert rc == 0 and json.loads((out / "all_rows.json").read_text()) == rows
     # another --limit keeps every held-out text held out: the check still passes
     rc, err = _run(["--exports", str(exports / "clean"), "--out", str(tmp_path / "l30"), *EVAL, "--limit", "30"], capsys)
     assert rc == 0, err
+    # prompts decoded two at a time: offloading still changes no token; the rows say so (a separate cached evaluation)
+    rc, err = _run(["--exports", str(exports / "clean"), "--out", str(tmp_path / "b2"), *EVAL, "--decode-batch-size",
+                    "2"], capsys)
+    assert rc == 0, err
+    rows2 = json.loads((tmp_path / "b2" / "all_rows.json").read_text())
+    assert [r["decode_batch_size"] for r in rows2] == [2, 2] and all(r["identical_to_full"] for r in rows2)
     # evaluating on texts the export trained on is refused, naming the export ...
     rc, err = _run(["--exports", str(exports / "leaky"), "--out", str(tmp_path / "leak"), *EVAL], capsys)
     assert rc == 2 and len(err) == 1 and "were used to train export" in err[0] and "--allow-overlap" in err[0], err
