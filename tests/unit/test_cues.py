@@ -181,3 +181,22 @@ def test_load_tokenizer_of_a_preset_needs_no_hub():
     assert tok.decode(tok.encode("Wait, so", add_special_tokens=False)) == "Wait, so"
     with pytest.raises(FileNotFoundError, match="cannot load a tokenizer from"):
         load_tokenizer("/nonexistent/tokenizer-folder")
+
+
+def test_load_tokenizer_resolves_a_bare_model_name_through_the_registered_resolver(monkeypatch, tmp_path):
+    """A cue set records its tokenizer as --model named it (`tiny-default`); eval, sweep and simulate read it
+    through the command layer's resolver (registered by expertcast.commands.common)."""
+    import expertcast.commands.common  # noqa: F401  (registers resolve_model)
+    from expertcast.inference import cues
+
+    assert cues._model_name_resolver is not None
+    from expertcast.models.backbone import save_tiny
+
+    folder = save_tiny("qwen3_moe-tiny", tmp_path / "m")
+    seen = []
+    monkeypatch.setattr(cues, "_model_name_resolver", lambda n: seen.append(n) or str(folder))
+    tok = cues.load_tokenizer("my-alias")
+    assert seen == ["my-alias"] and tok.decode(tok.encode("Wait, so", add_special_tokens=False)) == "Wait, so"
+    with pytest.raises(FileNotFoundError, match="cannot load a tokenizer from"):  # paths are not resolved
+        cues.load_tokenizer("/nonexistent/tokenizer-folder")
+    assert seen == ["my-alias"]
