@@ -1,8 +1,11 @@
-"""Fixtures shared by the forecaster unit tests: a tiny forecaster config and random activation vectors."""
+"""Fixtures shared by unit tests: a tiny forecaster config, random activation vectors, and an offline W&B folder
+with a reader of its runs."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +36,31 @@ def activation_inputs() -> Callable[..., torch.Tensor]:
         return activation_vector(ids, torch.rand(B, T, L, K, generator=g), E)
 
     return make
+
+
+@pytest.fixture
+def wandb_dir(tmp_path, monkeypatch) -> Path:
+    """An empty folder that W&B (offline, silent) writes its runs, cache and data into for this test."""
+    d = tmp_path / "wb"
+    d.mkdir()
+    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(d), "WANDB_SILENT": "true",
+                 "WANDB_CACHE_DIR": str(d / "cache"), "WANDB_DATA_DIR": str(d / "data")}.items():
+        monkeypatch.setenv(k, v)
+    return d
+
+
+@pytest.fixture
+def offline_contents() -> Callable[..., dict]:
+    """``read(run_dir, ready)`` -> the offline run's contents (``offline_run_contents``) once ``ready(contents)``
+    holds, or after 60 s (wandb's service may still be writing its log on a loaded machine)."""
+    from expertcast.utils.tracking import offline_run_contents
+
+    def read(run: Path, ready: Callable[[dict], object]) -> dict:
+        for _ in range(240):
+            got = offline_run_contents(run)
+            if ready(got):
+                break
+            time.sleep(0.25)
+        return got
+
+    return read

@@ -4,14 +4,12 @@ its plot reach the W&B run, read back from the offline run directory."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from expertcast.commands.router_eval import main
 from expertcast.train.router_data import split_heldout
-from expertcast.utils.tracking import offline_run_contents
 
 LIMIT, HELDOUT = 40, 0.25
 IDS = [f"gsm8k-train-{i:05d}" for i in range(LIMIT)]
@@ -32,33 +30,15 @@ def export(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture
-def wandb_dir(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "wb"
-    d.mkdir()
-    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(d), "WANDB_SILENT": "true",
-                 "WANDB_CACHE_DIR": str(d / "cache"), "WANDB_DATA_DIR": str(d / "data")}.items():
-        monkeypatch.setenv(k, v)
-    return d
 
 
-def _contents(run: Path, ready) -> dict:
-    """The offline run's contents once ``ready(contents)`` (wandb's service may still be writing)."""
-    for _ in range(240):  # up to 60 s on a loaded machine
-        got = offline_run_contents(run)
-        if ready(got):
-            break
-        time.sleep(0.25)
-    return got
-
-
-def test_router_eval_logs_its_table_and_plot_offline(export, tmp_path, wandb_dir, data_dir):
+def test_router_eval_logs_its_table_and_plot_offline(export, tmp_path, wandb_dir, data_dir, offline_contents):
     out = tmp_path / "study"
     rc = main(["--exports", str(export), "--out", str(out), *EVAL, "--wandb", "--wandb-project", "t"])
     assert rc == 0
     runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs  # one run of the command
-    got = _contents(runs[0], lambda c: any("table2" in Path(t).name for t in c["tables"]) and c["images"])
+    got = offline_contents(runs[0], lambda c: any("table2" in Path(t).name for t in c["tables"]) and c["images"])
     [table] = [t for t in got["tables"] if "table2" in Path(t).name]
     logged = json.loads((runs[0] / table).read_text())
     rows = json.loads((out / "all_rows.json").read_text())

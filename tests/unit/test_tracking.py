@@ -4,46 +4,25 @@ config, read back from the offline run directory."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import pytest
 import torch
-from expertcast.utils.tracking import log_export_to_loggers, offline_run_contents
-
-
-@pytest.fixture
-def wandb_dir(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "wb"
-    d.mkdir()
-    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(d), "WANDB_SILENT": "true",
-                 "WANDB_CACHE_DIR": str(d / "cache"), "WANDB_DATA_DIR": str(d / "data")}.items():
-        monkeypatch.setenv(k, v)
-    return d
+from expertcast.utils.tracking import log_export_to_loggers
 
 
 def _runs(d: Path) -> list[Path]:
     return sorted((d / "wandb").glob("offline-run-*"))
 
 
-def _contents(run: Path, ready) -> dict:
-    """The offline run's contents once ``ready(contents)`` (wandb's service may still be writing its log)."""
-    for _ in range(240):  # up to 60 s: slow on a loaded machine
-        got = offline_run_contents(run)
-        if ready(got):
-            break
-        time.sleep(0.25)
-    return got
 
-
-def test_simulate_logs_its_table_and_plot(tmp_path, wandb_dir):
+def test_simulate_logs_its_table_and_plot(tmp_path, wandb_dir, offline_contents):
     from expertcast.commands.simulate import main
 
     rc = main(["--synthetic", "zipf", "--synthetic-shape", "2,8,2,3,24", "--policies", "lru,belady",
                "--capacity", "0.5", "--out", str(tmp_path / "sim"), "--wandb", "--wandb-project", "t"])
     assert rc == 0
     [run] = _runs(wandb_dir)
-    got = _contents(run, lambda c: c["tables"] and c["images"])
+    got = offline_contents(run, lambda c: c["tables"] and c["images"])
     [table] = [t for t in got["tables"] if Path(t).name.startswith("simulate")]
     logged = json.loads((run / table).read_text())
     records = json.loads((tmp_path / "sim" / "simulate.json").read_text())
@@ -51,7 +30,7 @@ def test_simulate_logs_its_table_and_plot(tmp_path, wandb_dir):
     assert any(Path(i).name.startswith("hit_vs_capacity") for i in got["images"])
 
 
-def test_a_run_left_open_by_another_caller_is_not_reused(tmp_path, wandb_dir):
+def test_a_run_left_open_by_another_caller_is_not_reused(tmp_path, wandb_dir, offline_contents):
     """A trainer's WandbLogger (or any caller) may leave a run open in the process; a command's table goes to
     the command's own run, and the open run is left as it was."""
     import wandb
@@ -65,13 +44,13 @@ def test_a_run_left_open_by_another_caller_is_not_reused(tmp_path, wandb_dir):
         assert len(runs) == 2
         mine = [r for r in runs if other.id not in r.name]
         assert len(mine) == 1
-        got = _contents(mine[0], lambda c: c["tables"])
+        got = offline_contents(mine[0], lambda c: c["tables"])
         assert any(Path(t).name.startswith("simulate") for t in got["tables"])
     finally:
         other.finish()
 
 
-def test_fit_export_is_an_artifact_with_its_config(tmp_path, wandb_dir):
+def test_fit_export_is_an_artifact_with_its_config(tmp_path, wandb_dir, offline_contents):
     from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
     from expertcast.models.forecaster_export import save_forecaster
     from lightning.pytorch.loggers import CSVLogger, WandbLogger
@@ -85,7 +64,7 @@ def test_fit_export_is_an_artifact_with_its_config(tmp_path, wandb_dir):
     log_export_to_loggers([CSVLogger(tmp_path / "csv"), wb], export)  # what `expertcast fit` calls
     wb.experiment.finish()
     [run] = _runs(wandb_dir)
-    [art] = [a for a in _contents(run, lambda c: c["artifacts"])["artifacts"] if a["type"] == "forecaster"]
+    [art] = [a for a in offline_contents(run, lambda c: c["artifacts"])["artifacts"] if a["type"] == "forecaster"]
     files = sorted(p.name for p in export.iterdir() if p.is_file() and not p.name.startswith("."))
     assert sorted(art["files"]) == files and art["name"] == "forecaster-exp"
     assert set(art["metadata"]) == {p[:-5] for p in files if p.endswith(".json")}
