@@ -73,13 +73,15 @@ def _import(a) -> int:
 
 def _import_granite(a) -> int:
     """``--format granite``: the per-prompt expert-trace JSON (one sequence per prompt; weights 1/K)."""
+    import dataclasses
+
     from expertcast.data.trace_import import (
         default_expert_bytes,
-        import_expert_trace_json,
         read_expert_trace_json,
+        write_expert_trace_set,
     )
 
-    meta, seqs = read_expert_trace_json(a.file, a.model)  # validated before --out is touched
+    meta, seqs = read_expert_trace_json(a.file, a.model)  # read once, validated before --out is touched
     for flag, given, have in (("--num-experts", a.num_experts, meta.num_experts),
                               ("--num-layers", a.num_layers, meta.num_layers)):
         if given is not None and given != have:
@@ -90,8 +92,9 @@ def _import_granite(a) -> int:
         if expert_bytes:
             print(f"expert bytes: {expert_bytes} (one f16 expert of {meta.model_id}; --expert-bytes overrides)",
                   file=sys.stderr)
-    meta, n = import_expert_trace_json(a.file, a.out, expert_bytes, a.model, overwrite=a.overwrite,
-                                       shard_size=a.shard_size)
+    meta = dataclasses.replace(meta, expert_bytes=int(expert_bytes or 0))
+    write_expert_trace_set(a.file, a.out, meta, seqs, overwrite=a.overwrite, shard_size=a.shard_size)
+    n = len(seqs)
     tokens = sum(s.num_tokens for s in seqs)
     decode = sum(s.num_tokens - s.prompt_len for s in seqs)
     print(f"imported {n} sequences (granite layout, L={meta.num_layers}, E={meta.num_experts}, K={meta.top_k}, "

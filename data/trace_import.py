@@ -295,19 +295,26 @@ def import_expert_trace_json(path: str | os.PathLike, out: str | os.PathLike, ex
                              ) -> tuple[TraceMeta, int]:
     """Read ``path`` (:func:`read_expert_trace_json`) and write the trace set ``out`` (claimed like
     :func:`import_jsonl`'s). Returns its meta and the number of sequences."""
+    if expert_bytes < 0:
+        raise UsageError(f"expert_bytes must be >= 0, got {expert_bytes}")
+    meta, seqs = read_expert_trace_json(path, model_id, expert_bytes)
+    write_expert_trace_set(path, out, meta, seqs, overwrite=overwrite, shard_size=shard_size)
+    return meta, len(seqs)
+
+
+def write_expert_trace_set(path: str | os.PathLike, out: str | os.PathLike, meta: TraceMeta,
+                           seqs: list[TraceSequence], *, overwrite: bool = False, shard_size: int = 256) -> None:
+    """Write what :func:`read_expert_trace_json` read from ``path`` as the trace set ``out`` (claimed like
+    :func:`import_jsonl`'s; the run block names the file and its sha256)."""
     from expertcast.data.traces import OUTPUT_KIND, is_trace_dir, write_traces
     from expertcast.utils.outdir import claim_output_dir
     from expertcast.utils.provenance import sha256_file
 
-    if expert_bytes < 0:
-        raise UsageError(f"expert_bytes must be >= 0, got {expert_bytes}")
-    meta, seqs = read_expert_trace_json(path, model_id, expert_bytes)
     with claim_output_dir(out, OUTPUT_KIND, overwrite=overwrite) as od:
         if is_trace_dir(od.path):
             raise UsageError(f"{od.path} already holds a trace set (pass --overwrite to replace it)")
         write_traces(od, meta, seqs, shard_size=shard_size,
                      run={"import": str(Path(path).resolve()), "sha256": sha256_file(path), "format": "granite"})
-    return meta, len(seqs)
 
 
 def default_expert_bytes(model_id: str) -> int:
