@@ -48,6 +48,19 @@ def exports(tmp_path_factory):
     return out
 
 
+def assert_simulator_replays_the_run(om: OffloadedModel, res: Any, sim_policy: Any, batch: int, resident: Any) -> Any:
+    """The simulator replaying the runtime's recorded run (routing, landings, router outputs in ``sim_policy``)
+    ends with the runtime's counters, decoded tokens and resident set; returns the runtime's stats."""
+    sim = replay(build_stream(res_meta(om), res.traces, batch_size=batch), sim_policy, om.cache_config,
+                 transport=RecordedTransport(res.landings))
+    st = om.stats
+    for k in COUNTER_NAMES:
+        assert np.array_equal(getattr(st, k), getattr(sim, k)), (k, getattr(st, k), getattr(sim, k))
+    assert st.decoded_tokens == sim.decoded_tokens and st.A > 0
+    assert resident == sim.resident
+    return st
+
+
 def prompts(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(40, 500, (batch, 8), generator=g)
@@ -93,13 +106,7 @@ def test_live_routers_token_identical_and_parity(exports, mode, policy_name, R, 
 
     # the simulator replays the recorded run (routing, landings, router outputs) with equal counters
     sim_policy = make_policy(policy_name, replay=recorded, R=R)
-    sim = replay(build_stream(res_meta(om), res.traces, batch_size=batch), sim_policy, om.cache_config,
-                 transport=RecordedTransport(res.landings))
-    st = om.stats
-    for k in COUNTER_NAMES:
-        assert np.array_equal(getattr(st, k), getattr(sim, k)), (k, getattr(st, k), getattr(sim, k))
-    assert st.decoded_tokens == sim.decoded_tokens and st.A > 0
-    assert resident == sim.resident
+    st = assert_simulator_replays_the_run(om, res, sim_policy, batch, resident)
     if policy_name != "router-temporal":
         assert st.P > 0, "the pre-access refinement should have issued proactive loads"
 
@@ -219,13 +226,7 @@ def test_hybrid_live_routers_token_identical_and_parity(exports, mode, parts, ba
 
     sim_policy = _hybrid(fc, parts, replay=live.recorded(res.traces))
     assert sim_policy.parts == policy.parts
-    sim = replay(build_stream(res_meta(om), res.traces, batch_size=batch), sim_policy, om.cache_config,
-                 transport=RecordedTransport(res.landings))
-    st = om.stats
-    for k in COUNTER_NAMES:
-        assert np.array_equal(getattr(st, k), getattr(sim, k)), (k, getattr(st, k), getattr(sim, k))
-    assert st.decoded_tokens == sim.decoded_tokens and st.A > 0
-    assert resident == sim.resident
+    st = assert_simulator_replays_the_run(om, res, sim_policy, batch, resident)
     if "forecast" in policy.parts:
         assert st.P > 0, "the forecast part should have issued proactive loads"
     else:

@@ -1,5 +1,5 @@
-"""Fixtures shared by unit tests: a tiny forecaster config, random activation vectors, and an offline W&B folder
-with a reader of its runs."""
+"""Fixtures shared by unit tests: a tiny forecaster config, random activation vectors, an offline W&B folder
+with a reader of its runs, and a runner of `expertcast router-eval`."""
 
 from __future__ import annotations
 
@@ -64,3 +64,20 @@ def offline_contents() -> Callable[..., dict]:
         return got
 
     return read
+
+
+@pytest.fixture
+def run_router_eval(capsys) -> Callable[[list[str]], tuple[int, list[str]]]:
+    """``run(argv)`` -> (exit status, stderr lines) of ``expertcast router-eval argv`` in this process (an argparse
+    exit counts as its status)."""
+    from expertcast.commands.router_eval import main
+
+    def run(argv: list[str]) -> tuple[int, list[str]]:
+        capsys.readouterr()
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+        return rc, capsys.readouterr().err.strip().splitlines()
+
+    return run

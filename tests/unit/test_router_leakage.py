@@ -100,30 +100,18 @@ def test_unloadable_training_source_is_refused(exports, tmp_path, data_dir):
             check_prompt_leakage(problems, moved)
 
 
-def _run(argv, capsys):
-    from expertcast.commands.router_eval import main
-
-    capsys.readouterr()
-    try:
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code
-    return rc, capsys.readouterr().err.strip().splitlines()
-
-
-def test_router_eval_refuses_leaked_prompts(exports, tmp_path, capsys, data_dir):
+def test_router_eval_refuses_leaked_prompts(exports, tmp_path, run_router_eval, data_dir):
     # the study's held-out texts are GSM8K's (no id of the .jsonl source): only the prompt check can fire
     argv = ["--limit", "40", "--heldout", "0.25", "--max-length", "64", "--eval-limit", "2", "--batch-size", "2",
             "--benchmark", "arith", "--prompts", "2", "--max-new-tokens", "4"]
-    rc, err = _run(["--exports", str(exports / "clean"), "--out", str(tmp_path / "c"), *argv], capsys)
+    rc, err = run_router_eval(["--exports", str(exports / "clean"), "--out", str(tmp_path / "c"), *argv])
     assert rc == 0, err
     rows = json.loads((tmp_path / "c" / "all_rows.json").read_text())
     assert {r["prompt_overlap"] for r in rows} == {0} and {r["train_overlap"] for r in rows} == {0}
-    rc, err = _run(["--exports", str(exports / "leaky"), "--out", str(tmp_path / "l"), *argv], capsys)
+    rc, err = run_router_eval(["--exports", str(exports / "leaky"), "--out", str(tmp_path / "l"), *argv])
     assert rc == 2 and len(err) == 1 and "1 of the 2 evaluated prompts are in the training data" in err[0], err
     assert not (tmp_path / "l" / "all_rows.json").exists()
-    rc, err = _run(["--exports", str(exports / "leaky"), "--out", str(tmp_path / "l"), *argv, "--allow-overlap"],
-                   capsys)
+    rc, err = run_router_eval(["--exports", str(exports / "leaky"), "--out", str(tmp_path / "l"), *argv, "--allow-overlap"])
     assert rc == 0, err
     rows = json.loads((tmp_path / "l" / "all_rows.json").read_text())
     assert {r["prompt_overlap"] for r in rows} == {1} and all(r["overlap_allowed"] for r in rows)
