@@ -2,10 +2,15 @@
 
 Problems are 2-digit addition, 2-digit subtraction (non-negative results) and 2-digit x 1-digit
 multiplication, asked plainly ("What is 47 + 38?") or as one-line word problems. Each gold solution
-works the sum digit by digit, GSM8K style, and ends with ``#### N``::
+first states the sum it works (the word problem's numbers in the order the operation takes them), then
+works it digit by digit, GSM8K style, and ends with ``#### N``::
 
-    7 + 8 = 15, 4 + 3 + 1 = 8, so 47 + 38 = 85.
+    47 + 38: 7 + 8 = 15, 4 + 3 + 1 = 8, so 47 + 38 = 85.
     #### 85
+
+Stating the sum first puts every digit the steps need a few tokens back, in one fixed layout, instead of
+somewhere in a question whose wording varies: the tiny default model learns to copy at a fixed offset
+long before it learns to find numbers in free text (``docs/design.md``, "Arithmetic in the corpus").
 
 Held-out by construction: the operation and its operands (``add:47:38``) are split by a hash (10%
 test, :data:`TEST_FRACTION`), so a test problem's sum never appears in the training problems under any
@@ -111,7 +116,8 @@ def worked_solution(op: str, a: int, b: int) -> tuple[str, int]:
         steps, ans = f"{a1} x {b} = {ones}, {tens}", a * b
     else:
         raise ValueError(f"unknown arithmetic operation {op!r} (add, sub, mul)")
-    return f"{steps}, so {a} {SYMBOL[op]} {b} = {ans}.\n#### {ans}", ans
+    expr = f"{a} {SYMBOL[op]} {b}"
+    return f"{expr}: {steps}, so {expr} = {ans}.\n#### {ans}", ans
 
 
 def _question(op: str, a: int, b: int, rng: random.Random) -> str:

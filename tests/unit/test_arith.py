@@ -33,16 +33,19 @@ def test_every_worked_solution_is_right_step_by_step(op):
     for a, b in arith._pairs(op):
         text, ans = arith.worked_solution(op, a, b)
         assert ans == expected(a, b) >= 0
-        assert text.endswith(f"so {a} {arith.SYMBOL[op]} {b} = {ans}.\n#### {ans}")
+        expr = f"{a} {arith.SYMBOL[op]} {b}"
+        assert text.startswith(f"{expr}: ") and text.endswith(f"so {expr} = {ans}.\n#### {ans}")
         assert gsm8k_gold_answer(text) == str(ans)
         assert _check_steps(text) >= 3  # ones, tens, the whole
 
 
 def test_worked_solution_known_values():
-    assert arith.worked_solution("add", 47, 38) == ("7 + 8 = 15, 4 + 3 + 1 = 8, so 47 + 38 = 85.\n#### 85", 85)
-    assert arith.worked_solution("sub", 52, 47) == ("12 - 7 = 5, 5 - 1 - 4 = 0, so 52 - 47 = 5.\n#### 5", 5)
+    assert arith.worked_solution("add", 47, 38) == (
+        "47 + 38: 7 + 8 = 15, 4 + 3 + 1 = 8, so 47 + 38 = 85.\n#### 85", 85)
+    assert arith.worked_solution("sub", 52, 47) == (
+        "52 - 47: 12 - 7 = 5, 5 - 1 - 4 = 0, so 52 - 47 = 5.\n#### 5", 5)
     assert arith.worked_solution("mul", 23, 7) == (
-        "3 x 7 = 21, 2 x 7 = 14, 14 + 2 = 16, so 23 x 7 = 161.\n#### 161", 161)
+        "23 x 7: 3 x 7 = 21, 2 x 7 = 14, 14 + 2 = 16, so 23 x 7 = 161.\n#### 161", 161)
     with pytest.raises(ValueError, match="div"):
         arith.worked_solution("div", 4, 2)
 
