@@ -82,7 +82,8 @@ def build_parser() -> CommandParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="generated tokens per prompt at most")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N texts of the source")
     p.add_argument("--source", default="gsm8k",
-                   help="LM text source: gsm8k, math500, a datasets Hub id or a local .json/.jsonl/.parquet/.txt file")
+                   help="LM text source: gsm8k, math500, arith (the benchmark's train split), a datasets Hub id or a "
+                        "local .json/.jsonl/.parquet/.txt file")
     p.add_argument("--data-dir", default=None, help="local benchmark folder; when omitted: $EXPERTCAST_DATA_DIR, else ../shared/data")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of training, data order and held-out split")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads; when omitted: torch's choice")

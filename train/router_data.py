@@ -60,6 +60,10 @@ def _eos_text(tokenizer: Any) -> str:
     return eos or ""
 
 
+BENCHMARK_SOURCES = ("gsm8k", "math500", "arith")
+"""Sources read as benchmark problems (question -> worked solution), by name."""
+
+
 def text_id(text: str) -> str:
     """Stable id of a plain text (``datasets`` sources): ``text-`` + 16 hex digits of its sha256."""
     return "text-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
@@ -70,13 +74,13 @@ def load_texts(source: str, split: str = "train", *, text_field: str | None = No
                data_dir: str | None = None, limit: int | None = None) -> list[LMText]:
     """The texts of ``source`` (the first ``limit`` when given), each with its stable id.
 
-    ``gsm8k``/``math500``: chat-formatted question + gold solution (plain "Question/Answer" format
+    ``gsm8k``/``math500``/``arith``: chat-formatted question + gold solution (plain "Question/Answer" format
     when ``chat_format`` is False or the tokenizer has no chat template), id = the problem id.
     Anything else is loaded with ``datasets``; each row's ``text_field`` (default ``text``) becomes a
     completion with an empty prompt, id = :func:`text_id`. Raises FileNotFoundError / ValueError
     naming the problem.
     """
-    if source in ("gsm8k", "math500"):
+    if source in BENCHMARK_SOURCES:
         from expertcast.data.benchmarks import load_benchmark
         from expertcast.data.prompts import build_prompt
 

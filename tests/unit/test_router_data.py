@@ -96,3 +96,19 @@ def test_datamodule_exposes_sorted_ids(tmp_path):
     assert tr == sorted(tr) and ho == sorted(ho) and not set(tr) & set(ho)
     assert set(tr) | set(ho) == {text_id(f"text number {i}") for i in range(60)}
     assert {e.seq_id for e in dm.heldout_set} == set(ho)
+
+
+def test_arith_source_is_its_train_split_prompted_as_eval_prompts_it():
+    """``source="arith"``: the benchmark's train problems as chats (the user turn exactly the prompt
+    ``eval --benchmark arith`` builds), never a test problem."""
+    from expertcast.data import arith
+    from expertcast.data.prompts import build_prompt
+
+    tok = SimpleNamespace(eos_token="<|im_end|>", chat_template=None)
+    texts = load_texts("arith", limit=40, tokenizer=tok, chat_format=False)
+    problems = arith.arith_problems("train", 40)
+    assert [t.text_id for t in texts] == [p.id for p in problems]
+    assert all(t.prompt == build_prompt(tok, p.question, "arith", use_chat_template=False)
+               for t, p in zip(texts, problems, strict=True))
+    assert all(t.completion == " " + p.solution + "<|im_end|>" for t, p in zip(texts, problems, strict=True))
+    assert not {p.key for p in problems} & {p.key for p in arith.arith_problems("test", 1000)}
