@@ -60,10 +60,6 @@ def _eos_text(tokenizer: Any) -> str:
     return eos or ""
 
 
-BENCHMARK_SOURCES = ("gsm8k", "math500", "arith")
-"""Sources read as benchmark problems (question -> worked solution), by name."""
-
-
 def text_id(text: str) -> str:
     """Stable id of a plain text (``datasets`` sources): ``text-`` + 16 hex digits of its sha256."""
     return "text-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
@@ -74,14 +70,16 @@ def load_texts(source: str, split: str = "train", *, text_field: str | None = No
                data_dir: str | None = None, limit: int | None = None) -> list[LMText]:
     """The texts of ``source`` (the first ``limit`` when given), each with its stable id.
 
-    ``gsm8k``/``math500``/``arith``: chat-formatted question + gold solution (plain "Question/Answer" format
+    A benchmark name (``gsm8k``/``math500``/``arith``, :data:`expertcast.data.benchmarks.BENCHMARKS`):
+    chat-formatted question + gold solution (plain "Question/Answer" format
     when ``chat_format`` is False or the tokenizer has no chat template), id = the problem id.
     Anything else is loaded with ``datasets``; each row's ``text_field`` (default ``text``) becomes a
     completion with an empty prompt, id = :func:`text_id`. Raises FileNotFoundError / ValueError
     naming the problem.
     """
-    if source in BENCHMARK_SOURCES:
-        from expertcast.data.benchmarks import load_benchmark
+    from expertcast.data.benchmarks import BENCHMARKS, load_benchmark
+
+    if source in BENCHMARKS:  # the benchmark registry: question -> worked solution
         from expertcast.data.prompts import build_prompt
 
         problems = load_benchmark(source, split, data_dir=data_dir, limit=limit)
