@@ -169,7 +169,7 @@ def capacities_from_args(args: argparse.Namespace, *, multiple: bool) -> list[di
 
 
 # -- models ---------------------------------------------------------------------------------------------
-from expertcast.inference.cues import set_model_name_resolver  # noqa: E402
+from expertcast.inference.saem.cues import set_model_name_resolver  # noqa: E402
 from expertcast.train.model_names import DEFAULT_MODEL_NAMES, resolve_model  # noqa: E402,F401  (the one resolver)
 
 set_model_name_resolver(resolve_model)  # cue sets name their tokenizer as --model did (e.g. tiny-default)

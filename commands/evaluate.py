@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
 # -- validation (cheap, before the model loads) --------------------------------------------------------
 def build_policy(spec: str) -> tuple[Any, str, dict[str, Any], dict[str, str]]:
     """(policy, name, options, file options) of ``--policy NAME[:k=v,...]``, options typed and validated
-    by :func:`~expertcast.inference.policy_options.parse_policy_options`; every mistake is a UsageError."""
+    by :func:`~expertcast.inference.cache.options.parse_policy_options`; every mistake is a UsageError."""
     from expertcast.inference.policies import make_policy
-    from expertcast.inference.policy_options import parse_policy_options
+    from expertcast.inference.cache.options import parse_policy_options
     from expertcast.inference.runtime.live_routers import is_router_policy, live_router_policy
 
     if is_router_policy(spec):  # live routers: their scores come from the --model export (attached at offload)
@@ -178,7 +178,7 @@ def model_shape(resolved: str) -> tuple[int, int, int]:
 
 def check_capacity(cap: dict[str, Any], pool: str, shape: tuple[int, int, int]):
     """The CacheConfig of ``cap`` on a model of ``shape`` (UsageError naming the flag when it cannot hold)."""
-    from expertcast.inference.cache import CacheConfig
+    from expertcast.inference.cache.expert_cache import CacheConfig
 
     L, E, K = shape
     flag = "--capacity" if "capacity" in cap else "--slots"
@@ -250,7 +250,7 @@ def eval_settings(args: Any, *, resolved: str, device: str, policy_name: str, op
 
 def resume_rows(out: Any, settings: dict[str, Any], settings_hash: str) -> list[dict[str, Any]]:
     """Samples an earlier run of the same settings left in ``out`` (exit 2 on any mismatch)."""
-    from expertcast.inference.eval_run import SAMPLES, SETTINGS, read_samples
+    from expertcast.inference.runtime.eval_run import SAMPLES, SETTINGS, read_samples
     from expertcast.utils.io import atomic_write_json
     from expertcast.utils.provenance import check_resume
 
@@ -392,7 +392,7 @@ def _pad_left(tok: Any) -> None:
 def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[dict[str, Any]],
                          session: ModelSession) -> dict[str, Any]:
     from expertcast.data.prompts import has_chat_template
-    from expertcast.inference.eval_run import SAMPLES, append_samples, eos_ids, read_samples, run_batch
+    from expertcast.inference.runtime.eval_run import SAMPLES, append_samples, eos_ids, read_samples, run_batch
 
     info, problems = cell["info"], cell["problems"]
     done_ids = {r["id"] for r in done}
@@ -458,9 +458,9 @@ def _speed(args: Any, out: Any, cell: dict[str, Any], session: ModelSession, tem
 
 
 def _baseline_kind(choice: str, session: ModelSession) -> str:
-    """:data:`~expertcast.inference.eval_run.FULL_LOAD` or ``HOST_BASELINE`` for ``--baseline``: ``auto``
+    """:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE`` for ``--baseline``: ``auto``
     takes the full load when the experts went back into the model (they fit the device)."""
-    from expertcast.inference.eval_run import FULL_LOAD, HOST_BASELINE
+    from expertcast.inference.runtime.eval_run import FULL_LOAD, HOST_BASELINE
 
     if choice == "host" or (choice == "auto" and not session.full):
         return HOST_BASELINE
@@ -474,9 +474,9 @@ def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs:
                   eos: list[int], baseline: str, lat_model: Any) -> dict[str, Any]:
     """Interleaved passes over ``probs`` (batches of ``--batch-size``): the evaluated policy offloaded, a
     fresh policy and an empty cache each pass, against ``baseline`` (see
-    :func:`~expertcast.inference.eval_run.paired_speed`)."""
+    :func:`~expertcast.inference.runtime.eval_run.paired_speed`)."""
     from expertcast.data.prompts import build_prompt
-    from expertcast.inference.eval_run import (
+    from expertcast.inference.runtime.eval_run import (
         FULL_LOAD,
         HostExecutionPolicy,
         SpeedRun,
@@ -559,7 +559,7 @@ def _start_wandb(args: Any, info: dict[str, Any]):
 
 def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict[str, Any], templated: bool,
                    info: dict[str, Any], run: Any) -> dict[str, Any]:
-    from expertcast.inference.eval_run import SAMPLES, plot_summary, summarize
+    from expertcast.inference.runtime.eval_run import SAMPLES, plot_summary, summarize
     from expertcast.utils.io import atomic_write_json, print_table, write_csv
 
     summary = summarize(rows)

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 def list_policies() -> str:
     """Every registered policy: its one-line description and options (name, type, default, help)."""
     from expertcast.inference.policies import REGISTRY, policy_class, policy_import_errors
-    from expertcast.inference.policy_options import OPTIONS, PolicyOptions
+    from expertcast.inference.cache.options import OPTIONS, PolicyOptions
 
     errors = policy_import_errors()
     lines = []
@@ -171,7 +171,7 @@ def _capacities(args) -> tuple[list[Any], list[int] | None]:
 def _policy_options(args) -> list:
     """Validated options of every ``--policies`` entry (``--forecaster`` filled into the seqmoe ones)."""
     from expertcast.inference.policies import policy_class
-    from expertcast.inference.policy_options import check_file, parse_policy_options, split_policy_list
+    from expertcast.inference.cache.options import check_file, parse_policy_options, split_policy_list
 
     specs = split_policy_list(args.policies)
     if args.forecaster:
@@ -207,7 +207,7 @@ def _load_traces(args):
     if bool(args.traces) == bool(args.synthetic):
         raise UsageError("give exactly one of --traces DIR or --synthetic KIND (or --list-policies)")
     if args.synthetic:
-        from expertcast.inference import synthetic
+        from expertcast.inference.sim import synthetic
 
         shape = parse_counts(args.synthetic_shape, "--synthetic-shape")
         if len(shape) != 5:
@@ -230,14 +230,14 @@ def _load_traces(args):
 
 def _read_traces(path: str, flag: str):
     from expertcast.data.traces import load_traces
-    from expertcast.inference.policy_options import check_file
+    from expertcast.inference.cache.options import check_file
 
     check_file("traces", path, f"{flag} {path}")
     return load_traces(path)
 
 
 def _cost(args, num_layers: int):
-    from expertcast.inference.cost_model import CostConfig
+    from expertcast.inference.cache.cost_model import CostConfig
 
     lc = _floats(args.layer_compute_ms, "--layer-compute-ms")
     if len(lc) not in (1, num_layers):
@@ -428,7 +428,7 @@ def run(args) -> int:
     options = _policy_options(args)
     meta, seqs = _load_traces(args)
     cost = _cost(args, meta.num_layers)
-    from expertcast.inference.simulator import cache_configs
+    from expertcast.inference.sim.simulator import cache_configs
 
     try:
         cache_configs(meta, capacities, args.pool, spl)  # capacities below top-K or above E fail here
@@ -452,8 +452,8 @@ def run(args) -> int:
 
 
 def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, settings, files, overlaps) -> int:
-    from expertcast.inference.sim_report import TABLE_COLUMNS, plot_hit_vs_capacity
-    from expertcast.inference.simulator import simulate
+    from expertcast.inference.sim.report import TABLE_COLUMNS, plot_hit_vs_capacity
+    from expertcast.inference.sim.simulator import simulate
     from expertcast.utils.io import atomic_write_json, report
     from expertcast.utils.provenance import sha256_json
 

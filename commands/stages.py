@@ -9,7 +9,7 @@
   against sentence labels, for the calibrated set vs the full candidate set (text only).
 - ``eval [--traces DIR] [--cues cues.json] [--synthetic] --out DIR``: stage-aware vs LRU vs
   static-frequency (and the oracle and ablations) in the trace-driven simulator
-  (:mod:`expertcast.inference.saem_eval`); resumes from its partial records on an exact settings match.
+  (:mod:`expertcast.inference.saem.evaluate`); resumes from its partial records on an exact settings match.
 
 ``--model`` names the model whose tokenizer decodes the traces (``tiny-default``, a preset, a model
 folder or a Hub id; default: the cue set's tokenizer, else the traces' model). Where the cue set lives:
@@ -77,7 +77,7 @@ def _load_traces(path: str, max_sequences: int | None):
 def _tokenizer(model: str | None, fallback: str | None, what: str) -> tuple[Any, str]:
     """(tokenizer, its model name): ``--model`` when given, else ``fallback`` (``what`` says where that
     came from); both resolved through the one model resolver."""
-    from expertcast.inference.cues import load_tokenizer
+    from expertcast.inference.saem.cues import load_tokenizer
 
     name = model or fallback
     if not name:
@@ -93,7 +93,7 @@ def _tokenizer(model: str | None, fallback: str | None, what: str) -> tuple[Any,
 
 def _cue_set(cues: str | None, model: str | None):
     """(cue set, its path): ``--cues`` when given, else ``cues.json`` in the folder of ``model``."""
-    from expertcast.inference.cues import CueSet, resolve_cue_set
+    from expertcast.inference.saem.cues import CueSet, resolve_cue_set
 
     if cues is None and model and not Path(model).expanduser().is_dir():
         try:
@@ -109,7 +109,7 @@ def _cue_set(cues: str | None, model: str | None):
 def check_cue_set_target(path: Path, overwrite: bool) -> None:
     """Refuse a cue-set output ``path`` that is a folder, or an existing file that is no cue set
     (unless ``overwrite``); an existing cue set may be replaced."""
-    from expertcast.inference.cues import CueSet
+    from expertcast.inference.saem.cues import CueSet
 
     if path.is_dir():
         raise UsageError(f"--out {path} is a folder; give the cue-set JSON file to write (e.g. {path / 'cues.json'})")
@@ -122,8 +122,8 @@ def check_cue_set_target(path: Path, overwrite: bool) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from expertcast.inference.cues import CalibrationConfig, calibrate, load_candidates, sequences_from_traces
-    from expertcast.inference.stages import TokenDecoder
+    from expertcast.inference.saem.cues import CalibrationConfig, calibrate, load_candidates, sequences_from_traces
+    from expertcast.inference.saem.stages import TokenDecoder
     from expertcast.utils.io import print_table
 
     out = Path(args.out)
@@ -155,8 +155,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 # -- stats --------------------------------------------------------------------------------------------
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from expertcast.inference.cues import segmentation_stats, sequences_from_traces, stage_starts
-    from expertcast.inference.stages import StageDetector, TokenDecoder
+    from expertcast.inference.saem.cues import segmentation_stats, sequences_from_traces, stage_starts
+    from expertcast.inference.saem.stages import StageDetector, TokenDecoder
     from expertcast.utils.io import atomic_write_json, report
     from expertcast.utils.outdir import claim_output_dir
 
@@ -224,9 +224,9 @@ def _plot_stats(st: Any, path: Path) -> None:
 
 # -- detect -------------------------------------------------------------------------------------------
 def _cmd_detect(args: argparse.Namespace) -> int:
-    from expertcast.inference.cues import CueSet, load_candidates
-    from expertcast.inference.stages import TokenDecoder
-    from expertcast.inference.stages_gold import load_gold, score_cues, score_positions, tokenize_traces
+    from expertcast.inference.saem.cues import CueSet, load_candidates
+    from expertcast.inference.saem.stages import TokenDecoder
+    from expertcast.inference.saem.gold import load_gold, score_cues, score_positions, tokenize_traces
     from expertcast.utils.io import report
     from expertcast.utils.outdir import claim_output_dir
 
@@ -259,9 +259,9 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 
 # -- eval ---------------------------------------------------------------------------------------------
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig
-    from expertcast.inference.saem_eval import POLICIES, evaluate_saem, write_results
-    from expertcast.inference.stages import TokenDecoder
+    from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig
+    from expertcast.inference.saem.evaluate import POLICIES, evaluate_saem, write_results
+    from expertcast.inference.saem.stages import TokenDecoder
     from expertcast.utils.outdir import claim_output_dir
 
     batch_sizes = _int_list(args.batch_sizes, "--batch-sizes", 1)

@@ -75,8 +75,8 @@ def cell_args(args: argparse.Namespace, benchmark: str, spec: str, cap: dict[str
 def plan_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every cell validated (eval's cheap checks), in benchmark, policy, capacity order."""
     from expertcast.commands.evaluate import prepare
-    from expertcast.inference.policy_options import split_policy_list
-    from expertcast.inference.sweep_run import cell_relpath
+    from expertcast.inference.cache.options import split_policy_list
+    from expertcast.inference.runtime.sweep_run import cell_relpath
 
     benches = benchmarks_of(args.benchmarks)
     specs = split_policy_list(args.policies)
@@ -98,7 +98,7 @@ def plan_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
 def sweep(args: argparse.Namespace) -> int:
     """Validate every cell, claim ``--out``, run (or resume) the cells, write the table."""
     from expertcast.commands.evaluate import ModelSession, run_cell, set_threads
-    from expertcast.inference.sweep_run import CellDir, table_row
+    from expertcast.inference.runtime.sweep_run import CellDir, table_row
     from expertcast.utils.outdir import claim_output_dir
 
     cells = plan_cells(args)
@@ -116,7 +116,7 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(args: argparse.Namespace, out: Any, rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
-    from expertcast.inference.sweep_run import TABLE_COLUMNS, plot_sweep
+    from expertcast.inference.runtime.sweep_run import TABLE_COLUMNS, plot_sweep
     from expertcast.utils.io import atomic_write_json, print_table, write_csv
 
     table = [{k: r[k] for k in TABLE_COLUMNS} for r in rows]

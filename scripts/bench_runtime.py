@@ -16,7 +16,7 @@ and the runtime run the same tokens and routing, decode one token at a time (bat
     SeqMoE variants: ``seqmoe`` reads forecasts precomputed per sequence before its timing starts (the
     forecaster's cost is not charged: an upper bound for a free forecaster), ``seqmoe-sync`` runs the
     forecaster online inside the hooks (decoding waits for it), ``seqmoe-async`` runs it on a worker
-    thread beside decoding (:mod:`expertcast.inference.runtime.async_forecast`).
+    thread beside decoding (:mod:`expertcast.inference.policies.async_forecast`).
     Every policy run is followed by a full-load run of the same sequences, and its % of full-load is against
     that paired run: shared machines drift by 10-20% over tens of seconds, which a single baseline measured
     minutes earlier would turn into policy differences. With ``--grid-repeats`` the median repeat is kept
@@ -33,7 +33,7 @@ K=4: the CPU preset's shape) and SeqMoE to the forecaster trained on that model'
         [--cue-set CUES.json] [--out runs/bench_runtime]
 
 ``--overhead [--json PATH]`` measures instead the host time per MoE layer of the two decode paths
-(:mod:`expertcast.inference.runtime.graph_decode`): a model whose expert compute is negligible (hidden 16,
+(:mod:`expertcast.inference.runtime.graph.decode`): a model whose expert compute is negligible (hidden 16,
 24 layers by default) replays the same synthetic routing under lru on the eager path and on the graph path
 (its per-layer function compiled by ``GraphDecoder.compile(--compile-backend)``: by default AOTInductor on
 the CPU, ``torch.compile(fullgraph=True)`` on CUDA); the wall time of every decode-layer call (residency,
@@ -63,7 +63,7 @@ import torch  # noqa: E402
 from expertcast.inference.policies import make_policy  # noqa: E402
 from expertcast.inference.runtime.engine import OffloadedModel  # noqa: E402
 from expertcast.inference.runtime.forced import FullLoadReplayer  # noqa: E402
-from expertcast.inference.simulator import build_stream  # noqa: E402
+from expertcast.inference.sim.simulator import build_stream  # noqa: E402
 from expertcast.models.presets import build_from_config, get_config, list_presets  # noqa: E402
 from expertcast.utils.io import atomic_write_json, report  # noqa: E402
 
@@ -133,7 +133,7 @@ def load_or_make_traces(args, L: int, E: int, K: int, vocab: int, expert_bytes: 
         if not seqs:
             raise SystemExit(f"{args.traces}: no sequence with at least 4 decoded positions")
         return meta, seqs, None, f"recorded traces {args.traces}"
-    from expertcast.inference.synthetic import staged_traces
+    from expertcast.inference.sim.synthetic import staged_traces
 
     syn = staged_traces(num_sequences=args.sequences, num_tokens=args.prompt + args.tokens, num_layers=L,
                         num_experts=E, top_k=K, num_stages=3, hot=max(K, int(round(0.2 * E))), hot_mass=0.9,
@@ -162,7 +162,7 @@ def make_bench_policy(name: str, traces, cue_token, args, latency_model):
             return None
         kw = {"transfer_layers": args._ratio or 2.0, "layer_compute_ms": args._layer_ms}
         if name == "seqmoe-async":
-            from expertcast.inference.runtime.async_forecast import AsyncSeqMoEPolicy
+            from expertcast.inference.policies.async_forecast import AsyncSeqMoEPolicy
 
             return AsyncSeqMoEPolicy(fc, horizon=args.horizon, **kw), None
         # seqmoe: forecasts precomputed per replayed sequence before its timing starts (forecaster cost not
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- the SeqMoE forecaster: trained on held-out traces of the same process (synthetic routing only)
     args._layer_ms, args._ratio = layer_ms, None
     if "seqmoe" in args.policies and not args.forecaster and cue_token is not None and args.train_forecaster_epochs > 0:
-        from expertcast.inference.synthetic import staged_traces
+        from expertcast.inference.sim.synthetic import staged_traces
         from expertcast.train.forecaster_synthetic import fit_forecaster
 
         held = staged_traces(num_sequences=24, num_tokens=args.prompt + args.tokens, num_layers=L, num_experts=E,
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trained the seqmoe forecaster on {len(held_seqs)} held-out sequences in {time.perf_counter() - t0:.1f} s")
 
     # ---- (b) residency x link x policy
-    from expertcast.inference.cpu_exec import LatencyModel
+    from expertcast.inference.saem.cpu_exec import LatencyModel
 
     rows = []
     ratios = args.ratios if device.type == "cpu" else [None]
@@ -406,7 +406,7 @@ OVERHEAD_DEFINITION = (
 
 def overhead_main(args) -> int:
     """Host time per MoE layer of the eager and the graph decode paths (``--overhead``; OVERHEAD_DEFINITION)."""
-    from expertcast.inference.synthetic import staged_traces
+    from expertcast.inference.sim.synthetic import staged_traces
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

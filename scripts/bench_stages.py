@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/bench_stages", help="output folder (JSON + CSV)")
     args = ap.parse_args(argv)
 
-    from expertcast.inference.cues import DEFAULT_CANDIDATES, load_tokenizer
-    from expertcast.inference.stages import StageDetector, TokenDecoder
+    from expertcast.inference.saem.cues import DEFAULT_CANDIDATES, load_tokenizer
+    from expertcast.inference.saem.stages import StageDetector, TokenDecoder
     from expertcast.utils.io import report
     from expertcast.utils.paths import data_dir
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = [("paper", ["Wait", "Alternatively"])]
     cue_file = Path(args.cues) if args.cues else (Path(args.tokenizer) / "cues.json" if args.tokenizer else None)
     if cue_file is not None and cue_file.is_file():
-        from expertcast.inference.cues import CueSet
+        from expertcast.inference.saem.cues import CueSet
 
         sets.append(("calibrated", list(CueSet.load(cue_file).cues)))
     elif args.cues:

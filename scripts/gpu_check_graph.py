@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.synthetic import check_policy
+from expertcast.inference.sim.synthetic import check_policy
 from expertcast.models.presets import build_tiny
 
 BENCH = Path(__file__).resolve().parent / "bench_runtime.py"

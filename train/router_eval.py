@@ -369,7 +369,7 @@ def _graded(tok, chunk, gen: list[list[int]], benchmark: str) -> list[bool]:
 
 def decode_full_load(model, tok, batches, benchmark: str, max_new_tokens: int, eos: list[int]) -> Decoding:
     """The plain model (every expert resident) decodes every batch greedily."""
-    from expertcast.inference.eval_run import decode_tokens, full_load_generate, generated
+    from expertcast.inference.runtime.eval_run import decode_tokens, full_load_generate, generated
 
     comps, correct, n, secs = [], [], 0, 0.0
     for chunk, enc in batches:
@@ -387,7 +387,7 @@ def decode_offloaded(model, tok, batches, policy, slots: int, benchmark: str, ma
                      routers=None) -> Decoding:
     """The same batches through the runtime with ``slots`` per MoE layer under ``policy`` (a router policy
     gets ``routers`` attached live); the model holds its experts again afterwards."""
-    from expertcast.inference.eval_run import generated
+    from expertcast.inference.runtime.eval_run import generated
     from expertcast.inference.runtime.engine import OffloadedModel
     from expertcast.inference.runtime.live_routers import ROUTER_POLICIES, LiveRouterScores
 
@@ -444,7 +444,7 @@ def evaluate_run(target: EvalTarget, examples, problems, B: int, cfg: StudyConfi
                  overlap: dict[str, Any]) -> dict[str, Any]:
     """Rows (one per policy/R) and the full-load completions of one export; ``overlap`` is its
     :func:`check_overlap` result."""
-    from expertcast.inference.eval_run import eos_ids
+    from expertcast.inference.runtime.eval_run import eos_ids
     from expertcast.models.cache_routers import expert_use_stats
     from expertcast.models.router_export import load_adaptation_export
 

@@ -1,7 +1,7 @@
 """Registry of cache policies: ``make_policy(name, **kwargs)`` and ``available_policies()``.
 
 To add a policy, add one line to ``REGISTRY``: ``"name": "module.path:ClassName"`` and its options
-class to :data:`expertcast.inference.policy_options.OPTIONS`. Modules are imported only when their
+class to :data:`expertcast.inference.cache.options.OPTIONS`. Modules are imported only when their
 policy is made, so a policy whose dependencies are absent does not break the others; but it is never
 dropped silently: ``available_policies()`` warns naming the module and the exception, and
 :func:`policy_import_errors` returns them (``expertcast simulate --list-policies`` prints them).
@@ -14,7 +14,7 @@ import os
 import warnings
 from typing import Any
 
-from expertcast.inference.policy import Policy
+from expertcast.inference.cache.policy import Policy
 from expertcast.utils.errors import UsageError
 
 REGISTRY: dict[str, str] = {
@@ -27,7 +27,7 @@ REGISTRY: dict[str, str] = {
     "belady-k": "expertcast.inference.policies.oracle:BeladyKPolicy",
     "belady-seq": "expertcast.inference.policies.oracle:SequentialBeladyPolicy",
     "seqmoe": "expertcast.inference.policies.seqmoe:SeqMoEPolicy",
-    "seqmoe-async": "expertcast.inference.runtime.async_forecast:AsyncSeqMoEPolicy",
+    "seqmoe-async": "expertcast.inference.policies.async_forecast:AsyncSeqMoEPolicy",
     "hybrid": "expertcast.inference.policies.hybrid:HybridPolicy",
     "stage": "expertcast.inference.policies.stage_aware:StageAwarePolicy",
     "stage-oracle": "expertcast.inference.policies.stage_aware:StageOraclePolicy",
@@ -91,10 +91,10 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
     """Instantiate the policy registered as ``name`` with ``kwargs``.
 
     A key the constructor does not take is a UsageError naming the valid ones; a path given for a file
-    option must be a file of the right kind (see :mod:`expertcast.inference.policy_options`), and a
+    option must be a file of the right kind (see :mod:`expertcast.inference.cache.options`), and a
     trace directory given for ``static``'s calibration is loaded.
     """
-    from expertcast.inference.policy_options import check_kwargs, materialize
+    from expertcast.inference.cache.options import check_kwargs, materialize
 
     cls = policy_class(name)
     key = name.strip().lower()
@@ -107,8 +107,8 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
 
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"lrfu:lam=0.1"`` or ``"belady-k:k=8"`` -> (name, kwargs), typed and validated by the policy's
-    options class (:func:`expertcast.inference.policy_options.parse_policy_options`)."""
-    from expertcast.inference.policy_options import parse_policy_options
+    options class (:func:`expertcast.inference.cache.options.parse_policy_options`)."""
+    from expertcast.inference.cache.options import parse_policy_options
 
     opts = parse_policy_options(spec)
     return opts.policy, opts.to_kwargs()

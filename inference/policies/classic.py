@@ -1,6 +1,6 @@
 """History-based demand policies: LRU, FIFO, LFU, LRFU.
 
-All four rank residents by a key and evict the smallest (see :mod:`expertcast.inference._kernels` for
+All four rank residents by a key and evict the smallest (see :mod:`expertcast.inference.policies.kernels` for
 the shared rules, which the compiled kernels follow bit for bit). Time is one access clock that
 advances once per accessed expert: within a layer-execution the hits are touched first, in selection
 order, then the misses, in selection order (libcachesim's LRU sees the same order when fed each step's
@@ -19,8 +19,8 @@ resident experts first).
 from __future__ import annotations
 
 import numpy as np
-from expertcast.inference import _kernels as K
-from expertcast.inference.policy import Policy
+from expertcast.inference.policies import kernels as K
+from expertcast.inference.cache.policy import Policy
 
 HISTORIES = ("perfect", "in-cache")
 

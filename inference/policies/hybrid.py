@@ -34,8 +34,8 @@ import numpy as np
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache import CacheConfig, ExpertCache
-    from expertcast.inference.driver import StepInfo
+    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.driver import StepInfo
 
 PARTS = ("forecast", "routers", "stage")
 

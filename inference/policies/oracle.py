@@ -7,7 +7,7 @@
   included), so it bounds every demand-paging policy that follows the protect rule on those counts.
   On decode-only counts a policy can trade uncounted prefill hits for decode hits (or, like the
   static placement, bypass its misses), so the tables' ``belady_fraction`` divides by the demand-only
-  ceiling instead (:func:`expertcast.inference.simulator.replay_ceiling`), which ``belady`` may not
+  ceiling instead (:func:`expertcast.inference.sim.simulator.replay_ceiling`), which ``belady`` may not
   reach.
 * ``belady-k`` (SeqMoE's Belady-8): the future is visible ``k`` decode steps ahead (the next ``k * L``
   layer-executions). Residents whose next use is visible are ranked as Belady ranks them; residents
@@ -26,7 +26,7 @@ Ties between residents first used again in the same layer-execution are broken b
 from __future__ import annotations
 
 import numpy as np
-from expertcast.inference import _kernels as K
+from expertcast.inference.policies import kernels as K
 from expertcast.inference.policies.classic import KeyedPolicy
 
 
@@ -42,7 +42,7 @@ class BeladyPolicy(KeyedPolicy):
         self.stream = None
 
     def set_future(self, future) -> None:
-        """``future``: the simulator's :class:`~expertcast.inference.simulator.AccessStream`."""
+        """``future``: the simulator's :class:`~expertcast.inference.sim.simulator.AccessStream`."""
         self.stream = future
 
     def kernel_params(self):

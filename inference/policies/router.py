@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from expertcast.inference.policy import Policy
+from expertcast.inference.cache.policy import Policy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache import CacheConfig, ExpertCache
-    from expertcast.inference.driver import StepInfo
+    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.driver import StepInfo
 
 REPLAY_FORMAT = "expertcast-router-replay"
 REPLAY_FORMAT_VERSION = 1
@@ -263,7 +263,7 @@ class _PreAccessMixin:
         B = int(self.B[layer])
         R = B if self.R is None else int(self.R)
         cand = np.argsort(-s, kind="stable")[:R]
-        from expertcast.inference.cache import SlotState
+        from expertcast.inference.cache.expert_cache import SlotState
 
         resident = set(int(e) for e in cache.resident_experts(layer))
         evictable = {e for e in resident if cache.state_of(layer, e) == SlotState.USED}

@@ -11,7 +11,7 @@ elements. Then:
   benefit are not generated) and the floor is at most chance (K/E). Measured on real-like routing
   (top-6 of 64, entropy ~0.99, step overlap ~0.27; forecaster with online statistics): both rules stay
   above LRU at 15/25/45%, but "benefit" moves 1.5-3x the bytes for slightly lower Hit and lower AdjHit. The
-  :class:`~expertcast.inference.prefetch.PrefetchScheduler` keeps the highest-confidence EDF-feasible
+  :class:`~expertcast.inference.policies.prefetch.PrefetchScheduler` keeps the highest-confidence EDF-feasible
   set under the EMA transfer-time estimate and starts transfers in EDF order at every layer boundary;
   expired tasks are dropped. A task is issued only when a slot is free or its cache score beats the
   resident it would evict.
@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from expertcast.inference.cache import SlotState
-from expertcast.inference.policy import Policy
-from expertcast.inference.prefetch import (
+from expertcast.inference.cache.expert_cache import SlotState
+from expertcast.inference.cache.policy import Policy
+from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
     TransferEstimator,
     chance_level,
@@ -59,8 +59,8 @@ from expertcast.models.forecaster import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache import CacheConfig, ExpertCache
-    from expertcast.inference.driver import StepInfo
+    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.driver import StepInfo
 
 
 PREFETCH_RULES = ("benefit", "floor")

@@ -3,7 +3,7 @@
 :class:`StageAwarePolicy` (SAEM IV-2, docs/design.md "SAEM"):
 
 - per-layer budgets: the cache must be a per-layer pool (B_l slots for layer l);
-- the streaming :class:`~expertcast.inference.stages.StageDetector` watches the tokens every sequence
+- the streaming :class:`~expertcast.inference.saem.stages.StageDetector` watches the tokens every sequence
   of the batch emits (:meth:`observe_tokens`); a cue in *any* sequence ends the current stage;
 - while a stage runs, every access adds the tokens routed to each expert into per-layer counts [L, E]
   (all sequences of the batch together);
@@ -12,11 +12,11 @@
   once, layer order, so transfers overlap the following compute); evictions take the lowest-ranked
   resident;
 - between boundaries the cache content does not change: a non-resident expert is executed on the CPU
-  when the :class:`~expertcast.inference.cpu_exec.LatencyModel` predicts that faster for its token count
+  when the :class:`~expertcast.inference.saem.cpu_exec.LatencyModel` predicts that faster for its token count
   (``MissAction.CPU``: neither a hit nor a transfer), else served from a reserved temporary slot
   (``MissAction.TEMP``: a transfer not retained); when the cost model runs the CPU in parallel with the
   transfers (``CostConfig.cpu_parallel``), a layer's misses are split between the two paths so that the
-  layer ends soonest (:meth:`~expertcast.inference.cpu_exec.LatencyModel.prefer_cpu_queued`);
+  layer ends soonest (:meth:`~expertcast.inference.saem.cpu_exec.LatencyModel.prefer_cpu_queued`);
 - the prompt (prefill) is the first finished stage when the driver reports prefill accesses; the
   calibration's static expert frequencies (cue-set JSON) seed the cache when it starts empty.
 
@@ -27,7 +27,7 @@ updated) and ``cpu_exec=False`` (every miss through the temporary slot).
 each update it ranks experts by the *next* stage's true counts, read from the batch's recorded routing
 (``begin_batch`` receives the :class:`~expertcast.data.trace_format.TraceSequence` objects).
 
-Driver contract (inference/driver.py): ``on_step`` gives each member's position (``StepInfo``);
+Driver contract (inference/cache/driver.py): ``on_step`` gives each member's position (``StepInfo``);
 ``observe_tokens(t, ids)`` gives, per member, the token fed to its next position (None when it has
 none); only generated tokens (position + 1 >= prompt length) reach the detector. The oracle reads the
 next stage from the recorded routing: the batch's TraceSequence objects (simulator), or the recorded
@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from expertcast.inference.cpu_exec import LatencyModel
-from expertcast.inference.cues import CUESET_FILENAME, CueSet
-from expertcast.inference.driver import BatchSchedule, StepInfo
-from expertcast.inference.policy import MissAction, Policy
-from expertcast.inference.stages import StageDetector, TokenDecoder
+from expertcast.inference.saem.cpu_exec import LatencyModel
+from expertcast.inference.saem.cues import CUESET_FILENAME, CueSet
+from expertcast.inference.cache.driver import BatchSchedule, StepInfo
+from expertcast.inference.cache.policy import MissAction, Policy
+from expertcast.inference.saem.stages import StageDetector, TokenDecoder
 
 
 def _resolve_cues(cue_set: str | Path | CueSet | None, cues: Sequence[str] | str | None,
@@ -69,14 +69,14 @@ class StageAwarePolicy(Policy):
         cue_set: path of a calibrated cue-set JSON (``expertcast stages calibrate``) or a CueSet; gives
             the cues, the tokenizer (unless ``tokenizer`` is given) and static expert frequencies. When
             neither ``cue_set`` nor ``cues`` is given and ``tokenizer`` is a model directory holding
-            ``cues.json`` (:data:`~expertcast.inference.cues.CUESET_FILENAME`), that file is used.
+            ``cues.json`` (:data:`~expertcast.inference.saem.cues.CUESET_FILENAME`), that file is used.
         cues: explicit cues (list, or one string separated by ``|``), overriding the cue set's.
         tokenizer: tokenizer directory / id (or a tokenizer object) used to decode the token ids.
         decoder: a ready token-id -> bytes function (overrides ``tokenizer``).
         cpu_exec: allow ``MissAction.CPU`` (ablation: False = temporary slot only).
         stage_updates: refill at stage boundaries (ablation: False = static calibration placement).
         latency: the CPU-vs-transfer latency model; default from ``cost`` (or the cost model defaults).
-        cost: a :class:`~expertcast.inference.cost_model.CostConfig` to derive ``latency`` from.
+        cost: a :class:`~expertcast.inference.cache.cost_model.CostConfig` to derive ``latency`` from.
         min_stage_steps: boundaries closer than this many decode steps to the last update are ignored.
         static_frequency: float [L, E] placement used to seed (and for the no-update ablation);
             defaults to the cue set's ``expert_frequency``.
@@ -129,7 +129,7 @@ class StageAwarePolicy(Policy):
                 raise ValueError("StageAwarePolicy needs a tokenizer to read the generated tokens: pass "
                                  "tokenizer=DIR (the trace's model directory) or a cue set that names one")
             if isinstance(spec, (str, Path)):
-                from expertcast.inference.cues import load_tokenizer
+                from expertcast.inference.saem.cues import load_tokenizer
 
                 spec = load_tokenizer(str(spec))
             self._decoder = TokenDecoder(spec)
@@ -145,7 +145,7 @@ class StageAwarePolicy(Policy):
             raise ValueError(f"static expert frequencies have shape {self.static_frequency.shape} but the cache is "
                              f"L={self.L}, E={self.E}: the cue set was calibrated on another model")
         if self._latency is None:
-            from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig
+            from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig
 
             cost = self._cost or CostConfig()
             eb = int(getattr(config, "expert_bytes", 0) or QWEN3_30B_A3B_EXPERT_BYTES)
@@ -313,7 +313,7 @@ class StageOraclePolicy(StageAwarePolicy):
         self._plan: list[int] | None = None
 
     def set_future(self, future: Any) -> None:
-        """``future``: the recorded run (an :class:`~expertcast.inference.simulator.AccessStream` or a list of
+        """``future``: the recorded run (an :class:`~expertcast.inference.sim.simulator.AccessStream` or a list of
         :class:`TraceSequence`); a live batch's members are looked up by sequence id."""
         seqs = getattr(future, "sequences", future) or []
         self._future = {s.seq_id: s for s in seqs}

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from expertcast.inference.policy import MissAction, Policy
+from expertcast.inference.cache.policy import MissAction, Policy
 
 MISS_MODES = {"temp": MissAction.TEMP, "cpu": MissAction.CPU}
 

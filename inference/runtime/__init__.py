@@ -1,10 +1,10 @@
 """Real expert offloading for transformers-5 MoE models (docs/design.md, "Runtime").
 
 - :mod:`.store`: host expert store (packed rows; pinned on CUDA; optional memory-mapped safetensors)
-- :mod:`.slots`: device slot pool bound to the shared :class:`~expertcast.inference.cache.ExpertCache`
+- :mod:`.slots`: device slot pool bound to the shared :class:`~expertcast.inference.cache.expert_cache.ExpertCache`
 - :mod:`.transfer`: CUDA side-stream copies ordered by events / CPU transfer thread with a bandwidth limit
 - :mod:`.experts`: the ``expertcast_offload`` experts implementation (expert-aligned repacking)
-- :mod:`.residency`: the transport of the shared policy driver (:mod:`expertcast.inference.driver`): real copies
+- :mod:`.residency`: the transport of the shared policy driver (:mod:`expertcast.inference.cache.driver`): real copies
 - :mod:`.run_state`: book-keeping of one generate()/replay() call (schedule, phases, fed tokens, recorded routing)
 - :mod:`.stats`: :class:`RuntimeStats` (decode counters, timings) and :class:`MemoryReport`
 - :mod:`.engine`: :class:`OffloadedModel` (generate, forced-routing replay, stats, memory report)

@@ -2,11 +2,11 @@
 
 Build one from a model, a policy and a capacity; the model's fused expert weights move into a host
 store (:mod:`.store`), the device keeps a fixed slot pool (:mod:`.slots`) bound to the shared
-:class:`~expertcast.inference.cache.ExpertCache` slot table, transfers run on a side stream or a
+:class:`~expertcast.inference.cache.expert_cache.ExpertCache` slot table, transfers run on a side stream or a
 transfer thread (:mod:`.transfer`, driven through :mod:`.residency`), and every experts module
 dispatches to the offloaded implementation (:mod:`.experts`).
 
-The policy is driven by :class:`expertcast.inference.driver.Driver`, the same driver the simulator
+The policy is driven by :class:`expertcast.inference.cache.driver.Driver`, the same driver the simulator
 uses (hook order in its module docstring), with the runtime's real transfers as its transport. So on
 the routing recorded from a run (and the landings of its prefetches, ``record=True``) the simulator
 reproduces the runtime's counters and resident set. Runtime specifics:
@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache import CacheConfig, ExpertCache
-from expertcast.inference.driver import CPU, SLOT, TEMP, Driver
-from expertcast.inference.policy import Policy, check_policy_compatible
+from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+from expertcast.inference.cache.driver import CPU, SLOT, TEMP, Driver
+from expertcast.inference.cache.policy import Policy, check_policy_compatible
 from expertcast.inference.runtime import experts as X
-from expertcast.inference.runtime import graph_decode as GD
+from expertcast.inference.runtime.graph import decode as GD
 from expertcast.inference.runtime.residency import RuntimeTransport
 from expertcast.inference.runtime.run_state import (
     GenerationResult,
@@ -73,7 +73,7 @@ class OffloadedModel:
     Args:
         model: a transformers-5 MoE causal LM (fused experts). Its expert weights are moved into the
             host store and released from the modules (``restore()`` puts them back).
-        policy: a :class:`~expertcast.inference.policy.Policy` (e.g. ``make_policy("lru")``).
+        policy: a :class:`~expertcast.inference.cache.policy.Policy` (e.g. ``make_policy("lru")``).
         capacity: fraction of all L*E experts (float) or slots (int); see :class:`CacheConfig`.
         pool: ``"per-layer"`` or ``"shared"``.
         device: compute device (default: the model's).
@@ -90,7 +90,7 @@ class OffloadedModel:
         cpu_parallel: CPU-executed experts (SAEM) run on a host thread in parallel with the device's work
             on the layer's other experts (False: one after another inside the layer, the serial reference).
         measure_latency: time this machine's CPU expert execution and expert transfer at start-up
-            (:meth:`measure_latency`) and give the measured :class:`~expertcast.inference.cpu_exec.LatencyModel`
+            (:meth:`measure_latency`) and give the measured :class:`~expertcast.inference.saem.cpu_exec.LatencyModel`
             to a policy that decides CPU vs transfer (``use_latency``); the figures are in
             :attr:`latency_measurement`.
         decode_path: ``"eager"`` (the reference), ``"graph"`` (the graph-compatible path of
@@ -510,13 +510,13 @@ class OffloadedModel:
 
     def measure_latency(self, token_counts: Sequence[int] = (1, 2, 4, 8), repeats: int = 15
                         ) -> tuple[Any, dict[str, Any]]:
-        """The CPU-vs-transfer :class:`~expertcast.inference.cpu_exec.LatencyModel` measured on this machine:
+        """The CPU-vs-transfer :class:`~expertcast.inference.saem.cpu_exec.LatencyModel` measured on this machine:
         one expert of layer 0 executed on its host copy for each token count (a line fitted through the
         medians; at least the emulated ``cpu_exec_ms`` on a CPU device), one expert copied from the host
         store into a temporary slot through the transfer engine (the emulated link on a CPU device), and
         the device compute of the K experts of one token from a slot (``device_ms``). Returns the model
         and the measured figures (JSON-ready)."""
-        from expertcast.inference.cpu_exec import LatencyModel
+        from expertcast.inference.saem.cpu_exec import LatencyModel
 
         mod = self.refs[0].module
         cfg = self.model.config

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from expertcast.inference.cache import CacheConfig
+from expertcast.inference.cache.expert_cache import CacheConfig
 from expertcast.inference.runtime.store import (
     ExpertLayout,
     HostExpertStore,

@@ -1,6 +1,6 @@
 """The runtime's transport for the driver: real host-to-device copies of expert rows into slots.
 
-:class:`RuntimeTransport` is the :class:`~expertcast.inference.driver.Transport` of
+:class:`RuntimeTransport` is the :class:`~expertcast.inference.cache.driver.Transport` of
 :class:`~expertcast.inference.runtime.engine.OffloadedModel`. Proactive loads are submitted to the
 :class:`~expertcast.inference.runtime.transfer.TransferEngine` when the driver issues them and land
 (Fetch -> Compute) at the first layer start that finds their copy finished; demand loads are submitted
@@ -13,8 +13,8 @@ resident set.
 
 from __future__ import annotations
 
-from expertcast.inference.cache import ExpertCache
-from expertcast.inference.driver import Transport
+from expertcast.inference.cache.expert_cache import ExpertCache
+from expertcast.inference.cache.driver import Transport
 from expertcast.inference.runtime.slots import SlotPool
 from expertcast.inference.runtime.store import HostExpertStore
 from expertcast.inference.runtime.transfer import Transfer, TransferEngine

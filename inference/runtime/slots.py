@@ -2,7 +2,7 @@
 
 The pool is one tensor [num_slots + num_temp, row_numel] allocated once on the compute device; slot
 ``s`` holds one packed expert row (layout: :class:`~expertcast.inference.runtime.store.ExpertLayout`)
-and exposes named weight views of it. The cache's slot table (:class:`expertcast.inference.cache.
+and exposes named weight views of it. The cache's slot table (:class:`expertcast.inference.cache.expert_cache.
 ExpertCache`) decides which expert lives in which slot; the pool only owns the bytes. ``num_temp``
 extra slots at the end serve ``MissAction.TEMP`` loads and selections larger than the pool (a batch
 or a prefill routing to more experts than fit): they are used once and never hold a resident expert.

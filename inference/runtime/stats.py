@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from expertcast.inference.driver import COUNTER_NAMES
-from expertcast.inference.metrics import CacheMetricsMixin
+from expertcast.inference.cache.driver import COUNTER_NAMES
+from expertcast.inference.cache.metrics import CacheMetricsMixin
 
 
 @dataclass
 class RuntimeStats(CacheMetricsMixin):
     """Counters of decode steps only (prefill is uncounted), per MoE layer int64 [L], plus timings.
 
-    Same names and meaning as :class:`expertcast.inference.simulator.ReplayResult`; the driver
-    (:class:`expertcast.inference.driver.Driver`) writes the counters.
+    Same names and meaning as :class:`expertcast.inference.sim.simulator.ReplayResult`; the driver
+    (:class:`expertcast.inference.cache.driver.Driver`) writes the counters.
     """
 
     num_layers: int

@@ -1,4 +1,4 @@
-"""SeqMoE with the forecaster on a worker thread beside decoding (inference/runtime/async_forecast.py)."""
+"""SeqMoE with the forecaster on a worker thread beside decoding (inference/policies/async_forecast.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from expertcast.inference.policies import make_policy
-from expertcast.inference.runtime.async_forecast import AsyncSeqMoEPolicy
+from expertcast.inference.policies.async_forecast import AsyncSeqMoEPolicy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.presets import build_tiny

@@ -22,7 +22,7 @@ def work(tmp_path_factory) -> Path:
     and a cue set of another model."""
     from expertcast.data.trace_format import TraceSequence
     from expertcast.data.traces import write_traces
-    from expertcast.inference.synthetic import zipf_traces
+    from expertcast.inference.sim.synthetic import zipf_traces
 
     w = tmp_path_factory.mktemp("bad-inputs")
     tr = zipf_traces(num_sequences=3, num_tokens=24, num_layers=2, num_experts=8, top_k=2)
@@ -39,7 +39,7 @@ def work(tmp_path_factory) -> Path:
     for name, patch in rows.items():
         lines = [json.dumps(good), json.dumps({**good, "token": 1, **patch})]
         (w / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-    from expertcast.inference.cues import CueSet
+    from expertcast.inference.saem.cues import CueSet
 
     CueSet(cues=["Wait"], model_id="other/model").save(w / "foreign-cues.json")
     return w

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from expertcast.inference.cpu_exec import LatencyModel
+from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.models.presets import build_tiny

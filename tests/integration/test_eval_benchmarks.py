@@ -8,7 +8,7 @@ import json
 
 from expertcast.commands.evaluate import main
 from expertcast.data.grading import extract_answer, grade
-from expertcast.inference.eval_run import SAMPLES, read_samples
+from expertcast.inference.runtime.eval_run import SAMPLES, read_samples
 
 BASE = ["--model", "qwen3_moe-tiny", "--policy", "lru", "--capacity", "0.5", "--max-new-tokens", "6",
         "--no-progress", "--device", "cpu", "--baseline", "none"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from expertcast.commands.evaluate import main
-from expertcast.inference.eval_run import SAMPLES, read_samples
+from expertcast.inference.runtime.eval_run import SAMPLES, read_samples
 
 BASE = ["--model", "qwen3_moe-tiny", "--benchmark", "gsm8k", "--policy", "lru", "--capacity", "0.5",
         "--limit", "2", "--max-new-tokens", "4", "--no-progress", "--device", "cpu",
@@ -69,7 +69,7 @@ def complete_rows(path: Path) -> int:
 
 # -- bad input: exit 2, one line, nothing written, before the model loads ------------------------------
 def _other_model_cues(tmp: Path) -> str:
-    from expertcast.inference.cues import CueSet
+    from expertcast.inference.saem.cues import CueSet
 
     p = tmp / "cues-olmoe.json"
     CueSet(cues=["Wait"], model_id="olmoe-tiny", expert_frequency=[[1.0] * 64] * 2).save(p)

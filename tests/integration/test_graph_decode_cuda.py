@@ -14,7 +14,7 @@ import pytest
 import torch
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.synthetic import check_policy
+from expertcast.inference.sim.synthetic import check_policy
 from expertcast.models.presets import build_tiny
 
 pytestmark = pytest.mark.gpu

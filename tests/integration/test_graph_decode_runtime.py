@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 from expertcast.data.trace_format import TraceMeta
-from expertcast.inference.driver import COUNTER_NAMES
+from expertcast.inference.cache.driver import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.runtime.graph_decode import AOTLayer
-from expertcast.inference.simulator import build_stream, replay
-from expertcast.inference.synthetic import untrained_forecaster
+from expertcast.inference.runtime.graph.decode import AOTLayer
+from expertcast.inference.sim.simulator import build_stream, replay
+from expertcast.inference.sim.synthetic import untrained_forecaster
 from expertcast.models.presets import build_tiny
 
 torch.set_num_threads(1)

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from expertcast.inference.driver import COUNTER_NAMES, RecordedTransport
+from expertcast.inference.cache.driver import COUNTER_NAMES, RecordedTransport
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.runtime.live_routers import LiveRouterScores
-from expertcast.inference.simulator import build_stream, replay
+from expertcast.inference.sim.simulator import build_stream, replay
 from expertcast.models.cache_routers import record_router_outputs
 from expertcast.models.router_export import load_adaptation_export
 

@@ -54,11 +54,11 @@ def test_reload_and_live_routers_on_the_fitted_export(fitted):
     router-full live in the runtime: the same greedy tokens as full load, proactive loads issued, and the
     simulator replaying the recorded run (routing and router outputs) ends with equal counters."""
     from expertcast.data.trace_format import TraceMeta
-    from expertcast.inference.driver import COUNTER_NAMES, RecordedTransport
+    from expertcast.inference.cache.driver import COUNTER_NAMES, RecordedTransport
     from expertcast.inference.policies import make_policy
     from expertcast.inference.runtime.engine import OffloadedModel
     from expertcast.inference.runtime.live_routers import LiveRouterScores
-    from expertcast.inference.simulator import build_stream, replay
+    from expertcast.inference.sim.simulator import build_stream, replay
     from expertcast.models.presets import build_tiny
     from expertcast.models.router_export import load_adaptation_export
 

@@ -4,7 +4,7 @@ proactive and dropped loads) and its final resident set equal the simulator's re
 runtime recorded (its routing, and the layer-executions at which its prefetches landed), at batch 1
 and at batch 4 (left padding, members ending early on EOS).
 
-Both sides run the same driver (inference/driver.py); what this checks is everything around it: the
+Both sides run the same driver (inference/cache/driver.py); what this checks is everything around it: the
 runtime's lockstep schedule, prefill replay, step numbering, fed tokens, per-member routing, and each
 policy's reading of them. The link is slowed down so that prefetches really arrive late."""
 
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 from expertcast.data.trace_format import TraceMeta
-from expertcast.inference.cpu_exec import LatencyModel
-from expertcast.inference.driver import COUNTER_NAMES, RecordedTransport
+from expertcast.inference.saem.cpu_exec import LatencyModel
+from expertcast.inference.cache.driver import COUNTER_NAMES, RecordedTransport
 from expertcast.inference.policies import REGISTRY, make_policy
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.simulator import build_stream, replay
+from expertcast.inference.sim.simulator import build_stream, replay
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.presets import build_tiny
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from expertcast.inference.cache import CacheConfig, ExpertCache, SlotState
+from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache, SlotState
 
 
 def test_capacity_resolution_per_layer_and_shared():

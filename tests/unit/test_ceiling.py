@@ -11,10 +11,10 @@ import json
 import numpy as np
 import pytest
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache import CacheConfig
+from expertcast.inference.cache.expert_cache import CacheConfig
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
-from expertcast.inference.simulator import build_stream, replay, replay_ceiling, run_policy, simulate
+from expertcast.inference.sim.simulator import build_stream, replay, replay_ceiling, run_policy, simulate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Link
+from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Link
 
 
 def test_defaults_pcie_and_qwen_expert():

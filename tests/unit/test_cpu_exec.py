@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from expertcast.inference.cost_model import CostConfig
-from expertcast.inference.cpu_exec import LatencyModel
+from expertcast.inference.cache.cost_model import CostConfig
+from expertcast.inference.saem.cpu_exec import LatencyModel
 
 
 def test_decision_and_crossover():

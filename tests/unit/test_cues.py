@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from expertcast.inference.cues import (
+from expertcast.inference.saem.cues import (
     CalibrationConfig,
     CalibSequence,
     CueSet,
@@ -20,7 +20,7 @@ from expertcast.inference.cues import (
     stage_starts,
     uniform_starts,
 )
-from expertcast.inference.stages import detect_offline
+from expertcast.inference.saem.stages import detect_offline
 
 WORDS = [" Wait", ",", " So", " Some", " x", " y", ".", " Let", " me", " check", " Therefore", " Hmm", " Rare"]
 
@@ -175,7 +175,7 @@ def test_cue_set_model_check_names_both_models(tmp_path):
 
 
 def test_load_tokenizer_of_a_preset_needs_no_hub():
-    from expertcast.inference.cues import load_tokenizer
+    from expertcast.inference.saem.cues import load_tokenizer
 
     tok = load_tokenizer("qwen3_moe-tiny")
     assert tok.decode(tok.encode("Wait, so", add_special_tokens=False)) == "Wait, so"
@@ -187,7 +187,7 @@ def test_load_tokenizer_resolves_a_bare_model_name_through_the_registered_resolv
     """A cue set records its tokenizer as --model named it (`tiny-default`); eval, sweep and simulate read it
     through the command layer's resolver (registered by expertcast.commands.common)."""
     import expertcast.commands.common  # noqa: F401  (registers resolve_model)
-    from expertcast.inference import cues
+    from expertcast.inference.saem import cues
 
     assert cues._model_name_resolver is not None
     from expertcast.models.backbone import save_tiny

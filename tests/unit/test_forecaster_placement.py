@@ -133,7 +133,7 @@ def test_cuda_forecaster_uses_the_kernels_when_installed():
 
 
 def test_worker_stream_only_on_cuda():
-    from expertcast.inference.runtime.async_forecast import forecaster_stream
+    from expertcast.inference.policies.async_forecast import forecaster_stream
 
     with forecaster_stream("cpu") as s:
         assert s is None
@@ -141,7 +141,7 @@ def test_worker_stream_only_on_cuda():
 
 @pytest.mark.gpu
 def test_worker_stream_is_its_own_on_cuda():
-    from expertcast.inference.runtime.async_forecast import forecaster_stream
+    from expertcast.inference.policies.async_forecast import forecaster_stream
 
     with forecaster_stream("cuda") as s:
         assert s is not None and torch.cuda.current_stream() == s and s != torch.cuda.default_stream()

@@ -1,4 +1,4 @@
-"""The graph decode path's pieces (inference/runtime/graph_decode.py): which path runs and why, and one layer
+"""The graph decode path's pieces (inference/runtime/graph/decode.py): which path runs and why, and one layer
 function on hand-set device state: victims (empty slots first, then least recent, the selection protected),
 temporary scratch rows when the pool is full, the table kept consistent, the output equal to the full-load
 experts module's."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.runtime.graph_decode import choose_decode_path
+from expertcast.inference.runtime.graph.decode import choose_decode_path
 from expertcast.models.presets import build_tiny
 from expertcast.utils.errors import UsageError
 
@@ -106,7 +106,7 @@ def test_layer_loads_evicts_and_serves_temporaries(layer_setup):
 def test_first_in_order_equals_stable_sort(with_k2):
     """The victims found by successive argmins are the first m of the stable sort by (k1, k2, slot), ties and
     infinities included (empty slots -inf first, excluded slots +inf never valid)."""
-    from expertcast.inference.runtime.graph_decode import _first_in_order
+    from expertcast.inference.runtime.graph.decode import _first_in_order
 
     g = torch.Generator().manual_seed(0)
     for trial in range(40):
@@ -125,7 +125,7 @@ def test_first_in_order_equals_stable_sort(with_k2):
 
 
 def test_pool_slots_and_compile_choices():
-    from expertcast.inference.runtime.graph_decode import _pool_slots
+    from expertcast.inference.runtime.graph.decode import _pool_slots
 
     got = _pool_slots([0, 0, 1, 2, 1, 1], 6)
     assert got.tolist() == [[0, 1, 6], [2, 4, 5], [3, 6, 6]]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from expertcast.inference import synthetic
-from expertcast.inference.cache import CacheConfig, ExpertCache, SlotState
+from expertcast.inference.sim import synthetic
+from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.hybrid import HybridPolicy, parse_parts
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
-from expertcast.inference.prefetch import chance_level, expected_benefit, generate_tasks
-from expertcast.inference.simulator import simulate
+from expertcast.inference.policies.prefetch import chance_level, expected_benefit, generate_tasks
+from expertcast.inference.sim.simulator import simulate
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.utils.errors import UsageError
 
@@ -92,7 +92,7 @@ def test_parts_parsing_and_missing_inputs():
     with pytest.raises(ValueError, match="needs stage cues"):
         HybridPolicy(_forecaster(), parts="stage")
     with pytest.raises(UsageError, match="parts"):
-        from expertcast.inference.policy_options import parse_policy_options
+        from expertcast.inference.cache.options import parse_policy_options
 
         parse_policy_options("hybrid:parts=forecast+belady")
 

@@ -41,7 +41,7 @@ def test_check_format_and_keys():
 
 def test_readers_keep_their_messages(tmp_path):
     from expertcast.data.trace_import import ImportFormatError, read_import_jsonl
-    from expertcast.inference.cues import CUESET_FORMAT, CUESET_FORMAT_VERSION, CueSet
+    from expertcast.inference.saem.cues import CUESET_FORMAT, CUESET_FORMAT_VERSION, CueSet
     from expertcast.models.forecaster_export import EXPORT_FORMAT, ForecasterExportError, read_export_config
     from expertcast.utils.errors import UsageError
 

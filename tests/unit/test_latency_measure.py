@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from expertcast.inference.cpu_exec import LatencyModel, fit_cpu_line, median_ms
+from expertcast.inference.saem.cpu_exec import LatencyModel, fit_cpu_line, median_ms
 
 
 def _sleeper(ms: float):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache import CacheConfig
+from expertcast.inference.cache.expert_cache import CacheConfig
 from expertcast.inference.policies import available_policies, make_policy
-from expertcast.inference.simulator import build_stream, replay, replay_kernel
-from expertcast.inference.synthetic import markov_traces, random_traces, zipf_traces
+from expertcast.inference.sim.simulator import build_stream, replay, replay_kernel
+from expertcast.inference.sim.synthetic import markov_traces, random_traces, zipf_traces
 
 lcs = pytest.importorskip("libcachesim")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache import CacheConfig
+from expertcast.inference.cache.expert_cache import CacheConfig
 from expertcast.inference.policies import make_policy
-from expertcast.inference.simulator import build_stream, replay_kernel
+from expertcast.inference.sim.simulator import build_stream, replay_kernel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -16,13 +16,13 @@ from expertcast.inference.policies import (
     parse_policy_spec,
     policy_class,
 )
-from expertcast.inference.policy_options import (
+from expertcast.inference.cache.options import (
     OPTIONS,
     constructor_options,
     parse_policy_options,
     split_policy_list,
 )
-from expertcast.inference.synthetic import zipf_traces
+from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.utils.errors import UsageError
 
 

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from expertcast.inference.prefetch import (
+from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
     PrefetchTask,
     TransferEstimator,

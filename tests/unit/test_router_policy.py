@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache import CacheConfig
+from expertcast.inference.cache.expert_cache import CacheConfig
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.router import (
     RouterFullPolicy,
@@ -14,7 +14,7 @@ from expertcast.inference.policies.router import (
     SpatioOnlyPolicy,
     TemporalRetentionPolicy,
 )
-from expertcast.inference.simulator import build_stream, replay, simulate
+from expertcast.inference.sim.simulator import build_stream, replay, simulate
 
 # one MoE layer, E = 4, K = 1, B = 2; prompt = position 0, decode = positions 1..5
 ROUTE = [0, 1, 2, 0, 1, 0]

@@ -58,7 +58,7 @@ def test_forecaster_export_for_another_model(qwen, tmp_path):
 
 
 def test_cue_set_for_another_model(qwen):
-    from expertcast.inference.cues import CueSet
+    from expertcast.inference.saem.cues import CueSet
 
     cs = CueSet(cues=["Wait"], model_id="olmoe-tiny", expert_frequency=np.ones((2, 16)).tolist())
     pol = make_policy("stage", cue_set=cs, decoder=lambda i: b"x")

@@ -18,7 +18,7 @@ from expertcast.commands.simulate import main
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.data.traces import write_traces
 from expertcast.inference.policies import REGISTRY
-from expertcast.inference.synthetic import zipf_traces
+from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.forecaster_export import save_forecaster
 from expertcast.utils.outdir import claim_output_dir
@@ -135,7 +135,7 @@ def test_capacity_1_means_every_expert(tmp_path):
 
 
 def test_slot_runs_plot_on_an_integer_axis(tmp_path):
-    from expertcast.inference.sim_report import x_axis
+    from expertcast.inference.sim.report import x_axis
 
     out = tmp_path / "out"
     assert main(SMALL + ["--policies", "lru", "--slots", "2,3", "--out", str(out)]) == 0

@@ -12,8 +12,8 @@ from expertcast.commands.simulate import main
 from expertcast.data.traces import write_traces
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.static import selection_counts
-from expertcast.inference.simulator import simulate
-from expertcast.inference.synthetic import zipf_traces
+from expertcast.inference.sim.simulator import simulate
+from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.train.forecaster_data import training_subset
 
 

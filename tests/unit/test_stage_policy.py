@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from expertcast.inference.cache import CacheConfig
-from expertcast.inference.cpu_exec import LatencyModel
+from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.policies.stage_aware import StageAwarePolicy, StageOraclePolicy
-from expertcast.inference.saem_eval import synthetic_cue_decoder
-from expertcast.inference.simulator import simulate
-from expertcast.inference.synthetic import staged_traces
+from expertcast.inference.saem.evaluate import synthetic_cue_decoder
+from expertcast.inference.sim.simulator import simulate
+from expertcast.inference.sim.synthetic import staged_traces
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ class _OneCpu(StageAwarePolicy):
         super().__init__(cues=["Wait"], decoder=lambda i: b"x")
 
     def on_miss(self, t, layer, expert, n_tokens, cache):
-        from expertcast.inference.policy import MissAction
+        from expertcast.inference.cache.policy import MissAction
 
         return MissAction.CPU if expert == 3 else MissAction.LOAD
 
@@ -132,8 +132,8 @@ class _OneCpu(StageAwarePolicy):
 @pytest.mark.parametrize("parallel", [False, True])
 def test_cpu_parallel_cost_model(parallel):
     from expertcast.data.trace_format import TraceMeta, TraceSequence
-    from expertcast.inference.cost_model import CostConfig
-    from expertcast.inference.simulator import build_stream, replay
+    from expertcast.inference.cache.cost_model import CostConfig
+    from expertcast.inference.sim.simulator import build_stream, replay
 
     # one decode step, L=1, K=2: expert 0 transferred (0.5 ms), expert 3 on the CPU (0.3 + 0.1 = 0.4 ms),
     # layer compute 0.2 ms. Serial: 0.5 + max(0.2, 0.4) = 0.9 ms; parallel: max(0.5 + 0.2, 0.4) = 0.7 ms.
@@ -149,7 +149,7 @@ def test_cpu_parallel_cost_model(parallel):
 
 
 def test_parallel_mode_splits_a_layers_misses(syn):
-    from expertcast.inference.cost_model import CostConfig
+    from expertcast.inference.cache.cost_model import CostConfig
 
     dec = synthetic_cue_decoder(syn.cue_token)
     cost = CostConfig(cpu_parallel=True)
@@ -164,7 +164,7 @@ def test_parallel_mode_splits_a_layers_misses(syn):
 
 
 def test_cue_set_found_beside_the_model(tmp_path):
-    from expertcast.inference.cues import CUESET_FILENAME, CueSet, resolve_cue_set
+    from expertcast.inference.saem.cues import CUESET_FILENAME, CueSet, resolve_cue_set
 
     freq = np.full((3, 16), 0.1)
     CueSet(cues=["Wait", "Alternatively"], expert_frequency=freq.tolist()).save(tmp_path / CUESET_FILENAME)
@@ -179,7 +179,7 @@ def test_cue_set_found_beside_the_model(tmp_path):
 
 
 def test_eval_static_baseline_needs_counts():
-    from expertcast.inference.saem_eval import counts_from_frequency, make_policies
+    from expertcast.inference.saem.evaluate import counts_from_frequency, make_policies
 
     freq = np.array([[0.5, 0.25, 0.125, 0.125]])
     cnt = counts_from_frequency(freq, 1000)
@@ -194,7 +194,7 @@ def test_eval_static_baseline_needs_counts():
 
 
 def _tcseq(traces) -> float:
-    from expertcast.inference.cues import adjacent_cosine, stage_counts
+    from expertcast.inference.saem.cues import adjacent_cosine, stage_counts
 
     vals = []
     for s, st in zip(traces.sequences, traces.stage_ids, strict=True):
@@ -204,7 +204,7 @@ def _tcseq(traces) -> float:
 
 
 def test_drifting_stages_plant_adjacent_coherence():
-    from expertcast.inference.saem_synthetic import drifting_stage_traces
+    from expertcast.inference.saem.synthetic import drifting_stage_traces
 
     kw = dict(num_sequences=3, num_tokens=400, num_layers=2, num_experts=32, top_k=2, hot=8, mean_stage_len=50.0,
               seed=0)
@@ -223,7 +223,7 @@ def test_drifting_stages_plant_adjacent_coherence():
 
 def test_stage_updates_track_drifting_stages():
     from expertcast.inference.policies.static import selection_counts
-    from expertcast.inference.saem_synthetic import drifting_stage_traces
+    from expertcast.inference.saem.synthetic import drifting_stage_traces
 
     d = drifting_stage_traces(num_sequences=4, num_tokens=300, num_layers=2, num_experts=32, top_k=2, hot=8, keep=6,
                               mean_stage_len=50.0, seed=2)

@@ -8,7 +8,7 @@ import random
 import re
 
 import pytest
-from expertcast.inference.stages import StageDetector, TokenDecoder, detect_offline, is_word_char
+from expertcast.inference.saem.stages import StageDetector, TokenDecoder, detect_offline, is_word_char
 
 
 def _table_decoder(pieces: list[str]):

@@ -149,7 +149,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def bad_files(setup, tmp_path_factory):
     """A foreign file, a foreign JSON, a cue set of another model (same shape), a non-empty foreign folder."""
-    from expertcast.inference.cues import CueSet
+    from expertcast.inference.saem.cues import CueSet
 
     d = tmp_path_factory.mktemp("bad")
     (d / "notes.txt").write_text("my notes\n")

@@ -1,8 +1,8 @@
 """Compiled (numba) fast paths of the simulator: classic policies and oracles over a flattened stream,
 the demand-only ceiling of ``belady_fraction`` (:func:`ceiling_kernel`) and the stream builder.
 
-The generic Python engine (:mod:`expertcast.inference.simulator`) drives any
-:class:`~expertcast.inference.policy.Policy` through its hooks; the kernels here replay the same
+The generic Python engine (:mod:`expertcast.inference.sim.simulator`) drives any
+:class:`~expertcast.inference.cache.policy.Policy` through its hooks; the kernels here replay the same
 stream for the demand-only classic policies and the oracles and return the same counts (the tests
 compare both engines access by access). Both engines follow one set of rules:
 
@@ -328,7 +328,7 @@ def build_batch_stream(flat_ids, seq_off, step_seq, step_pos, L, K, E):
     """Flatten scheduled steps into the access stream.
 
     The schedule (which member processes which position at each step) comes from
-    :func:`expertcast.inference.driver.stream_schedule`, the one definition of the lockstep batch
+    :func:`expertcast.inference.cache.driver.stream_schedule`, the one definition of the lockstep batch
     schedule; this kernel only gathers the routing.
 
     Args:

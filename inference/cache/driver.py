@@ -3,7 +3,7 @@
 
 It owns the lockstep batch schedule (:class:`BatchSchedule`), the hook order, the serving of a
 layer's selection and the counters. What moves the bytes is a :class:`Transport`: the cost model's
-modelled link (:class:`~expertcast.inference.cost_model.ModelledTransport`, simulator), the runtime's
+modelled link (:class:`~expertcast.inference.cache.cost_model.ModelledTransport`, simulator), the runtime's
 real transfer engine (:class:`~expertcast.inference.runtime.residency.RuntimeTransport`) or the
 landings recorded from a runtime run (:class:`RecordedTransport`, parity checks).
 
@@ -62,7 +62,7 @@ record them). With ``record_landings`` the driver keeps the ``(x, layer, expert)
 step 1; :class:`RecordedTransport` lands exactly those, so the simulator replaying a runtime run
 reaches the same cache states whatever the real transfer times were.
 
-Callers: the simulator (:func:`expertcast.inference.simulator.replay`) runs ``begin_batch``, then per
+Callers: the simulator (:func:`expertcast.inference.sim.simulator.replay`) runs ``begin_batch``, then per
 step ``begin_step``, ``run_layer`` for each layer and ``end_step``; the runtime
 (:class:`expertcast.inference.runtime.engine.OffloadedModel`) replays the prompt's steps the same way
 without copies, then per decode forward calls ``begin_step``, per layer ``serve`` / its real compute /
@@ -76,8 +76,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from expertcast.inference.cache import COMPUTE, FETCH, USED, ExpertCache, acquire_slot
-from expertcast.inference.policy import MissAction, Policy
+from expertcast.inference.cache.expert_cache import COMPUTE, FETCH, USED, ExpertCache, acquire_slot
+from expertcast.inference.cache.policy import MissAction, Policy
 
 OPEN = np.int64(1) << np.int64(40)
 """Length of a member whose end is not known yet (live generation before EOS)."""

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from expertcast.inference.cache import USED
+from expertcast.inference.cache.expert_cache import USED
 from expertcast.utils.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -140,7 +140,7 @@ class RowCopier:
         self.dst = pool_buffer  # [R, row_numel]
         self.cuda = pool_buffer.device.type == "cuda"
         if self.cuda:
-            from expertcast.inference.runtime import _graph_triton
+            from expertcast.inference.runtime.graph import triton as _graph_triton
 
             self._kernel = _graph_triton.copy_rows
 

@@ -1,7 +1,7 @@
 """The cache-policy interface shared by the simulator and the offloading runtime.
 
 A policy never knows whether the cache it manages is simulated or holds real weights. One driver,
-:class:`expertcast.inference.driver.Driver`, owns an :class:`~expertcast.inference.cache.ExpertCache`
+:class:`expertcast.inference.cache.driver.Driver`, owns an :class:`~expertcast.inference.cache.expert_cache.ExpertCache`
 and calls the hooks; its module docstring lists the exact order. In short, for every step ``t`` and
 MoE layer ``l``::
 
@@ -18,7 +18,7 @@ MoE layer ``l``::
 Experts are addressed as ``(layer, expert)``. Candidates for eviction never include experts of the
 running layer's selection, nor slots in state Fetch/Compute (the driver filters them: docs/design.md,
 cache semantics). Oracles receive the future through :meth:`Policy.set_future`. Where each member of
-the batch is comes from the driver (:class:`~expertcast.inference.driver.StepInfo`): no policy
+the batch is comes from the driver (:class:`~expertcast.inference.cache.driver.StepInfo`): no policy
 rebuilds the lockstep schedule.
 """
 
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache import CacheConfig, ExpertCache
-    from expertcast.inference.driver import StepInfo
+    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.driver import StepInfo
 
 
 class MissAction(IntEnum):

@@ -238,7 +238,7 @@ def check_file(kind: str, path: str | os.PathLike, where: str) -> None:
         except ForecasterExportError as e:
             raise UsageError(f"{where}: {e}") from None
     elif kind == "cue_set":
-        from expertcast.inference.cues import CueSet
+        from expertcast.inference.saem.cues import CueSet
 
         if not p.is_file():
             raise UsageError(f"{where}: is a folder; expected {expected}")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from expertcast.inference.policy import MissAction, Policy
+from expertcast.inference.cache.policy import MissAction, Policy
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 SAMPLES = "samples.jsonl"

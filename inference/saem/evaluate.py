@@ -18,7 +18,7 @@ selection then goes to the temporary slot or the CPU) the table gives:
 Costs: the traces' routing is replayed with the cost of an expert of ``--expert-bytes`` (default one
 Qwen3-30B-A3B expert in bf16, 9.44 MB), not the traced model's own expert size: the tiny default
 model's experts (0.2 MB) would make every transfer free. The policies' CPU-vs-transfer decisions use the
-same :class:`~expertcast.inference.cost_model.CostConfig` as the simulator's clock. CPU-executed experts run
+same :class:`~expertcast.inference.cache.cost_model.CostConfig` as the simulator's clock. CPU-executed experts run
 in parallel with the layer's transfers (``cpu_parallel``, SAEM IV-2) unless ``--cpu-serial`` is given.
 
 Long runs resume: finished (policy, capacity, batch) records are kept in ``partial-<traces>.json`` of the
@@ -46,7 +46,7 @@ POLICIES = ("stage", "stage-oracle", "stage-nocpu", "stage-noupdate", "lru", "st
 
 
 def synthetic_cue_decoder(cue_token: int):
-    """Token decoder for :func:`expertcast.inference.synthetic.staged_traces`: the cue token reads
+    """Token decoder for :func:`expertcast.inference.sim.synthetic.staged_traces`: the cue token reads
     " Wait", every other token " x"."""
 
     def dec(i: int) -> bytes:
@@ -64,7 +64,7 @@ def make_policies(cues: list[str], decoder: Any, static_frequency: np.ndarray, c
         static_frequency: float [L, E] calibration frequencies (stage policies: seed placement, tie-break,
             the no-update ablation's placement).
         calibration: int [L, E] calibration selection counts (the ``static`` baseline's placement).
-        cost: the :class:`~expertcast.inference.cost_model.CostConfig` the simulator uses.
+        cost: the :class:`~expertcast.inference.cache.cost_model.CostConfig` the simulator uses.
     """
     from expertcast.inference.policies.classic import LRUPolicy
     from expertcast.inference.policies.stage_aware import StageAwarePolicy, StageOraclePolicy
@@ -144,8 +144,8 @@ def run_grid(name: str, traces: tuple[Any, list[Any]], cues: list[str], decoder:
     ``capacities``: fractions of the experts; ``slots``: slot counts per layer (both per-layer pools).
     ``partial``: JSON file of finished simulator records, reused when present and its settings key
     matches (a ResumeMismatchError when it does not), rewritten after each new record."""
-    from expertcast.inference.cost_model import CostConfig
-    from expertcast.inference.simulator import simulate
+    from expertcast.inference.cache.cost_model import CostConfig
+    from expertcast.inference.sim.simulator import simulate
 
     cost = cost or CostConfig()
     settings = run_settings(name, traces, cues, static_frequency, calibration, ignore_case, cost)
@@ -242,8 +242,8 @@ def synthetic_runs() -> list[tuple[str, Any, np.ndarray, np.ndarray]]:
     violated); ``synthetic-drift``: a boundary swaps 2 of a layer's 8 hot experts (adjacent stages
     coherent). Calibration (static placement) uses 4 held-out sequences of the same generator run."""
     from expertcast.inference.policies.static import selection_counts
-    from expertcast.inference.saem_synthetic import drifting_stage_traces
-    from expertcast.inference.synthetic import staged_traces
+    from expertcast.inference.saem.synthetic import drifting_stage_traces
+    from expertcast.inference.sim.synthetic import staged_traces
 
     shape = dict(num_sequences=16, num_tokens=512, num_layers=8, num_experts=64, top_k=2, hot=8,
                  mean_stage_len=64.0, seed=1)
@@ -267,7 +267,7 @@ def evaluate_saem(*, batch_sizes: Sequence[int], capacities: Sequence[float] = (
     Args:
         batch_sizes: sequences decoded in lockstep, one grid per value.
         capacities / slots: fractions of the experts / slot counts per layer.
-        cost: the :class:`~expertcast.inference.cost_model.CostConfig` of the simulator and the policies.
+        cost: the :class:`~expertcast.inference.cache.cost_model.CostConfig` of the simulator and the policies.
         tag: name of ``traces`` in the table.
         partial: the resume file of a trace set's tag (None: no resume).
     """

@@ -1,7 +1,7 @@
 """Reporting of simulation records: the table's columns and the hit-rate-vs-capacity plot.
 
 Used by ``expertcast simulate`` (:mod:`expertcast.commands.simulate`) and by any job that wants the
-same picture of :func:`expertcast.inference.simulator.simulate`'s records.
+same picture of :func:`expertcast.inference.sim.simulator.simulate`'s records.
 """
 
 from __future__ import annotations

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
-from expertcast.inference.prefetch import generate_tasks
+from expertcast.inference.policies.prefetch import generate_tasks
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache import ExpertCache
+    from expertcast.inference.cache.expert_cache import ExpertCache
 
 _STOP = object()
 

@@ -1,6 +1,6 @@
 """Synthetic routing traces with *coherent* adjacent stages: SAEM's premise planted.
 
-:func:`expertcast.inference.synthetic.staged_traces` draws each new stage's profile from a pool different
+:func:`expertcast.inference.sim.synthetic.staged_traces` draws each new stage's profile from a pool different
 from the finished one, so the finished stage never predicts the next: the worst case for SAEM's update
 rule (only its oracle can win there). SAEM relies on the opposite (paper III: adjacent stages share most
 of their experts, TCseq ~0.89): a stage boundary changes *part* of the expert profile. :func:`drifting_stage_traces`
@@ -12,8 +12,8 @@ a stage is the cue token. Stage lengths are geometric with mean ``mean_stage_len
 from __future__ import annotations
 
 import numpy as np
-from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES
-from expertcast.inference.synthetic import SyntheticTraces, _meta, _seq, _topk_from_logits
+from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES
+from expertcast.inference.sim.synthetic import SyntheticTraces, _meta, _seq, _topk_from_logits
 
 
 def drifting_stage_traces(num_sequences: int = 4, num_tokens: int = 256, num_layers: int = 4, num_experts: int = 32,
@@ -22,7 +22,7 @@ def drifting_stage_traces(num_sequences: int = 4, num_tokens: int = 256, num_lay
                           expert_bytes: int = QWEN3_30B_A3B_EXPERT_BYTES, vocab: int = 1000) -> SyntheticTraces:
     """Planted stages whose hot sets drift: ``keep`` of the ``hot`` experts of each layer survive a boundary.
 
-    Returns a :class:`~expertcast.inference.synthetic.SyntheticTraces` with ``stage_ids`` (int [T] per
+    Returns a :class:`~expertcast.inference.sim.synthetic.SyntheticTraces` with ``stage_ids`` (int [T] per
     sequence) and ``cue_token``; ``popularity`` is None (each stage has its own profile).
     """
     L, E, Kk = num_layers, num_experts, top_k

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from expertcast.inference.stages import BoundaryEvent, StageDetector, TokenDecoder
+from expertcast.inference.saem.stages import BoundaryEvent, StageDetector, TokenDecoder
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_json
 from expertcast.utils.jsonfields import check_format, is_str_list

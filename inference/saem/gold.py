@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from expertcast.inference.stages import StageDetector
+from expertcast.inference.saem.stages import StageDetector
 
 STAGE_FUNCTIONS = ("plan_generation", "uncertainty_management", "self_checking")
 

@@ -3,7 +3,7 @@ traffic and modelled speed (docs/design.md, cache semantics).
 
 How a replay is formed:
 * Batches: the sequences are taken in order, ``batch_size`` consecutive sequences at a time, and run
-  in lockstep by the schedule of :class:`~expertcast.inference.driver.BatchSchedule` (prompts first,
+  in lockstep by the schedule of :class:`~expertcast.inference.cache.driver.BatchSchedule` (prompts first,
   position by position; then decode steps; finished sequences drop out). The next batch starts when
   the whole batch is done. The cache persists across batches (one long serving session). A
   layer-execution accesses the union of the active members' top-K selections, in first-appearance
@@ -18,7 +18,7 @@ hits, late prefetches, demand misses D (including temporary-slot loads), proacti
 accesses; ``hit = 1 - D/A`` (a late prefetch or a CPU-executed access is not a demand miss; see also
 ``resident_hit``), ``adj_hit = (A - D) / (A + P)``, ``mb_per_token = (D + P) * expert_bytes / 1e6`` per
 decoded token, per-layer hit, ``belady_fraction = hit / ceiling hit`` and the cost model's stall and %
-of full-load speed (:mod:`expertcast.inference.cost_model`).
+of full-load speed (:mod:`expertcast.inference.cache.cost_model`).
 
 The ceiling (:func:`replay_ceiling`, same capacity, pool and batch) is the offline optimum of every
 demand-only policy on these decode-only counts: each batch's decode starts from the best cache for
@@ -28,11 +28,11 @@ placement does). So no demand-only policy has a ``belady_fraction`` above 1; the
 (protect-rule Belady from its own post-prefill cache) may stay below it. Prefetching and
 CPU-executing policies are not bounded by it.
 
-Engines: the generic :func:`replay` runs the one driver (:class:`~expertcast.inference.driver.Driver`,
-every :class:`~expertcast.inference.policy.Policy` hook, the hook order of the runtime) over the cost
-model's modelled link (:class:`~expertcast.inference.cost_model.ModelledTransport`, late prefetches need
+Engines: the generic :func:`replay` runs the one driver (:class:`~expertcast.inference.cache.driver.Driver`,
+every :class:`~expertcast.inference.cache.policy.Policy` hook, the hook order of the runtime) over the cost
+model's modelled link (:class:`~expertcast.inference.cache.cost_model.ModelledTransport`, late prefetches need
 its clock) or over the landings recorded from a runtime run (``transport=RecordedTransport(...)``);
-compiled kernels (:mod:`expertcast.inference._kernels`) replay the demand-only classic policies and
+compiled kernels (:mod:`expertcast.inference.policies.kernels`) replay the demand-only classic policies and
 oracles with identical counters (their stall is exactly ``D * transfer_ms``: nothing else uses the link).
 """
 
@@ -46,12 +46,12 @@ from typing import Any
 
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference import _kernels as K
-from expertcast.inference.cache import CacheConfig, ExpertCache
-from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Event, ModelledTransport
-from expertcast.inference.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
-from expertcast.inference.metrics import CacheMetricsMixin
-from expertcast.inference.policy import Policy
+from expertcast.inference.policies import kernels as K
+from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Event, ModelledTransport
+from expertcast.inference.cache.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
+from expertcast.inference.cache.metrics import CacheMetricsMixin
+from expertcast.inference.cache.policy import Policy
 
 WARMUP_NOTE = "decode-only; prefill replayed through the policy uncounted"
 ORACLE_NOTE = ("belady_fraction = hit / ceiling of demand-only policies (furthest next use kept, bypass allowed, "
@@ -83,7 +83,7 @@ class AccessStream:
     batches: list[list[int]] = field(default_factory=list)
     sequences: list[TraceSequence] | None = None
     schedules: list[BatchSchedule] = field(default_factory=list)
-    """The lockstep schedule of each batch (:class:`~expertcast.inference.driver.BatchSchedule`)."""
+    """The lockstep schedule of each batch (:class:`~expertcast.inference.cache.driver.BatchSchedule`)."""
     _next: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -150,7 +150,7 @@ def validate_traces(meta: TraceMeta, sequences: Sequence[TraceSequence]) -> None
 
 def build_stream(meta: TraceMeta, sequences: Sequence[TraceSequence], batch_size: int = 1) -> AccessStream:
     """Flatten ``sequences`` into an :class:`AccessStream` (batches of ``batch_size`` consecutive
-    sequences in lockstep, scheduled by :func:`expertcast.inference.driver.stream_schedule`)."""
+    sequences in lockstep, scheduled by :func:`expertcast.inference.cache.driver.stream_schedule`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     validate_traces(meta, sequences)
@@ -233,9 +233,9 @@ def _check_stream(stream: AccessStream, config: CacheConfig) -> None:
 def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: CostConfig | None = None,
            record_timeline: bool = False, progress: bool = False, transport: Transport | None = None,
            record_landings: bool = False) -> ReplayResult:
-    """Generic engine: the :class:`~expertcast.inference.driver.Driver` calls every hook of ``policy``
+    """Generic engine: the :class:`~expertcast.inference.cache.driver.Driver` calls every hook of ``policy``
     over the stream; transfers go to the cost model's modelled link (default) or to ``transport``
-    (e.g. a :class:`~expertcast.inference.driver.RecordedTransport` of a runtime run). Works for any
+    (e.g. a :class:`~expertcast.inference.cache.driver.RecordedTransport` of a runtime run). Works for any
     policy (prefetching, CPU execution, temporary slots). ``record_landings``: keep the driver's
     landings in ``ReplayResult.landings``."""
     if getattr(policy, "kernel_only", False):
@@ -335,7 +335,7 @@ def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
 def replay_ceiling(stream: AccessStream, config: CacheConfig, cost: CostConfig | None = None) -> ReplayResult:
     """The ceiling of every demand-only policy on the counted steps (``belady_fraction``'s denominator):
     furthest-next-use retention with bypass, each counted segment (the decode steps after a batch's
-    uncounted prefill) starting from the best cache for free (:func:`~expertcast.inference._kernels.
+    uncounted prefill) starting from the best cache for free (:func:`~expertcast.inference.policies.kernels.
     ceiling_kernel`). It is an accounting bound, not a policy (no resident set)."""
     _check_stream(stream, config)
     cost = cost or CostConfig()
@@ -487,7 +487,7 @@ def simulate(traces, policies: Sequence[str | Policy], capacities: Sequence[Any]
 
     Args:
         traces: a trace directory (``data.traces.load_traces``), a ``(TraceMeta, [TraceSequence])`` tuple
-            or an object with ``.meta`` and ``.sequences`` (e.g. :mod:`expertcast.inference.synthetic`).
+            or an object with ``.meta`` and ``.sequences`` (e.g. :mod:`expertcast.inference.sim.synthetic`).
         policies: registry names with options (``"lrfu:lam=0.1"``, ``"belady-k:k=8"``) or Policy objects
             (a Policy object is reset and reused for every capacity).
         capacities: fractions of L*E (floats), slot counts (ints) or per-layer budget lists.

@@ -13,7 +13,7 @@ given the work already assigned to each path (greedy two-machine list scheduling
 misses many experts; sending all of them to the CPU because each alone is cheaper there would leave the
 link idle.
 
-The parameters are those of the simulator's cost model (:class:`expertcast.inference.cost_model.CostConfig`)
+The parameters are those of the simulator's cost model (:class:`expertcast.inference.cache.cost_model.CostConfig`)
 by default, so decisions and modelled costs agree; :meth:`LatencyModel.measure_cpu` times a real SwiGLU
 expert on this machine's CPU with torch and fits the two CPU parameters by least squares, and
 :meth:`LatencyModel.measure` builds the whole model from timed callables (the offloading runtime
@@ -87,7 +87,7 @@ class LatencyModel:
 
     @classmethod
     def from_cost(cls, cost: Any, expert_bytes: int) -> LatencyModel:
-        """The latency model implied by a :class:`~expertcast.inference.cost_model.CostConfig`."""
+        """The latency model implied by a :class:`~expertcast.inference.cache.cost_model.CostConfig`."""
         eb = int(cost.expert_bytes or expert_bytes)
         if eb <= 0:
             raise ValueError(f"expert_bytes must be positive, got {eb}")

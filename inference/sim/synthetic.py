@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cost_model import QWEN3_30B_A3B_EXPERT_BYTES
+from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES
 
 
 @dataclass

@@ -19,7 +19,7 @@ Model (per layer-execution, in ms):
   resident), so ``pct_full_speed = 100 * compute / (compute + stall)`` over the counted (decode) steps.
 
 :class:`ModelledTransport` is this model as the transport of the policy driver
-(:mod:`expertcast.inference.driver`) in the simulator.
+(:mod:`expertcast.inference.cache.driver`) in the simulator.
 
 Defaults (documented assumptions):
 * ``bandwidth_gbps = 25``: effective host-to-device copy rate of PCIe 4.0 x16 from pinned memory
@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from expertcast.inference.driver import Transport
+from expertcast.inference.cache.driver import Transport
 
 QWEN3_30B_A3B_EXPERT_BYTES = 3 * 2048 * 768 * 2
 """9,437,184 bytes: one Qwen3-30B-A3B routed expert in bf16."""

@@ -315,7 +315,7 @@ class StageDetector:
         ignore_case: match cues case-insensitively.
         all_matches: report every cue occurrence that satisfies the word-boundary rules, longest first
             among those confirmed together, without the overlap suppression (used by calibration to
-            score many cue subsets from one pass: see :func:`expertcast.inference.cues.select_boundaries`).
+            score many cue subsets from one pass: see :func:`expertcast.inference.saem.cues.select_boundaries`).
     """
 
     def __init__(self, cues: Sequence[str], decoder: Callable[[int], bytes] | None = None, batch_size: int = 1,
