@@ -114,3 +114,14 @@ def test_no_issue_numbers_in_docs():
             if re.search(r"\bissues?\b\s*(#\s*)?\d|(?<![\w&])#\d+\b|/issues/|/pull/", line, re.IGNORECASE):
                 bad.append(f"{p.relative_to(REPO)}:{n}: {line.strip()}")
     assert not bad, "issue numbers in the docs:\n" + "\n".join(bad)
+
+
+def test_cited_documents_exist():
+    named = set()
+    for p in _files():
+        try:
+            named |= set(re.findall(r"\bdocs/([\w-]+\.md)\b", p.read_text(encoding="utf-8")))
+        except UnicodeDecodeError:
+            continue
+    missing = sorted(n for n in named if not (REPO / "docs" / n).is_file())
+    assert not missing, f"cited but absent under docs/: {missing}"
