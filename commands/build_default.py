@@ -1,12 +1,16 @@
 """`expertcast build-default`: train (or load the cached) embedded default MoE model.
 
-The recipe (``configs/tiny_default/default.yaml``, the defaults of
-:class:`expertcast.train.tiny_default.TinyDefaultConfig`) fixes the optimizer steps, the seed and the
-torch thread count, so every machine builds the same weights; the cache key covers the whole recipe,
-the sha256 of the data files and the code format.
+The recipe of the job: read the YAML recipe (``configs/tiny_default/default.yaml``, the defaults of
+:class:`expertcast.models.tiny_default.TinyDefaultConfig`), build the model or reuse the cached build
+(:func:`~expertcast.models.tiny_default.ensure_default_model`, the same path every ``--model tiny-default``
+resolves through), print its report. The recipe fixes the optimizer steps, the seed and the torch thread
+count, so every machine builds the same weights; the cache key covers the whole recipe, the sha256 of the
+data files and the code format (docs/design.md "Embedded default model").
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from expertcast.commands.common import CommandParser, run_command
 from expertcast.utils.paths import CACHE_DIR_ENV, DATA_DIR_ENV
@@ -31,12 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from expertcast.train.tiny_default import (
-            TinyDefaultConfig,
-            ensure_default_model,
-            load_report,
-            print_report,
-        )
+        from expertcast.models.tiny_default import TinyDefaultConfig, ensure_default_model, load_report
 
         cfg = TinyDefaultConfig.from_yaml(args.config) if args.config else TinyDefaultConfig()
         path = ensure_default_model(cfg, force=args.force, progress=not args.no_progress, data_root=args.data_dir)
@@ -45,3 +44,36 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_command(PROG, body)
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """Summary and per-layer load-balance table of a build's ``report.json`` in the terminal."""
+    from expertcast.utils.io import print_table
+
+    ppl = report.get("heldout_gsm8k_test") or {}
+    ppl0 = report.get("heldout_gsm8k_test_init") or {}
+    arith = report.get("heldout_arith_test") or {}
+    print_table([{
+        "train_s": report["train_time_s"], "steps": report["steps"], "tokens_seen": report["tokens_seen"],
+        "tokens_per_s": report["tokens_per_s"], "epochs": report["epochs"],
+        "gsm8k_test_ppl": ppl.get("perplexity"), "init_ppl": ppl0.get("perplexity"),
+        "arith_test_acc": arith.get("accuracy"),
+    }], title=f"tiny-default {report['key']}", floatfmt="{:.2f}")
+    rows = []
+    for domain, res in report.get("routing", {}).items():
+        if domain == "domain_js_bits":
+            continue
+        init = report.get("routing_init", {}).get(domain, {})
+        for r, r0 in zip(res["per_layer"], init.get("per_layer", res["per_layer"]), strict=True):
+            rows.append({"text": domain, "layer": r["layer"], "entropy_norm": r["entropy_norm"],
+                         "max_share": r["max_share"], "overlap": r["overlap"],
+                         "init_entropy": r0["entropy_norm"], "init_max_share": r0["max_share"],
+                         "init_overlap": r0["overlap"]})
+    if rows:
+        print_table(rows, title=f"expert load balance and step-to-step overlap (uniform overlap = "
+                                f"{report['uniform_overlap']:.3f})", floatfmt="{:.3f}")
+    if "domain_js_bits" in report.get("routing", {}):
+        js = report["routing"]["domain_js_bits"]
+        js0 = report.get("routing_init", {}).get("domain_js_bits", [float("nan")] * len(js))
+        print("expert-usage divergence GSM8K vs CoT (JS bits) per layer: trained "
+              + ", ".join(f"{v:.3f}" for v in js) + " | init " + ", ".join(f"{v:.3f}" for v in js0))

@@ -14,25 +14,38 @@ on another with ``--traces``: the baselines' fitted parts then come from the exp
 sequences, the online ones (repeat-last, recent-freq) from the evaluated sequences.
 
 Writes ``recall.csv`` (per predictor, horizon and layer), ``recall_summary.json`` and ``recall.png``
-into ``--out`` (claimed for this command: a concurrent run on it fails at once). See
-:mod:`expertcast.train.forecast_eval` for the predictors.
+into ``--out`` (claimed for this command: a concurrent run on it fails at once).
+
+The recipe of the job in one place: which sequences are evaluated (:func:`evaluation_split`), what the
+baselines are fitted on, the run, the tables, the plot. The predictors and the recall tables are the
+library :mod:`expertcast.models.forecaster_recall`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from expertcast.commands.common import CommandParser, parse_and_run, positive_int, resolve_device
 from expertcast.utils.errors import UsageError
 from expertcast.utils.tracking import add_wandb_args, log_results
 
+if TYPE_CHECKING:
+    from expertcast.data.trace_format import TraceSequence
+    from expertcast.models.forecaster_recall import RecallTable
+
 PROG = "expertcast forecast-eval"
+SPLIT_CHOICES = ("auto", "val", "test", "all")
+"""``--split``: ``auto`` (the sequences the export never saw), ``val`` / ``test`` (the export's split of
+``--traces``), ``all``."""
+
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> CommandParser:
-    from expertcast.train.forecast_eval import SPLIT_CHOICES
-
     ap = CommandParser(prog=PROG, description="Recall@K of a forecaster export by horizon vs baselines.",
                        epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--forecaster", required=True, help="forecaster export directory (written by `expertcast fit`)")
@@ -70,6 +83,33 @@ def split_info(exp) -> dict[str, Any]:
     return dict((exp.extra or {}).get("split") or {})
 
 
+def evaluation_split(seqs: Sequence[TraceSequence], split: str, trained: set[str] | None,
+                     split_info: dict[str, Any] | None) -> tuple[list[TraceSequence], str]:
+    """(sequences to evaluate, name of the split) for ``split`` in :data:`SPLIT_CHOICES`.
+
+    ``auto`` takes the sequences the export never saw (``trained`` = its train + val ids); for an export
+    that records no ids it falls back to the split settings written into it. ``val`` / ``test`` re-derive
+    the export's split of these sequences from those settings; ``all`` takes every sequence. The caller
+    checks what is returned against ``trained`` (:func:`expertcast.utils.provenance.check_overlap`).
+    """
+    if split not in SPLIT_CHOICES:
+        raise ValueError(f"split must be one of {SPLIT_CHOICES}, got {split!r}")
+    if split == "auto" and trained is not None:
+        return [s for s in seqs if s.seq_id not in trained], "held-out"
+    info = split_info or {}
+    if split == "auto":
+        split = ("test" if info.get("test_fraction", 0) > 0 else "val") if info else "all"
+    if split == "all":
+        return list(seqs), "all"
+    from expertcast.train.forecaster_data import split_sequences
+
+    if not info:
+        log.warning("the export records no split settings: using the defaults (seed 0, val 0.1)")
+    parts = split_sequences(seqs, int(info.get("split_seed", 0)), float(info.get("val_fraction", 0.1)),
+                            float(info.get("test_fraction", 0.0)))
+    return parts[split], split
+
+
 def _load(paths, flag: str):
     from expertcast.train.forecaster_data import load_trace_dirs
 
@@ -102,7 +142,7 @@ def baseline_sequences(args, exp, seqs, trained: set[str] | None, evaluated_spli
 def run(args) -> int:
     import torch
     from expertcast.models.forecaster_export import load_forecaster, training_ids
-    from expertcast.train.forecast_eval import evaluate, evaluation_split, fit_baselines
+    from expertcast.models.forecaster_recall import evaluate, fit_baselines
     from expertcast.utils.provenance import check_overlap
 
     device = resolve_device(args.device)
@@ -170,7 +210,6 @@ def overlap_note(overlap: dict[str, dict[str, Any]]) -> str | None:
 
 
 def _write(out, args, exp, meta, split, evals, tables, overlap) -> None:
-    from expertcast.train.forecast_eval import long_rows, plot, summary_rows
     from expertcast.utils.io import atomic_write_json, print_table, write_csv
 
     rows = summary_rows(tables)
@@ -191,3 +230,62 @@ def _write(out, args, exp, meta, split, evals, tables, overlap) -> None:
     if args.wandb:
         log_results(args.wandb_project, "forecast-eval", f"forecast-eval-{Path(args.forecaster).name}", vars(args),
                     tables={"recall": rows, "recall_by_layer": long_rows(tables)}, images={"recall": out.path / "recall.png"})
+
+
+def summary_rows(tables: dict[str, RecallTable]) -> list[dict[str, Any]]:
+    """One row per predictor: recall@K and @K+3 for each horizon."""
+    rows = []
+    for name, t in tables.items():
+        row: dict[str, Any] = {"predictor": name}
+        rk, rk3 = t.recall("k"), t.recall("k3")
+        for h in range(t.horizons):
+            row[f"R@K h{h + 1}"] = float(rk[h])
+        for h in range(t.horizons):
+            row[f"R@K+3 h{h + 1}"] = float(rk3[h])
+        row["targets h1"] = int(t.count[0].sum() / max(t.num_layers, 1))
+        rows.append(row)
+    return rows
+
+
+def long_rows(tables: dict[str, RecallTable]) -> list[dict[str, Any]]:
+    """Tidy rows: predictor, horizon, layer ('all' for overall), recall@K, recall@K+3, targets."""
+    rows = []
+    for name, t in tables.items():
+        rk, rk3 = t.recall_per_layer("k"), t.recall_per_layer("k3")
+        for h in range(t.horizons):
+            rows.append({"predictor": name, "horizon": h + 1, "layer": "all", "recall@K": float(t.recall("k")[h]),
+                         "recall@K+3": float(t.recall("k3")[h]), "targets": int(t.count[h].sum())})
+            for layer in range(t.num_layers):
+                rows.append({"predictor": name, "horizon": h + 1, "layer": layer, "recall@K": float(rk[h, layer]),
+                             "recall@K+3": float(rk3[h, layer]), "targets": int(t.count[h, layer])})
+    return rows
+
+
+def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str) -> None:
+    """PNG at ``path``: recall@K (solid) and @K+3 (dashed) per predictor by horizon."""
+    import textwrap
+
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from expertcast.utils.io import save_figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (name, t) in enumerate(tables.items()):
+        hs = np.arange(1, t.horizons + 1)
+        color = f"C{i}"
+        style = "o" if t.horizons == 1 else "-o"
+        ax.plot(hs, 100 * t.recall("k"), style, color=color, label=f"{name} top-K")
+        ax.plot(hs, 100 * t.recall("k3"), "x" if t.horizons == 1 else "--", color=color, alpha=0.6,
+                label=f"{name} top-(K+3)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("horizon (steps ahead)")
+    ax.set_ylabel("recall of true top-K (%)")
+    ax.set_title(textwrap.fill(title, 70), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -8,8 +8,8 @@
 - ``detect --gold labeled40.jsonl [--model M] [--cues cues.json] --out DIR``: detector precision/recall
   against sentence labels, for the calibrated set vs the full candidate set (text only).
 - ``eval [--traces DIR] [--cues cues.json] [--synthetic] --out DIR``: stage-aware vs LRU vs
-  static-frequency (and the oracle and ablations) in the trace-driven simulator
-  (:mod:`expertcast.inference.saem.evaluate`); resumes from its partial records on an exact settings match.
+  static-frequency (and the oracle and ablations) in the trace-driven simulator (the grid:
+  :mod:`expertcast.inference.saem.evaluate`); resumes from its partial records on an exact settings match.
 
 ``--model`` names the model whose tokenizer decodes the traces (``tiny-default``, a preset, a model
 folder or a Hub id; default: the cue set's tokenizer, else the traces' model). Where the cue set lives:
@@ -20,6 +20,7 @@ the stage-aware policy find it there when ``--cues`` is not given.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,12 @@ def check_cue_set_target(path: Path, overwrite: bool) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from expertcast.inference.saem.cues import CalibrationConfig, calibrate, load_candidates, sequences_from_traces
+    from expertcast.inference.saem.cues import (
+        CalibrationConfig,
+        calibrate,
+        load_candidates,
+        sequences_from_traces,
+    )
     from expertcast.inference.saem.stages import TokenDecoder
     from expertcast.utils.io import print_table
 
@@ -225,8 +231,8 @@ def _plot_stats(st: Any, path: Path) -> None:
 # -- detect -------------------------------------------------------------------------------------------
 def _cmd_detect(args: argparse.Namespace) -> int:
     from expertcast.inference.saem.cues import CueSet, load_candidates
-    from expertcast.inference.saem.stages import TokenDecoder
     from expertcast.inference.saem.gold import load_gold, score_cues, score_positions, tokenize_traces
+    from expertcast.inference.saem.stages import TokenDecoder
     from expertcast.utils.io import report
     from expertcast.utils.outdir import claim_output_dir
 
@@ -260,7 +266,7 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 # -- eval ---------------------------------------------------------------------------------------------
 def _cmd_eval(args: argparse.Namespace) -> int:
     from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig
-    from expertcast.inference.saem.evaluate import POLICIES, evaluate_saem, write_results
+    from expertcast.inference.saem.evaluate import POLICIES
     from expertcast.inference.saem.stages import TokenDecoder
     from expertcast.utils.outdir import claim_output_dir
 
@@ -296,6 +302,90 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             log_results(args.wandb_project, "stages-eval", f"stages-eval-{tag}", {k: v for k, v in vars(args).items()
                         if k != "fn"}, tables={"saem_eval": rows}, images={"saem_eval": out.path / "saem_eval.png"})
     return 0
+
+
+def evaluate_saem(*, batch_sizes: Sequence[int], capacities: Sequence[float] = (), slots: Sequence[int] = (),
+                  policies: Sequence[str], cost: Any = None,
+                  traces: tuple[Any, list[Any]] | None = None, tag: str = "cot", cue_set: Any = None,
+                  decoder: Any = None, synthetic: bool = False,
+                  partial: Callable[[str], Path] | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """SAEM evaluation rows (:mod:`expertcast.inference.saem.evaluate`) on ``traces`` (with their
+    ``cue_set`` and token ``decoder``) and/or the synthetic trace sets.
+
+    Args:
+        batch_sizes: sequences decoded in lockstep, one grid per value.
+        capacities / slots: fractions of the experts / slot counts per layer.
+        cost: the :class:`~expertcast.inference.cache.cost_model.CostConfig` of the simulator and the policies.
+        tag: name of ``traces`` in the table.
+        partial: the resume file of a trace set's tag (None: no resume).
+    """
+    from expertcast.inference.saem.evaluate import (
+        cue_set_calibration,
+        run_grid,
+        synthetic_cue_decoder,
+        synthetic_runs,
+    )
+
+    rows: list[dict[str, Any]] = []
+    if traces is not None:
+        freq, counts = cue_set_calibration(cue_set)
+        rows += run_grid(tag, traces, list(cue_set.cues), decoder, freq, counts, list(batch_sizes), capacities,
+                         cue_set.ignore_case, cost, list(policies), partial(tag) if partial else None, progress, slots)
+    if synthetic:
+        for name, syn, freq, cnt in synthetic_runs():
+            rows += run_grid(name, (syn.meta, syn.sequences[4:]), ["Wait"], synthetic_cue_decoder(syn.cue_token),
+                             freq, cnt, list(batch_sizes), capacities, False, cost, list(policies),
+                             partial(name) if partial else None, progress, slots)
+    if not rows:
+        raise UsageError("nothing to evaluate: give --traces (with a cue set) and/or --synthetic")
+    return rows
+
+
+def write_results(rows: list[dict[str, Any]], json_path: Path, csv_path: Path, png_path: Path, expert_bytes: int) -> None:
+    """The table in the terminal, JSON, CSV and the plot of :func:`evaluate_saem`'s rows."""
+    from expertcast.utils.io import report
+
+    report(rows, title=f"SAEM: stage-aware vs LRU vs static (per-layer pools, decode-only; costs of a "
+           f"{int(expert_bytes) / 1e6:.2f} MB expert)", json_path=json_path, csv_path=csv_path,
+           columns=["traces", "batch", "capacity", "slots_per_layer", "policy", "hit", "cpu_share",
+                    "transfers_per_token", "proactive_per_token", "speed_pct", "speedup_vs_lru", "oracle_eff_hit",
+                    "oracle_eff_speed", "updates"])
+    _plot_eval(rows, png_path)
+
+
+def _plot_eval(rows: list[dict[str, Any]], path: Path) -> None:
+    """Resident hit, modelled speed and transfers per token against capacity, per trace set and batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["traces"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(3, len(keys), figsize=(5 * len(keys), 10), squeeze=False)
+    for j, (tr, bs) in enumerate(keys):
+        sub = [r for r in rows if r["traces"] == tr and r["batch"] == bs]
+        for pol in dict.fromkeys(r["policy"] for r in sub):
+            pts = sorted((r["capacity"], r["hit"], r["speed_pct"], r["transfers_per_token"]) for r in sub
+                         if r["policy"] == pol)
+            x = [p[0] for p in pts]
+            for i in range(3):
+                axes[i, j].plot(x, [p[i + 1] for p in pts], "o-", label=pol)
+        axes[0, j].set_title(f"{tr}, batch {bs}")
+        axes[0, j].set_ylabel("resident hit")
+        axes[1, j].set_ylabel("modelled % of full-load speed")
+        axes[2, j].set_ylabel("transfers per decoded token")
+        axes[2, j].set_xlabel("capacity (fraction of the experts)")
+        caps = sorted({r["capacity"] for r in sub})
+        for a in axes[:, j]:
+            a.set_xscale("log")
+            a.minorticks_off()
+            a.set_xticks(caps)
+            a.set_xticklabels([f"{c:g}" for c in caps])
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # -- parser -------------------------------------------------------------------------------------------

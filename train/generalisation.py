@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import ExpertForecaster
-from expertcast.train.forecast_eval import RecallTable, evaluate, fit_baselines
+from expertcast.models.forecaster_recall import RecallTable, evaluate, fit_baselines
 from expertcast.train.forecaster_data import split_sequences, training_subset
 from expertcast.utils.provenance import check_overlap
 

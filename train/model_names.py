@@ -32,7 +32,7 @@ def resolve_model(name: str, *, announce: bool = True) -> str:
     if not name:
         raise UsageError("--model is empty")
     if name in DEFAULT_MODEL_NAMES:
-        from expertcast.train.tiny_default import ensure_default_model
+        from expertcast.models.tiny_default import ensure_default_model
 
         path = Path(ensure_default_model())
         if announce:

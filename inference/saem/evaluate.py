@@ -1,4 +1,4 @@
-"""SAEM evaluation in the trace-driven simulator (`expertcast stages eval`).
+"""SAEM evaluation in the trace-driven simulator: the library of `expertcast stages eval`.
 
 Policies (``--policies``): ``stage`` (stage-aware + CPU execution), ``stage-oracle`` (next stage's true
 frequencies at the same boundaries), the ablations ``stage-nocpu`` (temporary slot only) and
@@ -25,20 +25,21 @@ Long runs resume: finished (policy, capacity, batch) records are kept in ``parti
 output folder (written atomically after each record, with the settings key of everything they depend
 on) and reused on the next invocation only when that key matches exactly.
 
-:func:`evaluate_saem` is the library entry point (``expertcast stages eval`` parses the flags, loads
-traces and cue set, and calls it).
+:func:`run_grid` is the library entry point: the ``expertcast stages eval`` recipe
+(:mod:`expertcast.commands.stages`) loads traces and cue set, runs the grid of each trace set (the traces
+and/or :func:`synthetic_runs`) and writes the table and the plot.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from expertcast.utils.errors import UsageError
-from expertcast.utils.io import atomic_write_json, report
+from expertcast.utils.io import atomic_write_json
 from expertcast.utils.provenance import check_resume, settings_key
 
 POLICIES = ("stage", "stage-oracle", "stage-nocpu", "stage-noupdate", "lru", "static")
@@ -191,40 +192,6 @@ def run_grid(name: str, traces: tuple[Any, list[Any]], cues: list[str], decoder:
     return rows
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted({(r["traces"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(3, len(keys), figsize=(5 * len(keys), 10), squeeze=False)
-    for j, (tr, bs) in enumerate(keys):
-        sub = [r for r in rows if r["traces"] == tr and r["batch"] == bs]
-        for pol in dict.fromkeys(r["policy"] for r in sub):
-            pts = sorted((r["capacity"], r["hit"], r["speed_pct"], r["transfers_per_token"]) for r in sub
-                         if r["policy"] == pol)
-            x = [p[0] for p in pts]
-            for i in range(3):
-                axes[i, j].plot(x, [p[i + 1] for p in pts], "o-", label=pol)
-        axes[0, j].set_title(f"{tr}, batch {bs}")
-        axes[0, j].set_ylabel("resident hit")
-        axes[1, j].set_ylabel("modelled % of full-load speed")
-        axes[2, j].set_ylabel("transfers per decoded token")
-        axes[2, j].set_xlabel("capacity (fraction of the experts)")
-        caps = sorted({r["capacity"] for r in sub})
-        for a in axes[:, j]:
-            a.set_xscale("log")
-            a.minorticks_off()
-            a.set_xticks(caps)
-            a.set_xticklabels([f"{c:g}" for c in caps])
-    axes[0, 0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def cue_set_calibration(cue_set: Any) -> tuple[np.ndarray, np.ndarray]:
     """(frequency float [L, E], selection counts int64 [L, E]) of a cue set's calibration traces (the
     stage policies' seed placement and the ``static`` baseline)."""
@@ -254,43 +221,3 @@ def synthetic_runs() -> list[tuple[str, Any, np.ndarray, np.ndarray]]:
         freq = cnt / max(sum(s.num_tokens for s in syn.sequences[:4]), 1)
         out.append((tag, syn, freq, cnt))
     return out
-
-
-def evaluate_saem(*, batch_sizes: Sequence[int], capacities: Sequence[float] = (), slots: Sequence[int] = (),
-                  policies: Sequence[str] = POLICIES, cost: Any = None,
-                  traces: tuple[Any, list[Any]] | None = None, tag: str = "cot", cue_set: Any = None,
-                  decoder: Any = None, synthetic: bool = False,
-                  partial: Callable[[str], Path] | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    """SAEM evaluation rows (module docstring) on ``traces`` (with their ``cue_set`` and token
-    ``decoder``) and/or the synthetic trace sets.
-
-    Args:
-        batch_sizes: sequences decoded in lockstep, one grid per value.
-        capacities / slots: fractions of the experts / slot counts per layer.
-        cost: the :class:`~expertcast.inference.cache.cost_model.CostConfig` of the simulator and the policies.
-        tag: name of ``traces`` in the table.
-        partial: the resume file of a trace set's tag (None: no resume).
-    """
-    rows: list[dict[str, Any]] = []
-    if traces is not None:
-        freq, counts = cue_set_calibration(cue_set)
-        rows += run_grid(tag, traces, list(cue_set.cues), decoder, freq, counts, list(batch_sizes), capacities,
-                         cue_set.ignore_case, cost, list(policies), partial(tag) if partial else None, progress, slots)
-    if synthetic:
-        for name, syn, freq, cnt in synthetic_runs():
-            rows += run_grid(name, (syn.meta, syn.sequences[4:]), ["Wait"], synthetic_cue_decoder(syn.cue_token),
-                             freq, cnt, list(batch_sizes), capacities, False, cost, list(policies),
-                             partial(name) if partial else None, progress, slots)
-    if not rows:
-        raise UsageError("nothing to evaluate: give --traces (with a cue set) and/or --synthetic")
-    return rows
-
-
-def write_results(rows: list[dict[str, Any]], json_path: Path, csv_path: Path, png_path: Path, expert_bytes: int) -> None:
-    """The table in the terminal, JSON, CSV and the plot of :func:`evaluate_saem`'s rows."""
-    report(rows, title=f"SAEM: stage-aware vs LRU vs static (per-layer pools, decode-only; costs of a "
-           f"{int(expert_bytes) / 1e6:.2f} MB expert)", json_path=json_path, csv_path=csv_path,
-           columns=["traces", "batch", "capacity", "slots_per_layer", "policy", "hit", "cpu_share",
-                    "transfers_per_token", "proactive_per_token", "speed_pct", "speedup_vs_lru", "oracle_eff_hit",
-                    "oracle_eff_speed", "updates"])
-    plot(rows, png_path)

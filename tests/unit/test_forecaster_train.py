@@ -7,7 +7,7 @@ import pytest
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import activation_vector, trigger_sequence
-from expertcast.train.forecast_eval import evaluate, fit_baselines
+from expertcast.models.forecaster_recall import evaluate, fit_baselines
 from expertcast.train.forecaster_data import (
     EpochShuffleSampler,
     ForecasterDataModule,
@@ -160,7 +160,7 @@ def test_direct_heads_approach_bayes_optimal_at_longer_horizons():
 
 
 def test_recent_frequency_baseline_follows_the_sequence_and_resets():
-    from expertcast.train.forecast_eval import RecentFrequencyBaseline
+    from expertcast.models.forecaster_recall import RecentFrequencyBaseline
 
     freq = torch.full((2, 6), 1 / 6)
     freq[:, 5] = 0.5  # the training prior favours expert 5

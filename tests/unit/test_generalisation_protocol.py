@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from expertcast.train.forecast_eval import _frequency
+from expertcast.models.forecaster_recall import _frequency
 from expertcast.train.forecaster_data import ForecasterDataModule, training_subset
 from expertcast.train.forecaster_synthetic import StickyRoutingProcess
 from expertcast.train.generalisation import (
@@ -52,7 +52,7 @@ def test_baselines_fit_on_the_fit_set_and_online_ones_read_the_evaluated_sequenc
     tables["forecaster"] = tables["frequency"]
     assert (margin_over_online(tables) < 0).all()
     # the frequency baseline is the 10 fit sequences' frequency, not the evaluated ones'
-    from expertcast.train.forecast_eval import fit_baselines
+    from expertcast.models.forecaster_recall import fit_baselines
 
     freq = next(b for b in fit_baselines(row.fit, meta, 1) if b.name == "frequency").freq
     assert torch.allclose(freq, _frequency(row.fit, 2, 16, 1))

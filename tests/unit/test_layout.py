@@ -1,6 +1,7 @@
 """Import directions between the package's layers (docs/design.md "Layout").
 
 models/ imports neither train/ nor inference/; data/ imports neither; inference/ does not import train/;
+train/ does not import inference/;
 inference/ and models/ import no lightning or wandb; only commands/ parses command lines (argparse).
 """
 
@@ -18,7 +19,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "models": ("expertcast.train", "expertcast.inference", "expertcast.commands", "lightning", "wandb"),
     "data": ("expertcast.train", "expertcast.inference", "expertcast.commands"),
     "inference": ("expertcast.train", "expertcast.commands", "lightning", "wandb"),
-    "train": ("expertcast.commands",),
+    "train": ("expertcast.inference", "expertcast.commands"),
     "utils": ("expertcast.train", "expertcast.inference", "expertcast.commands"),
 }
 

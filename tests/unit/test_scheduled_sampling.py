@@ -11,7 +11,7 @@ from expertcast.models.forecaster import (
     activation_vector,
     predictions_to_input,
 )
-from expertcast.train.forecast_eval import evaluate
+from expertcast.models.forecaster_recall import evaluate
 from expertcast.train.forecaster_module import rollout_inputs, sample_replacements, sampling_schedule
 from expertcast.train.forecaster_synthetic import ModeMarkovProcess, fit_forecaster
 

@@ -207,7 +207,7 @@ def test_bad_input_is_one_line_and_exit_2(setup, bad_files, argv, words, capsys)
 
 def test_calibrate_model_tiny_default_resolves_offline(setup, tmp_path, monkeypatch, capsys, data_dir):
     """`--model tiny-default` goes through the one resolver: the cached default model's tokenizer, no Hub."""
-    from expertcast.train import tiny_default as td
+    from expertcast.models import tiny_default as td
 
     root, model, traces, gold = setup
     monkeypatch.setenv("EXPERTCAST_CACHE_DIR", str(tmp_path / "cache"))

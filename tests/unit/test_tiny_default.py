@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from expertcast.train import tiny_default as td
+from expertcast.models import tiny_default as td
 
 torch.set_num_threads(1)
 

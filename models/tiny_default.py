@@ -26,6 +26,11 @@ with the same weights as an uninterrupted one.
 
 Plain PyTorch loop (no Lightning): AdamW, linear warm-up then cosine decay over ``max_steps``, and the
 load-balancing auxiliary loss of the config (``router_aux_loss_coef`` with ``output_router_logits``).
+
+A model library (not a command): resolving ``--model tiny-default`` builds the model on a cache miss, so
+the build sits beside the other model facts (docs/design.md "Embedded default model", "Layout"). The
+``expertcast build-default`` recipe (:mod:`expertcast.commands.build_default`) reads the YAML recipe,
+builds or reuses the model through :func:`ensure_default_model` and prints its report.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.utils.errors import UsageError
-from expertcast.utils.io import atomic_write_json, print_table
+from expertcast.utils.io import atomic_write_json
 from expertcast.utils.paths import DATA_DIR_ENV, cache_dir, data_dir
 from expertcast.utils.provenance import sha256_file
 
@@ -823,43 +828,13 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
 
 
 def load_report(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``report.json`` of a built default model directory."""
     return json.loads((Path(path) / REPORT_FILE).read_text())
-
-
-def print_report(report: dict[str, Any]) -> None:
-    """Summary and per-layer load-balance table in the terminal."""
-    ppl = report.get("heldout_gsm8k_test") or {}
-    ppl0 = report.get("heldout_gsm8k_test_init") or {}
-    arith = report.get("heldout_arith_test") or {}
-    print_table([{
-        "train_s": report["train_time_s"], "steps": report["steps"], "tokens_seen": report["tokens_seen"],
-        "tokens_per_s": report["tokens_per_s"], "epochs": report["epochs"],
-        "gsm8k_test_ppl": ppl.get("perplexity"), "init_ppl": ppl0.get("perplexity"),
-        "arith_test_acc": arith.get("accuracy"),
-    }], title=f"tiny-default {report['key']}", floatfmt="{:.2f}")
-    rows = []
-    for domain, res in report.get("routing", {}).items():
-        if domain == "domain_js_bits":
-            continue
-        init = report.get("routing_init", {}).get(domain, {})
-        for r, r0 in zip(res["per_layer"], init.get("per_layer", res["per_layer"]), strict=True):
-            rows.append({"text": domain, "layer": r["layer"], "entropy_norm": r["entropy_norm"],
-                         "max_share": r["max_share"], "overlap": r["overlap"],
-                         "init_entropy": r0["entropy_norm"], "init_max_share": r0["max_share"],
-                         "init_overlap": r0["overlap"]})
-    if rows:
-        print_table(rows, title=f"expert load balance and step-to-step overlap (uniform overlap = "
-                                f"{report['uniform_overlap']:.3f})", floatfmt="{:.3f}")
-    if "domain_js_bits" in report.get("routing", {}):
-        js = report["routing"]["domain_js_bits"]
-        js0 = report.get("routing_init", {}).get("domain_js_bits", [float("nan")] * len(js))
-        print("expert-usage divergence GSM8K vs CoT (JS bits) per layer: trained "
-              + ", ".join(f"{v:.3f}" for v in js) + " | init " + ", ".join(f"{v:.3f}" for v in js0))
 
 
 __all__ = [
     "TinyDefaultConfig", "ensure_default_model", "default_model_dir", "build_default_model", "load_report",
-    "print_report", "routing_of", "model_config",
+    "routing_of", "model_config",
     "routing_stats", "heldout_perplexity", "heldout_arith_accuracy", "gsm8k_messages", "cot_messages",
     "arith_messages", "arith_train_problems", "arith_hash", "data_hashes",
 ]

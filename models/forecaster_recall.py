@@ -1,5 +1,7 @@
-"""Recall of the forecaster by horizon vs baselines (SeqMoE 9.4; docs/design.md), the library behind
-``expertcast forecast-eval`` (:mod:`expertcast.commands.forecast_eval`).
+"""Recall of the forecaster by horizon vs baselines (docs/design.md "Evaluation and baselines"): the
+predictors and the recall tables behind ``expertcast forecast-eval`` (:mod:`expertcast.commands.forecast_eval`,
+which chooses the evaluated sequences, writes and plots the tables) and the generalisation protocol
+(:mod:`expertcast.train.generalisation`).
 
 For every held-out sequence and every element i whose next element is a decode element, each predictor
 forecasts elements i+1..i+H (the forecaster by recursive rollout from its recurrent state). Recall@K
@@ -19,26 +21,19 @@ Reported per horizon, per layer and overall, for:
 ``--horizons`` forecasts come from the forecaster's direct heads where it has them and from recursive
 rollout beyond (:meth:`~expertcast.models.forecaster.ExpertForecaster.rollout`).
 
-Baselines are fitted on the sequences the export was trained on (or ``--fit-traces``); the evaluated
-sequences are chosen by :func:`evaluation_split` from the training ids recorded in the export, so a
-forecaster is never scored on its own training data unless the caller allows it.
+The caller fits the baselines (:func:`fit_baselines`) on sequences the evaluated ones are disjoint from
+(``expertcast forecast-eval``: the export's training sequences or ``--fit-traces``).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import ExpertForecaster, activation_vector, trigger_offset, trigger_sequence
-
-log = logging.getLogger(__name__)
-
 
 # ----------------------------------------------------------------------------------------------
 # element tensors
@@ -298,95 +293,3 @@ def evaluate(model: ExpertForecaster | None, seqs: Sequence[TraceSequence], meta
     if bar is not None:
         bar.close()
     return tables
-
-
-def summary_rows(tables: dict[str, RecallTable]) -> list[dict[str, Any]]:
-    """One row per predictor: recall@K and @K+3 for each horizon."""
-    rows = []
-    for name, t in tables.items():
-        row: dict[str, Any] = {"predictor": name}
-        rk, rk3 = t.recall("k"), t.recall("k3")
-        for h in range(t.horizons):
-            row[f"R@K h{h + 1}"] = float(rk[h])
-        for h in range(t.horizons):
-            row[f"R@K+3 h{h + 1}"] = float(rk3[h])
-        row["targets h1"] = int(t.count[0].sum() / max(t.num_layers, 1))
-        rows.append(row)
-    return rows
-
-
-def long_rows(tables: dict[str, RecallTable]) -> list[dict[str, Any]]:
-    """Tidy rows: predictor, horizon, layer ('all' for overall), recall@K, recall@K+3, targets."""
-    rows = []
-    for name, t in tables.items():
-        rk, rk3 = t.recall_per_layer("k"), t.recall_per_layer("k3")
-        for h in range(t.horizons):
-            rows.append({"predictor": name, "horizon": h + 1, "layer": "all", "recall@K": float(t.recall("k")[h]),
-                         "recall@K+3": float(t.recall("k3")[h]), "targets": int(t.count[h].sum())})
-            for layer in range(t.num_layers):
-                rows.append({"predictor": name, "horizon": h + 1, "layer": layer, "recall@K": float(rk[h, layer]),
-                             "recall@K+3": float(rk3[h, layer]), "targets": int(t.count[h, layer])})
-    return rows
-
-
-def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str) -> None:
-    """PNG at ``path``: recall@K (solid) and @K+3 (dashed) per predictor by horizon."""
-    import textwrap
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from expertcast.utils.io import save_figure
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, (name, t) in enumerate(tables.items()):
-        hs = np.arange(1, t.horizons + 1)
-        color = f"C{i}"
-        style = "o" if t.horizons == 1 else "-o"
-        ax.plot(hs, 100 * t.recall("k"), style, color=color, label=f"{name} top-K")
-        ax.plot(hs, 100 * t.recall("k3"), "x" if t.horizons == 1 else "--", color=color, alpha=0.6,
-                label=f"{name} top-(K+3)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("horizon (steps ahead)")
-    ax.set_ylabel("recall of true top-K (%)")
-    ax.set_title(textwrap.fill(title, 70), fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
-# ----------------------------------------------------------------------------------------------
-# which sequences are evaluated
-
-
-SPLIT_CHOICES = ("auto", "val", "test", "all")
-
-
-def evaluation_split(seqs: Sequence[TraceSequence], split: str, trained: set[str] | None,
-                     split_info: dict[str, Any] | None) -> tuple[list[TraceSequence], str]:
-    """(sequences to evaluate, name of the split) for ``split`` in :data:`SPLIT_CHOICES`.
-
-    ``auto`` takes the sequences the export never saw (``trained`` = its train + val ids); for an export
-    that records no ids it falls back to the split settings written into it. ``val`` / ``test`` re-derive
-    the export's split of these sequences from those settings; ``all`` takes every sequence. The caller
-    checks what is returned against ``trained`` (:func:`expertcast.utils.provenance.check_overlap`).
-    """
-    if split not in SPLIT_CHOICES:
-        raise ValueError(f"split must be one of {SPLIT_CHOICES}, got {split!r}")
-    if split == "auto" and trained is not None:
-        return [s for s in seqs if s.seq_id not in trained], "held-out"
-    info = split_info or {}
-    if split == "auto":
-        split = ("test" if info.get("test_fraction", 0) > 0 else "val") if info else "all"
-    if split == "all":
-        return list(seqs), "all"
-    from expertcast.train.forecaster_data import split_sequences
-
-    if not info:
-        log.warning("the export records no split settings: using the defaults (seed 0, val 0.1)")
-    parts = split_sequences(seqs, int(info.get("split_seed", 0)), float(info.get("val_fraction", 0.1)),
-                            float(info.get("test_fraction", 0.0)))
-    return parts[split], split
