@@ -152,7 +152,7 @@ class PolicyOptions:
 
     def label(self) -> str:
         """Name of a run: the policy with the options given (``lrfu(lam=0.1)``)."""
-        kw = self.given_values()
+        kw = {k: v for k, v in self.given_values().items() if isinstance(v, (int, float, str, bool))}
         return f"{self.policy}({','.join(f'{k}={v}' for k, v in kw.items())})" if kw else self.policy
 
     def files(self) -> dict[str, str]:
@@ -226,6 +226,10 @@ def _check_typed(policy: str, key: str, value: Any, tp: Any, meta: Mapping[str, 
     """A typed value of option ``key`` (a programmatic caller's) checked as :func:`_convert` checks text."""
     where = f"{policy} option {key}={value}"
     args = typing.get_args(tp)
+    if isinstance(value, (list, tuple)) and any(typing.get_origin(a) is tuple for a in args):
+        if not all(isinstance(v, str) for v in value):
+            raise UsageError(f"{where}: expected text")
+        return tuple(value)
     if args and type(None) in args:
         if value is None:
             return None

@@ -33,8 +33,8 @@ import numpy as np
 from expertcast.inference.cache.options import PolicyOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
     from expertcast.inference.cache.driver import StepInfo
+    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 
 
 class MissAction(IntEnum):

@@ -14,7 +14,7 @@ import importlib
 import inspect
 import os
 import warnings
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from expertcast.inference.cache.policy import Policy
@@ -35,7 +35,7 @@ POLICY_MODULES: tuple[str, ...] = (
 """The policy modules, in registry order (each one's ``SPECS`` in its order)."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def _build(modules: tuple[str, ...]) -> tuple[dict[str, PolicySpec], dict[str, str]]:
     """({name: spec}, {module: "module: ExceptionType: message"} of the modules that cannot be imported)."""
     specs: dict[str, PolicySpec] = {}
@@ -124,7 +124,6 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
     policy does not take is a UsageError naming the valid ones.
     """
     from expertcast.inference.cache.options import _unknown_option
-    from expertcast.inference.policies.artifacts import load_artifacts
 
     spec = policy_spec(name)
     cls = policy_class(name)
@@ -161,12 +160,3 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
     opts = parse_policy_options(spec)
     return opts.policy, opts.given_values()
-
-
-def policy_label(name: str, kwargs: dict[str, Any]) -> str:
-    """Name of a run: the policy with its scalar options (``lrfu(lam=0.1)``); objects (replays, loaded
-    calibration data) do not name the run."""
-    opts = ",".join(f"{k}={os.fspath(v) if isinstance(v, os.PathLike) else v}" for k, v in kwargs.items()
-                    if isinstance(v, (int, float, str, bool, os.PathLike)))
-    key = name.strip().lower()
-    return f"{key}({opts})" if opts else key

@@ -86,7 +86,7 @@ class HybridPolicy(SeqMoEPolicy):
         replay: str | None = option(None, "recorded router outputs (routers part)", file="router_replay")
         router_weight: float = option(1.0, "weight of the routers' s^T term", low=0.0)
         cue_set: str | None = option(None, "calibrated cue set (stage part)", file="cue_set")
-        cues: str | None = option(None, "explicit stage cues separated by '|' (stage part)")
+        cues: str | tuple[str, ...] | None = option(None, "explicit stage cues separated by '|' (stage part)")
         tokenizer: str | None = option(None, "tokenizer directory or Hub id decoding the token ids (stage part)")
         stage_weight: float = option(1.0, "weight of the stage-frequency term", low=0.0)
         min_stage_steps: int = option(1, "ignore stage boundaries closer than this many decode steps", low=1)

@@ -80,7 +80,8 @@ class StageAwarePolicy(Policy):
 
         cue_set: str | None = option(None, "calibrated cue set (cues, tokenizer, expert frequencies)",
                                      file="cue_set")
-        cues: str | None = option(None, "explicit cues separated by '|' (overrides the cue set's)")
+        cues: str | tuple[str, ...] | None = option(None, "explicit cues separated by '|' (overrides the cue "
+                                                    "set's; a programmatic caller may give a tuple)")
         tokenizer: str | None = option(None, "tokenizer directory or Hub id decoding the token ids")
         cpu_exec: bool = option(True, "execute cold experts on the CPU (false: temporary slot only)")
         stage_updates: bool = option(True, "refill at stage boundaries (false: calibration placement only)")

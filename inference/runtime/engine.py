@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 from expertcast.inference.cache.driver import CPU, SLOT, TEMP, Driver
+from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy, check_policy_compatible
 from expertcast.inference.policies import spec_of
 from expertcast.inference.runtime import experts as X

@@ -73,15 +73,16 @@ def make_policies(cues: list[str], decoder: Any, static_frequency: np.ndarray, c
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise UsageError(f"unknown SAEM eval policies {unknown}; choose from {', '.join(POLICIES)}")
-    kw = dict(cues=cues, decoder=decoder, static_frequency=static_frequency, cost=cost)
+    kw = dict(decoder=decoder, static_frequency=static_frequency, cost=cost)
+    cue_opt = cues if isinstance(cues, str) or cues is None else tuple(cues)
     calib = np.asarray(calibration)
     if calib.ndim != 2 or not np.issubdtype(calib.dtype, np.integer):
         raise ValueError(f"static calibration must be int selection counts [L, E], got {calib.dtype} {calib.shape}")
     build = {
-        "stage": lambda: StageAwarePolicy(**kw),
-        "stage-oracle": lambda: StageOraclePolicy(**kw),
-        "stage-nocpu": lambda: StageAwarePolicy(cpu_exec=False, **kw),
-        "stage-noupdate": lambda: StageAwarePolicy(stage_updates=False, **kw),
+        "stage": lambda: StageAwarePolicy(StageAwarePolicy.Options(cues=cue_opt), **kw),
+        "stage-oracle": lambda: StageOraclePolicy(StageOraclePolicy.Options(cues=cue_opt), **kw),
+        "stage-nocpu": lambda: StageAwarePolicy(StageAwarePolicy.Options(cues=cue_opt, cpu_exec=False), **kw),
+        "stage-noupdate": lambda: StageAwarePolicy(StageAwarePolicy.Options(cues=cue_opt, stage_updates=False), **kw),
         "lru": LRUPolicy,
         "static": lambda: StaticFrequencyPolicy(calibration=calib),
     }

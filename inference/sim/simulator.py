@@ -46,12 +46,17 @@ from typing import Any
 
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.policies import kernels as K
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
-from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Event, ModelledTransport
+from expertcast.inference.cache.cost_model import (
+    QWEN3_30B_A3B_EXPERT_BYTES,
+    CostConfig,
+    Event,
+    ModelledTransport,
+)
 from expertcast.inference.cache.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
+from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 from expertcast.inference.cache.metrics import CacheMetricsMixin
 from expertcast.inference.cache.policy import Policy
+from expertcast.inference.policies import kernels as K
 
 WARMUP_NOTE = "decode-only; prefill replayed through the policy uncounted"
 ORACLE_NOTE = ("belady_fraction = hit / ceiling of demand-only policies (furthest next use kept, bypass allowed, "
