@@ -266,6 +266,7 @@ class SeqMoEPolicy(Policy):
         self.prefetch = bool(o.prefetch)
         self.max_tasks = int(o.max_tasks_per_layer or self.fc.top_k)
         self.min_confidence = float(o.min_confidence)
+        # seqmoe-async's options have neither field: it ranks by the floor rule and forecasts online
         self.prefetch_rule = getattr(o, "prefetch_rule", "floor")
         self.lookahead = float(o.lookahead)
         self.transfer_layers = o.transfer_layers

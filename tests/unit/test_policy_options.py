@@ -113,3 +113,24 @@ def test_an_unimportable_policy_is_reported_not_dropped(monkeypatch):
     with pytest.warns(RuntimeWarning), pytest.raises(UsageError, match="unknown policy 'broken'.*unimportable policy "
                                                                        "modules: expertcast.inference.no_such_module"):
         make_policy("broken")
+
+
+def test_typed_values_are_checked_as_text_is_and_objects_pass_through(tmp_path):
+    """make_policy checks a typed value by the same field rules as the command line's text; a loaded object of a
+    file option's name passes through, its path is loaded by the one loader (policies/artifacts.py)."""
+    with pytest.raises(UsageError, match=r"belady-k option k=-1: must be >= 0"):
+        make_policy("belady-k", k=-1)
+    with pytest.raises(UsageError, match="belady-k option k=1.5: expected an integer"):
+        make_policy("belady-k", k=1.5)
+    with pytest.raises(UsageError, match="lfu option history=never: expected one of perfect, in-cache"):
+        make_policy("lfu", history="never")
+    assert make_policy("belady-k", k="3").horizon_steps == 3  # text is converted
+    tr = zipf_traces(2, 20, num_layers=2, num_experts=8, top_k=2, seed=1)
+    from_objects = make_policy("static", calibration=tr.sequences)
+    d = write_traces(tmp_path / "cal", tr.meta, tr.sequences)
+    from_path = make_policy("static", calibration=d)  # a PathLike is the file option
+    assert (from_objects.freq == from_path.freq).all() and from_objects.label == "static"
+    with pytest.raises(UsageError, match="lrfu option lam is given twice"):
+        parse_policy_options("lrfu:lam=0.1", {"lam": 0.2})
+    o = parse_policy_options("lrfu", {"lam": 0.5})
+    assert o.given_values() == {"lam": 0.5} and o.label() == "lrfu(lam=0.5)"
