@@ -9,8 +9,8 @@ fills every object the caller did not give from the options, driven by the file 
   on the options' ``device``;
 * ``calibration`` (trace set) -> its sequences;
 * ``replay`` (router replay) -> a :class:`~expertcast.inference.policies.router.RouterReplay`;
-* ``cue_set`` (cue-set JSON) -> a :class:`~expertcast.inference.saem.cues.CueSet`; without a cue set or
-  cues, a ``tokenizer`` directory holding ``cues.json`` gives it;
+* ``cue_set`` (cue-set JSON) -> a :class:`~expertcast.inference.saem.cues.CueSet`; for a policy that needs
+  cues, without a cue set or cues, a ``tokenizer`` directory holding ``cues.json`` gives it;
 * ``tokenizer`` (``needs`` names it and the options read tokens): the tokenizer named by the option, else
   by the cue set, unless a ``decoder`` was given.
 """
@@ -76,8 +76,8 @@ def load_artifacts(spec: PolicySpec, opts: PolicyOptions, given: dict[str, Any] 
             else:
                 out[name] = LOADERS[kind](path)
     tok = getattr(opts, "tokenizer", None)
-    if "cue_set" in takes and out.get("cue_set") is None and getattr(opts, "cues", None) is None \
-            and isinstance(tok, (str, Path)):
+    if "cues" in spec.needs and "cue_set" in takes and out.get("cue_set") is None \
+            and getattr(opts, "cues", None) is None and isinstance(tok, (str, Path)):
         from expertcast.inference.saem.cues import CUESET_FILENAME
 
         if (Path(tok) / CUESET_FILENAME).is_file():
