@@ -45,10 +45,6 @@ from expertcast.utils.errors import UsageError
 
 PROG = "expertcast eval"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SIMULATOR_ONLY = {
-    "stage-oracle": "it reads the next stage from the recorded routing",
-}
-"""Registered policies that cannot drive a live generation, and why."""
 SUMMARY_COLUMNS = ["samples", "accuracy", "hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s",
                    "stall_ms_per_token", "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline"]
 BASELINES = ("auto", "full-load", "host", "none")
@@ -120,42 +116,49 @@ def main(argv: list[str] | None = None) -> int:
 # -- validation (cheap, before the model loads) --------------------------------------------------------
 def build_policy(spec: str) -> tuple[Any, str, dict[str, Any], dict[str, str]]:
     """(policy, name, options, file options) of ``--policy NAME[:k=v,...]``, options typed and validated
-    by :func:`~expertcast.inference.cache.options.parse_policy_options`; every mistake is a UsageError."""
-    from expertcast.inference.policies import make_policy
+    by :func:`~expertcast.inference.cache.options.parse_policy_options`; the policy's spec says whether it
+    can drive a live generation. Every mistake is a UsageError."""
     from expertcast.inference.cache.options import parse_policy_options
+    from expertcast.inference.policies import build_policy as build
+    from expertcast.inference.policies import make_policy, policy_spec
     from expertcast.inference.runtime.live_routers import is_router_policy, live_router_policy
 
     if is_router_policy(spec):  # live routers: their scores come from the --model export (attached at offload)
         name, opts = live_router_policy(spec)
         return make_policy(name, **opts), name, opts, {}
     parsed = parse_policy_options(spec)
-    name, opts = parsed.policy, parsed.to_kwargs()
-    if name in SIMULATOR_ONLY:
-        raise UsageError(f"--policy {name}: {SIMULATOR_ONLY[name]}, so it runs only in `expertcast simulate` on "
-                         f"recorded traces, not in a live evaluation")
+    name, opts = parsed.policy, parsed.given_values()
+    pspec = policy_spec(name)
+    if not pspec.live:
+        if "future" in pspec.needs:
+            raise UsageError(f"--policy {name} is an oracle (it reads the future routing): it cannot drive a live "
+                             f"evaluation; use `expertcast simulate` on recorded traces")
+        raise UsageError(f"--policy {name} runs only on the simulator's compiled engine, not in the runtime")
     try:
-        policy = make_policy(name, **opts)
+        policy = build(pspec, parsed)
     except UsageError:
         raise
     except (TypeError, AttributeError, ValueError) as e:
         keys = ", ".join(opts) or "none"
         raise UsageError(f"--policy {spec}: cannot build {name} with options ({keys}): {e}") from None
-    if policy.needs_future:
-        raise UsageError(f"--policy {name} is an oracle (it reads the future routing): it cannot drive a live "
-                         f"evaluation; use `expertcast simulate` on recorded traces")
-    if getattr(policy, "kernel_only", False):
-        raise UsageError(f"--policy {name} runs only on the simulator's compiled engine, not in the runtime")
     return policy, name, opts, parsed.files()
 
 
 def fit_stage_policy(policy: Any, resolved: str) -> None:
-    """A stage-aware policy reads the evaluated model's generated tokens: its cue set must come from this
-    model (else a UsageError naming both), and without a tokenizer of its own it decodes with the model's."""
+    """A policy that decodes the generated tokens (its spec needs a tokenizer) reads the evaluated model's: its
+    cue set must come from this model (else a UsageError naming both), and without a tokenizer of its own it
+    decodes with the model's."""
+    from expertcast.inference.policies import spec_of
+
+    if "tokenizer" not in spec_of(policy).needs:
+        return
     cue_set = getattr(policy, "cue_set", None)
     if cue_set is not None:
         cue_set.check_model(resolved, source=f"cue set of --policy {policy.name}", what="the evaluated tokens")
-    if hasattr(policy, "default_tokenizer"):
-        policy.default_tokenizer(resolved)
+    if policy.wants_tokenizer():
+        from expertcast.inference.policies.artifacts import load_tokenizer
+
+        policy.use_tokenizer(load_tokenizer(resolved))
 
 
 def model_shape(resolved: str) -> tuple[int, int, int]:
@@ -392,7 +395,13 @@ def _pad_left(tok: Any) -> None:
 def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[dict[str, Any]],
                          session: ModelSession) -> dict[str, Any]:
     from expertcast.data.prompts import has_chat_template
-    from expertcast.inference.runtime.eval_run import SAMPLES, append_samples, eos_ids, read_samples, run_batch
+    from expertcast.inference.runtime.eval_run import (
+        SAMPLES,
+        append_samples,
+        eos_ids,
+        read_samples,
+        run_batch,
+    )
 
     info, problems = cell["info"], cell["problems"]
     done_ids = {r["id"] for r in done}

@@ -115,23 +115,20 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------------------
 def list_policies() -> str:
     """Every registered policy: its one-line description and options (name, type, default, help)."""
-    from expertcast.inference.policies import REGISTRY, policy_class, policy_import_errors
-    from expertcast.inference.cache.options import OPTIONS, PolicyOptions
+    from expertcast.inference.policies import policy_import_errors, registry
 
-    errors = policy_import_errors()
     lines = []
-    for name in REGISTRY:
-        if name in errors:
-            lines.append(f"{name}: UNAVAILABLE ({errors[name]})")
-            continue
-        lines.append(f"{name}: {_summary(policy_class(name).__doc__)}")
-        opts = OPTIONS.get(name, PolicyOptions).describe()
+    for name, spec in registry().items():
+        lines.append(f"{name}: {_summary(spec.load().__doc__)}")
+        opts = spec.options.describe()
         if not opts:
             lines.append("    (no options)")
         for o in opts:
             default = "none" if o["default"] is None else str(o["default"]).lower() if isinstance(o["default"], bool) \
                 else str(o["default"])
             lines.append(f"    {o['name']:<20} {o['type']:<14} default {default:<8} {o['help']}")
+    for module, err in policy_import_errors().items():
+        lines.append(f"{module}: UNAVAILABLE ({err})")
     return "\n".join(lines)
 
 
@@ -169,19 +166,17 @@ def _capacities(args) -> tuple[list[Any], list[int] | None]:
 
 
 def _policy_options(args) -> list:
-    """Validated options of every ``--policies`` entry (``--forecaster`` filled into the seqmoe ones)."""
-    from expertcast.inference.policies import policy_class
+    """Validated options of every ``--policies`` entry (``--forecaster`` filled into the ones that need one)."""
     from expertcast.inference.cache.options import check_file, parse_policy_options, split_policy_list
+    from expertcast.inference.policies import policy_spec
 
     specs = split_policy_list(args.policies)
     if args.forecaster:
         check_file("forecaster", args.forecaster, f"--forecaster {args.forecaster}")
-        specs = [_with_forecaster(s, args) for s in specs]
-    opts = [parse_policy_options(s) for s in specs]
+    opts = [parse_policy_options(s, _forecaster_options(s, args)) for s in specs]
     seen: set[str] = set()
     for o in opts:
-        cls = policy_class(o.policy)  # an unimportable policy fails here, before any trace is loaded
-        if getattr(cls, "kernel_only", False) and args.engine == "python":
+        if not policy_spec(o.policy).runs_on("driver") and args.engine == "python":
             raise UsageError(f"{o.policy} runs only on the compiled engine: use --engine auto or kernel")
         if o.spec() in seen:
             raise UsageError(f"policy {o.spec()} is given twice in --policies")
@@ -189,17 +184,19 @@ def _policy_options(args) -> list:
     return opts
 
 
-def _with_forecaster(spec: str, args) -> str:
-    """``seqmoe`` -> ``seqmoe:forecaster=EXPORT,bandwidth_gbps=..,layer_compute_ms=..`` (the link and
-    compute settings feed its transfer-time estimate) unless the spec names its own forecaster."""
-    name = spec.split(":")[0].strip().lower()
-    if name not in ("seqmoe", "seqmoe-async", "hybrid") or "forecaster=" in spec:
-        return spec
-    extra = f"forecaster={args.forecaster},bandwidth_gbps={args.bandwidth_gbps}"
+def _forecaster_options(spec: str, args) -> dict[str, Any]:
+    """The typed options ``--forecaster`` adds to a policy that needs a forecaster and names none in ``spec``:
+    ``forecaster``, ``bandwidth_gbps`` and ``layer_compute_ms`` (the link and compute settings feed its
+    transfer-time estimate)."""
+    from expertcast.inference.policies import policy_spec
+
+    if not args.forecaster or "forecaster" not in policy_spec(spec.split(":")[0]).needs or "forecaster=" in spec:
+        return {}
+    extra: dict[str, Any] = {"forecaster": args.forecaster, "bandwidth_gbps": float(args.bandwidth_gbps)}
     lc = _floats(args.layer_compute_ms, "--layer-compute-ms")
     if len(lc) == 1:
-        extra += f",layer_compute_ms={lc[0]}"
-    return spec + ("," if ":" in spec else ":") + extra
+        extra["layer_compute_ms"] = lc[0]
+    return extra
 
 
 def _load_traces(args):
@@ -290,15 +287,16 @@ def _fit_header(args, fit_seqs, seqs) -> dict[str, Any]:
 def _make_policies(options: list, calibration, meta) -> list:
     """One policy object per options entry (``static`` gets ``--calibration`` unless it names its own),
     checked against the traces' L/E/K before any replay."""
-    from expertcast.inference.policies import make_policy
+    from expertcast.inference.policies import build_policy, object_names, policy_spec
 
     out = []
     for o in options:
-        kwargs = o.to_kwargs()
-        if o.policy == "static" and calibration is not None and "calibration" not in kwargs:
-            kwargs["calibration"] = calibration
+        spec = policy_spec(o.policy)
+        objects = {}
+        if calibration is not None and "calibration" not in o.given and "calibration" in object_names(spec.load()):
+            objects["calibration"] = calibration  # a calibrated policy (static) without its own calibration
         try:
-            pol = make_policy(o.policy, **kwargs)
+            pol = build_policy(spec, o, **objects)
             if hasattr(pol, "check_compatible"):
                 pol.check_compatible(meta.num_layers, meta.num_experts, meta.top_k, what="replayed trace")
         except ValueError as e:
@@ -330,7 +328,7 @@ def _policy_files(options: list, policies: list) -> dict[str, dict[str, dict[str
     """``{run label: {option: {"path", "sha256"}}}`` for the file options of each policy."""
     out: dict[str, dict[str, dict[str, str]]] = {}
     for o, pol in zip(options, policies, strict=True):
-        kinds = {f.name: f.metadata.get("file") for f in dataclasses.fields(o)}
+        kinds = o.file_options()
         out[pol.label] = {k: {"path": str(Path(v).resolve()), "sha256": file_fingerprint(kinds[k], v)}
                           for k, v in o.files().items()}
     return out

@@ -441,6 +441,8 @@ def build_parser() -> CommandParser:
     out_args(p, "detect")
     p.set_defaults(fn=_cmd_detect)
 
+    from expertcast.inference.saem.evaluate import POLICIES
+
     p = sub.add_parser("eval", help="stage-aware vs LRU vs static in the simulator")
     trace_args(p, required=False)
     model_arg(p)
@@ -448,8 +450,7 @@ def build_parser() -> CommandParser:
     p.add_argument("--batch-sizes", default="1,8", help="comma list of sequences decoded in lockstep")
     add_capacity_args(p, multiple=True)
     p.epilog = f"Without --capacity and --slots: --capacity {EVAL_CAPACITIES}."
-    p.add_argument("--policies", default=",".join(("stage", "stage-oracle", "stage-nocpu", "stage-noupdate", "lru",
-                                                   "static")),
+    p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma list of the evaluated policies")
     p.add_argument("--expert-bytes", type=positive_int, default=None,
                    help="expert size for the cost model; when omitted: one Qwen3-30B-A3B expert, 9437184 bytes")

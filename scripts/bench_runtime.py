@@ -162,9 +162,7 @@ def make_bench_policy(name: str, traces, cue_token, args, latency_model):
             return None
         kw = {"transfer_layers": args._ratio or 2.0, "layer_compute_ms": args._layer_ms}
         if name == "seqmoe-async":
-            from expertcast.inference.policies.async_forecast import AsyncSeqMoEPolicy
-
-            return AsyncSeqMoEPolicy(fc, horizon=args.horizon, **kw), None
+            return make_policy("seqmoe-async", forecaster=fc, horizon=args.horizon, **kw), None
         # seqmoe: forecasts precomputed per replayed sequence before its timing starts (forecaster cost not
         # charged); seqmoe-sync: computed online inside the hooks (charged, decoding waits)
         return make_policy("seqmoe", forecaster=fc, horizon=args.horizon, precompute=name == "seqmoe", **kw), None

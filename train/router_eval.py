@@ -387,11 +387,11 @@ def decode_offloaded(model, tok, batches, policy, slots: int, benchmark: str, ma
                      routers=None) -> Decoding:
     """The same batches through the runtime with ``slots`` per MoE layer under ``policy`` (a router policy
     gets ``routers`` attached live); the model holds its experts again afterwards."""
-    from expertcast.inference.runtime.eval_run import generated
     from expertcast.inference.runtime.engine import OffloadedModel
-    from expertcast.inference.runtime.live_routers import ROUTER_POLICIES, LiveRouterScores
+    from expertcast.inference.runtime.eval_run import generated
+    from expertcast.inference.runtime.live_routers import LiveRouterScores, router_policy_names
 
-    live = LiveRouterScores(model, routers) if policy.name in ROUTER_POLICIES else None
+    live = LiveRouterScores(model, routers) if policy.name in router_policy_names() else None
     if live is not None:
         policy.set_replay(live)
     om = OffloadedModel(model, policy, int(slots))

@@ -326,8 +326,7 @@ class Driver:
         cache, policy = self.cache, self.policy
         cache.reset()
         policy.reset(cache.config)
-        if policy.needs_future:
-            policy.set_future(future)
+        policy.set_future(future)  # a no-op but for oracles (their spec needs "future")
         for layer, expert in policy.warm_start(cache):
             slot = cache.take_free_slot(cache.pool_of(int(layer)))
             if slot < 0:

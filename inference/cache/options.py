@@ -1,9 +1,10 @@
-"""Typed options of every registered cache policy, parsed from ``name:key=value,...`` (docs/design.md).
+"""The generic machinery of typed policy options, parsed from ``name:key=value,...`` (docs/design.md).
 
-Each policy has a dataclass here whose fields are its options: the field's type is the option's type,
-its default the policy constructor's default, and its metadata carries the help text and the valid
-range, choices or file kind. :func:`parse_policy_options` turns ``"lrfu:lam=0.1"`` into
-``LRFUOptions(lam=0.1)``, converting and validating every value; every mistake is a one-line
+Each policy's options dataclass lives beside the policy class (its ``Options``, derived from
+:class:`PolicyOptions`); its fields are the options: the field's type is the option's type, its default the
+one default, and its metadata (:func:`option`) carries the help text and the valid range, choices, pattern
+or file kind. :func:`parse_policy_options` turns ``"lrfu:lam=0.1"`` into ``LRFUPolicy.Options(lam=0.1)``,
+converting and validating every value; every mistake is a one-line
 :class:`~expertcast.utils.errors.UsageError` that names the valid keys or the accepted values::
 
     lrfu has no option 'lamda'; options: lam, history
@@ -12,18 +13,13 @@ range, choices or file kind. :func:`parse_policy_options` turns ``"lrfu:lam=0.1"
         directory written by `expertcast collect` or `expertcast traces import`
 
 File options (``calibration``, ``forecaster``, ``cue_set``, ``replay``) must exist and be of the
-right kind. :meth:`PolicyOptions.to_kwargs` returns the keyword arguments of the policy constructor
-for the options that were given (defaults stay the constructor's), so a run's label names only what
-the user set: ``lrfu(lam=0.1)``.
-
-The constructors also take objects the command line cannot express (a loaded forecaster, a router
-replay, a decoder function); :func:`constructor_options` lists those names for programmatic callers.
+right kind; :mod:`expertcast.inference.policies.artifacts` loads them. The options given are remembered
+(:attr:`PolicyOptions.given`), so a run's label names only what the user set: ``lrfu(lam=0.1)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import re
@@ -33,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from expertcast.utils.errors import UsageError
 
 FILE_KINDS = {
@@ -45,7 +42,7 @@ FILE_KINDS = {
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
-_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+DEVICE_PATTERN = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
 
 def option(default: Any, help: str, *, low: float | None = None, high: float | None = None,
@@ -68,7 +65,8 @@ def option(default: Any, help: str, *, low: float | None = None, high: float | N
 
 @dataclass
 class PolicyOptions:
-    """Options of a policy that takes none."""
+    """Options of a policy that takes none; each policy's options class (beside the policy, in its module)
+    derives from it."""
 
     def __post_init__(self) -> None:
         self._given: tuple[str, ...] = ()
@@ -77,6 +75,11 @@ class PolicyOptions:
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def file_options(cls) -> dict[str, str]:
+        """``{option: file kind}`` of the options naming a file (a key of :data:`FILE_KINDS`)."""
+        return {f.name: f.metadata["file"] for f in dataclasses.fields(cls) if f.metadata.get("file")}
 
     @classmethod
     def describe(cls) -> list[dict[str, Any]]:
@@ -93,20 +96,31 @@ class PolicyOptions:
         return out
 
     @classmethod
-    def parse(cls, policy: str, values: Mapping[str, str]) -> PolicyOptions:
-        """Options of ``policy`` from ``{key: text}``; converts and validates every value (UsageError
-        naming the key)."""
+    def parse(cls, policy: str, values: Mapping[str, Any]) -> PolicyOptions:
+        """Options of ``policy`` from ``{key: text}`` (the command line), with the cross-option checks
+        (:meth:`check`); UsageError naming the key."""
+        opts = cls.build(policy, values)
+        opts.check()
+        return opts
+
+    @classmethod
+    def build(cls, policy: str, values: Mapping[str, Any]) -> PolicyOptions:
+        """Options of ``policy`` from ``{key: value}``: a text value is converted, a typed one checked, both
+        against the field's type, range, choices, pattern and file kind (UsageError naming the key). The
+        keys given are remembered (:attr:`given`), in order: they name the run."""
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         converted: dict[str, Any] = {}
-        for key, text in values.items():
+        for key, value in values.items():
             if key not in fields:
                 raise UsageError(_unknown_option(policy, key, list(fields)))
-            converted[key] = _convert(policy, key, text, hints[key], fields[key].metadata)
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            conv = _convert if isinstance(value, str) else _check_typed
+            converted[key] = conv(policy, key, value, hints[key], fields[key].metadata)
         opts = cls(**converted)
         opts._given = tuple(converted)
         opts._policy = policy
-        opts.check()
         return opts
 
     @property
@@ -115,31 +129,36 @@ class PolicyOptions:
         return self._policy
 
     def check(self) -> None:
-        """Cross-option checks (subclasses); raise UsageError."""
+        """Cross-option checks of a command line (subclasses); raise UsageError."""
+
+    def reads_tokens(self) -> bool:
+        """True when the policy decodes the generated tokens with these options (it then needs a tokenizer
+        or a decoder)."""
+        return False
 
     @property
     def given(self) -> tuple[str, ...]:
         """Names of the options set explicitly, in the order given."""
         return self._given
 
-    def to_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the policy constructor for the options given (values as parsed: file
-        options stay paths; :func:`materialize` loads what a constructor cannot take as a path)."""
+    def given_values(self) -> dict[str, Any]:
+        """``{option: value}`` of the options set explicitly, in the order given."""
         return {k: getattr(self, k) for k in self._given}
 
     def spec(self) -> str:
         """Canonical ``name:key=value,...`` of these options (only the given ones)."""
-        kw = self.to_kwargs()
+        kw = self.given_values()
         return self.policy + (":" + ",".join(f"{k}={_text(v)}" for k, v in kw.items()) if kw else "")
+
+    def label(self) -> str:
+        """Name of a run: the policy with the options given (``lrfu(lam=0.1)``)."""
+        kw = {k: v for k, v in self.given_values().items() if isinstance(v, (int, float, str, bool))}
+        return f"{self.policy}({','.join(f'{k}={v}' for k, v in kw.items())})" if kw else self.policy
 
     def files(self) -> dict[str, str]:
         """``{option: path}`` of the file options given."""
-        out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.metadata.get("file") and v is not None and f.name in self._given:
-                out[f.name] = str(v)
-        return out
+        kinds = self.file_options()
+        return {k: str(v) for k, v in self.given_values().items() if k in kinds and v is not None}
 
 
 def _text(v: Any) -> str:
@@ -203,6 +222,35 @@ def _convert(policy: str, key: str, text: str, tp: Any, meta: Mapping[str, Any])
     return t
 
 
+def _check_typed(policy: str, key: str, value: Any, tp: Any, meta: Mapping[str, Any]) -> Any:
+    """A typed value of option ``key`` (a programmatic caller's) checked as :func:`_convert` checks text."""
+    where = f"{policy} option {key}={value}"
+    args = typing.get_args(tp)
+    if isinstance(value, (list, tuple)) and any(typing.get_origin(a) is tuple for a in args):
+        if not all(isinstance(v, str) for v in value):
+            raise UsageError(f"{where}: expected text")
+        return tuple(value)
+    if args and type(None) in args:
+        if value is None:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise UsageError(f"{where}: expected true or false")
+        return bool(value)
+    if tp is int:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise UsageError(f"{where}: expected an integer")
+        return _check_range(where, int(value), meta)
+    if tp is float:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise UsageError(f"{where}: expected a number")
+        if not math.isfinite(float(value)):
+            raise UsageError(f"{where}: expected a finite number")
+        return _check_range(where, float(value), meta)
+    raise UsageError(f"{where}: expected text")
+
+
 def _check_range(where: str, v: float, meta: Mapping[str, Any]) -> float:
     low, high, low_open = meta.get("low"), meta.get("high"), meta.get("low_open")
     below = low is not None and (v <= low if low_open else v < low)
@@ -251,165 +299,6 @@ def check_file(kind: str, path: str | os.PathLike, where: str) -> None:
             raise UsageError(f"{where}: not a router replay; expected {expected}")
 
 
-# ------------------------------------------------------------------------------------------------
-# one options class per policy
-# ------------------------------------------------------------------------------------------------
-_HISTORY = ("perfect", "in-cache")
-
-
-@dataclass
-class LFUOptions(PolicyOptions):
-    """Least frequently used."""
-
-    history: str = option("perfect", "access counts kept for every expert (perfect) or only while resident "
-                          "(in-cache)", choices=_HISTORY)
-
-
-@dataclass
-class LRFUOptions(PolicyOptions):
-    """LRFU: combined recency and frequency with exponential decay."""
-
-    lam: float = option(0.01, "decay per access in [0, 1]: 0 = LFU, 1 = LRU", low=0.0, high=1.0)
-    history: str = option("perfect", "access history kept for every expert (perfect) or only while resident "
-                          "(in-cache)", choices=_HISTORY)
-
-
-@dataclass
-class StaticOptions(PolicyOptions):
-    """Fixed placement of the most frequently selected experts."""
-
-    calibration: str | None = option(None, "traces whose selection counts fix the placement (default: the "
-                                     "replayed traces, in-sample, or --calibration)", file="traces")
-    miss: str = option("temp", "how a non-resident expert is served: temporary slot or CPU", choices=("temp", "cpu"))
-
-
-@dataclass
-class BeladyKOptions(PolicyOptions):
-    """Belady that sees k decode steps ahead."""
-
-    k: int = option(8, "decode steps of future visible to the oracle", low=0)
-
-
-@dataclass
-class _ForecastOptions(PolicyOptions):
-    """Options shared by the SeqMoE policies."""
-
-    forecaster: str | None = option(None, "forecaster export (required; or --forecaster)", file="forecaster")
-    horizon: int = option(8, "forecast steps c read for eviction and prefetch", low=1)
-    gamma: float = option(0.5, "discount per forecast step in (0, 1]", low=0.0, low_open=True, high=1.0)
-    prefetch: bool = option(True, "issue proactive loads (false: eviction only)")
-    max_tasks_per_layer: int | None = option(None, "most prefetches per layer (default: top-K)", low=1)
-    min_confidence: float = option(0.2, "smallest forecast probability worth a prefetch", low=0.0, high=1.0)
-    lookahead: float = option(2.0, "prefetch window in layer-execution times", low=0.0, low_open=True)
-    transfer_layers: float | None = option(None, "one transfer's time in layer executions (default: from the "
-                                           "link and compute settings)", low=0.0, low_open=True)
-    bandwidth_gbps: float = option(25.0, "host-device link GB/s used for the transfer-time estimate", low=0.0,
-                                   low_open=True)
-    layer_compute_ms: float = option(0.15, "per-layer compute ms used for the transfer-time estimate", low=0.0,
-                                     low_open=True)
-    ema_alpha: float = option(0.2, "weight of the newest element in the recency average", low=0.0, high=1.0)
-    device: str = option("cpu", "device of the forecaster: cpu, cuda[:N] or mps", pattern=_DEVICE)
-    forecast_cache_mb: float = option(1024.0, "memory for precomputed forecasts, MB", low=0.0)
-
-    def check(self) -> None:
-        if self.forecaster is None:
-            raise UsageError(f"{self.policy} needs a forecaster: {self.policy}:forecaster=EXPORT_DIR "
-                             f"(or --forecaster EXPORT_DIR)")
-
-
-@dataclass
-class SeqMoEOptions(_ForecastOptions):
-    """SeqMoE: forecaster-driven prefetch and probabilistic-Belady eviction."""
-
-    precompute: bool = option(True, "compute every forecast of a sequence up front (same results, faster)")
-    prefetch_rule: str = option("floor", "rank prefetches by probability above min_confidence, or by expected "
-                                "benefit over the displaced resident (floor capped at chance K/E)",
-                                choices=("floor", "benefit"))
-
-
-@dataclass
-class HybridOptions(SeqMoEOptions):
-    """Forecaster + router + stage-boundary priorities in one eviction/prefetch score."""
-
-    parts: str = option("auto", "terms of the priority: auto (forecast + every part given inputs) or a '+' list of "
-                        "forecast, routers, stage", pattern=re.compile(r"^(auto|(forecast|routers|stage)"
-                                                                       r"(\+(forecast|routers|stage))*)$"))
-    replay: str | None = option(None, "recorded router outputs (routers part)", file="router_replay")
-    router_weight: float = option(1.0, "weight of the routers' s^T term", low=0.0)
-    cue_set: str | None = option(None, "calibrated cue set (stage part)", file="cue_set")
-    cues: str | None = option(None, "explicit stage cues separated by '|' (stage part)")
-    tokenizer: str | None = option(None, "tokenizer directory or Hub id decoding the token ids (stage part)")
-    stage_weight: float = option(1.0, "weight of the stage-frequency term", low=0.0)
-    min_stage_steps: int = option(1, "ignore stage boundaries closer than this many decode steps", low=1)
-
-
-@dataclass
-class AsyncSeqMoEOptions(_ForecastOptions):
-    """SeqMoE with the forecaster on a background thread (forecasts may arrive late)."""
-
-    blocking: bool = option(False, "wait for each forecast (deterministic; tests)")
-
-
-@dataclass
-class StageOptions(PolicyOptions):
-    """SAEM stage-aware caching with CPU execution of cold experts."""
-
-    cue_set: str | None = option(None, "calibrated cue set (cues, tokenizer, expert frequencies)", file="cue_set")
-    cues: str | None = option(None, "explicit cues separated by '|' (overrides the cue set's)")
-    tokenizer: str | None = option(None, "tokenizer directory or Hub id decoding the token ids")
-    cpu_exec: bool = option(True, "execute cold experts on the CPU (false: temporary slot only)")
-    stage_updates: bool = option(True, "refill at stage boundaries (false: calibration placement only)")
-    min_stage_steps: int = option(1, "ignore boundaries closer than this many decode steps", low=1)
-
-    def check(self) -> None:
-        if self.stage_updates and self.cue_set is None and self.cues is None and self.tokenizer is None:
-            raise UsageError(f"{self.policy} needs cues: {self.policy}:cue_set=CUES.json (expertcast stages "
-                             f"calibrate), cues='Wait|Alternatively' or tokenizer=MODEL_DIR holding cues.json")
-
-
-@dataclass
-class StageOracleOptions(StageOptions):
-    """SAEM stage-aware caching that knows each stage's experts in advance (upper bound)."""
-
-    def check(self) -> None:
-        super().check()
-        if not self.stage_updates:
-            raise UsageError(f"{self.policy}: stage_updates must stay true (the oracle acts at stage boundaries)")
-
-
-@dataclass
-class RouterOptions(PolicyOptions):
-    """Cache-aware router policies fed by recorded router outputs."""
-
-    replay: str | None = option(None, "recorded router outputs on the replayed traces (required)",
-                                file="router_replay")
-    R: int | None = option(None, "experts per layer kept by the Temporal router (R <= per-layer budget B)", low=1)
-
-    def check(self) -> None:
-        if self.replay is None:
-            raise UsageError(f"{self.policy} needs the routers' recorded outputs: {self.policy}:replay=DIR")
-
-
-OPTIONS: dict[str, type[PolicyOptions]] = {
-    "lru": PolicyOptions, "fifo": PolicyOptions, "lfu": LFUOptions, "lrfu": LRFUOptions, "static": StaticOptions,
-    "belady": PolicyOptions, "belady-k": BeladyKOptions, "belady-seq": PolicyOptions, "seqmoe": SeqMoEOptions,
-    "hybrid": HybridOptions,
-    "seqmoe-async": AsyncSeqMoEOptions, "stage": StageOptions, "stage-oracle": StageOracleOptions,
-    "router-temporal": RouterOptions, "router-full": RouterOptions, "router-spatio": RouterOptions,
-}
-"""Registry name -> options class (every name of ``expertcast.inference.policies.REGISTRY``)."""
-
-
-def options_class(name: str) -> type[PolicyOptions]:
-    """The options class of registered policy ``name`` (UsageError listing the policies otherwise)."""
-    from expertcast.inference.policies import REGISTRY, unknown_policy_message
-
-    key = name.strip().lower()
-    if key not in REGISTRY:
-        raise UsageError(unknown_policy_message(name))
-    return OPTIONS.get(key, PolicyOptions)
-
-
 def split_policy_list(text: str) -> list[str]:
     """``"lru,lrfu:lam=0.1,history=in-cache,belady"`` -> ``["lru", "lrfu:lam=0.1,history=in-cache",
     "belady"]`` (a ``key=value`` part without ``:`` belongs to the policy before it)."""
@@ -426,13 +315,21 @@ def split_policy_list(text: str) -> list[str]:
     return out
 
 
-def parse_policy_options(spec: str) -> PolicyOptions:
-    """``"lrfu:lam=0.1"`` -> ``LRFUOptions(lam=0.1)``; UsageError for an unknown policy, an unknown
-    key (naming the valid ones), a repeated key, a malformed part or a value of the wrong type/range."""
+def options_class(name: str) -> type[PolicyOptions]:
+    """The options class of registered policy ``name`` (UsageError listing the policies otherwise)."""
+    from expertcast.inference.policies import policy_spec
+
+    return policy_spec(name).options
+
+
+def parse_policy_options(spec: str, extra: Mapping[str, Any] | None = None) -> PolicyOptions:
+    """``"lrfu:lam=0.1"`` -> ``LRFUPolicy.Options(lam=0.1)``; UsageError for an unknown policy, an unknown
+    key (naming the valid ones), a repeated key, a malformed part or a value of the wrong type/range.
+    ``extra``: typed values a command adds after the text's (``--forecaster``), checked alike."""
     name, _, rest = str(spec).partition(":")
     cls = options_class(name)
     policy = name.strip().lower()
-    values: dict[str, str] = {}
+    values: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in rest.split(","))):
         if "=" not in part:
             names = cls.option_names()
@@ -442,49 +339,8 @@ def parse_policy_options(spec: str) -> PolicyOptions:
         if k in values:
             raise UsageError(f"{policy} option {k} is given twice in {spec!r}")
         values[k] = v
+    for k, v in (extra or {}).items():
+        if k in values:
+            raise UsageError(f"{policy} option {k} is given twice in {spec!r}")
+        values[k] = v
     return cls.parse(policy, values)
-
-
-def constructor_options(cls: type) -> list[str]:
-    """Keyword names a policy class's constructor accepts (following ``**kwargs`` into base classes)."""
-    names: list[str] = []
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        if klass is object:
-            break
-        params = list(inspect.signature(init).parameters.values())[1:]
-        names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                  and p.name not in names]
-        if not any(p.kind == p.VAR_KEYWORD for p in params):
-            break
-    return names
-
-
-def check_kwargs(name: str, cls: type, kwargs: Mapping[str, Any]) -> None:
-    """UsageError when ``kwargs`` hold a key the constructor of ``cls`` does not take, or a path for a
-    file option that is not a file of the right kind."""
-    accepted = constructor_options(cls)
-    for k in kwargs:
-        if k not in accepted:
-            raise UsageError(_unknown_option(name, k, accepted))
-    opts = OPTIONS.get(name, PolicyOptions)
-    kinds = {f.name: f.metadata.get("file") for f in dataclasses.fields(opts)}
-    for k, v in kwargs.items():
-        if kinds.get(k) and isinstance(v, (str, os.PathLike)):
-            check_file(kinds[k], v, f"{name} option {k}={v}")
-
-
-def materialize(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Constructor kwargs with trace-directory options loaded (``static:calibration=DIR`` -> its
-    sequences); other file options are read by the constructors themselves."""
-    opts = OPTIONS.get(name, PolicyOptions)
-    out = dict(kwargs)
-    for f in dataclasses.fields(opts):
-        v = out.get(f.name)
-        if f.metadata.get("file") == "traces" and isinstance(v, (str, os.PathLike)):
-            from expertcast.data.traces import load_traces
-
-            out[f.name] = load_traces(v)[1]
-    return out

@@ -30,10 +30,11 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from expertcast.inference.cache.options import PolicyOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
     from expertcast.inference.cache.driver import StepInfo
+    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 
 
 class MissAction(IntEnum):
@@ -50,15 +51,23 @@ class MissAction(IntEnum):
 class Policy:
     """Base class: LRU-like defaults are *not* provided; subclasses implement ``choose_victim``.
 
+    A policy is built from its typed options (``Options``, a
+    :class:`~expertcast.inference.cache.options.PolicyOptions` beside the class) and keyword-only loaded
+    objects; it does no I/O. What it needs and where it runs is its
+    :class:`~expertcast.inference.cache.spec.PolicySpec` (``expertcast.inference.policies.spec_of``).
+
     Attributes:
         name: registry name (``lru``, ``belady``, ``seqmoe``...).
-        demand_only: True when the policy never issues proactive loads (it is then bounded by Belady).
-        needs_future: True for oracles that read the trace through :meth:`set_future`.
+        demand_only: True when the policy never issues proactive loads (it is then bounded by Belady);
+            a property where an option decides it.
     """
 
+    Options: type[PolicyOptions] = PolicyOptions
     name: str = "policy"
     demand_only: bool = True
-    needs_future: bool = False
+
+    def __init__(self, options: PolicyOptions | None = None) -> None:
+        self.options = options if options is not None else type(self).Options()
 
     def reset(self, config: CacheConfig) -> None:
         """Start a new replay/run with an empty history."""

@@ -1,114 +1,162 @@
-"""Registry of cache policies: ``make_policy(name, **kwargs)`` and ``available_policies()``.
+"""Registry of cache policies: ``make_policy(name, **kwargs)``, ``policy_spec(name)``, ``available_policies()``.
 
-To add a policy, add one line to ``REGISTRY``: ``"name": "module.path:ClassName"`` and its options
-class to :data:`expertcast.inference.cache.options.OPTIONS`. Modules are imported only when their
-policy is made, so a policy whose dependencies are absent does not break the others; but it is never
-dropped silently: ``available_policies()`` warns naming the module and the exception, and
-:func:`policy_import_errors` returns them (``expertcast simulate --list-policies`` prints them).
+The registry is built from :data:`POLICY_MODULES`: each module ends with ``SPECS = (PolicySpec(...), ...)``
+(:class:`~expertcast.inference.cache.spec.PolicySpec`). To add a policy, add one module and its name to
+that tuple. Modules are imported when the registry is first read, so a module whose dependencies are absent
+does not break the others; but it is never dropped silently: ``available_policies()`` warns naming the
+module and the exception, and :func:`policy_import_errors` returns them (``expertcast simulate
+--list-policies`` prints them).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import warnings
+from functools import cache
 from typing import Any
 
 from expertcast.inference.cache.policy import Policy
+from expertcast.inference.cache.spec import PolicySpec
 from expertcast.utils.errors import UsageError
 
-REGISTRY: dict[str, str] = {
-    "lru": "expertcast.inference.policies.classic:LRUPolicy",
-    "fifo": "expertcast.inference.policies.classic:FIFOPolicy",
-    "lfu": "expertcast.inference.policies.classic:LFUPolicy",
-    "lrfu": "expertcast.inference.policies.classic:LRFUPolicy",
-    "static": "expertcast.inference.policies.static:StaticFrequencyPolicy",
-    "belady": "expertcast.inference.policies.oracle:BeladyPolicy",
-    "belady-k": "expertcast.inference.policies.oracle:BeladyKPolicy",
-    "belady-seq": "expertcast.inference.policies.oracle:SequentialBeladyPolicy",
-    "seqmoe": "expertcast.inference.policies.seqmoe:SeqMoEPolicy",
-    "seqmoe-async": "expertcast.inference.policies.async_forecast:AsyncSeqMoEPolicy",
-    "hybrid": "expertcast.inference.policies.hybrid:HybridPolicy",
-    "stage": "expertcast.inference.policies.stage_aware:StageAwarePolicy",
-    "stage-oracle": "expertcast.inference.policies.stage_aware:StageOraclePolicy",
-    "router-temporal": "expertcast.inference.policies.router:TemporalRetentionPolicy",
-    "router-full": "expertcast.inference.policies.router:RouterFullPolicy",
-    "router-spatio": "expertcast.inference.policies.router:SpatioOnlyPolicy",
-}
+POLICY_MODULES: tuple[str, ...] = (
+    "expertcast.inference.policies.classic",
+    "expertcast.inference.policies.static",
+    "expertcast.inference.policies.oracle",
+    "expertcast.inference.policies.seqmoe",
+    "expertcast.inference.policies.async_forecast",
+    "expertcast.inference.policies.hybrid",
+    "expertcast.inference.policies.stage_aware",
+    "expertcast.inference.policies.router",
+    "expertcast.inference.policies.mru",
+)
+"""The policy modules, in registry order (each one's ``SPECS`` in its order)."""
 
 
-def _load(name: str) -> type[Policy]:
-    module, cls = REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+@cache
+def _build(modules: tuple[str, ...]) -> tuple[dict[str, PolicySpec], dict[str, str]]:
+    """({name: spec}, {module: "module: ExceptionType: message"} of the modules that cannot be imported)."""
+    specs: dict[str, PolicySpec] = {}
+    errors: dict[str, str] = {}
+    for module in modules:
+        try:
+            found = importlib.import_module(module).SPECS
+        except (ImportError, AttributeError) as exc:
+            errors[module.rsplit(".", 1)[-1]] = f"{module}: {type(exc).__name__}: {exc}"
+            continue
+        for spec in found:
+            if spec.name in specs:
+                raise RuntimeError(f"policy {spec.name!r} is registered twice ({module})")
+            specs[spec.name] = spec
+    return specs, errors
+
+
+def registry() -> dict[str, PolicySpec]:
+    """``{name: PolicySpec}`` of every importable policy, in registry order."""
+    return _build(POLICY_MODULES)[0]
 
 
 def policy_import_errors() -> dict[str, str]:
-    """``{name: "module: ExceptionType: message"}`` for every registered policy that cannot be imported."""
-    out = {}
-    for name in REGISTRY:
-        try:
-            _load(name)
-        except (ImportError, AttributeError) as exc:
-            out[name] = f"{REGISTRY[name]}: {type(exc).__name__}: {exc}"
-    return out
+    """``{module: "module: ExceptionType: message"}`` for every policy module that cannot be imported."""
+    return dict(_build(POLICY_MODULES)[1])
 
 
 def available_policies() -> list[str]:
-    """Names whose class can be imported now, in registry order; each one that cannot is reported with a
-    RuntimeWarning naming its module and the exception."""
-    errors = policy_import_errors()
-    for name, err in errors.items():
-        warnings.warn(f"cache policy {name!r} is unavailable: {err}", RuntimeWarning, stacklevel=2)
-    return [n for n in REGISTRY if n not in errors]
+    """Names of the policies that can be made now, in registry order; each policy module that cannot be
+    imported is reported with a RuntimeWarning naming it and the exception."""
+    for name, err in policy_import_errors().items():
+        warnings.warn(f"cache policy module {name!r} is unavailable: {err}", RuntimeWarning, stacklevel=2)
+    return list(registry())
 
 
 def unknown_policy_message(name: str) -> str:
-    return f"unknown policy {name!r}; available: {', '.join(available_policies())}"
+    errors = policy_import_errors()
+    text = f"unknown policy {name!r}; available: {', '.join(available_policies())}"
+    if errors:
+        text += f" (unimportable policy modules: {'; '.join(errors.values())})"
+    return text
+
+
+def policy_spec(name: str) -> PolicySpec:
+    """The spec registered as ``name`` (UsageError for an unknown name)."""
+    key = name.strip().lower()
+    specs = registry()
+    if key not in specs:
+        raise UsageError(unknown_policy_message(name))
+    return specs[key]
+
+
+def spec_of(policy: Policy) -> PolicySpec:
+    """The spec of a policy object: its registered one (by name and class), else that of an unregistered
+    policy (a test's, the host-execution baseline): the driver engine only, nothing needed, live."""
+    spec = registry().get(getattr(policy, "name", ""))
+    if spec is not None and isinstance(policy, spec.load()):
+        return spec
+    from expertcast.inference.cache.options import PolicyOptions
+
+    return PolicySpec(name=policy.name, cls=type(policy), options=PolicyOptions, help="unregistered policy")
 
 
 def policy_class(name: str) -> type[Policy]:
     """The class registered as ``name`` (UsageError for unknown or unimportable names)."""
-    key = name.strip().lower()
-    if key not in REGISTRY:
-        raise UsageError(unknown_policy_message(name))
+    spec = policy_spec(name)
     try:
-        return _load(key)
+        return spec.load()
     except (ImportError, AttributeError) as exc:
-        raise UsageError(f"policy {name!r} is registered as {REGISTRY[key]} but cannot be imported "
+        raise UsageError(f"policy {name!r} is registered as {spec.target} but cannot be imported "
                          f"({type(exc).__name__}: {exc})") from exc
 
 
-def policy_label(name: str, kwargs: dict[str, Any]) -> str:
-    """Name of a run: the policy with its scalar options (``lrfu(lam=0.1)``); objects (replays, loaded
-    calibration data) do not name the run."""
-    opts = ",".join(f"{k}={os.fspath(v) if isinstance(v, os.PathLike) else v}" for k, v in kwargs.items()
-                    if isinstance(v, (int, float, str, bool, os.PathLike)))
-    key = name.strip().lower()
-    return f"{key}({opts})" if opts else key
+def object_names(cls: type[Policy]) -> list[str]:
+    """The loaded objects ``cls`` takes: the keyword-only parameters of its constructor."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.kind == p.KEYWORD_ONLY]
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:
-    """Instantiate the policy registered as ``name`` with ``kwargs``.
+    """Instantiate the policy registered as ``name``.
 
-    A key the constructor does not take is a UsageError naming the valid ones; a path given for a file
-    option must be a file of the right kind (see :mod:`expertcast.inference.cache.options`), and a
-    trace directory given for ``static``'s calibration is loaded.
+    ``kwargs`` mixes option keys (values typed, or text; a path for a file option is checked to be a file of
+    the right kind and loaded: :mod:`expertcast.inference.policies.artifacts`) and loaded objects (a
+    forecaster, a router replay, calibration sequences, a decoder...), which are passed through. A key the
+    policy does not take is a UsageError naming the valid ones.
     """
-    from expertcast.inference.cache.options import check_kwargs, materialize
+    from expertcast.inference.cache.options import _unknown_option
 
+    spec = policy_spec(name)
     cls = policy_class(name)
-    key = name.strip().lower()
-    check_kwargs(key, cls, kwargs)
-    policy = cls(**materialize(key, kwargs))
-    policy.name = key
-    policy.label = policy_label(key, kwargs)
+    fields = spec.options.option_names()
+    objects = object_names(cls)
+    values: dict[str, Any] = {}
+    given: dict[str, Any] = {}
+    for k, v in kwargs.items():
+        if k in fields and (k not in objects or v is None or isinstance(v, (str, os.PathLike, int, float))):
+            values[k] = v
+        elif k in objects:
+            given[k] = v
+        else:
+            raise UsageError(_unknown_option(spec.name, k, fields + [n for n in objects if n not in fields]))
+    opts = spec.options.build(spec.name, values)
+    return build_policy(spec, opts, **given)
+
+
+def build_policy(spec: PolicySpec, opts: Any, **objects: Any) -> Policy:
+    """The policy of ``spec`` with typed options ``opts`` and the loaded ``objects``; the file options not
+    covered by an object are loaded (:func:`~expertcast.inference.policies.artifacts.load_artifacts`)."""
+    from expertcast.inference.policies.artifacts import load_artifacts
+
+    policy = spec.load()(opts, **load_artifacts(spec, opts, objects))
+    policy.name = spec.name
+    policy.label = opts.label()
     return policy
 
 
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"lrfu:lam=0.1"`` or ``"belady-k:k=8"`` -> (name, kwargs), typed and validated by the policy's
+    """``"lrfu:lam=0.1"`` or ``"belady-k:k=8"`` -> (name, options given), typed and validated by the policy's
     options class (:func:`expertcast.inference.cache.options.parse_policy_options`)."""
     from expertcast.inference.cache.options import parse_policy_options
 
     opts = parse_policy_options(spec)
-    return opts.policy, opts.to_kwargs()
+    return opts.policy, opts.given_values()

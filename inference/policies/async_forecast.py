@@ -33,12 +33,15 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from expertcast.inference.policies.seqmoe import SeqMoEPolicy
+from expertcast.inference.cache.options import option
+from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.prefetch import generate_tasks
+from expertcast.inference.policies.seqmoe import ForecastOptions, SeqMoEPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache.expert_cache import ExpertCache
@@ -155,10 +158,10 @@ class AsyncSeqMoEPolicy(SeqMoEPolicy):
 
     name = "seqmoe-async"
 
-    def __init__(self, forecaster: Any = None, *, blocking: bool = False, **kwargs: Any):
-        kwargs["precompute"] = False
-        super().__init__(forecaster, **kwargs)
-        self.blocking = bool(blocking)
+    def __init__(self, options: Any = None, *, forecaster: Any = None):
+        super().__init__(options, forecaster=forecaster)
+        self.precompute = False
+        self.blocking = bool(self.options.blocking)
         self._worker: _ForecastWorker | None = None
         self._generation = 0
         self._applied: tuple[int, int] | None = None
@@ -262,3 +265,17 @@ class AsyncSeqMoEPolicy(SeqMoEPolicy):
             self.stats["worker_steps"] = self._worker.steps
             self.stats["worker_rollouts"] = self._worker.rollouts
         return out
+
+
+@dataclass
+class AsyncSeqMoEOptions(ForecastOptions):
+    """SeqMoE with the forecaster on a background thread (forecasts may arrive late)."""
+
+    blocking: bool = option(False, "wait for each forecast (deterministic; tests)")
+
+
+AsyncSeqMoEPolicy.Options = AsyncSeqMoEOptions
+SPECS = (
+    PolicySpec("seqmoe-async", AsyncSeqMoEPolicy, AsyncSeqMoEOptions, needs={"forecaster"},
+               help="seqmoe with the forecaster on a background thread"),
+)

@@ -18,9 +18,13 @@ resident experts first).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
-from expertcast.inference.policies import kernels as K
+from expertcast.inference.cache.options import PolicyOptions, option
 from expertcast.inference.cache.policy import Policy
+from expertcast.inference.cache.spec import PolicySpec
+from expertcast.inference.policies import kernels as K
 
 HISTORIES = ("perfect", "in-cache")
 
@@ -134,14 +138,20 @@ class FIFOPolicy(KeyedPolicy):
 class LFUPolicy(KeyedPolicy):
     """Least frequently used; ties to the least recently used."""
 
+    @dataclass
+    class Options(PolicyOptions):
+        """Least frequently used."""
+
+        history: str = option("perfect", "access counts kept for every expert (perfect) or only while resident "
+                              "(in-cache)", choices=HISTORIES)
+
     name = "lfu"
     kernel_kind = K.KIND_LFU
 
-    def __init__(self, history: str = "perfect"):
-        if history not in HISTORIES:
-            raise ValueError(f"history must be one of {HISTORIES}, got {history!r}")
-        self.history = history
-        self.perfect_history = history == "perfect"
+    def __init__(self, options: Options | None = None):
+        super().__init__(options)
+        self.history = self.options.history
+        self.perfect_history = self.history == "perfect"
 
     def _touch(self, t, layer, index, item, resident, hit):
         if not resident and not self.perfect_history:
@@ -156,17 +166,22 @@ class LFUPolicy(KeyedPolicy):
 class LRFUPolicy(KeyedPolicy):
     """LRFU with decay ``lam`` in [0, 1]: 0 = LFU, 1 = LRU."""
 
+    @dataclass
+    class Options(PolicyOptions):
+        """LRFU: combined recency and frequency with exponential decay."""
+
+        lam: float = option(0.01, "decay per access in [0, 1]: 0 = LFU, 1 = LRU", low=0.0, high=1.0)
+        history: str = option("perfect", "access history kept for every expert (perfect) or only while resident "
+                              "(in-cache)", choices=HISTORIES)
+
     name = "lrfu"
     kernel_kind = K.KIND_LRFU
 
-    def __init__(self, lam: float = 0.01, history: str = "perfect"):
-        if not 0.0 <= float(lam) <= 1.0:
-            raise ValueError(f"LRFU lam must lie in [0, 1] (0 = LFU, 1 = LRU), got {lam}")
-        if history not in HISTORIES:
-            raise ValueError(f"history must be one of {HISTORIES}, got {history!r}")
-        self.lam = float(lam)
-        self.history = history
-        self.perfect_history = history == "perfect"
+    def __init__(self, options: Options | None = None):
+        super().__init__(options)
+        self.lam = float(self.options.lam)
+        self.history = self.options.history
+        self.perfect_history = self.history == "perfect"
 
     def kernel_params(self):
         p = super().kernel_params()
@@ -182,3 +197,12 @@ class LRFUPolicy(KeyedPolicy):
         if resident:
             self.k1[item] = self.logc[item] + self.lam * self.clock
             self.k2[item] = self.clock
+
+
+_KEYED = frozenset({"driver", "kernel"})
+SPECS = (
+    PolicySpec("lru", LRUPolicy, PolicyOptions, engines=_KEYED | {"device"}, help="least recently used"),
+    PolicySpec("fifo", FIFOPolicy, PolicyOptions, engines=_KEYED, help="first in, first out"),
+    PolicySpec("lfu", LFUPolicy, LFUPolicy.Options, engines=_KEYED, help="least frequently used"),
+    PolicySpec("lrfu", LRFUPolicy, LRFUPolicy.Options, engines=_KEYED, help="recency and frequency with decay"),
+)

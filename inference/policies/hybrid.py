@@ -27,15 +27,19 @@ stage counts only (no CPU execution, no SAEM refill loads).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from expertcast.inference.cache.options import option
+from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
     from expertcast.inference.cache.driver import StepInfo
+    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 
 PARTS = ("forecast", "routers", "stage")
 
@@ -66,30 +70,47 @@ def parse_parts(parts: str, has_routers: bool, has_stage: bool, routers_later: b
 class HybridPolicy(SeqMoEPolicy):
     """Forecaster + router + stage-boundary priorities in one eviction/prefetch score (registered as ``hybrid``).
 
-    Args:
+    Args (loaded objects; the options are :class:`HybridPolicy.Options`, every ``seqmoe`` option included):
         forecaster: as ``seqmoe`` (required).
-        parts: ``auto`` or a ``+``-separated subset of ``forecast``, ``routers``, ``stage``.
-        replay: router score source for the ``routers`` part (a RouterReplay, its directory, or live scores).
-        router_weight / stage_weight: weights of the router and stage terms.
-        cue_set / cues / tokenizer / decoder / min_stage_steps: the ``stage`` part's inputs (as ``stage``).
-        **seqmoe_kwargs: every ``seqmoe`` option (horizon, gamma, prefetch, prefetch_rule, ...).
+        replay: router score source for the ``routers`` part (a RouterReplay or live scores).
+        cue_set / tokenizer / decoder: the ``stage`` part's inputs (as ``stage``).
     """
+
+    @dataclass
+    class Options(SeqMoEPolicy.Options):
+        """Forecaster + router + stage-boundary priorities in one eviction/prefetch score."""
+
+        parts: str = option("auto", "terms of the priority: auto (forecast + every part given inputs) or a '+' list "
+                            "of forecast, routers, stage", pattern=re.compile(r"^(auto|(forecast|routers|stage)"
+                                                                              r"(\+(forecast|routers|stage))*)$"))
+        replay: str | None = option(None, "recorded router outputs (routers part)", file="router_replay")
+        router_weight: float = option(1.0, "weight of the routers' s^T term", low=0.0)
+        cue_set: str | None = option(None, "calibrated cue set (stage part)", file="cue_set")
+        cues: str | tuple[str, ...] | None = option(None, "explicit stage cues separated by '|' (stage part)")
+        tokenizer: str | None = option(None, "tokenizer directory or Hub id decoding the token ids (stage part)")
+        stage_weight: float = option(1.0, "weight of the stage-frequency term", low=0.0)
+        min_stage_steps: int = option(1, "ignore stage boundaries closer than this many decode steps", low=1)
+
+        def reads_tokens(self) -> bool:
+            text = str(self.parts).strip().lower()
+            return "stage" in text.split("+") or (text == "auto" and (self.cue_set is not None
+                                                                      or self.cues is not None))
 
     name = "hybrid"
 
-    def __init__(self, forecaster: Any = None, parts: str = "auto", replay: Any = None, router_weight: float = 1.0,
-                 stage_weight: float = 1.0, cue_set: Any = None, cues: Any = None, tokenizer: Any = None,
-                 decoder: Any = None, min_stage_steps: int = 1, **seqmoe_kwargs: Any) -> None:
-        super().__init__(forecaster, **seqmoe_kwargs)
+    def __init__(self, options: Options | None = None, *, forecaster: Any = None, replay: Any = None,
+                 cue_set: Any = None, tokenizer: Any = None, decoder: Any = None) -> None:
+        super().__init__(options, forecaster=forecaster)
+        o = self.options
+        parts = o.parts
         self.parts_spec = str(parts).strip().lower()
         """``parts`` as given (``auto`` lets live routers add the routers part)."""
-        self.parts = parse_parts(parts, replay is not None, cue_set is not None or cues is not None,
+        self.parts = parse_parts(parts, replay is not None, cue_set is not None or o.cues is not None,
                                  routers_later=True)
-        self.router_weight = float(router_weight)
-        self.stage_weight = float(stage_weight)
+        self.router_weight = float(o.router_weight)
+        self.stage_weight = float(o.stage_weight)
         if "forecast" not in self.parts:
             self.prefetch = False
-            self.demand_only = True
         self._router = None
         if "routers" in self.parts:
             from expertcast.inference.policies.router import TemporalRetentionPolicy
@@ -99,8 +120,9 @@ class HybridPolicy(SeqMoEPolicy):
         if "stage" in self.parts:
             from expertcast.inference.policies.stage_aware import StageAwarePolicy
 
-            self._stage = StageAwarePolicy(cue_set=cue_set, cues=cues, tokenizer=tokenizer, decoder=decoder,
-                                           cpu_exec=False, min_stage_steps=min_stage_steps)
+            self._stage = StageAwarePolicy(StageAwarePolicy.Options(cues=o.cues, cpu_exec=False,
+                                                                    min_stage_steps=o.min_stage_steps),
+                                           cue_set=cue_set, tokenizer=tokenizer, decoder=decoder)
 
     # ------------------------------------------------------------------------------------------ router source
     @property
@@ -133,9 +155,14 @@ class HybridPolicy(SeqMoEPolicy):
             return
         self._router.set_replay(source)
 
-    def default_tokenizer(self, spec: Any) -> None:
+    def wants_tokenizer(self) -> bool:
+        """True when the stage part decodes tokens and has neither a tokenizer nor a decoder yet."""
+        return self._stage is not None and self._stage.wants_tokenizer()
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Decode the stage part's tokens with ``tokenizer`` (e.g. the evaluated model's)."""
         if self._stage is not None:
-            self._stage.default_tokenizer(spec)
+            self._stage.use_tokenizer(tokenizer)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def reset(self, config: CacheConfig) -> None:
@@ -230,3 +257,9 @@ class HybridPolicy(SeqMoEPolicy):
             self._read_router(t, layer)
         if self._stage is not None:
             self._stage.on_access(t, layer, selected, counts, cache)
+
+
+SPECS = (
+    PolicySpec("hybrid", HybridPolicy, HybridPolicy.Options, needs={"forecaster", "tokenizer"},
+               help="forecaster + router + stage-boundary priorities in one score"),
+)

@@ -25,7 +25,11 @@ Ties between residents first used again in the same layer-execution are broken b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+from expertcast.inference.cache.options import PolicyOptions, option
+from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies import kernels as K
 from expertcast.inference.policies.classic import KeyedPolicy
 
@@ -34,11 +38,11 @@ class BeladyPolicy(KeyedPolicy):
     """Belady under the protect rule (full future)."""
 
     name = "belady"
-    needs_future = True
     kernel_kind = K.KIND_BELADY
     horizon_steps: int | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, options: PolicyOptions | None = None) -> None:
+        super().__init__(options)
         self.stream = None
 
     def set_future(self, future) -> None:
@@ -78,13 +82,17 @@ class BeladyPolicy(KeyedPolicy):
 class BeladyKPolicy(BeladyPolicy):
     """Belady with ``k`` decode steps of future; residents with no visible next use go first (LRU)."""
 
+    @dataclass
+    class Options(PolicyOptions):
+        """Belady that sees k decode steps ahead."""
+
+        k: int = option(8, "decode steps of future visible to the oracle", low=0)
+
     name = "belady-k"
 
-    def __init__(self, k: int = 8) -> None:
-        super().__init__()
-        if int(k) < 0:
-            raise ValueError(f"belady-k needs k >= 0 steps of future, got {k}")
-        self.horizon_steps = int(k)
+    def __init__(self, options: Options | None = None) -> None:
+        super().__init__(options)
+        self.horizon_steps = int(self.options.k)
 
 
 class SequentialBeladyPolicy(BeladyPolicy):
@@ -92,8 +100,18 @@ class SequentialBeladyPolicy(BeladyPolicy):
 
     name = "belady-seq"
     kernel_kind = K.KIND_BELADY_SEQ
-    kernel_only = True
 
     def choose_victim(self, t, layer, candidates, cache) -> int:
         raise RuntimeError("belady-seq ignores the protect rule and runs only on the compiled engine "
                            "(simulate(..., engine='auto' or 'kernel'))")
+
+
+_ORACLE = frozenset({"future"})
+SPECS = (
+    PolicySpec("belady", BeladyPolicy, PolicyOptions, engines={"driver", "kernel"}, needs=_ORACLE, live=False,
+               help="Belady under the protect rule (full future)"),
+    PolicySpec("belady-k", BeladyKPolicy, BeladyKPolicy.Options, engines={"driver", "kernel"}, needs=_ORACLE,
+               live=False, help="Belady seeing k decode steps ahead"),
+    PolicySpec("belady-seq", SequentialBeladyPolicy, PolicyOptions, engines={"kernel"}, needs=_ORACLE, live=False,
+               help="sequential Belady on the flat stream (compiled engine only)"),
+)

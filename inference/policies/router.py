@@ -37,11 +37,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from expertcast.inference.cache.options import PolicyOptions, option
 from expertcast.inference.cache.policy import Policy
+from expertcast.inference.cache.spec import PolicySpec
+from expertcast.utils.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
     from expertcast.inference.cache.driver import StepInfo
+    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 
 REPLAY_FORMAT = "expertcast-router-replay"
 REPLAY_FORMAT_VERSION = 1
@@ -128,14 +131,27 @@ class RouterReplay:
 class _RouterPolicyBase(Policy):
     """Shared bookkeeping: the batch's records, positions, and per-(t, l) priorities."""
 
+    @dataclass
+    class Options(PolicyOptions):
+        """Cache-aware router policies fed by recorded router outputs."""
+
+        replay: str | None = option(None, "recorded router outputs on the replayed traces (required)",
+                                    file="router_replay")
+        R: int | None = option(None, "experts per layer kept by the Temporal router (R <= per-layer budget B)", low=1)
+
+        def check(self) -> None:
+            if self.replay is None:
+                raise UsageError(f"{self.policy} needs the routers' recorded outputs: {self.policy}:replay=DIR")
+
     needs_p_T = False
     needs_p_S = False
 
-    def __init__(self, replay: Any = None, R: int | None = None):
-        """``replay``: the score source (a :class:`RouterReplay`, its directory, or a
+    def __init__(self, options: Options | None = None, *, replay: Any = None):
+        """``replay``: the score source (a loaded :class:`RouterReplay`, or a
         :class:`~expertcast.inference.runtime.live_routers.LiveRouterScores`)."""
-        self.replay = RouterReplay.load(replay) if isinstance(replay, (str, os.PathLike)) else replay
-        self.R = R
+        super().__init__(options)
+        self.replay = replay
+        self.R = self.options.R
         self._batch: list[RouterRecord] = []
         self._act: list[tuple[RouterRecord, int]] = []
         self.t = -1
@@ -356,3 +372,23 @@ class SpatioOnlyPolicy(_PreAccessMixin, _RouterPolicyBase):
     def on_insert(self, layer: int, expert: int, proactive: bool) -> None:
         self._clock += 1
         self._last[layer, expert] = self._clock
+
+
+def router_modes(policy_cls: type) -> tuple[str, ...]:
+    """The router modes of an export that give a router policy class the scores it reads: p^T (Algorithm 1)
+    comes from ``temporal`` and ``full`` routers, p^S (the pre-access refinement) from ``spatio_only`` and
+    ``full`` ones."""
+    gives = {"temporal": {"p_T"}, "spatio_only": {"p_S"}, "full": {"p_T", "p_S"}}
+    need = {n for n, on in (("p_T", policy_cls.needs_p_T), ("p_S", policy_cls.needs_p_S)) if on}
+    return tuple(mode for mode, have in gives.items() if need <= have)
+
+
+_ROUTER = frozenset({"router_scores"})
+SPECS = (
+    PolicySpec("router-temporal", TemporalRetentionPolicy, TemporalRetentionPolicy.Options, needs=_ROUTER,
+               help="update-only retention by the Temporal router's scores (Algorithm 1)"),
+    PolicySpec("router-full", RouterFullPolicy, RouterFullPolicy.Options, needs=_ROUTER,
+               help="top-R pre-access refinement, then retention by the routers' scores (Algorithm 2)"),
+    PolicySpec("router-spatio", SpatioOnlyPolicy, SpatioOnlyPolicy.Options, needs=_ROUTER,
+               help="top-R pre-access refinement by the Spatio router, LRU retention"),
+)

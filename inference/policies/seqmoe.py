@@ -34,15 +34,17 @@ capacities; the results equal the online path's (a test checks it).
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from expertcast.inference.cache.expert_cache import SlotState
+from expertcast.inference.cache.options import DEVICE_PATTERN, PolicyOptions, option
 from expertcast.inference.cache.policy import Policy
+from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
     TransferEstimator,
@@ -57,26 +59,51 @@ from expertcast.models.forecaster import (
     trigger_offset,
     trigger_sequence,
 )
+from expertcast.utils.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
     from expertcast.inference.cache.driver import StepInfo
+    from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 
 
 PREFETCH_RULES = ("benefit", "floor")
 """How prefetch tasks are chosen: expected benefit over the displaced resident, or probability above a floor."""
 
 
+@dataclass
+class ForecastOptions(PolicyOptions):
+    """Options shared by the SeqMoE policies."""
+
+    forecaster: str | None = option(None, "forecaster export (required; or --forecaster)", file="forecaster")
+    horizon: int = option(8, "forecast steps c read for eviction and prefetch", low=1)
+    gamma: float = option(0.5, "discount per forecast step in (0, 1]", low=0.0, low_open=True, high=1.0)
+    prefetch: bool = option(True, "issue proactive loads (false: eviction only)")
+    max_tasks_per_layer: int | None = option(None, "most prefetches per layer (default: top-K)", low=1)
+    min_confidence: float = option(0.2, "smallest forecast probability worth a prefetch", low=0.0, high=1.0)
+    lookahead: float = option(2.0, "prefetch window in layer-execution times", low=0.0, low_open=True)
+    transfer_layers: float | None = option(None, "one transfer's time in layer executions (default: from the "
+                                           "link and compute settings)", low=0.0, low_open=True)
+    bandwidth_gbps: float = option(25.0, "host-device link GB/s used for the transfer-time estimate", low=0.0,
+                                   low_open=True)
+    layer_compute_ms: float = option(0.15, "per-layer compute ms used for the transfer-time estimate", low=0.0,
+                                     low_open=True)
+    ema_alpha: float = option(0.2, "weight of the newest element in the recency average", low=0.0, high=1.0)
+    device: str = option("cpu", "device of the forecaster: cpu, cuda[:N] or mps", pattern=DEVICE_PATTERN)
+    forecast_cache_mb: float = option(1024.0, "memory for precomputed forecasts, MB", low=0.0)
+
+    def check(self) -> None:
+        if self.forecaster is None:
+            raise UsageError(f"{self.policy} needs a forecaster: {self.policy}:forecaster=EXPORT_DIR "
+                             f"(or --forecaster EXPORT_DIR)")
+
+
 def _load_model(forecaster: Any, device: str) -> tuple[ExpertForecaster, str]:
-    from expertcast.models.forecaster_export import ForecasterExport, load_forecaster
+    from expertcast.models.forecaster_export import ForecasterExport
 
     if isinstance(forecaster, ExpertForecaster):
         return forecaster.to(device).eval(), "in-memory"
     if isinstance(forecaster, ForecasterExport):
         return forecaster.model.to(device).eval(), str(forecaster.path)
-    if isinstance(forecaster, (str, os.PathLike)):
-        exp = load_forecaster(forecaster, device=device)
-        return exp.model, str(forecaster)
     raise ValueError("seqmoe needs a forecaster: an export directory (seqmoe:forecaster=PATH, or --forecaster PATH "
                      "with `expertcast simulate`), a ForecasterExport or an ExpertForecaster")
 
@@ -195,8 +222,8 @@ def _precompute_direct(model: ExpertForecaster, els: list[torch.Tensor], horizon
 class SeqMoEPolicy(Policy):
     """Forecast-driven prefetch + probabilistic-Belady eviction (registered as ``seqmoe``).
 
-    Args:
-        forecaster: export directory, :class:`ForecasterExport` or :class:`ExpertForecaster`.
+    Args (``forecaster`` a loaded object, the others fields of :class:`SeqMoEPolicy.Options`):
+        forecaster: a loaded :class:`ForecasterExport` or an :class:`ExpertForecaster`.
         horizon: c, forecast steps used by the eviction score (recursive rollout).
         gamma: discount of farther steps in the eviction score. With gamma <= 0.5 a certain use at step j
             outweighs any uses after it, so exact forecasts reproduce Belady's order (measured on a synthetic
@@ -218,42 +245,45 @@ class SeqMoEPolicy(Policy):
         forecast_cache_mb: memory budget for precomputed forecasts kept across replays.
     """
 
-    name = "seqmoe"
-    demand_only = False
-    needs_future = False
+    @dataclass
+    class Options(ForecastOptions):
+        """SeqMoE: forecaster-driven prefetch and probabilistic-Belady eviction."""
 
-    def __init__(self, forecaster: Any = None, horizon: int = 8, gamma: float = 0.5, prefetch: bool = True,
-                 max_tasks_per_layer: int | None = None, min_confidence: float = 0.2, prefetch_rule: str = "floor",
-                 lookahead: float = 2.0,
-                 transfer_layers: float | None = None, bandwidth_gbps: float = 25.0, layer_compute_ms: float = 0.15,
-                 ema_alpha: float = 0.2, precompute: bool = True, device: str = "cpu",
-                 forecast_cache_mb: float = 1024.0):
-        if horizon < 1:
-            raise ValueError(f"horizon must be >= 1, got {horizon}")
-        if not 0 < gamma <= 1:
-            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-        self.model, self.source = _load_model(forecaster, device)
+        precompute: bool = option(True, "compute every forecast of a sequence up front (same results, faster)")
+        prefetch_rule: str = option("floor", "rank prefetches by probability above min_confidence, or by expected "
+                                    "benefit over the displaced resident (floor capped at chance K/E)",
+                                    choices=("floor", "benefit"))
+
+    name = "seqmoe"
+
+    def __init__(self, options: ForecastOptions | None = None, *, forecaster: Any = None):
+        super().__init__(options)
+        o = self.options
+        self.model, self.source = _load_model(forecaster, o.device)
         self.fc = self.model.config
-        self.horizon = int(horizon)
-        self.gamma = float(gamma)
-        self.prefetch = bool(prefetch)
-        self.demand_only = not self.prefetch
-        self.max_tasks = int(max_tasks_per_layer or self.fc.top_k)
-        self.min_confidence = float(min_confidence)
-        if prefetch_rule not in PREFETCH_RULES:
-            raise ValueError(f"prefetch_rule must be one of {', '.join(PREFETCH_RULES)}, got {prefetch_rule!r}")
-        self.prefetch_rule = prefetch_rule
-        self.lookahead = float(lookahead)
-        self.transfer_layers = transfer_layers
-        self.bandwidth_gbps = float(bandwidth_gbps)
-        self.layer_compute_ms = float(layer_compute_ms)
-        self.ema_alpha = float(ema_alpha)
-        self.precompute = bool(precompute)
-        self.device = device
-        self.forecast_cache_bytes = int(forecast_cache_mb * 2**20)
+        self.horizon = int(o.horizon)
+        self.gamma = float(o.gamma)
+        self.prefetch = bool(o.prefetch)
+        self.max_tasks = int(o.max_tasks_per_layer or self.fc.top_k)
+        self.min_confidence = float(o.min_confidence)
+        # seqmoe-async's options have neither field: it ranks by the floor rule and forecasts online
+        self.prefetch_rule = getattr(o, "prefetch_rule", "floor")
+        self.lookahead = float(o.lookahead)
+        self.transfer_layers = o.transfer_layers
+        self.bandwidth_gbps = float(o.bandwidth_gbps)
+        self.layer_compute_ms = float(o.layer_compute_ms)
+        self.ema_alpha = float(o.ema_alpha)
+        self.precompute = bool(getattr(o, "precompute", False))
+        self.device = o.device
+        self.forecast_cache_bytes = int(o.forecast_cache_mb * 2**20)
         self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
         self._table_bytes = 0
         self.disc = self.gamma ** np.arange(self.horizon)
+
+    @property
+    def demand_only(self) -> bool:
+        """Eviction only (``prefetch=false``): no proactive loads."""
+        return not self.prefetch
 
     # ------------------------------------------------------------------------------------------ setup
     def check_compatible(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:
@@ -549,3 +579,9 @@ class SeqMoEPolicy(Policy):
             out.append(task.key)
         self.stats["issued"] += len(out)
         return out
+
+
+SPECS = (
+    PolicySpec("seqmoe", SeqMoEPolicy, SeqMoEPolicy.Options, engines={"driver", "device"}, needs={"forecaster"},
+               help="forecaster-driven prefetch and probabilistic-Belady eviction"),
+)

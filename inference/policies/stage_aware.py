@@ -37,23 +37,21 @@ run given as its future (runtime), looked up by sequence id.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from expertcast.inference.saem.cpu_exec import LatencyModel
-from expertcast.inference.saem.cues import CUESET_FILENAME, CueSet
 from expertcast.inference.cache.driver import BatchSchedule, StepInfo
+from expertcast.inference.cache.options import PolicyOptions, option
 from expertcast.inference.cache.policy import MissAction, Policy
+from expertcast.inference.cache.spec import PolicySpec
+from expertcast.inference.saem.cpu_exec import LatencyModel
+from expertcast.inference.saem.cues import CueSet
 from expertcast.inference.saem.stages import StageDetector, TokenDecoder
+from expertcast.utils.errors import UsageError
 
 
-def _resolve_cues(cue_set: str | Path | CueSet | None, cues: Sequence[str] | str | None,
-                  tokenizer: Any = None) -> tuple[list[str], CueSet | None, bool]:
-    if cue_set is None and cues is None and isinstance(tokenizer, (str, Path)) \
-            and (Path(tokenizer) / CUESET_FILENAME).is_file():
-        cue_set = Path(tokenizer) / CUESET_FILENAME  # the model's own calibrated cue set
-    cs = CueSet.load(cue_set) if isinstance(cue_set, (str, Path)) else cue_set
+def _resolve_cues(cs: CueSet | None, cues: Sequence[str] | str | None) -> tuple[list[str], CueSet | None, bool]:
     if cues is not None:
         lst = [c.strip() for c in cues.split("|")] if isinstance(cues, str) else list(cues)
         return lst, cs, cs.ignore_case if cs else False
@@ -65,42 +63,57 @@ def _resolve_cues(cue_set: str | Path | CueSet | None, cues: Sequence[str] | str
 class StageAwarePolicy(Policy):
     """SAEM stage-aware caching with CPU execution of cold experts.
 
-    Args:
-        cue_set: path of a calibrated cue-set JSON (``expertcast stages calibrate``) or a CueSet; gives
-            the cues, the tokenizer (unless ``tokenizer`` is given) and static expert frequencies. When
-            neither ``cue_set`` nor ``cues`` is given and ``tokenizer`` is a model directory holding
-            ``cues.json`` (:data:`~expertcast.inference.saem.cues.CUESET_FILENAME`), that file is used.
-        cues: explicit cues (list, or one string separated by ``|``), overriding the cue set's.
-        tokenizer: tokenizer directory / id (or a tokenizer object) used to decode the token ids.
+    Args (loaded objects; the options are :class:`StageAwarePolicy.Options`):
+        cue_set: a loaded :class:`CueSet` (``expertcast stages calibrate``): the cues, the tokenizer it names
+            (loaded by :mod:`~expertcast.inference.policies.artifacts`) and static expert frequencies.
+        tokenizer: a tokenizer object decoding the token ids.
         decoder: a ready token-id -> bytes function (overrides ``tokenizer``).
-        cpu_exec: allow ``MissAction.CPU`` (ablation: False = temporary slot only).
-        stage_updates: refill at stage boundaries (ablation: False = static calibration placement).
         latency: the CPU-vs-transfer latency model; default from ``cost`` (or the cost model defaults).
         cost: a :class:`~expertcast.inference.cache.cost_model.CostConfig` to derive ``latency`` from.
-        min_stage_steps: boundaries closer than this many decode steps to the last update are ignored.
         static_frequency: float [L, E] placement used to seed (and for the no-update ablation);
             defaults to the cue set's ``expert_frequency``.
     """
 
+    @dataclass
+    class Options(PolicyOptions):
+        """SAEM stage-aware caching with CPU execution of cold experts."""
+
+        cue_set: str | None = option(None, "calibrated cue set (cues, tokenizer, expert frequencies)",
+                                     file="cue_set")
+        cues: str | tuple[str, ...] | None = option(None, "explicit cues separated by '|' (overrides the cue "
+                                                    "set's; a programmatic caller may give a tuple)")
+        tokenizer: str | None = option(None, "tokenizer directory or Hub id decoding the token ids")
+        cpu_exec: bool = option(True, "execute cold experts on the CPU (false: temporary slot only)")
+        stage_updates: bool = option(True, "refill at stage boundaries (false: calibration placement only)")
+        min_stage_steps: int = option(1, "ignore boundaries closer than this many decode steps", low=1)
+
+        def check(self) -> None:
+            if self.stage_updates and self.cue_set is None and self.cues is None and self.tokenizer is None:
+                raise UsageError(f"{self.policy} needs cues: {self.policy}:cue_set=CUES.json (expertcast stages "
+                                 f"calibrate), cues='Wait|Alternatively' or tokenizer=MODEL_DIR holding cues.json")
+
+        def reads_tokens(self) -> bool:
+            return bool(self.stage_updates)
+
     name = "stage"
     demand_only = False
-    needs_future = False
 
-    def __init__(self, cue_set: str | Path | CueSet | None = None, cues: Sequence[str] | str | None = None,
-                 tokenizer: Any = None, decoder: Any = None, cpu_exec: bool = True, stage_updates: bool = True,
-                 latency: LatencyModel | None = None, cost: Any = None, min_stage_steps: int = 1,
+    def __init__(self, options: Options | None = None, *, cue_set: CueSet | None = None, tokenizer: Any = None,
+                 decoder: Any = None, latency: LatencyModel | None = None, cost: Any = None,
                  static_frequency: np.ndarray | None = None) -> None:
-        self.cues, self.cue_set, self.ignore_case = _resolve_cues(cue_set, cues, tokenizer)
-        if stage_updates and not self.cues:
+        super().__init__(options)
+        o = self.options
+        self.cues, self.cue_set, self.ignore_case = _resolve_cues(cue_set, o.cues)
+        if o.stage_updates and not self.cues:
             raise ValueError("StageAwarePolicy needs cues: pass cue_set=CUES.json (expertcast stages calibrate), "
                              "tokenizer=MODEL_DIR holding cues.json, or cues='Wait|Alternatively|...'")
-        self._tokenizer_spec = tokenizer if tokenizer is not None else (self.cue_set.tokenizer if self.cue_set else None)
+        self._tokenizer = tokenizer
         self._decoder = decoder
-        self.cpu_exec = bool(cpu_exec)
-        self.stage_updates = bool(stage_updates)
+        self.cpu_exec = bool(o.cpu_exec)
+        self.stage_updates = bool(o.stage_updates)
         self._latency = latency
         self._cost = cost
-        self.min_stage_steps = int(min_stage_steps)
+        self.min_stage_steps = int(o.min_stage_steps)
         if static_frequency is None and self.cue_set is not None and self.cue_set.expert_frequency is not None:
             static_frequency = np.asarray(self.cue_set.expert_frequency, dtype=np.float64)
         self.static_frequency = None if static_frequency is None else np.asarray(static_frequency, np.float64)
@@ -116,23 +129,22 @@ class StageAwarePolicy(Policy):
         self.update_steps: list[int] = []
 
     # -- setup ------------------------------------------------------------------------------------
-    def default_tokenizer(self, spec: Any) -> None:
-        """Decode with ``spec`` (e.g. the evaluated model's directory) unless a tokenizer or decoder was given."""
-        if self._decoder is None and self._tokenizer_spec is None:
-            self._tokenizer_spec = spec
+    def wants_tokenizer(self) -> bool:
+        """True when the policy decodes tokens and has neither a tokenizer nor a decoder yet."""
+        return self.stage_updates and self._decoder is None and self._tokenizer is None
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Decode with ``tokenizer`` (e.g. the evaluated model's) unless a tokenizer or decoder was given."""
+        if self._decoder is None and self._tokenizer is None:
+            self._tokenizer = tokenizer
 
     @property
     def decoder(self) -> Any:
         if self._decoder is None:
-            spec = self._tokenizer_spec
-            if spec is None:
+            if self._tokenizer is None:
                 raise ValueError("StageAwarePolicy needs a tokenizer to read the generated tokens: pass "
                                  "tokenizer=DIR (the trace's model directory) or a cue set that names one")
-            if isinstance(spec, (str, Path)):
-                from expertcast.inference.saem.cues import load_tokenizer
-
-                spec = load_tokenizer(str(spec))
-            self._decoder = TokenDecoder(spec)
+            self._decoder = TokenDecoder(self._tokenizer)
         return self._decoder
 
     def reset(self, config: Any) -> None:
@@ -302,13 +314,25 @@ class StageOraclePolicy(StageAwarePolicy):
     """Same boundaries and cache enforcement as :class:`StageAwarePolicy`; at each update the ranking is
     the next stage's true per-layer counts over the batch (read from the batch's recorded routing)."""
 
-    name = "stage-oracle"
-    needs_future = True
+    @dataclass
+    class Options(StageAwarePolicy.Options):
+        """SAEM stage-aware caching that knows each stage's experts in advance (upper bound)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if not kwargs.get("stage_updates", True):
+        def check(self) -> None:
+            super().check()
+            if not self.stage_updates:
+                raise UsageError(f"{self.policy}: stage_updates must stay true (the oracle acts at stage "
+                                 f"boundaries)")
+
+    name = "stage-oracle"
+
+    def __init__(self, options: Options | None = None, *, cue_set: CueSet | None = None, tokenizer: Any = None,
+                 decoder: Any = None, latency: LatencyModel | None = None, cost: Any = None,
+                 static_frequency: np.ndarray | None = None) -> None:
+        if options is not None and not options.stage_updates:
             raise ValueError("the stage oracle is defined at stage boundaries: stage_updates must stay on")
-        super().__init__(*args, **kwargs)
+        super().__init__(options, cue_set=cue_set, tokenizer=tokenizer, decoder=decoder, latency=latency, cost=cost,
+                         static_frequency=static_frequency)
         self._future: dict[str, Any] = {}
         self._plan: list[int] | None = None
 
@@ -373,3 +397,11 @@ class StageOraclePolicy(StageAwarePolicy):
             flat = (np.arange(self.L)[None, :, None] * self.E + e).ravel()
             counts += np.bincount(flat, minlength=self.L * self.E).reshape(self.L, self.E)
         return counts
+
+
+SPECS = (
+    PolicySpec("stage", StageAwarePolicy, StageAwarePolicy.Options, needs={"cues", "tokenizer"},
+               help="SAEM stage-aware caching with CPU execution of cold experts"),
+    PolicySpec("stage-oracle", StageOraclePolicy, StageOraclePolicy.Options, needs={"future", "cues", "tokenizer"},
+               live=False, help="SAEM stage-aware caching knowing each stage's experts (upper bound)"),
+)

@@ -17,9 +17,13 @@ calibrates on the replayed traces themselves and marks the record ``calibration=
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from expertcast.inference.cache.options import PolicyOptions, option
 from expertcast.inference.cache.policy import MissAction, Policy
+from expertcast.inference.cache.spec import PolicySpec
 
 MISS_MODES = {"temp": MissAction.TEMP, "cpu": MissAction.CPU}
 
@@ -41,15 +45,25 @@ def selection_counts(sequences: Sequence, num_layers: int, num_experts: int) -> 
 class StaticFrequencyPolicy(Policy):
     """Fixed placement of the most frequent experts; misses are not retained."""
 
+    @dataclass
+    class Options(PolicyOptions):
+        """Fixed placement of the most frequently selected experts."""
+
+        calibration: str | None = option(None, "traces whose selection counts fix the placement (default: the "
+                                         "replayed traces, in-sample, or --calibration)", file="traces")
+        miss: str = option("temp", "how a non-resident expert is served: temporary slot or CPU",
+                           choices=tuple(MISS_MODES))
+
     name = "static"
     demand_only = True
     bypasses = True
     """Misses are never inserted: not bounded by Belady."""
 
-    def __init__(self, calibration=None, miss: str = "temp"):
-        if miss not in MISS_MODES:
-            raise ValueError(f"static placement serves misses by one of {sorted(MISS_MODES)}, got {miss!r}")
-        self.miss = miss
+    def __init__(self, options: Options | None = None, *, calibration: Any = None):
+        """``calibration``: selection counts int [L, E] or calibration sequences (the ``calibration`` option's
+        trace set, loaded)."""
+        super().__init__(options)
+        self.miss = self.options.miss
         self.calibration_source = "given" if calibration is not None else None
         self.freq = None if calibration is None else self._as_counts(calibration)
 
@@ -100,3 +114,9 @@ class StaticFrequencyPolicy(Policy):
 
     def choose_victim(self, t, layer, candidates, cache) -> int:
         raise RuntimeError("static placement never evicts")
+
+
+SPECS = (
+    PolicySpec("static", StaticFrequencyPolicy, StaticFrequencyPolicy.Options, engines={"driver"},
+               help="fixed placement of the most frequent experts"),
+)

@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 from expertcast.inference.cache.driver import CPU, SLOT, TEMP, Driver
+from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy, check_policy_compatible
+from expertcast.inference.policies import spec_of
 from expertcast.inference.runtime import experts as X
 from expertcast.inference.runtime.graph import decode as GD
 from expertcast.inference.runtime.residency import RuntimeTransport
@@ -117,15 +118,15 @@ class OffloadedModel:
         what = f"model {getattr(model.config, '_name_or_path', '') or type(model).__name__}"
         check_policy_compatible(policy, self.L, self.E, self.K, what)  # exports for another model -> error
         self.policy = policy
-        if policy.needs_future and future is None:
+        spec = spec_of(policy)
+        if "future" in spec.needs and future is None:
             raise ValueError(f"policy {policy.name!r} is an oracle: pass future=build_stream(...) of the run (the "
                              "recorded routing), or use OffloadedModel.replay() on recorded traces")
-        if getattr(policy, "kernel_only", False):
+        if not spec.runs_on("driver"):
             raise ValueError(f"policy {policy.name!r} runs only on the simulator's compiled engine, not in the runtime")
         self._future = future
         policy.reset(self.cache_config)  # policy/config mismatches surface before the model is touched
-        if policy.needs_future:
-            policy.set_future(future)
+        policy.set_future(future)
         policy.warm_start(ExpertCache(self.cache_config))
 
         if store is None:
@@ -181,8 +182,7 @@ class OffloadedModel:
     def set_future(self, future: Any) -> None:
         """Give an oracle policy the access stream of the coming run (then :meth:`reset`)."""
         self._future = future
-        if self.policy.needs_future:
-            self.policy.set_future(future)
+        self.policy.set_future(future)
 
     def close(self) -> None:
         """Stop the transfer thread and detach from the model (the expert weights stay released)."""

@@ -375,7 +375,6 @@ class HostExecutionPolicy(Policy):
 
     name = HOST_BASELINE
     demand_only = False
-    needs_future = False
 
     def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: Any) -> MissAction:
         return MissAction.CPU

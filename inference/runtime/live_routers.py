@@ -39,13 +39,22 @@ from expertcast.models.routing import native_distribution
 from expertcast.utils.errors import UsageError
 from torch import nn
 
-ROUTER_POLICIES: dict[str, tuple[str, ...]] = {
-    "router-temporal": ("temporal", "full"),
-    "router-full": ("full",),
-    "router-spatio": ("spatio_only", "full"),
-}
-"""Router policy -> the router modes of an export that give it the scores it reads (p^T for Algorithm 1,
-p^S for the pre-access refinement, both for Algorithm 2)."""
+
+def router_policy_names() -> list[str]:
+    """The registered policies whose scores come from cache routers (their spec needs ``router_scores``)."""
+    from expertcast.inference.policies import registry
+
+    return [n for n, spec in registry().items() if "router_scores" in spec.needs]
+
+
+def export_modes(policy_name: str) -> tuple[str, ...]:
+    """The router modes of an export that give router policy ``policy_name`` the scores it reads (p^T for
+    Algorithm 1, p^S for the pre-access refinement, both for Algorithm 2)."""
+    from expertcast.inference.policies import policy_class
+    from expertcast.inference.policies.router import router_modes
+
+    return router_modes(policy_class(policy_name))
+
 
 _GROW = 64
 """Positions added to a record when a write reaches its end."""
@@ -181,7 +190,7 @@ class LiveRouterScores:
 def check_export_fits(policy_name: str, router_mode: str | None, where: str) -> None:
     """UsageError unless an export whose routers are of ``router_mode`` (None: no routers, an LM-only
     export) gives ``policy_name`` the scores it reads."""
-    need = ROUTER_POLICIES[policy_name]
+    need = export_modes(policy_name)
     if router_mode not in need:
         have = f"{router_mode} routers" if router_mode else "no cache routers (an lm_only export)"
         raise UsageError(f"--policy {policy_name} reads the scores of {' or '.join(need)} routers, but {where} "
@@ -193,8 +202,8 @@ def live_router_policy(spec: str) -> tuple[str, dict[str, Any]]:
     the ``--model`` export (so ``replay=`` is refused); UsageError for anything else."""
     name, _, rest = str(spec).partition(":")
     name = name.strip().lower()
-    if name not in ROUTER_POLICIES:
-        raise UsageError(f"--policy {spec}: not a router policy ({', '.join(ROUTER_POLICIES)})")
+    if name not in router_policy_names():
+        raise UsageError(f"--policy {spec}: not a router policy ({', '.join(router_policy_names())})")
     opts: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in rest.split(","))):
         k, eq, v = (x.strip() for x in part.partition("="))
@@ -212,7 +221,7 @@ def live_router_policy(spec: str) -> tuple[str, dict[str, Any]]:
 
 def is_router_policy(spec: str) -> bool:
     """True when ``--policy`` names a router policy (``router-temporal|router-full|router-spatio[:...]``)."""
-    return str(spec).partition(":")[0].strip().lower() in ROUTER_POLICIES
+    return str(spec).partition(":")[0].strip().lower() in router_policy_names()
 
 
 def router_export_model(export: str, policy_name: str) -> tuple[str, dict[str, str]]:
@@ -274,12 +283,14 @@ def attach_live_routers(policy: Any, model: nn.Module, export: str) -> None:
     :func:`detach_live_routers`."""
     from pathlib import Path
 
+    from expertcast.inference.policies import spec_of
+    from expertcast.inference.policies.hybrid import HybridPolicy
     from expertcast.models.router_export import load_routers, read_adaptation_export
 
-    name = getattr(policy, "name", None)
-    if name not in (*ROUTER_POLICIES, "hybrid") or isinstance(policy.replay, LiveRouterScores):
+    hybrid = isinstance(policy, HybridPolicy)  # router scores are one optional part of its priority
+    if not (hybrid or "router_scores" in spec_of(policy).needs) or isinstance(policy.replay, LiveRouterScores):
         return
-    if name == "hybrid":
+    if hybrid:
         reason = hybrid_routers_off(policy, export)
         if reason is not None:
             _say_once(policy, f"hybrid: routers part off ({reason}); parts: {'+'.join(policy.parts)}")
@@ -290,7 +301,7 @@ def attach_live_routers(policy: Any, model: nn.Module, export: str) -> None:
     except ValueError as e:
         raise UsageError(f"--model {export}: {e}") from None
     live = LiveRouterScores(model, routers)
-    if name == "hybrid":
+    if hybrid:
         policy.use_routers(live)
         _say_once(policy, f"hybrid: routers part on: s^T from the live {live.mode} routers of {export}; parts: "
                           f"{'+'.join(policy.parts)}")

@@ -42,7 +42,16 @@ from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_json
 from expertcast.utils.provenance import check_resume, settings_key
 
-POLICIES = ("stage", "stage-oracle", "stage-nocpu", "stage-noupdate", "lru", "static")
+RUNS: dict[str, tuple[str, dict[str, Any]]] = {
+    "stage": ("stage", {}),
+    "stage-oracle": ("stage-oracle", {}),
+    "stage-nocpu": ("stage", {"cpu_exec": False}),
+    "stage-noupdate": ("stage", {"stage_updates": False}),
+    "lru": ("lru", {}),
+    "static": ("static", {}),
+}
+"""Label of the evaluation -> (registered policy, its options): the stage policies, their ablations, baselines."""
+POLICIES = tuple(RUNS)
 """Policy labels of the evaluation, in table order."""
 
 
@@ -67,30 +76,27 @@ def make_policies(cues: list[str], decoder: Any, static_frequency: np.ndarray, c
         calibration: int [L, E] calibration selection counts (the ``static`` baseline's placement).
         cost: the :class:`~expertcast.inference.cache.cost_model.CostConfig` the simulator uses.
     """
-    from expertcast.inference.policies.classic import LRUPolicy
-    from expertcast.inference.policies.stage_aware import StageAwarePolicy, StageOraclePolicy
-    from expertcast.inference.policies.static import StaticFrequencyPolicy
+    from expertcast.inference.policies import make_policy, object_names, policy_class, policy_spec
 
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise UsageError(f"unknown SAEM eval policies {unknown}; choose from {', '.join(POLICIES)}")
-    kw = dict(cues=cues, decoder=decoder, static_frequency=static_frequency, cost=cost)
     calib = np.asarray(calibration)
     if calib.ndim != 2 or not np.issubdtype(calib.dtype, np.integer):
         raise ValueError(f"static calibration must be int selection counts [L, E], got {calib.dtype} {calib.shape}")
-    build = {
-        "stage": lambda: StageAwarePolicy(**kw),
-        "stage-oracle": lambda: StageOraclePolicy(**kw),
-        "stage-nocpu": lambda: StageAwarePolicy(cpu_exec=False, **kw),
-        "stage-noupdate": lambda: StageAwarePolicy(stage_updates=False, **kw),
-        "lru": LRUPolicy,
-        "static": lambda: StaticFrequencyPolicy(calibration=calib),
-    }
     out = []
-    for name in names:
-        p = build[name]()
-        p.label = name
-        if name.startswith("stage"):
+    for label in names:
+        name, opts = RUNS[label]
+        objects: dict[str, Any] = {}
+        staged = "cues" in policy_spec(name).needs
+        if staged:
+            opts = {"cues": cues if isinstance(cues, str) or cues is None else tuple(cues), **opts}
+            objects = dict(decoder=decoder, static_frequency=static_frequency, cost=cost)
+        elif "calibration" in object_names(policy_class(name)):
+            objects = {"calibration": calib}
+        p = make_policy(name, **opts, **objects)
+        p.label = label
+        if staged:
             p.ignore_case = ignore_case
         out.append(p)
     return out

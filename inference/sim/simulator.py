@@ -46,12 +46,17 @@ from typing import Any
 
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.policies import kernels as K
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
-from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig, Event, ModelledTransport
+from expertcast.inference.cache.cost_model import (
+    QWEN3_30B_A3B_EXPERT_BYTES,
+    CostConfig,
+    Event,
+    ModelledTransport,
+)
 from expertcast.inference.cache.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
+from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 from expertcast.inference.cache.metrics import CacheMetricsMixin
 from expertcast.inference.cache.policy import Policy
+from expertcast.inference.policies import kernels as K
 
 WARMUP_NOTE = "decode-only; prefill replayed through the policy uncounted"
 ORACLE_NOTE = ("belady_fraction = hit / ceiling of demand-only policies (furthest next use kept, bypass allowed, "
@@ -238,7 +243,9 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
     (e.g. a :class:`~expertcast.inference.cache.driver.RecordedTransport` of a runtime run). Works for any
     policy (prefetching, CPU execution, temporary slots). ``record_landings``: keep the driver's
     landings in ``ReplayResult.landings``."""
-    if getattr(policy, "kernel_only", False):
+    from expertcast.inference.policies import spec_of
+
+    if not spec_of(policy).runs_on("driver"):
         raise ValueError(f"policy {policy.name!r} runs only on the compiled engine")
     _check_stream(stream, config)
     cost = cost or CostConfig()
@@ -410,11 +417,12 @@ def run_policy(stream: AccessStream, policy: Policy, config: CacheConfig, cost: 
     if engine == "python":
         return replay(stream, policy, config, cost, progress=progress)
     if isinstance(policy, StaticFrequencyPolicy) and engine == "auto":
-        return replay_static(stream, policy, config, cost)
-    if hasattr(policy, "kernel_params"):
+        return replay_static(stream, policy, config, cost)  # nothing moves: the driver's result, vectorized
+    from expertcast.inference.policies import spec_of
+
+    if spec_of(policy).runs_on("kernel"):
         policy.reset(config)
-        if policy.kernel_params() is not None:
-            return replay_kernel(stream, policy, config, cost)
+        return replay_kernel(stream, policy, config, cost)
     if engine == "kernel":
         raise ValueError(f"policy {policy.name!r} has no compiled fast path; use engine='python'")
     return replay(stream, policy, config, cost, progress=progress)
@@ -424,15 +432,15 @@ def run_policy(stream: AccessStream, policy: Policy, config: CacheConfig, cost: 
 # The public API
 # ------------------------------------------------------------------------------------------------
 def _as_policy(spec: str | Policy, calibration=None) -> Policy:
-    from expertcast.inference.policies import make_policy, parse_policy_spec
+    from expertcast.inference.policies import make_policy, object_names, parse_policy_spec, policy_class
 
     if isinstance(spec, Policy):
         if not hasattr(spec, "label"):
             spec.label = spec.name
         return spec
     name, kwargs = parse_policy_spec(spec)
-    if name.strip().lower() == "static" and calibration is not None and "calibration" not in kwargs:
-        kwargs["calibration"] = calibration
+    if calibration is not None and "calibration" not in kwargs and "calibration" in object_names(policy_class(name)):
+        kwargs["calibration"] = calibration  # a calibrated policy (static) without its own calibration
     return make_policy(name, **kwargs)
 
 

@@ -45,7 +45,7 @@ def test_blocking_async_equals_synchronous_online_seqmoe():
     K = model.config.num_experts_per_tok
     sync = make_policy("seqmoe", forecaster=fc, precompute=False)
     seq_s, cnt_s, model = _run(model, sync, ids, am, K + 1)
-    pol = AsyncSeqMoEPolicy(fc, blocking=True)
+    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(blocking=True), forecaster=fc)
     try:
         seq_a, cnt_a, model = _run(model, pol, ids, am, K + 1)
     finally:
@@ -60,7 +60,7 @@ def test_blocking_async_equals_synchronous_online_seqmoe():
 def test_nonblocking_async_keeps_tokens_and_consumes_every_element():
     model, ids, am, ref, fc = _setup()
     K = model.config.num_experts_per_tok
-    pol = AsyncSeqMoEPolicy(fc)
+    pol = AsyncSeqMoEPolicy(forecaster=fc)
     try:
         seq, cnt, model = _run(model, pol, ids, am, K)
         pol._worker.drain()
@@ -76,7 +76,7 @@ def test_nonblocking_async_keeps_tokens_and_consumes_every_element():
 
 def test_worker_failure_surfaces_in_the_decoding_thread():
     model, ids, am, ref, fc = _setup()
-    pol = AsyncSeqMoEPolicy(fc, blocking=True)
+    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(blocking=True), forecaster=fc)
 
     def broken(*a, **k):
         raise ValueError("forecaster exploded")

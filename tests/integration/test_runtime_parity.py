@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 from expertcast.data.trace_format import TraceMeta
-from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.cache.driver import COUNTER_NAMES, RecordedTransport
-from expertcast.inference.policies import REGISTRY, make_policy
+from expertcast.inference.policies import make_policy, registry, spec_of
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.runtime.engine import OffloadedModel
+from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.sim.simulator import build_stream, replay
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.presets import build_tiny
@@ -85,11 +85,11 @@ def run(request):
     return r
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(registry()))
 def test_runtime_counters_equal_simulator_replay(run, name):
     pol = run.policy(name)
-    future = run.stream() if pol.needs_future else None
-    if getattr(pol, "kernel_only", False):  # belady-seq may evict an expert the running layer computes with
+    future = run.stream() if "future" in spec_of(pol).needs else None
+    if not spec_of(pol).runs_on("driver"):  # belady-seq may evict an expert the running layer computes with
         with pytest.raises(ValueError, match="compiled engine"):
             OffloadedModel(run.model, pol, SLOTS, future=future)
         return

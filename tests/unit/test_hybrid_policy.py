@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from expertcast.inference.sim import synthetic
 from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.hybrid import HybridPolicy, parse_parts
+from expertcast.inference.policies.prefetch import chance_level, expected_benefit, generate_tasks
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
-from expertcast.inference.policies.prefetch import chance_level, expected_benefit, generate_tasks
+from expertcast.inference.sim import synthetic
 from expertcast.inference.sim.simulator import simulate
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.utils.errors import UsageError
@@ -43,7 +43,7 @@ def test_generate_tasks_ranks_by_value_and_drops_non_positive_benefit():
 def _spread_policy(rule: str) -> tuple[SeqMoEPolicy, ExpertCache]:
     """A policy holding a spread forecast (two favourites per layer at 0.3, the rest at 0.15; chance K/E = 0.25)
     and an empty cache of 3 slots per layer."""
-    pol = SeqMoEPolicy(_forecaster(), prefetch_rule=rule)
+    pol = SeqMoEPolicy(SeqMoEPolicy.Options(prefetch_rule=rule), forecaster=_forecaster())
     cfg = CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="per-layer", slots=3)
     pol.reset(cfg)
     cache = ExpertCache(cfg)
@@ -90,7 +90,7 @@ def test_parts_parsing_and_missing_inputs():
     with pytest.raises(ValueError, match="needs the routers' scores"):
         parse_parts("routers", False, True)
     with pytest.raises(ValueError, match="needs stage cues"):
-        HybridPolicy(_forecaster(), parts="stage")
+        HybridPolicy(HybridPolicy.Options(parts="stage"), forecaster=_forecaster())
     with pytest.raises(UsageError, match="parts"):
         from expertcast.inference.cache.options import parse_policy_options
 

@@ -1,26 +1,23 @@
-"""Typed policy options: parsing, validation messages naming the valid keys, file kinds, agreement with the
-policy constructors, and a registry that never drops a policy silently."""
+"""Typed policy options: parsing, validation messages naming the valid keys, file kinds, one spec per policy
+whose options live beside its class, and a registry that never drops a policy silently."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import pytest
 from expertcast.data.traces import write_traces
-from expertcast.inference import policies as registry
+from expertcast.inference import policies as policies_pkg
+from expertcast.inference.cache.options import PolicyOptions, parse_policy_options, split_policy_list
+from expertcast.inference.cache.spec import ENGINES, NEEDS, PolicySpec
 from expertcast.inference.policies import (
-    REGISTRY,
     available_policies,
     make_policy,
+    object_names,
     parse_policy_spec,
     policy_class,
-)
-from expertcast.inference.cache.options import (
-    OPTIONS,
-    constructor_options,
-    parse_policy_options,
-    split_policy_list,
+    registry,
+    spec_of,
 )
 from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.utils.errors import UsageError
@@ -29,7 +26,7 @@ from expertcast.utils.errors import UsageError
 def test_values_are_typed_and_only_given_options_reach_the_constructor():
     o = parse_policy_options("lrfu:lam=0.1")
     assert o.lam == 0.1 and isinstance(o.lam, float) and o.history == "perfect"
-    assert o.to_kwargs() == {"lam": 0.1} and o.spec() == "lrfu:lam=0.1"
+    assert o.given_values() == {"lam": 0.1} and o.spec() == "lrfu:lam=0.1"
     k = parse_policy_options("belady-k:k=3")
     assert k.k == 3 and isinstance(k.k, int)
     assert parse_policy_spec("LFU:history=in-cache") == ("lfu", {"history": "in-cache"})
@@ -67,22 +64,29 @@ def test_malformed_options_are_one_line_usage_errors(spec, message):
         parse_policy_options(spec)
 
 
-def test_every_policy_has_options_matching_its_constructor():
-    """Each option is a keyword of the policy's constructor with the constructor's default, so the typed
-    options cannot drift from the classes they configure."""
-    assert set(OPTIONS) == set(REGISTRY)
-    for name, opts in OPTIONS.items():
+def test_every_policy_has_one_spec_with_options_beside_its_class():
+    """Each registered name has one spec; its options class is the class's ``Options`` (defined in the policy's
+    module), its engines and needs are known words, the constructor takes the options and keyword-only loaded
+    objects, and every option has help."""
+    specs = registry()
+    assert list(specs)[:4] == ["lru", "fifo", "lfu", "lrfu"]
+    for name, spec in specs.items():
+        assert isinstance(spec, PolicySpec) and spec.name == name and spec.help
         cls = policy_class(name)
-        accepted = constructor_options(cls)
-        defaults = {}
-        for klass in cls.__mro__:
-            if "__init__" in klass.__dict__ and klass is not object:
-                for p in inspect.signature(klass.__init__).parameters.values():
-                    defaults.setdefault(p.name, p.default)
-        for f in dataclasses.fields(opts):
-            assert f.name in accepted, (name, f.name)
-            assert defaults[f.name] == f.default, (name, f.name, defaults[f.name], f.default)
-        assert opts.describe() == [] or all(d["help"] for d in opts.describe()), name
+        assert spec.options is cls.Options or spec.options is PolicyOptions, name
+        assert spec.options is PolicyOptions or spec.options.__module__ == cls.__module__, name
+        assert spec.engines <= ENGINES and spec.needs <= NEEDS
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        assert not params or params[0].name == "options", name
+        assert all(p.kind == p.KEYWORD_ONLY for p in params[1:]), name
+        assert spec.options.describe() == [] or all(d["help"] for d in spec.options.describe()), name
+        if not spec.needs - {"future"}:
+            pol = cls()  # the defaults are the Options' (written once)
+            assert spec_of(pol) is spec and pol.options == spec.options()
+    assert {n for n, s in specs.items() if not s.live} == {"belady", "belady-k", "belady-seq", "stage-oracle"}
+    assert {n for n, s in specs.items() if "device" in s.engines} == {"lru", "seqmoe"}
+    assert [n for n, s in specs.items() if not s.runs_on("driver")] == ["belady-seq"]
+    assert object_names(policy_class("static")) == ["calibration"]
 
 
 def test_make_policy_names_the_valid_keys_and_loads_trace_options(tmp_path):
@@ -99,12 +103,34 @@ def test_make_policy_names_the_valid_keys_and_loads_trace_options(tmp_path):
 
 
 def test_an_unimportable_policy_is_reported_not_dropped(monkeypatch):
-    monkeypatch.setitem(REGISTRY, "broken", "expertcast.inference.no_such_module:Nope")
-    with pytest.warns(RuntimeWarning, match="'broken' is unavailable: expertcast.inference.no_such_module:Nope: "
+    monkeypatch.setattr(policies_pkg, "POLICY_MODULES",
+                        (*policies_pkg.POLICY_MODULES, "expertcast.inference.no_such_module"))
+    with pytest.warns(RuntimeWarning, match="'no_such_module' is unavailable: expertcast.inference.no_such_module: "
                                             "ModuleNotFoundError"):
         names = available_policies()
-    assert "broken" not in names and "lru" in names
-    assert "no_such_module" in registry.policy_import_errors()["broken"]
-    with pytest.raises(UsageError, match="registered as expertcast.inference.no_such_module:Nope but cannot be "
-                                         "imported"):
+    assert "lru" in names and "mru" in names
+    assert "ModuleNotFoundError" in policies_pkg.policy_import_errors()["no_such_module"]
+    with pytest.warns(RuntimeWarning), pytest.raises(UsageError, match="unknown policy 'broken'.*unimportable policy "
+                                                                       "modules: expertcast.inference.no_such_module"):
         make_policy("broken")
+
+
+def test_typed_values_are_checked_as_text_is_and_objects_pass_through(tmp_path):
+    """make_policy checks a typed value by the same field rules as the command line's text; a loaded object of a
+    file option's name passes through, its path is loaded by the one loader (policies/artifacts.py)."""
+    with pytest.raises(UsageError, match=r"belady-k option k=-1: must be >= 0"):
+        make_policy("belady-k", k=-1)
+    with pytest.raises(UsageError, match="belady-k option k=1.5: expected an integer"):
+        make_policy("belady-k", k=1.5)
+    with pytest.raises(UsageError, match="lfu option history=never: expected one of perfect, in-cache"):
+        make_policy("lfu", history="never")
+    assert make_policy("belady-k", k="3").horizon_steps == 3  # text is converted
+    tr = zipf_traces(2, 20, num_layers=2, num_experts=8, top_k=2, seed=1)
+    from_objects = make_policy("static", calibration=tr.sequences)
+    d = write_traces(tmp_path / "cal", tr.meta, tr.sequences)
+    from_path = make_policy("static", calibration=d)  # a PathLike is the file option
+    assert (from_objects.freq == from_path.freq).all() and from_objects.label == "static"
+    with pytest.raises(UsageError, match="lrfu option lam is given twice"):
+        parse_policy_options("lrfu:lam=0.1", {"lam": 0.2})
+    o = parse_policy_options("lrfu", {"lam": 0.5})
+    assert o.given_values() == {"lam": 0.5} and o.label() == "lrfu(lam=0.5)"

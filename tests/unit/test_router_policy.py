@@ -8,11 +8,8 @@ from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference.cache.expert_cache import CacheConfig
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.router import (
-    RouterFullPolicy,
     RouterRecord,
     RouterReplay,
-    SpatioOnlyPolicy,
-    TemporalRetentionPolicy,
 )
 from expertcast.inference.sim.simulator import build_stream, replay, simulate
 
@@ -64,7 +61,7 @@ def test_lru_reference():
 
 def test_temporal_retention_algorithm1():
     """Misses at positions 1, 2, 4; at 2 the retention keeps expert 0 (needed next) and evicts 1."""
-    pol = TemporalRetentionPolicy(replay=RouterReplay({"s0": _record()}))
+    pol = make_policy("router-temporal", replay=RouterReplay({"s0": _record()}))
     res = _run(pol)
     assert (res.A, res.D, res.P) == (5, 3, 0)
     assert res.hit == pytest.approx(0.4)
@@ -74,7 +71,7 @@ def test_temporal_retention_algorithm1():
 def test_full_pre_access_algorithm2():
     """s^ST puts 2.1 on the true expert: every decode access is covered by one proactive load
     (positions 1-4), each replacing the lowest-priority resident; position 5 is already resident."""
-    pol = RouterFullPolicy(replay=RouterReplay({"s0": _record()}, mode="full"), R=1)
+    pol = make_policy("router-full", replay=RouterReplay({"s0": _record()}, mode="full"), R=1)
     res = _run(pol)
     assert (res.A, res.D, res.P) == (5, 0, 4)
     assert res.hit == pytest.approx(1.0)
@@ -85,9 +82,9 @@ def test_full_pre_access_algorithm2():
 def test_spatio_only_with_uninformative_spatio_router_is_lru():
     """Uniform p^S: the top candidate is the previous token's expert, always resident, so nothing is
     prefetched and the LRU retention gives LRU's counts; an informative p^S prefetches."""
-    res = _run(SpatioOnlyPolicy(replay=RouterReplay({"s0": _record("uniform")}), R=1))
+    res = _run(make_policy("router-spatio", replay=RouterReplay({"s0": _record("uniform")}), R=1))
     assert (res.A, res.D, res.P) == (5, 4, 0)
-    res2 = _run(SpatioOnlyPolicy(replay=RouterReplay({"s0": _record("next")}), R=1))
+    res2 = _run(make_policy("router-spatio", replay=RouterReplay({"s0": _record("next")}), R=1))
     assert res2.D == 0 and res2.P == 4
 
 
@@ -96,10 +93,10 @@ def test_candidate_must_beat_lowest_resident():
     rec = _record()
     rec.p_S[:] = 0.0  # s^ST = p^R_{t-1} + p^T_{t-1}: next expert at 1.1, previous at 0.6, others 0.1
     rec.p_R[:] = 0.25  # flat native router: the next expert (1.25) still beats residents at 0.25
-    res = _run(RouterFullPolicy(replay=RouterReplay({"s0": rec}), R=1))
+    res = _run(make_policy("router-full", replay=RouterReplay({"s0": rec}), R=1))
     assert res.D == 0
     rec.p_T[:] = 0.0  # now every score ties at 0.25: no candidate is higher than a resident
-    res = _run(RouterFullPolicy(replay=RouterReplay({"s0": rec}), R=2))
+    res = _run(make_policy("router-full", replay=RouterReplay({"s0": rec}), R=2))
     assert res.P == 1  # only the free slot after prefill is filled; no tie ever replaces a resident
     assert res.D >= 2
 
@@ -111,7 +108,7 @@ def test_batched_replay_and_replay_roundtrip(tmp_path):
     rp.save(tmp_path / "rp")
     loaded = RouterReplay.load(tmp_path / "rp")
     assert np.array_equal(loaded["a"].p_S, rp["a"].p_S)
-    res = _run(RouterFullPolicy(replay=tmp_path / "rp", R=1), seqs=[a, b], batch_size=2)
+    res = _run(make_policy("router-full", replay=tmp_path / "rp", R=1), seqs=[a, b], batch_size=2)
     assert res.D == 0  # both members route identically, so the batch mean is the same priority
     recs = simulate((meta, [a, b]), [make_policy("router-temporal", replay=rp), "lru"],
                     capacities=None, slots_per_layer=[2], progress=False)
@@ -121,18 +118,18 @@ def test_batched_replay_and_replay_roundtrip(tmp_path):
 
 def test_clear_errors():
     with pytest.raises(ValueError, match="needs the routers' recorded outputs"):
-        _run(TemporalRetentionPolicy())
+        _run(make_policy("router-temporal"))
     with pytest.raises(KeyError, match="no router outputs recorded"):
-        _run(TemporalRetentionPolicy(replay=RouterReplay({"other": _record()})))
+        _run(make_policy("router-temporal", replay=RouterReplay({"other": _record()})))
     with pytest.raises(ValueError, match="R <= B"):
-        _run(RouterFullPolicy(replay=RouterReplay({"s0": _record()}), R=3))
+        _run(make_policy("router-full", replay=RouterReplay({"s0": _record()}), R=3))
     bad = _record()
     bad.p_T = None
     with pytest.raises(ValueError, match="needs Temporal-router outputs"):
-        _run(RouterFullPolicy(replay=RouterReplay({"s0": bad})))
+        _run(make_policy("router-full", replay=RouterReplay({"s0": bad})))
     with pytest.raises(ValueError, match="recorded on another model"):
-        _run(TemporalRetentionPolicy(replay=RouterReplay({"s0": RouterRecord(np.zeros((6, 2, E), np.float16))})))
+        _run(make_policy("router-temporal", replay=RouterReplay({"s0": RouterRecord(np.zeros((6, 2, E), np.float16))})))
     meta, seq = _trace()
     shared = CacheConfig(num_layers=1, num_experts=E, top_k=1, slots=2, pool="shared")
     with pytest.raises(ValueError, match="per-layer"):
-        replay(build_stream(meta, [seq]), TemporalRetentionPolicy(replay=RouterReplay({"s0": _record()})), shared)
+        replay(build_stream(meta, [seq]), make_policy("router-temporal", replay=RouterReplay({"s0": _record()})), shared)

@@ -36,7 +36,7 @@ def test_registered_and_loads_export(tmp_path):
 
 
 def test_victim_is_lowest_cache_score_with_lru_ties():
-    pol = SeqMoEPolicy(_untrained(), horizon=3, gamma=0.5)
+    pol = SeqMoEPolicy(SeqMoEPolicy.Options(horizon=3, gamma=0.5), forecaster=_untrained())
     cfg = CacheConfig(num_layers=3, num_experts=8, top_k=2, pool="shared", slots=6)
     pol.reset(cfg)
     cache = ExpertCache(cfg)
@@ -68,7 +68,7 @@ def test_online_forecasts_equal_precomputed():
     model = _untrained()
     runs = {}
     for pre in (True, False):
-        pol = SeqMoEPolicy(model, horizon=4, precompute=pre)
+        pol = SeqMoEPolicy(SeqMoEPolicy.Options(horizon=4, precompute=pre), forecaster=model)
         recs = simulate((proc.meta(), seqs[:6]), [pol], [0.25], pool="shared", belady_fraction=False,
                         progress=False, batch_size=2)
         runs[pre] = recs[0]
@@ -134,7 +134,7 @@ def test_trained_forecaster_beats_lru_and_closes_belady_gap(tmp_path):
 
 def test_eviction_only_is_demand_only():
     proc, seqs = _process()
-    pol = SeqMoEPolicy(_untrained(), prefetch=False)
+    pol = SeqMoEPolicy(SeqMoEPolicy.Options(prefetch=False), forecaster=_untrained())
     assert pol.demand_only
     rec = simulate((proc.meta(), seqs[:3]), [pol], [0.3], pool="shared", belady_fraction=False, progress=False)[0]
     assert rec["proactive_loads"] == 0 and rec["demand_misses"] > 0

@@ -17,7 +17,7 @@ import torch
 from expertcast.commands.simulate import main
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.data.traces import write_traces
-from expertcast.inference.policies import REGISTRY
+from expertcast.inference.policies import registry
 from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.forecaster_export import save_forecaster
@@ -72,7 +72,7 @@ def test_writes_table_json_csv_png_with_settings_hash(tmp_path, capsys):
 def test_list_policies_prints_every_policy_with_typed_options(capsys):
     assert main(["--list-policies"]) == 0
     text = capsys.readouterr().out
-    for name in REGISTRY:
+    for name in registry():
         assert f"\n{name}: " in "\n" + text, name
     lrfu = text.split("\nlrfu: ")[1].split("\nstatic: ")[0]
     assert "lam" in lrfu and "float" in lrfu and "default 0.01" in lrfu and "0 = LFU, 1 = LRU" in lrfu

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.policies import make_policy
+from expertcast.inference.policies.stage_aware import StageAwarePolicy
 from expertcast.inference.saem.cpu_exec import LatencyModel
-from expertcast.inference.policies.stage_aware import StageAwarePolicy, StageOraclePolicy
 from expertcast.inference.saem.evaluate import synthetic_cue_decoder
 from expertcast.inference.sim.simulator import simulate
 from expertcast.inference.sim.synthetic import staged_traces
@@ -30,7 +31,7 @@ def _labelled(p, label):
 
 def test_updates_follow_planted_boundaries(syn):
     dec = synthetic_cue_decoder(syn.cue_token)
-    pol = _labelled(StageAwarePolicy(cues=["Wait"], decoder=dec), "stage")
+    pol = _labelled(make_policy("stage", cues="Wait", decoder=dec), "stage")
     r = _run(syn, [pol])["stage"]
     # one update per generated cue token (" Wait" is confirmed by the next token) plus one per sequence
     # for the prompt (prefill) stage; a cue on a sequence's last token is never confirmed in time
@@ -47,9 +48,9 @@ def test_cpu_execution_follows_latency_model_and_ablation(syn):
     dec = synthetic_cue_decoder(syn.cue_token)
     always_cpu = LatencyModel(transfer_ms=1.0, cpu_expert_ms=0.1, cpu_token_ms=0.0)
     never_cpu = LatencyModel(transfer_ms=1.0, cpu_expert_ms=2.0, cpu_token_ms=0.0)
-    pols = [_labelled(StageAwarePolicy(cues=["Wait"], decoder=dec, latency=always_cpu), "cpu"),
-            _labelled(StageAwarePolicy(cues=["Wait"], decoder=dec, latency=never_cpu), "slow-cpu"),
-            _labelled(StageAwarePolicy(cues=["Wait"], decoder=dec, cpu_exec=False, latency=always_cpu), "nocpu")]
+    pols = [_labelled(make_policy("stage", cues="Wait", decoder=dec, latency=always_cpu), "cpu"),
+            _labelled(make_policy("stage", cues="Wait", decoder=dec, latency=never_cpu), "slow-cpu"),
+            _labelled(make_policy("stage", cues="Wait", decoder=dec, cpu_exec=False, latency=always_cpu), "nocpu")]
     r = _run(syn, pols, bs=2)
     assert r["cpu"]["cpu_exec"] > 0 and r["cpu"]["temp_loads"] == 0
     assert r["slow-cpu"]["cpu_exec"] == 0 and r["slow-cpu"]["temp_loads"] > 0
@@ -62,8 +63,8 @@ def test_cpu_execution_follows_latency_model_and_ablation(syn):
 
 def test_oracle_beats_stage_aware_on_planted_stages(syn):
     dec = synthetic_cue_decoder(syn.cue_token)
-    pols = [_labelled(StageAwarePolicy(cues=["Wait"], decoder=dec), "stage"),
-            _labelled(StageOraclePolicy(cues=["Wait"], decoder=dec), "oracle")]
+    pols = [_labelled(make_policy("stage", cues="Wait", decoder=dec), "stage"),
+            _labelled(make_policy("stage-oracle", cues="Wait", decoder=dec), "oracle")]
     for bs in (1, 4):
         r = _run(syn, pols, bs=bs)
         # planted stages change profile at every cue: the finished stage mispredicts, the oracle does not
@@ -76,20 +77,20 @@ def test_oracle_beats_stage_aware_on_planted_stages(syn):
 def test_static_ablation_and_errors(syn):
     dec = synthetic_cue_decoder(syn.cue_token)
     with pytest.raises(ValueError, match="calibration frequencies"):
-        StageAwarePolicy(cues=["Wait"], decoder=dec, stage_updates=False)
+        make_policy("stage", cues="Wait", decoder=dec, stage_updates=False)
     with pytest.raises(ValueError, match="needs cues"):
-        StageAwarePolicy(decoder=dec)
+        make_policy("stage", decoder=dec)
     freq = np.zeros((3, 16))
     freq[:, :4] = 1.0
-    st = _labelled(StageAwarePolicy(cues=["Wait"], decoder=dec, stage_updates=False, static_frequency=freq), "s")
+    st = _labelled(make_policy("stage", cues="Wait", decoder=dec, stage_updates=False, static_frequency=freq), "s")
     r = _run(syn, [st])["s"]
     assert r["proactive_loads"] == 0 and st.n_updates == 0
     shared = CacheConfig(num_layers=3, num_experts=16, top_k=2, pool="shared", capacity=0.25)
     with pytest.raises(ValueError, match="per-layer"):
-        StageAwarePolicy(cues=["Wait"], decoder=dec).reset(shared)
+        make_policy("stage", cues="Wait", decoder=dec).reset(shared)
     bad = CacheConfig(num_layers=2, num_experts=16, top_k=2, capacity=0.25)
     with pytest.raises(ValueError, match="another model"):
-        StageAwarePolicy(cues=["Wait"], decoder=dec, static_frequency=freq).reset(bad)
+        make_policy("stage", cues="Wait", decoder=dec, static_frequency=freq).reset(bad)
 
 
 def test_budget_below_top_k_is_opt_in_and_served_off_cache(syn):
@@ -101,7 +102,7 @@ def test_budget_below_top_k_is_opt_in_and_served_off_cache(syn):
     with pytest.raises(ValueError, match="needs a slot"):
         CacheConfig(num_layers=3, num_experts=16, top_k=2, capacity=0.01, allow_below_top_k=True)
     dec = synthetic_cue_decoder(syn.cue_token)
-    pol = _labelled(StageAwarePolicy(cues=["Wait"], decoder=dec), "stage")
+    pol = _labelled(make_policy("stage", cues="Wait", decoder=dec), "stage")
     recs = simulate(syn, [pol, "lru"], capacities=[0.0625], batch_size=2, belady_fraction=False, engine="python",
                     progress=False, allow_below_top_k=True)
     r = {x["policy"]: x for x in recs}
@@ -118,7 +119,7 @@ class _OneCpu(StageAwarePolicy):
     """Test helper: expert 3 on the CPU, everything else demand-loaded."""
 
     def __init__(self):
-        super().__init__(cues=["Wait"], decoder=lambda i: b"x")
+        super().__init__(StageAwarePolicy.Options(cues="Wait"), decoder=lambda i: b"x")
 
     def on_miss(self, t, layer, expert, n_tokens, cache):
         from expertcast.inference.cache.policy import MissAction
@@ -153,8 +154,8 @@ def test_parallel_mode_splits_a_layers_misses(syn):
 
     dec = synthetic_cue_decoder(syn.cue_token)
     cost = CostConfig(cpu_parallel=True)
-    pols = [_labelled(StageAwarePolicy(cues=["Wait"], decoder=dec, cost=cost), "par"),
-            _labelled(StageAwarePolicy(cues=["Wait"], decoder=dec), "ser")]
+    pols = [_labelled(make_policy("stage", cues="Wait", decoder=dec, cost=cost), "par"),
+            _labelled(make_policy("stage", cues="Wait", decoder=dec), "ser")]
     r = {x["policy"]: x for x in simulate(syn, pols, capacities=[0.125], batch_size=4, cost=cost,
                                           belady_fraction=False, engine="python", progress=False)}
     # serial decisions send every (few-token) miss to the CPU; the parallel split also uses the link
@@ -174,7 +175,7 @@ def test_cue_set_found_beside_the_model(tmp_path):
         resolve_cue_set(None, tmp_path / "other")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_cue_set(tmp_path / "nope.json", tmp_path)
-    pol = StageAwarePolicy(tokenizer=str(tmp_path), decoder=lambda i: b"x")
+    pol = make_policy("stage", tokenizer=str(tmp_path), decoder=lambda i: b"x")
     assert pol.cues == ["Wait", "Alternatively"] and pol.static_frequency.shape == (3, 16)
 
 
@@ -229,9 +230,9 @@ def test_stage_updates_track_drifting_stages():
                               mean_stage_len=50.0, seed=2)
     dec = synthetic_cue_decoder(d.cue_token)
     freq = selection_counts(d.sequences[:1], 2, 32).astype(np.float64)
-    kw = dict(cues=["Wait"], decoder=dec, static_frequency=freq)
-    pols = [_labelled(StageAwarePolicy(**kw), "stage"), _labelled(StageOraclePolicy(**kw), "oracle"),
-            _labelled(StageAwarePolicy(stage_updates=False, **kw), "noupdate"), "lru"]
+    kw = dict(cues="Wait", decoder=dec, static_frequency=freq)
+    pols = [_labelled(make_policy("stage", **kw), "stage"), _labelled(make_policy("stage-oracle", **kw), "oracle"),
+            _labelled(make_policy("stage", stage_updates=False, **kw), "noupdate"), "lru"]
     r = {x["policy"]: x for x in simulate((d.meta, d.sequences[1:]), pols, capacities=[0.25], batch_size=1,
                                           belady_fraction=False, engine="python", progress=False)}
     # the finished stage's hot set predicts most of the next one; a placement that never moves does not
