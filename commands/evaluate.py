@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 def build_policy(spec: str) -> tuple[Any, str, dict[str, Any], dict[str, str]]:
     """(policy, name, options, file options) of ``--policy NAME[:k=v,...]``, options typed and validated
     by :func:`~expertcast.inference.cache.options.parse_policy_options`; every mistake is a UsageError."""
-    from expertcast.inference.policies import make_policy
     from expertcast.inference.cache.options import parse_policy_options
+    from expertcast.inference.policies import make_policy
     from expertcast.inference.runtime.live_routers import is_router_policy, live_router_policy
 
     if is_router_policy(spec):  # live routers: their scores come from the --model export (attached at offload)
@@ -319,7 +319,10 @@ def set_threads(n: int | None) -> None:
 def run_cell(args: Any, out: Any, cell: dict[str, Any], session: ModelSession) -> dict[str, Any]:
     """Resume, generate the missing samples and the speed measurement in ``out`` (an OutputDir or a
     sub-folder of one), write the outputs; returns the summary."""
+    from expertcast.inference.runtime.eval_run import SAMPLES, rows_of
+
     done = resume_rows(out, cell["info"]["settings"], cell["info"]["settings_hash"])
+    rows_of(done, [p.id for p in cell["problems"]], out.path / SAMPLES)  # a batch cut by --limit: refused
     return _generate_and_report(args, out, cell, done, session)
 
 
@@ -392,7 +395,14 @@ def _pad_left(tok: Any) -> None:
 def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[dict[str, Any]],
                          session: ModelSession) -> dict[str, Any]:
     from expertcast.data.prompts import has_chat_template
-    from expertcast.inference.runtime.eval_run import SAMPLES, append_samples, eos_ids, read_samples, run_batch
+    from expertcast.inference.runtime.eval_run import (
+        SAMPLES,
+        append_samples,
+        eos_ids,
+        read_samples,
+        rows_of,
+        run_batch,
+    )
 
     info, problems = cell["info"], cell["problems"]
     done_ids = {r["id"] for r in done}
@@ -417,9 +427,8 @@ def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[d
             append_samples(out.path / SAMPLES, rows)
             if run is not None:
                 run.log({"batch": next_batch + bi, **{k: v for k, v in stats.items() if not isinstance(v, list)}})
-        wanted = {p.id: i for i, p in enumerate(problems)}
-        rows = sorted((r for r in read_samples(out.path / SAMPLES, info["settings_hash"]) if r["id"] in wanted),
-                      key=lambda r: wanted[r["id"]])
+        rows = rows_of(read_samples(out.path / SAMPLES, info["settings_hash"]), [p.id for p in problems],
+                       out.path / SAMPLES)
         memory = om.memory_report().to_dict()
         lat_model = getattr(om.policy, "latency", None) if latency is not None else None
     except BaseException:

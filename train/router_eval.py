@@ -123,10 +123,20 @@ class StudyConfig:
         return {"source": self.source, "limit": self.limit, "heldout": self.heldout, "seed": self.seed,
                 "max_length": self.max_length}
 
+    def study_settings(self) -> dict[str, Any]:
+        """Every setting that shapes the study's tables (``study.json``; :func:`combine_seeds` requires all
+        but ``seed`` to match): the config less progress bars, W&B and where the data lives."""
+        return {k: v for k, v in sorted(asdict(self).items()) if k not in NOT_STUDY_SETTINGS}
+
     def train_settings(self, spec: RunSpec) -> dict[str, Any]:
         """Everything a trained run's weights depend on (the resume key of ``runs/<name>``)."""
         return settings_key(model=self.model, steps=self.steps, tau=self.tau, lr=self.lr, router_lr=self.router_lr,
                             batch_size=self.batch_size, run=asdict(spec), **self.data_settings())
+
+
+STUDY = "study.json"
+"""The study's settings (:meth:`StudyConfig.study_settings`), written beside its tables."""
+NOT_STUDY_SETTINGS = ("progress", "wandb", "wandb_project", "data_dir")
 
 
 @dataclass
@@ -387,8 +397,8 @@ def decode_offloaded(model, tok, batches, policy, slots: int, benchmark: str, ma
                      routers=None) -> Decoding:
     """The same batches through the runtime with ``slots`` per MoE layer under ``policy`` (a router policy
     gets ``routers`` attached live); the model holds its experts again afterwards."""
-    from expertcast.inference.runtime.eval_run import generated
     from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.inference.runtime.eval_run import generated
     from expertcast.inference.runtime.live_routers import ROUTER_POLICIES, LiveRouterScores
 
     live = LiveRouterScores(model, routers) if policy.name in ROUTER_POLICIES else None
@@ -616,6 +626,7 @@ def write_tables(rows: list[dict[str, Any]], out: OutputDir, n_texts: int, n_pro
                json_path=out.file("table3.json"), csv_path=out.file("table3.csv"), columns=COLUMNS)
     _plot(t2, out.file("table2.png"), base_B)
     atomic_write_json(out.file("all_rows.json"), rows)
+    atomic_write_json(out.file(STUDY), {"settings": cfg.study_settings()})
     if cfg.wandb:
         _log_wandb(rows, cfg, out.path / "table2.png")
     print(f"{header}\nwrote {out.path}/table2.csv, table2.png, all_rows.json (MB/token: real expert bytes; "
@@ -714,13 +725,10 @@ def combine_seeds(studies: list[Path]) -> list[dict[str, Any]]:
     """One row per (run, policy, B, R) present in every study folder of ``studies`` (each a finished
     ``router-eval`` output, ``table2.json``): ``seeds``, and per metric of :data:`SPREAD_METRICS` its mean
     (``<metric>``), spread ``<metric>_spread`` (max - min) and per-seed values ``<metric>_by_seed``.
-    A UsageError when a folder holds no Table 2, two folders have the same seed, or they share no row."""
-    tables = []
-    for d in studies:
-        p = Path(d) / "table2.json"
-        if not p.is_file():
-            raise UsageError(f"--combine: {d} holds no table2.json (a finished `expertcast router-eval` output)")
-        tables.append(json.loads(p.read_text(encoding="utf-8")))
+    A UsageError when a folder holds no Table 2 (or not a readable one), the studies differ in a setting
+    other than the seed (``study.json``), two folders have the same seed, or they share no row."""
+    tables = [_read_table2(Path(d)) for d in studies]
+    _check_same_study(studies)
     seeds = [sorted({r["seed"] for r in t}) for t in tables]
     flat = [s for ss in seeds for s in ss]
     if len(set(flat)) != len(flat):
@@ -739,7 +747,10 @@ def combine_seeds(studies: list[Path]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"run": k[0], "policy": k[1], "B": k[2], "R": rs[0]["R"], "sw": rs[0].get("sw"),
                                "seeds": ",".join(str(r["seed"]) for r in rs), "prompts": rs[0].get("prompts")}
         for m in SPREAD_METRICS:
-            vals = [float(r.get(m, float("nan"))) for r in rs]
+            try:
+                vals = [float(r.get(m, float("nan"))) for r in rs]
+            except (TypeError, ValueError):
+                raise UsageError(f"--combine: a {m} of row {k} is not a number") from None
             row[m] = float(np.mean(vals))
             row[f"{m}_spread"] = float(np.max(vals) - np.min(vals))
             row[f"{m}_by_seed"] = vals
@@ -748,6 +759,51 @@ def combine_seeds(studies: list[Path]) -> list[dict[str, Any]]:
         row["prompt_overlap"] = sum(int(r.get("prompt_overlap") or 0) for r in rs)
         out.append(row)
     return out
+
+
+def _read_json(p: Path, what: str) -> Any:
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise UsageError(f"--combine: {p} is not a readable {what} ({' '.join(str(e).split())[:120]})") from None
+
+
+def _read_table2(d: Path) -> list[dict[str, Any]]:
+    """The rows of ``d/table2.json``, each with the keys :func:`combine_seeds` reads (else a UsageError)."""
+    p = d / "table2.json"
+    if not p.is_file():
+        raise UsageError(f"--combine: {d} holds no table2.json (a finished `expertcast router-eval` output)")
+    rows = _read_json(p, "JSON table")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise UsageError(f"--combine: {p} is not a list of Table 2 rows (a finished `expertcast router-eval` output)")
+    for i, r in enumerate(rows):
+        missing = [k for k in ("run", "policy", "B", "R", "seed") if k not in r]
+        if missing:
+            raise UsageError(f"--combine: {p} row {i} has no {', '.join(missing)} (not a `expertcast router-eval` "
+                             f"Table 2)")
+    return rows
+
+
+def _check_same_study(studies: list[Path]) -> None:
+    """Refuse studies whose settings (``study.json``) differ in anything but the seed."""
+    settings = []
+    for d in studies:
+        p = Path(d) / STUDY
+        if not p.is_file():
+            raise UsageError(f"--combine: {d} holds no {STUDY} (its settings), so it cannot be checked to differ from "
+                             f"the others only in --seed; rerun it with this version of `expertcast router-eval`")
+        got = _read_json(p, "JSON file")
+        if not isinstance(got, dict) or not isinstance(got.get("settings"), dict):
+            raise UsageError(f"--combine: {p} holds no settings object")
+        settings.append({k: v for k, v in got["settings"].items() if k != "seed"})
+    for d, s in zip(studies[1:], settings[1:], strict=True):
+        diff = sorted(k for k in set(s) | set(settings[0]) if s.get(k, "<absent>") != settings[0].get(k, "<absent>"))
+        if diff:
+            k = diff[0]
+            raise UsageError(f"--combine: {d} was run with other settings than {studies[0]} ({k}: "
+                             f"{settings[0].get(k, '<absent>')!r} vs {s.get(k, '<absent>')!r}"
+                             + (f", and {len(diff) - 1} more" if len(diff) > 1 else "")
+                             + "); only the seed may differ")
 
 
 SEED_COLUMNS = ["run", "policy", "B", "R", "seeds", "hit", "hit_spread", "d_hit_vs_lm_only_lru_pts",

@@ -139,6 +139,24 @@ def _jsonable(o: Any) -> Any:
     raise TypeError(type(o).__name__)
 
 
+def rows_of(rows: list[dict[str, Any]], problem_ids: list[str], path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of ``problem_ids`` (in their order) among ``rows``. A batch's counters cover all its problems
+    and cannot be split, so a batch holding both wanted problems and others (an earlier run with a larger
+    ``--limit`` that cuts it) is refused: the summary would count problems outside this run."""
+    wanted = {pid: i for i, pid in enumerate(problem_ids)}
+    by_batch: dict[int, list[str]] = {}
+    for r in rows:
+        by_batch.setdefault(int(r["batch"]), []).append(r["id"])
+    for b, ids in sorted(by_batch.items()):
+        inside = [i for i in ids if i in wanted]
+        if inside and len(inside) < len(ids):
+            raise UsageError(f"{path}: batch {b} of the earlier run holds problems {inside[0]} .. {ids[-1]}, of which "
+                             f"{len(ids) - len(inside)} are outside this run's problems (--limit {len(problem_ids)}); "
+                             f"its counters cannot be split: use a --limit that ends on a batch boundary, or "
+                             f"--overwrite")
+    return sorted((r for r in rows if r["id"] in wanted), key=lambda r: wanted[r["id"]])
+
+
 # -- one batch ----------------------------------------------------------------------------------------
 def eos_ids(model: Any, tok: Any) -> list[int]:
     """End-of-sequence ids of the model's generation config and of the tokenizer, sorted."""
