@@ -124,7 +124,11 @@ def _run(a) -> int:
         print(f"rank {cfg.shard[0]}/{cfg.shard[1]}: " + ("trace set complete" if res.complete else
                                                           "other ranks still writing (the last one merges)"))
     if res.graded:
-        print(f"accuracy of the generated completions: {res.correct}/{res.graded} = {res.correct / res.graded:.3f}")
+        print(f"accuracy of the generated completions: {res.correct}/{res.graded} = {res.correct / res.graded:.3f}"
+              + (" (this rank's shards)" if cfg.shard is not None else " (the whole trace set)"))
+    if res.unrecorded:
+        print(f"note: {res.unrecorded} resumed shards record no figures (written by an older expertcast): the rows "
+              f"and accuracy above leave them out")
     return 0
 
 

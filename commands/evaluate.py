@@ -257,7 +257,10 @@ def resume_rows(out: Any, settings: dict[str, Any], settings_hash: str) -> list[
     samples, saved_path = out.path / SAMPLES, out.path / SETTINGS
     has_samples = samples.is_file() and samples.stat().st_size > 0
     if has_samples:
-        saved = json.loads(saved_path.read_text(encoding="utf-8")) if saved_path.is_file() else None
+        try:
+            saved = json.loads(saved_path.read_text(encoding="utf-8")) if saved_path.is_file() else None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise UsageError(f"{saved_path} is not valid JSON; use --overwrite to start over") from None
         check_resume(saved, settings, out.path)
     done = read_samples(samples, settings_hash, repair=True)
     atomic_write_json(out.file(SETTINGS), settings)

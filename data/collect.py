@@ -154,9 +154,15 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+SHARD_STATS = ("sequences", "tokens", "generated_tokens", "generate_seconds", "route_seconds", "correct", "graded")
+"""The figures of one shard recorded in its manifest entry (``stats``); a result sums them over the set."""
+
+
 @dataclass
 class CollectResult:
-    """What a collection did (this invocation; skipped shards are counted apart)."""
+    """What a collection holds: the shard counts are this invocation's (written, resumed, redone); the
+    figures (:data:`SHARD_STATS`) and ``rows`` cover the whole trace set, resumed shards included (summed
+    from their manifest entries; ``unrecorded`` counts shards whose entry has no figures)."""
 
     out: Path
     shards_written: int = 0
@@ -172,6 +178,22 @@ class CollectResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     complete: bool = True
     """Sharded: whether the merged trace set is complete (False while other ranks are still writing)."""
+    unrecorded: int = 0
+    """Finished shards whose manifest entry records no figures (written by an older expertcast)."""
+
+    def add_set(self, manifest: dict[str, Any], shards: Sequence[int]) -> None:
+        """Set the figures to the sums over ``shards`` of ``manifest`` (a trace manifest)."""
+        for k in SHARD_STATS:
+            setattr(self, k, type(getattr(self, k))(0))
+        self.unrecorded = 0
+        for s in shards:
+            st = manifest["shards"][f"{s:05d}"].get("stats")
+            if not isinstance(st, dict):
+                self.unrecorded += 1
+                continue
+            for k in SHARD_STATS:
+                v = st.get(k, 0)
+                setattr(self, k, getattr(self, k) + (v if isinstance(v, (int, float)) else 0))
 
     @property
     def generate_tokens_per_s(self) -> float:
@@ -524,6 +546,10 @@ def collect_traces(cfg: CollectConfig, model=None, tokenizer=None,
         from expertcast.data.benchmarks import load_benchmark
 
         problems = load_benchmark(cfg.benchmark, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit)
+    if model is None:
+        from expertcast.models.backbone import check_local_weights
+
+        check_local_weights(cfg.model)  # a config-only folder fails before the output folder is claimed
     if cfg.shard is not None:
         return _collect_rank(cfg, rows, problems, model, tokenizer, on_shard)
     with claim_output_dir(cfg.out, OUTPUT_KIND, overwrite=cfg.overwrite) as out:
@@ -538,6 +564,7 @@ def collect_traces(cfg: CollectConfig, model=None, tokenizer=None,
             todo = [s for s in range(len(plan)) if not writer.is_done(s)]
             res.shards_skipped = len(plan) - len(todo)
             _run_shards(cfg, model, tokenizer, writer, plan, todo, res, on_shard)
+            res.add_set(writer.manifest, range(len(plan)))
             res.rows = _summary_rows(res, cfg)
             if todo or not writer.manifest.get("complete"):  # a finished run keeps its summary
                 writer.finalize(collect=res.rows, limit=cfg.limit, sequences=len(items))
@@ -640,6 +667,7 @@ def _collect_rank(cfg: CollectConfig, rows: list[_Row] | None, problems: list | 
             todo = [s for s in mine if not writer.is_done(s)]
             res.shards_skipped = len(range(rank, len(plan), ranks)) - len(todo)
             _run_shards(cfg, model, tok, writer, plan, todo, res, on_shard)
+            res.add_set(writer.manifest, mine)  # this rank's share of the set
             res.rows = _summary_rows(res, cfg)
     res.complete = merge_parts(root, meta, run, keys, ranks, limit=cfg.limit, sequences=len(items), shards_of=ranks)
     return res
@@ -695,20 +723,22 @@ def _run_shards(cfg: CollectConfig, model, tok, writer: TraceWriter, plan: list[
                dynamic_ncols=True)
     for s in todo:
         chunk = plan[s]
+        shard = CollectResult(res.out)  # this shard's figures (SHARD_STATS), recorded in its manifest entry
         if not cfg.completions:
-            _generate_shard(cfg, model, tok, chunk, s, eos, res, bar)
+            _generate_shard(cfg, model, tok, chunk, s, eos, shard, bar)
         bar.set_postfix_str(f"shard {s}: routing")
         t0 = time.perf_counter()
         full = [it.prompt_ids + list(it.completion_ids or []) for it in chunk]
         routed = route_sequences(model, full, cfg.router_probs, cfg.route_batch_tokens)
-        res.route_seconds += time.perf_counter() - t0
+        shard.route_seconds += time.perf_counter() - t0
         seqs = [TraceSequence(it.seq_id, np.asarray(toks, dtype=np.int32), len(it.prompt_ids), e, w, p)
                 for it, toks, (e, w, p) in zip(chunk, full, routed, strict=True)]
-        res.tokens += sum(len(t) for t in full)
-        _grade(cfg, tok, chunk, res)
-        path = writer.write_shard(s, seqs, inputs=[it.input_sha256 for it in chunk])
+        shard.tokens += sum(len(t) for t in full)
+        _grade(cfg, tok, chunk, shard)
+        shard.sequences += len(seqs)
+        path = writer.write_shard(s, seqs, inputs=[it.input_sha256 for it in chunk],
+                                  stats={k: getattr(shard, k) for k in SHARD_STATS})
         res.shards_written += 1
-        res.sequences += len(seqs)
         if cfg.completions:
             bar.update(len(chunk))
         if on_shard is not None:
