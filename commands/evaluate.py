@@ -350,13 +350,14 @@ class ModelSession:
         a = self.args
         cap = capacity.get("capacity", capacity.get("slots"))
         if self.model is None:
+            from expertcast.inference.runtime.eval_run import pad_left
             from expertcast.inference.runtime.loading import load_offloaded
 
             mmap = str(Path(a.out) / "experts.safetensors") if a.mmap_store else None
             om, self.tok, report = load_offloaded(self.resolved, policy, cap, device=self.device, dtype=a.dtype,
                                                   pool=a.pool, link_gbps=a.link_gbps, mmap_path=mmap, seed=a.seed,
                                                   decode_path=a.decode_path)
-            _pad_left(self.tok)
+            pad_left(self.tok)
             self.model, self.store, self.load_report = om.model, om.store, report.to_dict()
             if measure_latency:
                 om.use_measured_latency()
@@ -387,12 +388,6 @@ class ModelSession:
 
         free, _ = torch.cuda.mem_get_info(torch.device(self.device))
         return self.store.nbytes * 1.1 <= free + om.pool.nbytes  # a margin for the allocator
-
-
-def _pad_left(tok: Any) -> None:
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
 
 
 def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[dict[str, Any]],
@@ -487,23 +482,20 @@ def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs:
     """Interleaved passes over ``probs`` (batches of ``--batch-size``): the evaluated policy offloaded, a
     fresh policy and an empty cache each pass, against ``baseline`` (see
     :func:`~expertcast.inference.runtime.eval_run.paired_speed`)."""
-    from expertcast.data.prompts import build_prompt
     from expertcast.inference.runtime.eval_run import (
         FULL_LOAD,
         HostExecutionPolicy,
         SpeedRun,
         decode_tokens,
+        encode_prompts,
         full_load_generate,
         generated,
         paired_speed,
     )
 
     tok, info = session.tok, cell["info"]
-    encs = []
-    for i in range(0, len(probs), args.batch_size):
-        texts = [build_prompt(tok, p.question, args.benchmark, use_chat_template=templated)
-                 for p in probs[i:i + args.batch_size]]
-        encs.append(tok(texts, return_tensors="pt", padding=True, add_special_tokens=not templated))
+    encs = [encode_prompts(tok, probs[i:i + args.batch_size], args.benchmark, templated)
+            for i in range(0, len(probs), args.batch_size)]
     gen_kw = {"max_new_tokens": args.max_new_tokens, "eos_token_id": eos or None, "pad_token_id": tok.pad_token_id}
 
     def offloaded(policy: Any, capacity: dict[str, Any], kind: str) -> SpeedRun:

@@ -168,33 +168,58 @@ def eos_ids(model: Any, tok: Any) -> list[int]:
     return sorted(eos)
 
 
-def run_batch(om: Any, tok: Any, batch: list[Any], *, benchmark: str, templated: bool, max_new_tokens: int,
-              eos: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Greedy generation of ``batch`` (benchmark problems) through the offloaded model ``om``, graded.
+def pad_left(tok: Any) -> None:
+    """Batched greedy decoding pads prompts on the left; a tokenizer without a pad token pads with EOS."""
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
 
-    Returns one row per problem (id, correct, answer, gold, completion, new_tokens) and the batch's
-    counters (:func:`batch_stats`)."""
-    from expertcast.data.grading import extract_answer, grade
+
+def encode_prompts(tok: Any, batch: list[Any], benchmark: str, templated: bool) -> Any:
+    """The left-padded encoding of the prompts of ``batch`` (benchmark problems)."""
     from expertcast.data.prompts import build_prompt
 
     texts = [build_prompt(tok, p.question, benchmark, use_chat_template=templated) for p in batch]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
-    before = _counters(om)
-    t0 = time.perf_counter()
-    res = om.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
-                      eos_token_id=eos or None, pad_token_id=tok.pad_token_id, seq_ids=[p.id for p in batch])
-    stats = batch_stats(om, before, res, time.perf_counter() - t0)
-    P = enc["input_ids"].shape[1]
-    eos_set = set(eos)
+    return tok(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
+
+
+def graded_rows(tok: Any, batch: list[Any], gen: list[list[int]], benchmark: str) -> list[dict[str, Any]]:
+    """One row per problem of ``batch`` from its generated ids ``gen`` (cut after the first EOS): id,
+    correct, answer, gold, completion, new_tokens."""
+    from expertcast.data.grading import extract_answer, grade
+
     rows = []
-    for i, p in enumerate(batch):
-        comp = res.sequences[i, P:].tolist()
-        n_new = next((j + 1 for j, t in enumerate(comp) if t in eos_set), len(comp))
-        text = tok.decode(comp[:n_new], skip_special_tokens=True)
+    for p, g in zip(batch, gen, strict=True):
+        text = tok.decode(g, skip_special_tokens=True)
         rows.append({"id": p.id, "correct": bool(grade(benchmark, text, p.answer)),
                      "answer": extract_answer(benchmark, text), "gold": p.answer, "completion": text,
-                     "new_tokens": n_new})
-    return rows, stats
+                     "new_tokens": len(g)})
+    return rows
+
+
+def graded_batch(om: Any, tok: Any, batch: list[Any], *, benchmark: str, templated: bool, max_new_tokens: int,
+                 eos: list[int], enc: Any = None) -> tuple[list[dict[str, Any]], list[list[int]], Any]:
+    """The graded offloaded decode: greedy generation of ``batch`` (benchmark problems; ``enc`` their
+    :func:`encode_prompts`, made here when None) through the offloaded model ``om``, graded. Returns the rows
+    (:func:`graded_rows`), the generated ids per problem and the generation result. ``expertcast eval``,
+    ``sweep`` and ``router-eval`` all decode through it."""
+    if enc is None:
+        enc = encode_prompts(tok, batch, benchmark, templated)
+    res = om.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+                      eos_token_id=eos or None, pad_token_id=tok.pad_token_id, seq_ids=[p.id for p in batch])
+    gen = generated(res.sequences.cpu(), enc["input_ids"].shape[1], eos)
+    return graded_rows(tok, batch, gen, benchmark), gen, res
+
+
+def run_batch(om: Any, tok: Any, batch: list[Any], *, benchmark: str, templated: bool, max_new_tokens: int,
+              eos: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """:func:`graded_batch` of ``batch`` with the batch's counters (:func:`batch_stats`)."""
+    enc = encode_prompts(tok, batch, benchmark, templated)
+    before = _counters(om)
+    t0 = time.perf_counter()
+    rows, _, res = graded_batch(om, tok, batch, benchmark=benchmark, templated=templated,
+                                max_new_tokens=max_new_tokens, eos=eos, enc=enc)
+    return rows, batch_stats(om, before, res, time.perf_counter() - t0)
 
 
 def _counters(om: Any) -> dict[str, Any]:

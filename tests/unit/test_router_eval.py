@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from expertcast.train.router_eval import _base_budget, _table_R, add_lru_deltas
+from expertcast.commands.router_eval import _base_budget, _table_R, add_lru_deltas
 
 
 def _row(run, policy, hit, B=8, R="-"):
@@ -33,7 +33,7 @@ def test_lru_delta_compares_same_run_and_budget():
 
 
 def test_gain_against_lm_only_lru_and_greedy_agreement():
-    from expertcast.train.router_eval import add_lm_only_refs, greedy_agreement
+    from expertcast.commands.router_eval import add_lm_only_refs, greedy_agreement
 
     rows = [{**_row("lm", "lru", 0.50), "train_mode": "lm_only", "heldout_lm": 2.0},
             {**_row("t", "lru", 0.55), "train_mode": "temporal", "heldout_lm": 2.02},
@@ -48,7 +48,7 @@ def test_gain_against_lm_only_lru_and_greedy_agreement():
 
 
 def test_study_runs_take_the_base_sw():
-    from expertcast.train.router_eval import StudyConfig, select_runs, study_runs
+    from expertcast.commands.router_eval import StudyConfig, select_runs, study_runs
 
     runs = {r.name: r for r in study_runs([0.3], [], 0.25, base_sw=1.0)}
     assert {n: (r.mode, r.sw) for n, r in runs.items() if n != "lm_only"} == {
@@ -67,7 +67,7 @@ def _study(d, seed, rows, **settings):
     import json
     from dataclasses import replace
 
-    from expertcast.train.router_eval import STUDY, StudyConfig
+    from expertcast.commands.router_eval import STUDY, StudyConfig
 
     d.mkdir()
     (d / "table2.json").write_text(json.dumps([{**r, "seed": seed} for r in rows]))
