@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from expertcast.cli import main as cli_main
+from expertcast.commands.evaluate import SAMPLES
 from expertcast.commands.sweep import main
-from expertcast.inference.runtime.eval_run import SAMPLES
 from expertcast.utils.tracking import offline_run_contents
 
 ARGS = ["--model", "qwen3_moe-tiny", "--benchmarks", "gsm8k,math500", "--policies", "lru", "--capacity", "0.5",
