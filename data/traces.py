@@ -329,7 +329,7 @@ class TraceWriter:
 
     def adopt_shard(self, index: int, src: Path, entry: dict[str, Any]) -> Path:
         """Move the finished shard folder ``src`` of another trace set of the same run (a rank's part of a
-        sharded collect, :mod:`expertcast.data.collect`) into this set as shard ``index``, with its
+        sharded collect, :mod:`expertcast.commands.collect`) into this set as shard ``index``, with its
         manifest ``entry``; its files are checked against the entry first."""
         verify_shard_files(src, entry)
         final = self.dir / shard_name(index)
