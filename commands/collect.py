@@ -6,6 +6,7 @@
 
 The output folder is claimed (a foreign or protected folder is refused, a concurrent run on it fails
 fast); rerunning the same command resumes by shard, and only when every setting matches.
+
 The recipe, step by step: read the inputs (benchmark problems or a completions file; every check before
 the output folder is claimed, the folder claimed before the model loads), plan the shards, generate and
 route each missing shard (the two passes of :mod:`expertcast.data.collect`), write it, summarize.
@@ -13,7 +14,7 @@ route each missing shard (the two passes of :mod:`expertcast.data.collect`), wri
 Shards of ``shard_size`` input items are written atomically by
 :class:`expertcast.data.traces.TraceWriter` into an output folder claimed with
 :func:`expertcast.utils.outdir.claim_output_dir`. Rerunning the same command resumes: only when every
-setting that changes the traces matches exactly (:func:`run_settings`; the model is identified by
+setting that changes the traces matches exactly (:func:`~expertcast.data.collect.run_settings`; the model is identified by
 preset name + init seed, the content hash of a local directory, or a Hub id + resolved commit).
 ``limit`` is the one setting a resume may change, and only upwards: shard i always holds input items
 [i*S, (i+1)*S), so every full shard already written is exactly what the larger run would write (its
