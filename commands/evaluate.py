@@ -640,7 +640,7 @@ class SpeedRun:
     """Decode figures of one timed pass over the speed prompts."""
 
     kind: str
-    """``offloaded``, :data:`FULL_LOAD` or :data:`HOST_BASELINE`."""
+    """``offloaded``, :data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE``."""
     decoded_tokens: int
     decode_seconds: float
     sequences: list[list[int]]
@@ -727,7 +727,7 @@ def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs:
                   eos: list[int], baseline: str, lat_model: Any) -> dict[str, Any]:
     """Interleaved passes over ``probs`` (batches of ``--batch-size``): the evaluated policy offloaded, a
     fresh policy and an empty cache each pass, against ``baseline`` (see
-    :func:`~expertcast.inference.runtime.eval_run.paired_speed`)."""
+    :func:`paired_speed`)."""
     from expertcast.inference.runtime.eval_run import (
         FULL_LOAD,
         HostExecutionPolicy,
