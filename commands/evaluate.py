@@ -11,8 +11,13 @@ the model's shape, artefacts made for another model, train/test overlap of a for
 folder). ``DIR`` is claimed (a second concurrent run on it exits 2). Each finished batch appends its
 samples (one row per problem id) to ``DIR/samples.jsonl``; a rerun resumes only when every setting
 that determines the samples is the same (``DIR/settings.json``), else it exits 2 naming the setting;
-``--overwrite`` starts over. Outputs: a table, ``summary.json``, ``summary.csv``, ``samples.csv`` and
-``summary.png`` (per-layer decode hit and per-batch tokens/s).
+``--overwrite`` starts over. The rows of a batch are written by one ``write`` + ``fsync``, each carrying its
+batch id, the batch's size and the settings hash; :func:`read_samples` drops a torn tail (a line cut mid-write,
+or the first rows of a batch whose other rows are missing: an interrupted run) with a warning, and refuses a
+corrupt line elsewhere, a row of other settings or a problem seen twice, naming ``file:line``. A resume with
+a ``--limit`` that cuts a batch of the earlier run is refused (a batch's counters cannot be split).
+Outputs: a table, ``summary.json``, ``summary.csv``, ``samples.csv`` and ``summary.png`` (per-layer decode
+hit and per-batch tokens/s).
 
 Speed against full load, in the same run: the first ``--speed-samples`` problems are generated again,
 offloaded and by the baseline in interleaved passes (baseline, then offloaded + baseline ``--speed-repeats``
@@ -27,9 +32,13 @@ latency model measured on this machine at start-up (``latency_model`` in ``summa
 from __future__ import annotations
 
 import json
+import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from expertcast.commands.common import (
     CommandParser,
     add_capacity_args,
@@ -41,7 +50,7 @@ from expertcast.commands.common import (
     resolve_model,
 )
 from expertcast.data.benchmarks import BENCHMARKS
-from expertcast.utils.errors import UsageError
+from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 PROG = "expertcast eval"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -49,6 +58,8 @@ SUMMARY_COLUMNS = ["samples", "accuracy", "hit", "adj_hit", "mb_per_token", "tok
                    "stall_ms_per_token", "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline"]
 BASELINES = ("auto", "full-load", "host", "none")
 SPEED = "speed.json"
+SAMPLES = "samples.jsonl"
+SETTINGS = "settings.json"
 
 
 def build_parser() -> CommandParser:
@@ -253,19 +264,147 @@ def eval_settings(args: Any, *, resolved: str, device: str, policy_name: str, op
 
 def resume_rows(out: Any, settings: dict[str, Any], settings_hash: str) -> list[dict[str, Any]]:
     """Samples an earlier run of the same settings left in ``out`` (exit 2 on any mismatch)."""
-    from expertcast.inference.runtime.eval_run import SAMPLES, SETTINGS, read_samples
     from expertcast.utils.io import atomic_write_json
     from expertcast.utils.provenance import check_resume
 
     samples, saved_path = out.path / SAMPLES, out.path / SETTINGS
     has_samples = samples.is_file() and samples.stat().st_size > 0
     if has_samples:
-        saved = json.loads(saved_path.read_text(encoding="utf-8")) if saved_path.is_file() else None
+        try:
+            saved = json.loads(saved_path.read_text(encoding="utf-8")) if saved_path.is_file() else None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise UsageError(f"{saved_path} is not valid JSON; use --overwrite to start over") from None
         check_resume(saved, settings, out.path)
     done = read_samples(samples, settings_hash, repair=True)
     atomic_write_json(out.file(SETTINGS), settings)
     out.track(SAMPLES)
     return done
+
+
+# -- samples file -------------------------------------------------------------------------------------
+@dataclass
+class SampleFile:
+    """What :func:`read_samples` found: the complete rows and the byte length of the valid prefix."""
+
+    rows: list[dict[str, Any]]
+    valid_bytes: int
+    dropped_rows: int = 0
+    """Complete rows of a torn last batch that were dropped with it."""
+    torn_tail: bool = False
+    """True when the file ends in a torn line or a torn batch."""
+
+
+def read_samples(path: str | os.PathLike, settings_hash: str | None = None, *, repair: bool = False
+                 ) -> list[dict[str, Any]]:
+    """Rows of a samples file in file order (see the module docstring for what is dropped or refused).
+
+    ``settings_hash``: refuse rows written under other settings. ``repair``: cut a torn tail from the
+    file so that the next append starts on a fresh line.
+    """
+    path = Path(path)
+    found = scan_samples(path, settings_hash)
+    if found.torn_tail:
+        what = f"a torn last batch ({found.dropped_rows} complete rows dropped with it)" if found.dropped_rows \
+            else "a torn last line"
+        print(f"warning: {path}: dropping {what}: an interrupted run; those problems run again", file=sys.stderr)
+        if repair:
+            from expertcast.utils.io import atomic_write_bytes
+
+            atomic_write_bytes(path, path.read_bytes()[: found.valid_bytes])
+    return found.rows
+
+
+def scan_samples(path: Path, settings_hash: str | None = None) -> SampleFile:
+    """Parse ``path`` without changing it (see :func:`read_samples`)."""
+    if not path.is_file():
+        return SampleFile([], 0)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline, else a line cut mid-write
+    rows: list[dict[str, Any]] = []
+    ends: list[int] = []  # byte offset just after each kept row
+    first_line: dict[str, int] = {}
+    pos = 0
+    for i, raw in enumerate(lines):
+        pos += len(raw) + 1
+        if not raw.strip():
+            continue
+        row = _parse_row(path, i + 1, raw, settings_hash)
+        if row["id"] in first_line:
+            raise UsageError(f"{path}:{i + 1}: problem {row['id']} already has a sample (line {first_line[row['id']]}): "
+                             f"the file mixes runs; use --overwrite to start over")
+        first_line[row["id"]] = i + 1
+        rows.append(row)
+        ends.append(pos)
+    torn = bool(tail.strip())
+    keep = _complete_prefix(rows)
+    dropped = len(rows) - keep
+    valid = ends[keep - 1] if keep else 0
+    return SampleFile(rows[:keep], valid, dropped, torn or dropped > 0)
+
+
+def _parse_row(path: Path, lineno: int, raw: bytes, settings_hash: str | None) -> dict[str, Any]:
+    try:
+        row = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UsageError(f"{path}:{lineno}: not a JSON sample row (the file is corrupt); use --overwrite to start "
+                         f"over") from None
+    if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get("batch"), int) \
+            or not isinstance(row.get("batch_stats"), dict):
+        raise UsageError(f"{path}:{lineno}: not a sample row of `expertcast eval` (needs id, batch, batch_stats)")
+    if settings_hash is not None and row.get("settings_hash") != settings_hash:
+        raise ResumeMismatchError(f"{path}:{lineno}: sample {row['id']} was written with other settings "
+                                  f"(settings hash {row.get('settings_hash')!r}); use --overwrite or another --out")
+    return row
+
+
+def _complete_prefix(rows: list[dict[str, Any]]) -> int:
+    """Number of leading rows to keep: all but a last batch that has fewer rows than it recorded."""
+    if not rows:
+        return 0
+    last = rows[-1]["batch"]
+    start = len(rows)
+    while start > 0 and rows[start - 1]["batch"] == last:
+        start -= 1
+    size = rows[-1].get("batch_rows")
+    if isinstance(size, int) and len(rows) - start < size:
+        return start
+    return len(rows)
+
+
+def append_samples(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
+    """Append whole rows in one write and fsync (a batch is recorded whole, or its torn tail is dropped)."""
+    data = "".join(json.dumps(r, default=_jsonable) + "\n" for r in rows)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o).__name__)
+
+
+def rows_of(rows: list[dict[str, Any]], problem_ids: list[str], path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of ``problem_ids`` (in their order) among ``rows``. A batch's counters cover all its problems
+    and cannot be split, so a batch holding both wanted problems and others (an earlier run with a larger
+    ``--limit`` that cuts it) is refused: the summary would count problems outside this run."""
+    wanted = {pid: i for i, pid in enumerate(problem_ids)}
+    by_batch: dict[int, list[str]] = {}
+    for r in rows:
+        by_batch.setdefault(int(r["batch"]), []).append(r["id"])
+    for b, ids in sorted(by_batch.items()):
+        inside = [i for i in ids if i in wanted]
+        if inside and len(inside) < len(ids):
+            raise UsageError(f"{path}: batch {b} of the earlier run holds problems {inside[0]} .. {ids[-1]}, of which "
+                             f"{len(ids) - len(inside)} are outside this run's problems (--limit {len(problem_ids)}); "
+                             f"its counters cannot be split: use a --limit that ends on a batch boundary, or "
+                             f"--overwrite")
+    return sorted((r for r in rows if r["id"] in wanted), key=lambda r: wanted[r["id"]])
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -323,6 +462,7 @@ def run_cell(args: Any, out: Any, cell: dict[str, Any], session: ModelSession) -
     """Resume, generate the missing samples and the speed measurement in ``out`` (an OutputDir or a
     sub-folder of one), write the outputs; returns the summary."""
     done = resume_rows(out, cell["info"]["settings"], cell["info"]["settings_hash"])
+    rows_of(done, [p.id for p in cell["problems"]], out.path / SAMPLES)  # a batch cut by --limit: refused
     return _generate_and_report(args, out, cell, done, session)
 
 
@@ -347,13 +487,14 @@ class ModelSession:
         a = self.args
         cap = capacity.get("capacity", capacity.get("slots"))
         if self.model is None:
+            from expertcast.inference.runtime.eval_run import pad_left
             from expertcast.inference.runtime.loading import load_offloaded
 
             mmap = str(Path(a.out) / "experts.safetensors") if a.mmap_store else None
             om, self.tok, report = load_offloaded(self.resolved, policy, cap, device=self.device, dtype=a.dtype,
                                                   pool=a.pool, link_gbps=a.link_gbps, mmap_path=mmap, seed=a.seed,
                                                   decode_path=a.decode_path)
-            _pad_left(self.tok)
+            pad_left(self.tok)
             self.model, self.store, self.load_report = om.model, om.store, report.to_dict()
             if measure_latency:
                 om.use_measured_latency()
@@ -386,22 +527,10 @@ class ModelSession:
         return self.store.nbytes * 1.1 <= free + om.pool.nbytes  # a margin for the allocator
 
 
-def _pad_left(tok: Any) -> None:
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-
-
 def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[dict[str, Any]],
                          session: ModelSession) -> dict[str, Any]:
     from expertcast.data.prompts import has_chat_template
-    from expertcast.inference.runtime.eval_run import (
-        SAMPLES,
-        append_samples,
-        eos_ids,
-        read_samples,
-        run_batch,
-    )
+    from expertcast.inference.runtime.eval_run import eos_ids, run_batch
 
     info, problems = cell["info"], cell["problems"]
     done_ids = {r["id"] for r in done}
@@ -426,9 +555,8 @@ def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[d
             append_samples(out.path / SAMPLES, rows)
             if run is not None:
                 run.log({"batch": next_batch + bi, **{k: v for k, v in stats.items() if not isinstance(v, list)}})
-        wanted = {p.id: i for i, p in enumerate(problems)}
-        rows = sorted((r for r in read_samples(out.path / SAMPLES, info["settings_hash"]) if r["id"] in wanted),
-                      key=lambda r: wanted[r["id"]])
+        rows = rows_of(read_samples(out.path / SAMPLES, info["settings_hash"]), [p.id for p in problems],
+                       out.path / SAMPLES)
         memory = om.memory_report().to_dict()
         lat_model = getattr(om.policy, "latency", None) if latency is not None else None
     except BaseException:
@@ -438,6 +566,125 @@ def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[d
     speed = _speed(args, out, cell, session, templated, eos, lat_model)
     return _write_outputs(args, out, rows, memory, templated,
                           {**info, "latency_model": latency, "speed": speed, "load": session.load_report}, run)
+
+
+# -- summary ------------------------------------------------------------------------------------------
+def _batches(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        out.setdefault(int(r["batch"]), r["batch_stats"])
+    return out
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Accuracy over samples; cache and speed metrics over the raw counters of their batches."""
+    b = list(_batches(rows).values())
+    A = sum(x["accesses"] for x in b)
+    D = sum(x["demand_misses"] for x in b)
+    P = sum(x["proactive_loads"] for x in b)
+    tok = sum(x["decoded_tokens"] for x in b)
+    dec_s = sum(x["decode_seconds"] for x in b)
+    eb = b[0]["expert_bytes"] if b else 0
+    per_acc = np.sum([x["per_layer_accesses"] for x in b], axis=0) if b else np.zeros(0)
+    per_dem = np.sum([x["per_layer_demand"] for x in b], axis=0) if b else np.zeros(0)
+    n = len(rows)
+    correct = sum(bool(r["correct"]) for r in rows)
+    return {
+        "samples": n,
+        "correct": correct,
+        "accuracy": correct / n if n else float("nan"),
+        "hit": 1.0 - D / A if A else float("nan"),
+        "adj_hit": (A - D) / (A + P) if A else float("nan"),
+        "mb_per_token": (D + P) * eb / 1e6 / max(tok, 1),
+        "tokens_per_s": tok / dec_s if dec_s > 0 else float("nan"),
+        "ttft_s": float(np.mean([x["ttft_s"] for x in b])) if b else float("nan"),
+        "stall_ms_per_token": 1e3 * sum(x["stall_seconds"] for x in b) / max(tok, 1),
+        "decoded_tokens": tok,
+        "accesses": A,
+        "demand_misses": D,
+        "proactive_loads": P,
+        "late_prefetches": sum(x["late_prefetches"] for x in b),
+        "cpu_exec": sum(x["cpu_exec"] for x in b),
+        "per_layer_hit": [float(1 - d / a) if a else float("nan") for a, d in zip(per_acc, per_dem, strict=True)],
+        "batches": len(b),
+        "accounting": "decode-only; prefill uncounted (cache state after prefill initializes decoding)",
+    }
+
+
+def plot_summary(summary: dict[str, Any], rows: list[dict[str, Any]], path: str | os.PathLike, title: str) -> None:
+    """PNG: per-layer decode hit rate (left) and decode tokens/s per batch (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from expertcast.utils.io import save_figure
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    ph = summary["per_layer_hit"]
+    a1.bar(range(len(ph)), ph)
+    a1.set_xlabel("MoE layer")
+    a1.set_ylabel("decode hit rate")
+    a1.set_ylim(0, 1.05)
+    a1.set_title(f"hit {summary['hit']:.3f}, AdjHit {summary['adj_hit']:.3f}")
+    batches = _batches(rows)
+    ks = sorted(batches)
+    a2.plot(ks, [batches[k]["tokens_per_s"] for k in ks], marker="o")
+    a2.set_xlabel("batch")
+    a2.set_ylabel("decode tokens/s")
+    a2.set_title(f"accuracy {summary['accuracy']:.3f} over {summary['samples']} samples")
+    fig.suptitle(title)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=100)
+
+
+
+@dataclass
+class SpeedRun:
+    """Decode figures of one timed pass over the speed prompts."""
+
+    kind: str
+    """``offloaded``, :data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE``."""
+    decoded_tokens: int
+    decode_seconds: float
+    sequences: list[list[int]]
+    """Generated ids per prompt, cut after its first EOS (token identity between the passes)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+
+def paired_speed(run_offloaded: Any, run_baseline: Any, repeats: int) -> dict[str, Any]:
+    """Interleaved passes B, O, B, O, ..., O, B (``repeats`` offloaded passes, each between two baseline
+    passes): every offloaded tokens/s is divided by the mean of the baseline passes right before and after
+    it (shared machines drift over tens of seconds; a pair sees the same speed). Reports the median of the
+    paired ratios in % (``pct_full``) with their min-max, the median tokens/s of both, and whether every
+    pass generated the same tokens (``tokens_match``)."""
+    base = [run_baseline()]
+    offs = []
+    for _ in range(repeats):
+        offs.append(run_offloaded())
+        base.append(run_baseline())
+    pct = [100.0 * o.tokens_per_s / (0.5 * (base[i].tokens_per_s + base[i + 1].tokens_per_s))
+           for i, o in enumerate(offs)]
+    ref = base[0].sequences
+    return {
+        "baseline": base[0].kind,
+        "repeats": repeats,
+        "pct_full": float(np.median(pct)),
+        "pct_full_min": float(min(pct)),
+        "pct_full_max": float(max(pct)),
+        "paired_pct": pct,
+        "tokens_per_s": float(np.median([o.tokens_per_s for o in offs])),
+        "baseline_tokens_per_s": float(np.median([b.tokens_per_s for b in base])),
+        "offloaded_passes": [{"decoded_tokens": o.decoded_tokens, "decode_seconds": o.decode_seconds} for o in offs],
+        "baseline_passes": [{"decoded_tokens": b.decoded_tokens, "decode_seconds": b.decode_seconds} for b in base],
+        "tokens_match": all(r.sequences == ref for r in [*base, *offs]),
+        "decoded_tokens": offs[0].decoded_tokens,
+        "order": "baseline, then (offloaded, baseline) x repeats; each offloaded pass against the mean of its two "
+                 "neighbouring baseline passes; median and min-max of those ratios",
+    }
 
 
 # -- speed against full load ----------------------------------------------------------------------------
@@ -483,24 +730,19 @@ def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs:
                   eos: list[int], baseline: str, lat_model: Any) -> dict[str, Any]:
     """Interleaved passes over ``probs`` (batches of ``--batch-size``): the evaluated policy offloaded, a
     fresh policy and an empty cache each pass, against ``baseline`` (see
-    :func:`~expertcast.inference.runtime.eval_run.paired_speed`)."""
-    from expertcast.data.prompts import build_prompt
+    :func:`paired_speed`)."""
     from expertcast.inference.runtime.eval_run import (
         FULL_LOAD,
         HostExecutionPolicy,
-        SpeedRun,
         decode_tokens,
+        encode_prompts,
         full_load_generate,
         generated,
-        paired_speed,
     )
 
     tok, info = session.tok, cell["info"]
-    encs = []
-    for i in range(0, len(probs), args.batch_size):
-        texts = [build_prompt(tok, p.question, args.benchmark, use_chat_template=templated)
-                 for p in probs[i:i + args.batch_size]]
-        encs.append(tok(texts, return_tensors="pt", padding=True, add_special_tokens=not templated))
+    encs = [encode_prompts(tok, probs[i:i + args.batch_size], args.benchmark, templated)
+            for i in range(0, len(probs), args.batch_size)]
     gen_kw = {"max_new_tokens": args.max_new_tokens, "eos_token_id": eos or None, "pad_token_id": tok.pad_token_id}
 
     def offloaded(policy: Any, capacity: dict[str, Any], kind: str) -> SpeedRun:
@@ -568,7 +810,6 @@ def _start_wandb(args: Any, info: dict[str, Any]):
 
 def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict[str, Any], templated: bool,
                    info: dict[str, Any], run: Any) -> dict[str, Any]:
-    from expertcast.inference.runtime.eval_run import SAMPLES, plot_summary, summarize
     from expertcast.utils.io import atomic_write_json, print_table, write_csv
 
     summary = summarize(rows)

@@ -6,14 +6,62 @@ paired with the full-load run of the same weights: Hit, AdjHit, MB/token, tokens
 tokens/s, accuracy, held-out LM loss and greedy agreement with the LM-only run, for LRU, static (LM-only
 run) and the run's live router policy (R sweep). Prompts and texts are held out (checked against every
 export's training texts; ``--allow-overlap`` to evaluate anyway, reported in every row). Writes Table
-2/3-style tables (CSV/JSON), a PNG, and logs the table to W&B with ``--wandb``. The study logic is
-:mod:`expertcast.train.router_eval`.
+2/3-style tables (CSV/JSON), a PNG, and logs the table to W&B with ``--wandb``.
+
+The study, step by step. For each run (an export of :class:`~expertcast.train.router_module.RouterAdaptationModule`, trained
+here when missing: short CPU runs on the default model, resumable run by run) the study measures, on
+the same weights:
+
+1. the **full-load run**: greedy decoding of held-out benchmark prompts (``benchmark``: ``arith`` by
+   default; ``gsm8k``/``math500`` when asked) by the plain model: its completions, accuracy (exact
+   grading) and decode tokens/s;
+2. the **offloaded runs**: the same prompts through :class:`~expertcast.inference.runtime.engine.OffloadedModel`
+   with B slots per MoE layer under LRU (every run: the router-vs-backbone comparison on the same
+   weights), static placement (the LM-only run; calibrated on the held-out texts' routing) and the
+   run's router policy with its routers attached live (:mod:`expertcast.inference.runtime.live_routers`:
+   Algorithm 1 for ``temporal``, Algorithm 2 at each top-R for ``full``, the spatio-only refinement),
+   each reporting decode-only Hit, AdjHit, MB/token (the model's expert bytes, and Qwen3-30B-A3B's
+   9.44 MB), tokens/s and % of the full-load tokens/s, accuracy, and whether its tokens equal the
+   full-load run's (they must: offloading never changes a token);
+3. the held-out **LM loss** (teacher-forced, token mean over the gold solutions of held-out texts) and
+   the concentration of native expert use on them (max frequency, top-B mass, entropy);
+4. the **greedy agreement** of its full-load completions with the LM-only run's (token by position).
+
+The gold-text simulation of earlier versions is gone: every cache figure now comes from the model's
+own decoding in the runtime.
+
+Held-out data only: the LM texts are the data module's held-out split (by a hash of each text's id,
+:mod:`expertcast.train.router_data`) and the prompts are the benchmark's test problems; both are
+checked against every export's training texts (:func:`expertcast.utils.provenance.check_overlap` on the ids;
+an export that records no training ids is refused unless overlap is allowed), and every prompt's question
+is searched in the export's recorded training texts (:mod:`expertcast.train.router_leakage`). Every row
+carries ``train_overlap``, ``prompt_overlap`` and ``overlap_allowed``.
+
+Prompts are decoded ``decode_batch_size`` at a time (default 1: each sequence owns the B slots of a layer, the
+paper's setting; with n sequences a layer serves the union of up to n*K experts and the hit rate measures
+that union more than the policy). :func:`combine_seeds` merges finished studies of different seeds (mean and
+max - min spread per metric, ``table2_seeds.csv``).
+
+Outputs in the output folder: ``runs/<name>/export`` and ``runs/<name>/run.json`` (runs trained here),
+``eval/`` (rows and completions cached per export and B, each with its settings key), ``table2.{csv,json}``
+(base B: every run under LRU and its router policy, R sweep included), ``table3.{csv,json}`` (other
+budgets, when swept), ``table2.png`` (Hit and MB/token per row; Hit against held-out LM loss) and
+``all_rows.json``. ``d_hit_vs_lru_pts`` compares a row with LRU on the *same* weights (the router's own
+gain), ``d_hit_vs_lm_only_lru_pts`` with LRU on the LM-only weights (the total gain: router plus the
+backbone's more concentrated expert use).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
+import numpy as np
+import torch
 from expertcast.commands.common import (
     CommandParser,
     nonneg_float,
@@ -24,6 +72,9 @@ from expertcast.commands.common import (
     run_command,
 )
 from expertcast.utils.errors import UsageError
+from expertcast.utils.io import atomic_write_json, report
+from expertcast.utils.outdir import OutputDir
+from expertcast.utils.provenance import check_overlap, check_resume, settings_key, sha256_json
 
 PROG = "expertcast router-eval"
 
@@ -99,12 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
+        from expertcast.utils.outdir import claim_output_dir
+
         if args.combine:
-            from pathlib import Path
-
-            from expertcast.train.router_eval import combine_seeds, write_seed_table
-            from expertcast.utils.outdir import claim_output_dir
-
             if len(args.combine) < 2:
                 raise UsageError("--combine needs two or more router-eval outputs (one per seed)")
             studies = [Path(s) for s in args.combine]
@@ -112,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             with claim_output_dir(args.out, "router-eval-seeds", overwrite=args.overwrite) as out:
                 write_seed_table(rows, studies, out)
             return 0
-        import torch
         from expertcast.data.benchmarks import load_benchmark
-        from expertcast.train.router_eval import StudyConfig, given_exports, run_study, select_runs
-        from expertcast.utils.outdir import claim_output_dir
 
         cfg = StudyConfig(
             model=args.model, steps=args.steps, budget=args.budget, budgets=list(args.budgets),
@@ -139,3 +184,764 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_command(PROG, body)
+
+
+# --------------------------------------------------------------------------------- the study
+Q3_EXPERT_BYTES = 9_440_000
+"""One Qwen3-30B-A3B expert in bf16 (docs/design.md "Anchors"), for the second MB/token column."""
+
+
+@dataclass
+class StudyConfig:
+    """Settings of a router study (``expertcast router-eval`` flags)."""
+
+    model: str = "default"
+    """Backbone of the runs trained here: a resolved model directory or a preset name."""
+    steps: int = 150
+    """Optimizer steps per training run."""
+    budget: float = 0.25
+    """Per-layer B of the base runs: a fraction of E (< 1) or a number of experts."""
+    budgets: list[float] = field(default_factory=list)
+    """B sweep (separate trainings)."""
+    sw: float = 0.1
+    """Coverage-loss weight of the base runs (every mode; the paper's Table 2 uses 0.1)."""
+    sw_sweep: list[float] = field(default_factory=lambda: [0.3, 1.0, 2.0])
+    R: list[int] = field(default_factory=lambda: [2, 4, 6, 8])
+    """Top-R values of the full/spatio policies (those above B are skipped)."""
+    modes: list[str] | None = None
+    """Only these run names (None: the whole study)."""
+    tau: float = 0.02
+    lr: float = 5e-4
+    router_lr: float = 3e-3
+    batch_size: int = 8
+    """Texts per batch of training and of the held-out LM-loss pass."""
+    decode_batch_size: int = 1
+    """Prompts decoded together through the runtime. 1 (default): each sequence owns the B slots of a layer,
+    the setting of the paper's Hit/AdjHit; with n > 1 a layer serves the union of n selections (up to n*K
+    experts for B slots), so hit rates mostly measure that union, not what a policy retains."""
+    max_length: int = 320
+    heldout: float = 0.05
+    """Fraction of the texts held out (by a hash of each text's id)."""
+    eval_limit: int | None = 96
+    """Held-out LM loss on the first N held-out texts (None: all of them)."""
+    benchmark: str = "arith"
+    """Benchmark whose test prompts are decoded (accuracy)."""
+    prompts: int = 32
+    """Decode the first N test prompts of the benchmark."""
+    max_new_tokens: int = 64
+    """Generated tokens per prompt at most."""
+    limit: int | None = None
+    """Use only the first N texts of the source."""
+    source: str = "gsm8k"
+    data_dir: str | None = None
+    seed: int = 0
+    progress: bool = False
+    allow_overlap: bool = False
+    """Evaluate even when an export trained on evaluated texts (reported in every row)."""
+    wandb: bool = False
+    """Log the tables to W&B."""
+    wandb_project: str = "expertcast-router"
+
+    def decode_settings(self) -> dict[str, Any]:
+        """What selects and decodes the benchmark prompts."""
+        return {"benchmark": self.benchmark, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
+                "decode_batch_size": self.decode_batch_size}
+
+    def data_settings(self) -> dict[str, Any]:
+        """What selects and tokenises the texts."""
+        return {"source": self.source, "limit": self.limit, "heldout": self.heldout, "seed": self.seed,
+                "max_length": self.max_length}
+
+    def study_settings(self) -> dict[str, Any]:
+        """Every setting that shapes the study's tables (``study.json``; :func:`combine_seeds` requires all
+        but ``seed`` to match): the config less progress bars, W&B and where the data lives."""
+        return {k: v for k, v in sorted(asdict(self).items()) if k not in NOT_STUDY_SETTINGS}
+
+    def train_settings(self, spec: RunSpec) -> dict[str, Any]:
+        """Everything a trained run's weights depend on (the resume key of ``runs/<name>``)."""
+        return settings_key(model=self.model, steps=self.steps, tau=self.tau, lr=self.lr, router_lr=self.router_lr,
+                            batch_size=self.batch_size, run=asdict(spec), **self.data_settings())
+
+
+STUDY = "study.json"
+"""The study's settings (:meth:`StudyConfig.study_settings`), written beside its tables."""
+NOT_STUDY_SETTINGS = ("progress", "wandb", "wandb_project", "data_dir")
+
+
+@dataclass
+class RunSpec:
+    """One training run of the study."""
+
+    name: str
+    mode: str
+    sw: float = 0.1
+    budget: float = 0.25
+    aux_routers: str = "temporal"
+
+    def module_kwargs(self) -> dict[str, Any]:
+        return {"mode": self.mode, "sw": self.sw, "budget": self.budget, "aux_routers": self.aux_routers}
+
+
+@dataclass
+class EvalTarget:
+    """An export to evaluate: its name in the tables, folder, training ids (None: not recorded) and the
+    ``run.json`` of a run trained here (else empty)."""
+
+    name: str
+    export: Path
+    train_ids: list[str] | None
+    run_info: dict[str, Any] = field(default_factory=dict)
+
+
+def study_runs(sw_sweep: list[float], budgets: list[float], base_budget: float, base_sw: float = 0.1) -> list[RunSpec]:
+    """The default study: every mode at the base ``base_sw`` (paper Table 2: 0.1), the sw sweep for
+    temporal/full, the B sweep (at ``base_sw``)."""
+    sw0 = f"{base_sw:g}"
+    runs = [
+        RunSpec("lm_only", "lm_only", 0.0, base_budget),
+        RunSpec(f"aux_temporal_sw{sw0}", "aux_only", base_sw, base_budget, "temporal"),
+        RunSpec(f"aux_full_sw{sw0}", "aux_only", base_sw, base_budget, "full"),
+        RunSpec(f"temporal_sw{sw0}", "temporal", base_sw, base_budget),
+        RunSpec(f"full_sw{sw0}", "full", base_sw, base_budget),
+        RunSpec(f"spatio_sw{sw0}", "spatio_only", base_sw, base_budget),
+    ]
+    for sw in sw_sweep:
+        runs += [RunSpec(f"temporal_sw{sw:g}", "temporal", sw, base_budget), RunSpec(f"full_sw{sw:g}", "full", sw, base_budget)]
+    for b in budgets:
+        if b != base_budget:
+            runs += [RunSpec(f"temporal_B{b:g}", "temporal", base_sw, b), RunSpec(f"full_B{b:g}", "full", base_sw, b)]
+    return list({r.name: r for r in runs}.values())
+
+
+def select_runs(cfg: StudyConfig) -> list[RunSpec]:
+    """The study's runs, restricted to ``cfg.modes`` (a UsageError names unknown run names)."""
+    specs = study_runs(cfg.sw_sweep, cfg.budgets, cfg.budget, cfg.sw)
+    if cfg.modes:
+        unknown = sorted(set(cfg.modes) - {s.name for s in specs})
+        if unknown:
+            raise UsageError(f"--modes: unknown run names {', '.join(unknown)}; known: "
+                             f"{', '.join(s.name for s in specs)}")
+        specs = [s for s in specs if s.name in cfg.modes]
+    return specs
+
+
+# --------------------------------------------------------------------------------- training
+
+
+def train_run(spec: RunSpec, out: OutputDir, cfg: StudyConfig) -> EvalTarget:
+    """Train one run into ``runs/<name>/export`` (skipped when ``runs/<name>/run.json`` records the
+    same settings; a ResumeMismatchError when it records others)."""
+    run_dir = out.file("runs") / spec.name
+    export, info_path = run_dir / "export", run_dir / "run.json"
+    settings = cfg.train_settings(spec)
+    if info_path.is_file():
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+        check_resume(info.get("settings"), settings, info_path)
+        return EvalTarget(spec.name, export, export_train_ids(export), info)
+    import shutil
+
+    import lightning as pl
+    from expertcast.train.router_module import RouterAdaptationModule
+
+    if export.exists():  # a run interrupted after its export began: train it again
+        shutil.rmtree(export)
+    pl.seed_everything(cfg.seed, verbose=False)
+    backbone = cfg.model
+    if spec.mode == "aux_only":  # the auxiliary-only control freezes the LM-only backbone (paper 4)
+        ref = train_run(RunSpec("lm_only", "lm_only", 0.0, spec.budget), out, cfg)
+        backbone = str(ref.export / "model")
+    module = RouterAdaptationModule(model=backbone, tau=cfg.tau, lr=cfg.lr, router_lr=cfg.router_lr, seed=cfg.seed,
+                                    **spec.module_kwargs())
+    dm = datamodule(cfg, module.tokenizer)
+    trainer = pl.Trainer(max_steps=cfg.steps, logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, enable_progress_bar=cfg.progress, enable_model_summary=False,
+                         accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=1)
+    t0 = time.perf_counter()
+    trainer.fit(module, dm)
+    # no validation runs here (limit_val_batches=0): the held-out texts are no val_ids of the export
+    module.export(export, training={**cfg.data_settings(), "split": "split_of(text_id, heldout, seed)",
+                                    "train_ids": dm.train_ids(), "val_ids": []})
+    info = {"settings": settings, "run": asdict(spec), "train_seconds": round(time.perf_counter() - t0, 1),
+            "heldout_ids": dm.heldout_ids()}
+    atomic_write_json(info_path, info)
+    return EvalTarget(spec.name, export, export_train_ids(export), info)
+
+
+def datamodule(cfg: StudyConfig, tokenizer):
+    """The study's data module (set up), tokenised with ``tokenizer``."""
+    from expertcast.train.router_data import RouterLMDataModule
+
+    dm = RouterLMDataModule(source=cfg.source, max_length=cfg.max_length, batch_size=cfg.batch_size,
+                            heldout=cfg.heldout, limit=cfg.limit, seed=cfg.seed, data_dir=cfg.data_dir)
+    dm.tokenizer = tokenizer
+    dm.setup("fit")
+    return dm
+
+
+# --------------------------------------------------------------------------------- exports
+
+
+def _read_export_info(d: Path) -> dict[str, Any]:
+    """``export.json`` of a router-adaptation export (manifest verified; carries ``export_hash``)."""
+    from expertcast.models.router_export import read_adaptation_export
+    from expertcast.train.router_module import EXPORT_FORMAT, EXPORT_FORMAT_VERSION
+
+    if not d.is_dir():
+        raise UsageError(f"--exports: {d} is not a folder")
+    info = read_adaptation_export(d)
+    if info.get("format") != EXPORT_FORMAT or info.get("format_version", 99) > EXPORT_FORMAT_VERSION:
+        raise UsageError(f"{d / 'export.json'} is not a router-adaptation export this expertcast reads")
+    if "model_dir" not in info:
+        raise UsageError(f"{d}: only merged exports (model/) are evaluated here; merge the LoRA adapter first")
+    return info
+
+
+def export_train_ids(d: Path) -> list[str] | None:
+    """The ids of the texts an export was trained on (``export.json`` ``training.train_ids``), or None
+    when the export records none. Validation texts are not counted: a router fit selects no
+    checkpoint by them, so evaluating on them is no leakage."""
+    training = _read_export_info(d).get("training")
+    ids = training.get("train_ids") if isinstance(training, dict) else None
+    return [str(i) for i in ids] if isinstance(ids, list) else None
+
+
+def given_exports(paths: list[str]) -> list[EvalTarget]:
+    """EvalTargets of user-given export folders (named by folder, or by the parent of an ``export``
+    folder); a UsageError for a folder that is no export or two exports of one name."""
+    out: list[EvalTarget] = []
+    for p in paths:
+        d = Path(p)
+        _read_export_info(d)
+        name = d.resolve().parent.name if d.resolve().name == "export" else d.resolve().name
+        if any(t.name == name for t in out):
+            raise UsageError(f"--exports: two exports are named {name!r}; give folders with distinct names")
+        out.append(EvalTarget(name, d, export_train_ids(d)))
+    return out
+
+
+# --------------------------------------------------------------------------------- held-out text
+
+
+@torch.no_grad()
+def heldout_pass(model, examples, batch_size: int = 8, model_id: str = "model"):
+    """Teacher-forced pass over held-out texts: (TraceMeta, [TraceSequence], LM loss).
+
+    LM loss: mean token cross-entropy over the completion tokens. The traces (native routing of every
+    position) calibrate the static policy and give the concentration of expert use."""
+    from expertcast.data.trace_format import TraceMeta, TraceSequence
+    from expertcast.models.routing import record_routing
+    from expertcast.models.spec import MoESpec
+    from expertcast.train.router_data import collate
+
+    spec = MoESpec.from_model(model)
+    seqs = []
+    nll, ntok = 0.0, 0
+    with record_routing(model) as rr:
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i : i + batch_size]
+            b = collate(chunk, 0)
+            B, T = b["input_ids"].shape
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
+            ids, w, _ = rr.pop()
+            lab = b["labels"][:, 1:]
+            ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                                   lab.reshape(-1), ignore_index=-100, reduction="sum")
+            nll += float(ce)
+            ntok += int((lab != -100).sum())
+            L, K = ids.shape[1], ids.shape[2]
+            ids, w = ids.view(B, T, L, K), w.view(B, T, L, K)
+            for j, ex in enumerate(chunk):
+                n = len(ex.ids)
+                seqs.append(TraceSequence(ex.seq_id or f"heldout-{i + j:05d}", np.asarray(ex.ids, np.int32),
+                                          len(ex.prompt_ids), ids[j, :n].numpy().astype(np.int16),
+                                          w[j, :n].numpy().astype(np.float16)))
+    meta = TraceMeta(model_id=model_id, num_layers=spec.num_layers, num_experts=spec.num_experts, top_k=spec.top_k,
+                     expert_bytes=spec.expert_bytes, moe_layers=spec.moe_layers, dataset="heldout")
+    return meta, seqs, nll / max(ntok, 1)
+
+
+# --------------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class Decoding:
+    """One pass of greedy decoding over the prompts: completions and figures."""
+
+    completions: list[list[int]]
+    """Generated ids per prompt, up to and including its first EOS."""
+    correct: list[bool]
+    decoded_tokens: int
+    decode_seconds: float
+    counters: dict[str, int] = field(default_factory=dict)
+    """Offloaded runs: accesses, demand, proactive (decode-only totals)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / len(self.correct) if self.correct else float("nan")
+
+
+def prompt_batches(tok, problems, batch_size: int) -> list[list]:
+    """The prompts in batches of ``batch_size`` (left padding set on ``tok``, the pad token defaulting to EOS)."""
+    from expertcast.inference.runtime.eval_run import pad_left
+
+    pad_left(tok)
+    return [problems[i : i + batch_size] for i in range(0, len(problems), batch_size)]
+
+
+def decode_full_load(model, tok, batches, benchmark: str, max_new_tokens: int, eos: list[int]) -> Decoding:
+    """The plain model (every expert resident) decodes every batch greedily."""
+    from expertcast.data.prompts import has_chat_template
+    from expertcast.inference.runtime.eval_run import (
+        decode_tokens,
+        encode_prompts,
+        full_load_generate,
+        generated,
+        graded_rows,
+    )
+
+    templated = has_chat_template(tok)
+    comps, correct, n, secs = [], [], 0, 0.0
+    for chunk in batches:
+        enc = encode_prompts(tok, chunk, benchmark, templated)
+        seqs, dec_s = full_load_generate(model, enc, max_new_tokens=max_new_tokens, eos=eos,
+                                         pad_token_id=tok.pad_token_id)
+        gen = generated(seqs, enc["input_ids"].shape[1], eos)
+        comps += gen
+        correct += [r["correct"] for r in graded_rows(tok, chunk, gen, benchmark)]
+        n += decode_tokens(gen)
+        secs += dec_s
+    return Decoding(comps, correct, n, secs)
+
+
+def decode_offloaded(model, tok, batches, policy, slots: int, benchmark: str, max_new_tokens: int, eos: list[int],
+                     routers=None) -> Decoding:
+    """The same batches through the runtime with ``slots`` per MoE layer under ``policy`` (a router policy
+    gets ``routers`` attached live), each graded by the runtime's graded batch (the one ``expertcast eval``
+    runs); the model holds its experts again afterwards."""
+    from expertcast.data.prompts import has_chat_template
+    from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.inference.runtime.eval_run import graded_batch
+    from expertcast.inference.runtime.live_routers import LiveRouterScores, router_policy_names
+
+    live = LiveRouterScores(model, routers) if policy.name in router_policy_names() else None
+    if live is not None:
+        policy.set_replay(live)
+    om = OffloadedModel(model, policy, int(slots))
+    templated = has_chat_template(tok)
+    comps, correct = [], []
+    try:
+        for chunk in batches:
+            rows, gen, _ = graded_batch(om, tok, chunk, benchmark=benchmark, templated=templated,
+                                        max_new_tokens=max_new_tokens, eos=eos)
+            comps += gen
+            correct += [r["correct"] for r in rows]
+        st = om.stats
+        counters = {"accesses": int(st.accesses.sum()), "demand": int(st.demand.sum()),
+                    "proactive": int(st.proactive.sum())}
+        return Decoding(comps, correct, int(st.decoded_tokens), float(st.decode_seconds), counters)
+    finally:
+        om.restore()
+        if live is not None:
+            live.remove()
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean over prompts of the fraction of positions (of the longer completion) where ``a`` and ``b``
+    generated the same token."""
+    fr = [sum(x == y for x, y in zip(p, q, strict=False)) / max(len(p), len(q), 1) for p, q in zip(a, b, strict=True)]
+    return float(np.mean(fr)) if fr else float("nan")
+
+
+# --------------------------------------------------------------------------------- one export
+
+
+def study_policies(info: dict[str, Any], B: int, Rs: list[int], static_calibration) -> list[tuple[str, Any, Any]]:
+    """(policy name, policy, R) evaluated on one export: LRU, static (LM-only run), the run's router policy
+    (at every R <= B for the pre-access policies)."""
+    from expertcast.inference.policies import make_policy
+
+    pols: list[tuple[str, Any, Any]] = [("lru", make_policy("lru"), "-")]
+    rmode = info.get("router_mode")
+    if info.get("mode") == "lm_only":
+        pols.append(("static", make_policy("static", calibration=static_calibration), "-"))
+    if rmode == "temporal":
+        pols.append(("router-temporal", make_policy("router-temporal"), "-"))
+    elif rmode in ("full", "spatio_only"):
+        name = "router-full" if rmode == "full" else "router-spatio"
+        pols += [(name, make_policy(name, R=R), R) for R in Rs if R <= B]
+    return pols
+
+
+def evaluate_run(target: EvalTarget, examples, problems, B: int, cfg: StudyConfig,
+                 overlap: dict[str, Any]) -> dict[str, Any]:
+    """Rows (one per policy/R) and the full-load completions of one export; ``overlap`` is its
+    :func:`check_overlap` result."""
+    from expertcast.inference.runtime.eval_run import eos_ids
+    from expertcast.models.cache_routers import expert_use_stats
+    from expertcast.models.router_export import load_adaptation_export
+
+    model, tok, routers, info = load_adaptation_export(target.export)
+    meta, seqs, lm = heldout_pass(model, examples, cfg.batch_size, model_id=str(target.export))
+    dec = np.concatenate([s.decode_expert_ids for s in seqs]).astype(np.int64)
+    use = expert_use_stats(torch.from_numpy(dec), meta.num_experts, B)
+    eos = eos_ids(model, tok)
+    batches = prompt_batches(tok, problems, cfg.decode_batch_size)
+    full = decode_full_load(model, tok, batches, cfg.benchmark, cfg.max_new_tokens, eos)
+    rows = []
+    run = target.run_info.get("run", {})
+    for pname, policy, R in study_policies(info, B, cfg.R, seqs):
+        off = decode_offloaded(model, tok, batches, policy, B, cfg.benchmark, cfg.max_new_tokens, eos, routers)
+        A, D, P = off.counters["accesses"], off.counters["demand"], off.counters["proactive"]
+        ntok = max(off.decoded_tokens, 1)
+        rows.append({
+            "run": target.name, "train_mode": info["mode"], "router_mode": info.get("router_mode") or "-",
+            "sw": info.get("sw", 0.0), "seed": cfg.seed, "B": B, "R": R, "policy": pname,
+            "hit": 1 - D / A if A else float("nan"), "adj_hit": (A - D) / (A + P) if A else float("nan"),
+            "mb_per_token": (D + P) * meta.expert_bytes / 1e6 / ntok, "mb_per_token_q3": (D + P) * Q3_EXPERT_BYTES / 1e6 / ntok,
+            "tokens_per_s": off.tokens_per_s, "full_tokens_per_s": full.tokens_per_s,
+            "pct_full": 100 * off.tokens_per_s / full.tokens_per_s if full.tokens_per_s > 0 else float("nan"),
+            "accuracy": off.accuracy, "full_accuracy": full.accuracy, "identical_to_full": off.completions == full.completions,
+            "heldout_lm": lm, "max_freq": use["max_freq"], "topB_mass": use["topb_mass"], "entropy": use["entropy"],
+            "prompts": len(problems), "decoded_tokens": off.decoded_tokens, "heldout_texts": len(examples),
+            "train_overlap": overlap["overlap"], "prompt_overlap": overlap.get("prompt_overlap"),
+            "overlap_allowed": overlap["allowed"], "decode_batch_size": cfg.decode_batch_size, "train_steps": info.get("steps"),
+            "train_seconds": target.run_info.get("train_seconds"), "budget_arg": run.get("budget"),
+        })
+    return {"rows": rows, "completions": full.completions}
+
+
+# --------------------------------------------------------------------------------- report
+
+
+def _base_budget(rows) -> int:
+    """The budget most rows were evaluated at (the study's base B)."""
+    return max((r["B"] for r in rows), key=lambda b: sum(1 for r in rows if r["B"] == b))
+
+
+def _table_R(rows, run: str, B: int):
+    """The R a one-row summary shows for ``run``: of the R values evaluated, the one closest to 0.75*B
+    (the paper's ratio, R=15 of B=20; ties to the larger); "-" for runs without R."""
+    Rs = sorted({r["R"] for r in rows if r["run"] == run and r["B"] == B and r["R"] != "-"})
+    if not Rs:
+        return "-"
+    return min(Rs, key=lambda R: (abs(R - 0.75 * B), -R))
+
+
+def add_lru_deltas(rows: list[dict[str, Any]]) -> None:
+    """``d_hit_vs_lru_pts``: a row's hit minus LRU's hit on the same export and B (percentage points), the
+    router's own gain; ``d_hit_vs_lm_only_lru_pts``: minus the LM-only run's LRU at that B (router plus
+    backbone). NaN where the reference was not evaluated."""
+    lru = {(r["run"], r["B"]): r["hit"] for r in rows if r["policy"] == "lru"}
+    ref = {r["B"]: r["hit"] for r in rows if r["policy"] == "lru" and r.get("train_mode") == "lm_only"}
+    for r in rows:
+        same = lru.get((r["run"], r["B"]))
+        r["d_hit_vs_lru_pts"] = 100 * (r["hit"] - same) if same is not None else float("nan")
+        base = ref.get(r["B"])
+        r["d_hit_vs_lm_only_lru_pts"] = 100 * (r["hit"] - base) if base is not None else float("nan")
+
+
+def add_lm_only_refs(rows: list[dict[str, Any]], completions: dict[str, list[list[int]]]) -> None:
+    """``lm_vs_lm_only_pct`` (held-out LM loss change against the LM-only run) and ``agree_lm_only`` (greedy
+    agreement of the run's completions with the LM-only run's); NaN without an LM-only run."""
+    lm_run = next((r for r in rows if r["train_mode"] == "lm_only"), None)
+    for r in rows:
+        if lm_run is None:
+            r["lm_vs_lm_only_pct"] = r["agree_lm_only"] = float("nan")
+            continue
+        r["lm_vs_lm_only_pct"] = 100 * (r["heldout_lm"] / lm_run["heldout_lm"] - 1)
+        r["agree_lm_only"] = greedy_agreement(completions[r["run"]], completions[lm_run["run"]])
+
+
+COLUMNS = ["run", "policy", "sw", "B", "R", "hit", "d_hit_vs_lru_pts", "d_hit_vs_lm_only_lru_pts", "adj_hit",
+           "mb_per_token", "mb_per_token_q3", "tokens_per_s", "pct_full", "accuracy", "identical_to_full", "heldout_lm",
+           "lm_vs_lm_only_pct", "agree_lm_only", "topB_mass", "train_overlap"]
+
+
+def run_study(cfg: StudyConfig, out: OutputDir, exports: list[EvalTarget] | None = None) -> list[dict[str, Any]]:
+    """Train the study's runs (or take ``exports``, from :func:`given_exports`), evaluate each through the
+    runtime, write the tables and the plot into ``out``; returns every row."""
+    from expertcast.data.benchmarks import load_benchmark
+    from expertcast.models.cache_routers import resolve_budget
+    from tqdm.auto import tqdm
+
+    problems = load_benchmark(cfg.benchmark, "test", data_dir=cfg.data_dir, limit=cfg.prompts)
+    targets = exports or [train_run(s, out, cfg) for s in tqdm(select_runs(cfg), desc="train runs", unit="run")]
+    examples = heldout_examples(cfg, targets[0].export)
+    evaluated = [e.seq_id for e in examples] + [p.id for p in problems]
+    # refuse leakage before any evaluation work: evaluated ids against the training ids, and the prompts'
+    # questions against the recorded training texts (train/router_leakage.py)
+    overlaps = {t.name: {**check_overlap(evaluated, t.train_ids, what=f"export {t.export}",
+                                         allow_overlap=cfg.allow_overlap),
+                         **prompt_leakage(problems, t.export, cfg)} for t in targets}
+    rows: list[dict[str, Any]] = []
+    completions: dict[str, list[list[int]]] = {}
+    for t in tqdm(targets, desc="evaluate runs", unit="run"):
+        info = _read_export_info(t.export)
+        E = _num_experts(t.export, info)
+        budgets = [int(info.get("budget") or resolve_budget(cfg.budget, E))]
+        if info.get("mode") == "lm_only":  # the LM-only reference at every budget of the B sweep
+            budgets += sorted({resolve_budget(x, E) for x in cfg.budgets} - set(budgets))
+        for B in budgets:
+            got = _evaluate_cached(t, examples, problems, B, cfg, overlaps[t.name], out)
+            rows += got["rows"]
+            completions[t.name] = got["completions"]
+    add_lm_only_refs(rows, completions)
+    add_lru_deltas(rows)
+    write_tables(rows, out, len(examples), len(problems), overlaps, cfg)
+    return rows
+
+
+_TRAINING_TEXTS: dict[str, list[str]] = {}
+"""Training texts reloaded for the leakage check, by the JSON of their source fields (exports of one study
+share them)."""
+
+
+def prompt_leakage(problems, export: Path, cfg: StudyConfig) -> dict[str, Any]:
+    """:func:`expertcast.train.router_leakage.check_prompt_leakage` of the prompts against ``export``'s recorded
+    training texts (reloaded once per source): ``{"prompt_overlap", "leaked_prompts", "allowed"}``; an
+    OverlapError when they leak and ``cfg.allow_overlap`` is off."""
+    from expertcast.train.router_leakage import check_prompt_leakage, recorded_training, training_texts
+
+    training = recorded_training(export)
+    texts = None
+    if training is not None:
+        key = json.dumps({k: training.get(k) for k in ("source", "dataset_split", "text_field", "dataset_config",
+                                                       "limit", "train_ids", "val_ids")}, sort_keys=True)
+        if key not in _TRAINING_TEXTS:
+            try:
+                _TRAINING_TEXTS[key] = training_texts(training, data_dir=cfg.data_dir)
+            except (FileNotFoundError, ValueError):
+                _TRAINING_TEXTS[key] = None  # check_prompt_leakage reloads and says why
+        texts = _TRAINING_TEXTS[key]
+    got = check_prompt_leakage(problems, export, allow_overlap=cfg.allow_overlap, data_dir=cfg.data_dir, texts=texts)
+    return {"prompt_overlap": got["prompt_overlap"], "leaked_prompts": got["leaked_prompts"]}
+
+
+def heldout_examples(cfg: StudyConfig, export: Path) -> list:
+    """The held-out texts of the LM loss (the first ``cfg.eval_limit`` of the held-out split), tokenised
+    with the tokenizer of ``export``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(export / _read_export_info(export)["model_dir"], trust_remote_code=False)
+    examples = datamodule(cfg, tok).heldout_set
+    return examples[: cfg.eval_limit] if cfg.eval_limit else examples
+
+
+def write_tables(rows: list[dict[str, Any]], out: OutputDir, n_texts: int, n_prompts: int,
+                 overlaps: dict[str, dict[str, Any]], cfg: StudyConfig) -> None:
+    """Table 2 (base B), Table 3 (other budgets), ``table2.png``, ``all_rows.json``; W&B when asked."""
+    base_B = _base_budget(rows)
+    leaked = sum(1 for o in overlaps.values() if o["overlap"] or o.get("prompt_overlap"))
+    unknown = sum(1 for o in overlaps.values() if o["overlap"] is None or o.get("prompt_overlap", 0) is None)
+    header = (f"{n_prompts} {cfg.benchmark} test prompts decoded greedily through the runtime "
+              f"({cfg.decode_batch_size} per batch), LM loss on {n_texts} "
+              f"held-out texts; training overlap: "
+              + ("none" if not leaked and not unknown else
+                 f"{leaked} export(s) trained on evaluated texts or prompts, {unknown} record no training ids")
+              + (" (--allow-overlap)" if cfg.allow_overlap else ""))
+    t2 = [r for r in rows if r["B"] == base_B]
+    t3 = sorted((r for r in rows if r["B"] != base_B), key=lambda r: (r["B"], r["run"], r["policy"] != "lru"))
+    report(t2, title=f"Table 2: modes through the runtime (B={base_B} per layer, decode-only, seed {cfg.seed}; {header})",
+           json_path=out.file("table2.json"), csv_path=out.file("table2.csv"), columns=COLUMNS)
+    if t3:
+        report(t3, title=f"Table 3: other budgets B (LRU on the same weights beside each run; {header})",
+               json_path=out.file("table3.json"), csv_path=out.file("table3.csv"), columns=COLUMNS)
+    _plot(t2, out.file("table2.png"), base_B)
+    atomic_write_json(out.file("all_rows.json"), rows)
+    atomic_write_json(out.file(STUDY), {"settings": cfg.study_settings()})
+    if cfg.wandb:
+        _log_wandb(rows, cfg, out.path / "table2.png")
+    print(f"{header}\nwrote {out.path}/table2.csv, table2.png, all_rows.json (MB/token: real expert bytes; "
+          f"mb_per_token_q3: {Q3_EXPERT_BYTES / 1e6} MB experts)")
+
+
+def _label(r: dict[str, Any]) -> str:
+    return f"{r['run']}+{r['policy']}" + (f" R={r['R']}" if r["R"] != "-" else "")
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, B: int) -> None:
+    """PNG: Hit and MB/token per row (left, middle); Hit against held-out LM loss (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from expertcast.utils.io import save_figure
+
+    labels = [_label(r) for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    axes[0].barh(labels, [100 * r["hit"] for r in rows])
+    axes[0].set_xlabel("decode hit rate (%)")
+    axes[1].barh(labels, [r["mb_per_token"] for r in rows])
+    axes[1].set_xlabel("MB / token (real expert bytes)")
+    axes[1].set_yticklabels([])
+    for r in rows:
+        marker = "x" if r["policy"] in ("lru", "static") else "o"
+        axes[2].scatter(r["heldout_lm"], 100 * r["hit"], marker=marker)
+        axes[2].annotate(_label(r), (r["heldout_lm"], 100 * r["hit"]), fontsize=6)
+    lm_ref = next((r["heldout_lm"] for r in rows if r["train_mode"] == "lm_only"), None)
+    if lm_ref:
+        axes[2].axvline(lm_ref * 1.02, color="grey", linestyle=":", label="LM-only loss +2%")
+        axes[2].legend(fontsize=7)
+    axes[2].set_xlabel("held-out LM loss")
+    axes[2].set_ylabel("decode hit rate (%)")
+    for a in axes:
+        a.grid(alpha=0.3)
+    fig.suptitle(f"cache-aware routers through the runtime, B={B} per layer (x: LRU/static, o: router policy)")
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+
+
+def _log_wandb(rows: list[dict[str, Any]], cfg: StudyConfig, png: Path | None = None) -> None:
+    import wandb
+    from expertcast.utils.tracking import start_wandb_run
+
+    run = start_wandb_run(cfg.wandb_project, {**asdict(cfg)}, job_type="router-eval", name=f"router-eval-s{cfg.seed}")
+    table = wandb.Table(columns=COLUMNS, data=[[_cell(r.get(c)) for c in COLUMNS] for r in rows])
+    run.log({"router_eval/table2": table})
+    if png is not None:
+        from expertcast.utils.tracking import log_image
+
+        log_image(run, "router_eval/plot", png)
+    run.finish()
+
+
+def _cell(v: Any) -> Any:
+    return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+
+
+def _evaluate_cached(target: EvalTarget, examples, problems, B: int, cfg: StudyConfig, overlap: dict[str, Any],
+                     out: OutputDir) -> dict[str, Any]:
+    """evaluate_run with its rows and completions cached in ``eval/<run>@B<B>.json``, reused only when the
+    file's settings key matches (a ResumeMismatchError otherwise)."""
+    cache_file = out.file("eval") / f"{target.name}@B{B}.json"
+    key = settings_key(export=_read_export_info(target.export)["export_hash"], B=B, R=cfg.R, eval_limit=cfg.eval_limit,
+                       evaluated_ids=sha256_json([e.seq_id for e in examples]),
+                       prompt_ids=sha256_json([p.id for p in problems]), overlap=overlap,
+                       **cfg.decode_settings(), **cfg.data_settings())
+    if cache_file.is_file():
+        saved = json.loads(cache_file.read_text(encoding="utf-8"))
+        check_resume(saved.get("settings"), key, cache_file)
+        return saved
+    got = evaluate_run(target, examples, problems, B, cfg, overlap)
+    atomic_write_json(cache_file, {"settings": key, **got})
+    return got
+
+
+def _num_experts(d: Path, info: dict[str, Any]) -> int:
+    cfg = json.loads((d / info["model_dir"] / "config.json").read_text())
+    for k in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if k in cfg:
+            return int(cfg[k])
+    raise UsageError(f"{d}/{info['model_dir']}/config.json names no expert count")
+
+
+# --------------------------------------------------------------------------------- seeds
+
+
+SPREAD_METRICS = ("hit", "d_hit_vs_lru_pts", "d_hit_vs_lm_only_lru_pts", "adj_hit", "mb_per_token", "accuracy",
+                  "heldout_lm", "lm_vs_lm_only_pct")
+"""Metrics :func:`combine_seeds` reports as mean and spread (max - min over the seeds)."""
+
+
+def combine_seeds(studies: list[Path]) -> list[dict[str, Any]]:
+    """One row per (run, policy, B, R) present in every study folder of ``studies`` (each a finished
+    ``router-eval`` output, ``table2.json``): ``seeds``, and per metric of :data:`SPREAD_METRICS` its mean
+    (``<metric>``), spread ``<metric>_spread`` (max - min) and per-seed values ``<metric>_by_seed``.
+    A UsageError when a folder holds no Table 2 (or not a readable one), the studies differ in a setting
+    other than the seed (``study.json``), two folders have the same seed, or they share no row."""
+    tables = [_read_table2(Path(d)) for d in studies]
+    _check_same_study(studies)
+    seeds = [sorted({r["seed"] for r in t}) for t in tables]
+    flat = [s for ss in seeds for s in ss]
+    if len(set(flat)) != len(flat):
+        raise UsageError(f"--combine: the studies repeat a seed ({', '.join(map(str, flat))}); combine different seeds")
+
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["run"], r["policy"], r["B"], str(r["R"]))
+
+    by = [{key(r): r for r in t} for t in tables]
+    keys = [k for k in by[0] if all(k in b for b in by[1:])]
+    if not keys:
+        raise UsageError("--combine: the studies share no (run, policy, B, R) row")
+    out = []
+    for k in keys:
+        rs = [b[k] for b in by]
+        row: dict[str, Any] = {"run": k[0], "policy": k[1], "B": k[2], "R": rs[0]["R"], "sw": rs[0].get("sw"),
+                               "seeds": ",".join(str(r["seed"]) for r in rs), "prompts": rs[0].get("prompts")}
+        for m in SPREAD_METRICS:
+            try:
+                vals = [float(r.get(m, float("nan"))) for r in rs]
+            except (TypeError, ValueError):
+                raise UsageError(f"--combine: a {m} of row {k} is not a number") from None
+            row[m] = float(np.mean(vals))
+            row[f"{m}_spread"] = float(np.max(vals) - np.min(vals))
+            row[f"{m}_by_seed"] = vals
+        row["identical_to_full"] = all(bool(r.get("identical_to_full")) for r in rs)
+        row["train_overlap"] = sum(int(r.get("train_overlap") or 0) for r in rs)
+        row["prompt_overlap"] = sum(int(r.get("prompt_overlap") or 0) for r in rs)
+        out.append(row)
+    return out
+
+
+def _read_json(p: Path, what: str) -> Any:
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise UsageError(f"--combine: {p} is not a readable {what} ({' '.join(str(e).split())[:120]})") from None
+
+
+def _read_table2(d: Path) -> list[dict[str, Any]]:
+    """The rows of ``d/table2.json``, each with the keys :func:`combine_seeds` reads (else a UsageError)."""
+    p = d / "table2.json"
+    if not p.is_file():
+        raise UsageError(f"--combine: {d} holds no table2.json (a finished `expertcast router-eval` output)")
+    rows = _read_json(p, "JSON table")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise UsageError(f"--combine: {p} is not a list of Table 2 rows (a finished `expertcast router-eval` output)")
+    for i, r in enumerate(rows):
+        missing = [k for k in ("run", "policy", "B", "R", "seed") if k not in r]
+        if missing:
+            raise UsageError(f"--combine: {p} row {i} has no {', '.join(missing)} (not a `expertcast router-eval` "
+                             f"Table 2)")
+    return rows
+
+
+def _check_same_study(studies: list[Path]) -> None:
+    """Refuse studies whose settings (``study.json``) differ in anything but the seed."""
+    settings = []
+    for d in studies:
+        p = Path(d) / STUDY
+        if not p.is_file():
+            raise UsageError(f"--combine: {d} holds no {STUDY} (its settings), so it cannot be checked to differ from "
+                             f"the others only in --seed; rerun it with this version of `expertcast router-eval`")
+        got = _read_json(p, "JSON file")
+        if not isinstance(got, dict) or not isinstance(got.get("settings"), dict):
+            raise UsageError(f"--combine: {p} holds no settings object")
+        settings.append({k: v for k, v in got["settings"].items() if k != "seed"})
+    for d, s in zip(studies[1:], settings[1:], strict=True):
+        diff = sorted(k for k in set(s) | set(settings[0]) if s.get(k, "<absent>") != settings[0].get(k, "<absent>"))
+        if diff:
+            k = diff[0]
+            raise UsageError(f"--combine: {d} was run with other settings than {studies[0]} ({k}: "
+                             f"{settings[0].get(k, '<absent>')!r} vs {s.get(k, '<absent>')!r}"
+                             + (f", and {len(diff) - 1} more" if len(diff) > 1 else "")
+                             + "); only the seed may differ")
+
+
+SEED_COLUMNS = ["run", "policy", "B", "R", "seeds", "hit", "hit_spread", "d_hit_vs_lm_only_lru_pts",
+                "d_hit_vs_lm_only_lru_pts_spread", "d_hit_vs_lru_pts", "adj_hit", "adj_hit_spread", "mb_per_token",
+                "accuracy", "accuracy_spread", "heldout_lm", "lm_vs_lm_only_pct", "lm_vs_lm_only_pct_spread",
+                "identical_to_full", "train_overlap", "prompt_overlap"]
+
+
+def write_seed_table(rows: list[dict[str, Any]], studies: list[Path], out: OutputDir) -> None:
+    """``rows`` (:func:`combine_seeds` of ``studies``) as ``table2_seeds.{csv,json}`` in ``out`` (printed), with
+    ``seeds_source.json`` naming the studies."""
+    report(rows, title=f"Table 2 over seeds {rows[0]['seeds']}: mean and spread (max - min) of each metric "
+                       f"(studies: {', '.join(str(s) for s in studies)})",
+           json_path=out.file("table2_seeds.json"), csv_path=out.file("table2_seeds.csv"), columns=SEED_COLUMNS)
+    atomic_write_json(out.file("seeds_source.json"), {"studies": [str(Path(s).resolve()) for s in studies]})

@@ -20,6 +20,9 @@ naming the setting (``--overwrite`` starts the whole sweep over). Outputs: a tab
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
+from pathlib import Path
 from typing import Any
 
 from expertcast.commands.common import CommandParser, add_capacity_args, capacities_from_args, parse_and_run
@@ -76,7 +79,6 @@ def plan_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every cell validated (eval's cheap checks), in benchmark, policy, capacity order."""
     from expertcast.commands.evaluate import prepare
     from expertcast.inference.cache.options import split_policy_list
-    from expertcast.inference.runtime.sweep_run import cell_relpath
 
     benches = benchmarks_of(args.benchmarks)
     specs = split_policy_list(args.policies)
@@ -98,7 +100,6 @@ def plan_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
 def sweep(args: argparse.Namespace) -> int:
     """Validate every cell, claim ``--out``, run (or resume) the cells, write the table."""
     from expertcast.commands.evaluate import ModelSession, run_cell, set_threads
-    from expertcast.inference.runtime.sweep_run import CellDir, table_row
     from expertcast.utils.outdir import claim_output_dir
 
     cells = plan_cells(args)
@@ -116,7 +117,6 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(args: argparse.Namespace, out: Any, rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
-    from expertcast.inference.runtime.sweep_run import TABLE_COLUMNS, plot_sweep
     from expertcast.utils.io import atomic_write_json, print_table, write_csv
 
     table = [{k: r[k] for k in TABLE_COLUMNS} for r in rows]
@@ -139,3 +139,94 @@ def _log_wandb(args: argparse.Namespace, table: list[dict[str, Any]], png: Any) 
     config = {k: v for k, v in vars(args).items() if k not in ("wandb", "wandb_project")}
     log_results(args.wandb_project, "sweep", f"sweep-{args.model}", config, tables={"sweep": table},
                 images={"sweep_plot": png})
+
+
+# -- cell folders, the table and its plot ----------------------------------------------------------
+CELLS = "cells"
+TABLE_COLUMNS = ["benchmark", "policy", "capacity", "samples", "accuracy", "hit", "adj_hit", "mb_per_token",
+                 "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "baseline", "cpu_exec",
+                 "stall_ms_per_token"]
+
+
+def policy_slug(spec: str) -> str:
+    """A folder-safe name of a ``--policy`` spec: the policy name, plus a short hash of its options when it
+    has any (``stage:cue_set=/a/b.json`` -> ``stage-3f9a1c2b``)."""
+    name, _, opts = spec.partition(":")
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in name.strip().lower())
+    return name if not opts.strip() else f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
+
+
+def capacity_label(cap: dict[str, Any]) -> str:
+    """``{"capacity": 0.25}`` -> ``c0.25``; ``{"slots": 8}`` -> ``s8``."""
+    return f"c{cap['capacity']:g}" if "capacity" in cap else f"s{int(cap['slots'])}"
+
+
+def cell_relpath(benchmark: str, spec: str, cap: dict[str, Any]) -> str:
+    """The cell's folder relative to the sweep's output folder."""
+    return f"{CELLS}/{benchmark}/{policy_slug(spec)}@{capacity_label(cap)}"
+
+
+class CellDir:
+    """A cell's folder inside the sweep's claimed output folder, with the ``path`` / ``file`` / ``track``
+    interface of :class:`~expertcast.utils.outdir.OutputDir` that ``eval``'s machinery writes through (the
+    sweep folder records ``cells/`` as its own; the lock is the sweep's)."""
+
+    def __init__(self, parent: Any, rel: str):
+        parent.track(CELLS)
+        self.path = Path(parent.path) / rel
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def track(self, *names: str | os.PathLike) -> None:
+        """Everything under the cell folder is the sweep's already."""
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+def table_row(benchmark: str, spec: str, cap: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """One sweep row from a cell's eval summary."""
+    row = {"benchmark": benchmark, "policy": spec, "capacity": next(iter(cap.values()))}
+    row.update({k: summary.get(k) for k in TABLE_COLUMNS if k not in row})
+    row["capacity_kind"] = next(iter(cap))
+    row["tokens_match"] = (summary.get("speed") or {}).get("tokens_match")
+    row["latency_model"] = summary.get("latency_model")
+    return row
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: str | os.PathLike, title: str) -> None:
+    """PNG: decode hit rate (top) and % of full-load tokens/s with its min-max (bottom) vs capacity, one
+    line per policy, one column per benchmark."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from expertcast.utils.io import save_figure
+
+    benches = list(dict.fromkeys(r["benchmark"] for r in rows))
+    fig, axes = plt.subplots(2, len(benches), figsize=(max(7.5, 5.5 * len(benches)), 7.5), squeeze=False)
+    for j, b in enumerate(benches):
+        top, bottom = axes[0][j], axes[1][j]
+        for pol in dict.fromkeys(r["policy"] for r in rows if r["benchmark"] == b):
+            pts = sorted((r for r in rows if r["benchmark"] == b and r["policy"] == pol), key=lambda r: r["capacity"])
+            xs = [100 * r["capacity"] if r["capacity_kind"] == "capacity" else r["capacity"] for r in pts]
+            label = pol.split(":")[0] if len(pol) > 24 else pol
+            top.plot(xs, [r["hit"] for r in pts], marker="o", label=label)
+            speed = [r for r in pts if r.get("pct_full") is not None]
+            if speed:
+                sx = [xs[pts.index(r)] for r in speed]
+                mid = [r["pct_full"] for r in speed]
+                err = [[m - r["pct_full_min"] for m, r in zip(mid, speed, strict=True)],
+                       [r["pct_full_max"] - m for m, r in zip(mid, speed, strict=True)]]
+                bottom.errorbar(sx, mid, yerr=err, marker="o", capsize=3, label=label)
+        unit = "capacity (% of all experts)" if all(r["capacity_kind"] == "capacity" for r in rows) else "capacity"
+        top.set_title(b)
+        top.set_ylabel("decode hit rate")
+        top.set_ylim(0, 1.05)
+        bottom.set_ylabel("% of full-load tokens/s (median, min-max)")
+        bottom.set_xlabel(unit)
+        bottom.axhline(100, color="gray", ls="--", lw=0.8)
+        top.legend(fontsize=8)
+        bottom.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=100)

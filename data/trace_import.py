@@ -132,6 +132,8 @@ def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int
                 r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ImportFormatError(f"{where}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise ImportFormatError(f"{where}: JSON nested too deeply to be a trace row") from None
             sid, t, li, experts, weights, phase, token_id = _parse_row(r, where, num_experts, num_layers, K)
             K = len(experts)
             no_weights += weights is None
@@ -265,6 +267,8 @@ def read_expert_trace_json(path: str | os.PathLike, model_id: str | None = None,
         d = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ImportFormatError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ImportFormatError(f"{path}: JSON nested too deeply to be a granite trace file") from None
     if not isinstance(d, dict) or not isinstance(d.get("prompts"), dict) or not d["prompts"]:
         raise ImportFormatError(f"{path}: expected an object with a non-empty 'prompts' object")
     L = _int_field(d.get("num_layers"), "num_layers", str(path), 1, INT16_MAX)
@@ -350,11 +354,15 @@ def detect_format(path: str | os.PathLike) -> str:
         raise ImportFormatError(f"{path} is empty: nothing to import")
     try:
         obj = json.loads(first)
+    except RecursionError:
+        raise ImportFormatError(f"{path}: unknown trace layout (JSON nested too deeply on its first line)") from None
     except json.JSONDecodeError:
         try:  # a pretty-printed single JSON document
             obj = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             obj = None
+        except RecursionError:
+            raise ImportFormatError(f"{path}: unknown trace layout (JSON nested too deeply)") from None
     hint = f"layouts read: {', '.join(IMPORT_FORMATS)} (docs/design.md, 'Routing traces'); give --format to force one"
     if not isinstance(obj, dict):
         found = "no JSON object on its first line" if obj is None else f"a JSON {type(obj).__name__}"

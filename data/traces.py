@@ -280,11 +280,13 @@ class TraceWriter:
         shutil.rmtree(self.dir / shard_name(index), ignore_errors=True)
 
     # -- writing -----------------------------------------------------------------------------------
-    def write_shard(self, index: int, sequences: Iterable[TraceSequence], inputs: Sequence[str] | None = None) -> Path:
+    def write_shard(self, index: int, sequences: Iterable[TraceSequence], inputs: Sequence[str] | None = None,
+                    stats: dict[str, Any] | None = None) -> Path:
         """Write ``sequences`` as shard ``index`` (atomic) and record it in the manifest.
 
         ``inputs``: one digest per sequence of what produced it (prompt and completion ids), which
-        :meth:`reconcile` compares on resume.
+        :meth:`reconcile` compares on resume. ``stats``: the writer's figures of this shard (kept in its
+        manifest entry, so a resumed run can report the whole set).
         """
         from datasets import Dataset, DatasetInfo
 
@@ -317,6 +319,7 @@ class TraceWriter:
             "num_tokens": int(sum(s.num_tokens for s in seqs)),
             "seq_ids": [str(s.seq_id) for s in seqs],
             **({"inputs": list(inputs)} if inputs is not None else {}),
+            **({"stats": dict(stats)} if stats is not None else {}),
             "files": sizes,
             "sha256": digests,
         }
@@ -326,7 +329,7 @@ class TraceWriter:
 
     def adopt_shard(self, index: int, src: Path, entry: dict[str, Any]) -> Path:
         """Move the finished shard folder ``src`` of another trace set of the same run (a rank's part of a
-        sharded collect, :mod:`expertcast.data.collect`) into this set as shard ``index``, with its
+        sharded collect, :mod:`expertcast.commands.collect`) into this set as shard ``index``, with its
         manifest ``entry``; its files are checked against the entry first."""
         verify_shard_files(src, entry)
         final = self.dir / shard_name(index)
@@ -393,12 +396,17 @@ def _check_manifest(m: Any, where: Path) -> dict[str, Any]:
     """``m`` if it has the manifest's structure, else TraceFormatError naming ``where``."""
     shards = m.get("shards") if isinstance(m, dict) else None
     ok = isinstance(shards, dict) and all(
-        isinstance(e, dict) and isinstance(e.get("seq_ids"), list) and isinstance(e.get("files", {}), dict)
-        and isinstance(e.get("sha256", {}), dict) and isinstance(e.get("num_sequences"), int) and re.fullmatch(r"\d{5}", k)
+        isinstance(e, dict) and isinstance(e.get("seq_ids"), list) and isinstance(e.get("files"), dict)
+        and isinstance(e.get("sha256"), dict) and isinstance(e.get("num_sequences"), int) and re.fullmatch(r"\d{5}", k)
         for k, e in shards.items())
     if not ok:
         raise TraceFormatError(f"{where} is corrupt: not a trace manifest (expected shards by 5-digit index with "
                                f"their seq_ids, files and sha256)")
+    for k, e in shards.items():  # every file of a shard is verified by its sha256: none may go unchecked
+        if not e["files"] or set(e["sha256"]) != set(e["files"]):
+            raise TraceFormatError(f"{where} is corrupt: shard {k} records no sha256 for "
+                                   f"{', '.join(sorted(set(e['files']) - set(e['sha256']))) or 'its files'}; "
+                                   f"refusing to trust its files unverified")
     return m
 
 

@@ -92,6 +92,22 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, bool]:
     return name, False
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The checkpoint files ``from_pretrained`` loads from a local model directory."""
+
+
+def check_local_weights(name_or_path: str | os.PathLike) -> None:
+    """A local model directory (not an export) must hold a checkpoint, not only its config: a
+    FileNotFoundError naming the folder otherwise (cheap: before any output folder is claimed)."""
+    name = str(name_or_path)
+    if is_export_dir(name) or is_preset(name):
+        return
+    p = Path(name).expanduser()
+    if p.is_dir() and (p / "config.json").is_file() and not any((p / f).is_file() for f in WEIGHT_FILES):
+        raise FileNotFoundError(f"model directory {p} has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])}"
+                                f"); a model folder needs its checkpoint")
+
+
 def load_moe_model(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
                    device: str | torch.device = "cpu", *, seed: int = 0, revision: str | None = None,
                    attn_implementation: str | None = None):
@@ -118,6 +134,8 @@ def load_moe_model(name_or_path: str | os.PathLike, dtype: str | torch.dtype | N
             return model.to(device).eval(), tok
         name = preset.hub_id  # real-size preset: its released checkpoint
     path, local = resolve_model_path(name)
+    if local:
+        check_local_weights(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False, revision=revision)
     except ValueError as e:

@@ -1,4 +1,4 @@
-"""Recall of the forecaster by horizon vs baselines (docs/design.md "Evaluation and baselines"): the
+"""Recall of the forecaster by horizon vs the online baselines (docs/design.md, "Online statistics"): the
 predictors and the recall tables behind ``expertcast forecast-eval`` (:mod:`expertcast.commands.forecast_eval`,
 which chooses the evaluated sequences, writes and plots the tables) and the generalisation protocol
 (:mod:`expertcast.train.generalisation`).

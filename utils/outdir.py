@@ -121,6 +121,20 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any] | None:
     return m if isinstance(m, dict) else None
 
 
+def _check_written(path: Path, marker: dict[str, Any]) -> list[str]:
+    """The marker's ``written`` list, each entry a plain name inside the folder (no separator, not ``.``/``..``,
+    not absolute); a marker listing anything else is refused so ``--overwrite`` can never delete outside it."""
+    written = marker.get("written", [])
+    if not isinstance(written, list):
+        raise OutputDirError(f"{path / MARKER}: 'written' is not a list; remove the folder {path} by hand")
+    for name in written:
+        if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
+                or "\0" in name or Path(name).is_absolute() or Path(name).name != name):
+            raise OutputDirError(f"{path / MARKER}: 'written' lists {name!r}, not a plain name inside the folder; "
+                                 f"refusing to use it (nothing deleted); remove the folder {path} by hand")
+    return written
+
+
 def _is_internal(name: str) -> bool:
     """The marker, the lock, and a marker being written right now by a concurrent run (an atomic write's
     temp file ``.<marker>.<random>.tmp``): that run is reported by the lock, not as foreign files."""
@@ -171,7 +185,7 @@ def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = Fa
         raise OutputDirError(f"output folder {p} holds the output of `expertcast {marker.get('kind')}`, not of "
                              f"`expertcast {kind}`; choose another folder")
     else:
-        ours = set(marker.get("written", []))
+        ours = set(_check_written(p, marker))
         foreign = [e for e in entries if e not in ours]
         if foreign and overwrite:
             raise OutputDirError(f"output folder {p} also holds files expertcast did not write "

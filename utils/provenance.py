@@ -73,6 +73,9 @@ def check_resume(saved: Mapping[str, Any] | None, current: Mapping[str, Any], wh
     if saved is None:
         raise ResumeMismatchError(f"{where} records no settings (written by an older expertcast?); cannot resume "
                                   f"from it: use --overwrite or another --out")
+    if not isinstance(saved, Mapping):
+        raise ResumeMismatchError(f"{where} records settings that are no JSON object ({json.dumps(saved)[:60]}); "
+                                  f"cannot resume from it: use --overwrite or another --out")
     diff = diff_settings(saved, current)
     if diff:
         more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""

@@ -433,6 +433,8 @@ def calibrate(seqs: Sequence[CalibSequence], decoder: Callable[[int], bytes], nu
     seqs = [s for s in seqs if len(s.token_ids)]
     if not seqs:
         raise UsageError("no calibration sequence has decode tokens")
+    if isinstance(decoder, TokenDecoder):
+        decoder.check_ids(np.concatenate([s.token_ids for s in seqs]), "the calibration traces")
     raw = raw_matches(seqs, decoder, candidates, cfg.ignore_case, progress=progress)
     n_tok = sum(len(s.token_ids) for s in seqs)
     scores: dict[str, dict[str, Any]] = {}

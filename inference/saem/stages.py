@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from expertcast.utils.errors import UsageError
+
 __all__ = [
     "BoundaryEvent",
     "CueAutomaton",
@@ -142,6 +144,19 @@ class TokenDecoder:
                     ids.add(int(i))
         return ids
 
+    def check_ids(self, token_ids: Any, what: str) -> None:
+        """Refuse (one line: the first few and a count) ids of ``token_ids`` outside the vocabulary: text
+        decoded from them would be meaningless (another model's tokenizer, or a random-init model's ids)."""
+        import numpy as np
+
+        ids = np.unique(np.asarray(token_ids, dtype=np.int64).ravel())
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.size:
+            shown = ", ".join(str(int(i)) for i in bad[:5]) + (" ..." if bad.size > 5 else "")
+            raise UsageError(f"{what}: {bad.size} distinct token ids outside the tokenizer's vocabulary (size "
+                             f"{self.vocab_size}): {shown}; were they produced by another model's tokenizer "
+                             f"(or by a random-init model, whose ids are no text)?")
+
     def _token_str(self, token_id: int) -> str | None:
         tok = self.tokenizer
         if hasattr(tok, "convert_ids_to_tokens"):
@@ -160,7 +175,7 @@ class TokenDecoder:
             return b
         token_id = int(token_id)
         if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token id {token_id} is outside the tokenizer's vocabulary (size {self.vocab_size}): "
+            raise UsageError(f"token id {token_id} is outside the tokenizer's vocabulary (size {self.vocab_size}): "
                              "were these ids produced by another model's tokenizer?")
         if token_id in self._special:
             b = b""

@@ -42,6 +42,11 @@ def work(tmp_path_factory) -> Path:
     from expertcast.inference.saem.cues import CueSet
 
     CueSet(cues=["Wait"], model_id="other/model").save(w / "foreign-cues.json")
+    from expertcast.utils.outdir import claim_output_dir
+
+    with claim_output_dir(w / "bad-settings", "simulate") as od:  # a simulate output whose settings are no object
+        od.file("simulate.settings.json").write_text(json.dumps({"settings": 5}))
+    (w / "nested.json").write_text("[" * 100_000 + "]" * 100_000 + "\n")
     return w
 
 
@@ -85,6 +90,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("simulate-no-decode-tokens", ["simulate", "--traces", "{w}/prefill-only", "--out", "{w}/s7"], "decode"),
     ("simulate-max-sequences-zero", ["simulate", "--traces", "{w}/traces", "--max-sequences", "0", "--out",
                                      "{w}/s8"], "--max-sequences"),
+    ("simulate-settings-not-an-object", ["simulate", "--traces", "{w}/traces", "--capacity", "0.5", "--out",
+                                         "{w}/bad-settings"], "no JSON object"),
+    ("import-deeply-nested", ["traces", "import", "{w}/nested.json", "--out", "{w}/i6"], "nested too deeply"),
     ("simulate-out-dot", ["simulate", "--traces", "{w}/traces", "--capacity", "0.5", "--out", "."], "current working"),
     ("forecast-eval-missing-export", ["forecast-eval", "--forecaster", "{w}/nope", "--traces", "{w}/traces",
                                       "--out", "{w}/f1"], "nope"),

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from expertcast.commands.collect import collect_traces
 from expertcast.commands.collect import main as collect_main
-from expertcast.data.collect import CollectConfig, collect_traces, generate_batch
+from expertcast.data.collect import CollectConfig, generate_batch
 from expertcast.data.traces import load_traces, read_manifest
 from expertcast.models.routing import capture_routing
 

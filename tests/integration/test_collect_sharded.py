@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from expertcast.data.collect import PARTS_DIR, CollectConfig, collect_traces, launch_shard
+from expertcast.commands.collect import PARTS_DIR, collect_traces, launch_shard
+from expertcast.data.collect import CollectConfig
 from expertcast.data.trace_format import sequences_fingerprint
 from expertcast.data.traces import load_traces, read_manifest
 from expertcast.utils.errors import UsageError

@@ -250,3 +250,44 @@ def test_killed_after_the_first_shard_then_rerun_equals_an_uninterrupted_run(tmp
     assert f"{8 - written} shards written, {written} resumed" in capsys.readouterr().out
     assert _fingerprint(out) == uninterrupted
     assert not (out / ".tmp-shards").exists()
+
+
+def test_a_resumed_collect_reports_the_whole_set(tmp_path, capsys):
+    """Rows and accuracy of a resumed run cover every shard of the set, as a fresh run's do."""
+    def rows_and_accuracy(out: Path, limit: str) -> tuple[list[dict], str]:
+        capsys.readouterr()
+        assert _collect(out, "--limit", limit, "--shard-size", "1", "--json", str(out) + f"-{limit}.json") == 0
+        acc = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("accuracy of the generated")]
+        rows = json.loads(Path(str(out) + f"-{limit}.json").read_text())
+        return [{k: r[k] for k in ("pass", "sequences", "tokens")} for r in rows], acc[0]
+
+    fresh = rows_and_accuracy(tmp_path / "fresh", "3")
+    rows_and_accuracy(tmp_path / "t", "1")
+    resumed = rows_and_accuracy(tmp_path / "t", "3")
+    assert resumed == fresh and fresh[0][0]["sequences"] == 3 and "/3 = " in fresh[1]
+
+
+def test_a_manifest_without_sha256_is_refused(tmp_path, capsys):
+    out = tmp_path / "t"
+    assert _collect(out, "--limit", "1") == 0
+    man = json.loads((out / "manifest.json").read_text())
+    for e in man["shards"].values():
+        del e["sha256"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    capsys.readouterr()
+    assert _collect(out, "--limit", "1") == 2
+    _one_line_error(capsys, "manifest.json is corrupt")
+    with pytest.raises(Exception, match="corrupt"):
+        load_traces(out)
+
+
+def test_a_model_folder_without_weights_is_refused_before_the_folder_is_claimed(tmp_path, capsys):
+    from expertcast.models.backbone import save_tiny
+
+    model = save_tiny(MODEL, tmp_path / "m", seed=0)
+    for f in model.glob("*.safetensors"):
+        f.unlink()
+    capsys.readouterr()
+    assert _collect(tmp_path / "t", "--limit", "1", "--model", str(model)) == 2
+    _one_line_error(capsys, "has a config.json but no weights")
+    assert not (tmp_path / "t").exists()

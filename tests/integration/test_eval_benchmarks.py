@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 
-from expertcast.commands.evaluate import main
+from expertcast.commands.evaluate import SAMPLES, main, read_samples
 from expertcast.data.grading import extract_answer, grade
-from expertcast.inference.runtime.eval_run import SAMPLES, read_samples
 
 BASE = ["--model", "qwen3_moe-tiny", "--policy", "lru", "--capacity", "0.5", "--max-new-tokens", "6",
         "--no-progress", "--device", "cpu", "--baseline", "none"]

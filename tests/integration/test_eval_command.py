@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from expertcast.commands.evaluate import main
-from expertcast.inference.runtime.eval_run import SAMPLES, read_samples
+from expertcast.commands.evaluate import SAMPLES, main, read_samples
 
 BASE = ["--model", "qwen3_moe-tiny", "--benchmark", "gsm8k", "--policy", "lru", "--capacity", "0.5",
         "--limit", "2", "--max-new-tokens", "4", "--no-progress", "--device", "cpu",
@@ -278,3 +277,22 @@ def test_allowed_overlap_is_reported(tmp_path, capsys, data_dir):
     assert s["overlap"] == {"overlap": 1, "evaluated": 1, "allowed": True}
     assert s["settings"]["policy"]["artefacts_sha256"]["forecaster"]
     assert "forecaster training overlap: 1 of 1 evaluated problems (allowed by --allow-overlap)" in capsys.readouterr().out
+
+
+def test_resume_with_a_limit_that_cuts_a_batch_is_refused(tmp_path, capsys):
+    """A batch's counters cover all its problems: a smaller --limit that cuts a batch of the earlier run
+    is refused (nothing written); one that ends on a batch boundary summarizes exactly those batches."""
+    out = tmp_path / "o"
+    two = with_opt("--batch-size", "2", with_opt("--limit", "4"))
+    assert main([*two, "--out", str(out)]) == 0
+    before = (out / SAMPLES).read_bytes()
+    rc, err = run([*with_opt("--limit", "3", two), "--out", str(out)], capsys)
+    assert rc == 2 and "counters cannot be split" in err and len(err.strip().splitlines()) == 1, err
+    assert (out / SAMPLES).read_bytes() == before
+    assert main([*with_opt("--limit", "2", two), "--out", str(out)]) == 0
+    resumed = json.loads((out / "summary.json").read_text())
+    fresh_out = tmp_path / "fresh"
+    assert main([*with_opt("--limit", "2", two), "--out", str(fresh_out)]) == 0
+    fresh = json.loads((fresh_out / "summary.json").read_text())
+    for k in ("samples", "correct", "accesses", "demand_misses", "proactive_loads", "decoded_tokens"):
+        assert resumed[k] == fresh[k], k

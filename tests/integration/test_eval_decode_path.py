@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 
-from expertcast.commands.evaluate import main
-from expertcast.inference.runtime.eval_run import SAMPLES, read_samples
+from expertcast.commands.evaluate import SAMPLES, main, read_samples
 
 BASE = ["--model", "qwen3_moe-tiny", "--benchmark", "gsm8k", "--policy", "lru", "--capacity", "0.5",
         "--limit", "2", "--batch-size", "2", "--max-new-tokens", "6", "--no-progress", "--device", "cpu",

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 
-from expertcast.commands.evaluate import main
-from expertcast.inference.runtime.eval_run import SAMPLES, read_samples
+from expertcast.commands.evaluate import SAMPLES, main, read_samples
 
 ARGS = ["--model", "qwen3_moe-tiny", "--benchmark", "gsm8k", "--policy", "lru", "--capacity", "0.25",
         "--batch-size", "2", "--limit", "3", "--max-new-tokens", "4", "--no-progress", "--device", "cpu",

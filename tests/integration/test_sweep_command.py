@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from expertcast.cli import main as cli_main
+from expertcast.commands.evaluate import SAMPLES
 from expertcast.commands.sweep import main
-from expertcast.inference.runtime.eval_run import SAMPLES
 from expertcast.utils.tracking import offline_run_contents
 
 ARGS = ["--model", "qwen3_moe-tiny", "--benchmarks", "gsm8k,math500", "--policies", "lru", "--capacity", "0.5",
@@ -77,3 +77,15 @@ def test_sweep_refuses_bad_cells_before_loading(tmp_path, data_dir, capsys):
     assert "--capacity" in capsys.readouterr().err
     assert not any((tmp_path / d).exists() for d in "abc")
     assert cli_main(["sweep", "--help"]) == 0 and "--policies" in capsys.readouterr().out
+
+
+def test_sweep_resume_with_a_limit_that_cuts_a_batch_is_refused(tmp_path, data_dir, capsys):
+    """A cell resumes as eval does: a smaller --limit inside a batch of the earlier run is refused."""
+    base = [*with_opt("--benchmarks", "gsm8k"), "--batch-size", "2", "--baseline", "none"]
+    out = tmp_path / "sw"
+    assert main([*base[:base.index("--limit")], "--limit", "2", *base[base.index("--limit") + 2:], "--out",
+                 str(out)]) == 0
+    capsys.readouterr()
+    assert main([*base, "--out", str(out)]) == 2  # --limit 1 cuts the first batch (2 problems)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "counters cannot be split" in err[0], err

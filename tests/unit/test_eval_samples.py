@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from expertcast.inference.runtime.eval_run import append_samples, read_samples, summarize
+from expertcast.commands.evaluate import append_samples, read_samples, summarize
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 

@@ -69,3 +69,21 @@ def test_second_concurrent_claim_fails_fast(tmp_path):
     finally:
         holder.release()
     claim_output_dir(out, "simulate").release()  # free again once the holder is gone
+
+
+@pytest.mark.parametrize("entry", ["../victim", "ABS", "sub/../../victim", "..", "a/b"])
+def test_overwrite_refuses_marker_paths_outside_the_folder(tmp_path, entry):
+    import json
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    out = tmp_path / "o"
+    with claim_output_dir(out, "traces") as od:
+        od.file("manifest.json").write_text("{}")
+    m = json.loads((out / MARKER).read_text())
+    m["written"].append(str(victim) if entry == "ABS" else entry)
+    (out / MARKER).write_text(json.dumps(m))
+    with pytest.raises(OutputDirError, match="not a plain name inside the folder"):
+        claim_output_dir(out, "traces", overwrite=True)
+    assert (victim / "precious.txt").read_text() == "keep me" and (out / "manifest.json").exists()

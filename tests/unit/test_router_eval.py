@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from expertcast.train.router_eval import _base_budget, _table_R, add_lru_deltas
+from expertcast.commands.router_eval import _base_budget, _table_R, add_lru_deltas
 
 
 def _row(run, policy, hit, B=8, R="-"):
@@ -33,7 +33,7 @@ def test_lru_delta_compares_same_run_and_budget():
 
 
 def test_gain_against_lm_only_lru_and_greedy_agreement():
-    from expertcast.train.router_eval import add_lm_only_refs, greedy_agreement
+    from expertcast.commands.router_eval import add_lm_only_refs, greedy_agreement
 
     rows = [{**_row("lm", "lru", 0.50), "train_mode": "lm_only", "heldout_lm": 2.0},
             {**_row("t", "lru", 0.55), "train_mode": "temporal", "heldout_lm": 2.02},
@@ -48,7 +48,7 @@ def test_gain_against_lm_only_lru_and_greedy_agreement():
 
 
 def test_study_runs_take_the_base_sw():
-    from expertcast.train.router_eval import StudyConfig, select_runs, study_runs
+    from expertcast.commands.router_eval import StudyConfig, select_runs, study_runs
 
     runs = {r.name: r for r in study_runs([0.3], [], 0.25, base_sw=1.0)}
     assert {n: (r.mode, r.sw) for n, r in runs.items() if n != "lm_only"} == {
@@ -63,11 +63,16 @@ def test_study_runs_take_the_base_sw():
     assert StudyConfig(decode_batch_size=4).decode_settings()["decode_batch_size"] == 4
 
 
-def _study(d, seed, rows):
+def _study(d, seed, rows, **settings):
     import json
+    from dataclasses import replace
+
+    from expertcast.commands.router_eval import STUDY, StudyConfig
 
     d.mkdir()
     (d / "table2.json").write_text(json.dumps([{**r, "seed": seed} for r in rows]))
+    cfg = replace(StudyConfig(), seed=seed, **settings)
+    (d / STUDY).write_text(json.dumps({"settings": cfg.study_settings()}))
     return d
 
 
@@ -110,3 +115,33 @@ def test_combine_seeds_bad_input(tmp_path, capsys, case, words):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and words in err[0], err
     assert not (tmp_path / "c").exists()  # refused before the output folder is claimed
+
+
+@pytest.mark.parametrize("case,words", [
+    ("steps", "steps: 150 vs 10"), ("lr", "lr: 0.0005 vs 0.001"), ("prompts", "prompts: 32 vs 8"),
+    ("max_new_tokens", "max_new_tokens: 64 vs 16"), ("no_settings", "holds no study.json"),
+    ("not_json", "is not a readable JSON table"), ("object", "is not a list of Table 2 rows"),
+    ("no_seed", "row 0 has no seed")])
+def test_combine_seeds_refuses_other_settings_and_bad_tables(tmp_path, capsys, case, words):
+    """Only the seed may differ between combined studies; a broken table2.json is one line, not a traceback."""
+    import json
+
+    from expertcast.commands.router_eval import main
+
+    a = _study(tmp_path / "s0", 0, [_full("lm_only", "lru", 0.5, 2.0, 0.1)])
+    other = {"steps": {"steps": 10}, "lr": {"lr": 1e-3}, "prompts": {"prompts": 8},
+             "max_new_tokens": {"max_new_tokens": 16}}.get(case, {})
+    b = _study(tmp_path / "s1", 1, [_full("lm_only", "lru", 0.6, 2.0, 0.1)], **other)
+    if case == "no_settings":
+        (b / "study.json").unlink()
+    elif case == "not_json":
+        (b / "table2.json").write_text("{not json")
+    elif case == "object":
+        (b / "table2.json").write_text(json.dumps({"rows": []}))
+    elif case == "no_seed":
+        (b / "table2.json").write_text(json.dumps([_full("lm_only", "lru", 0.6, 2.0, 0.1)]))
+    capsys.readouterr()
+    rc = main(["--combine", str(a), str(b), "--out", str(tmp_path / "c")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and words in err[0], err
+    assert not (tmp_path / "c").exists()

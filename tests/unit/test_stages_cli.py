@@ -229,3 +229,19 @@ def test_calibrate_model_tiny_default_resolves_offline(setup, tmp_path, monkeypa
     rc, err, stdout = _run(["calibrate", "--traces", str(traces), "--model", "tiny-default", "--out", str(out),
                             "--min-stage-tokens", "4"], capsys)
     assert rc == 0 and f"replaced the cue set {out}" in stdout, err
+
+
+def test_calibrate_refuses_token_ids_beyond_the_tokenizer(setup, tmp_path, capsys):
+    """Traces of a random-init preset hold ids past the tokenizer: one line naming the first few and a count."""
+    root, model, traces, gold = setup
+    rng = np.random.default_rng(1)
+    seqs = [TraceSequence(f"r{i}", rng.integers(0, 100_000, 400).astype(np.int32), 4,
+                          rng.integers(0, E, (400, L, K)).astype(np.int16), np.full((400, L, K), 0.25, np.float16))
+            for i in range(3)]
+    bad = write_traces(tmp_path / "random", TraceMeta(str(model), L, E, K, expert_bytes=1000), seqs)
+    rc, err, _ = _run(["calibrate", "--traces", str(bad), "--model", str(model), "--out", str(tmp_path / "c.json")],
+                      capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "outside the tokenizer's vocabulary" in lines[0], err
+    assert " ..." in lines[0] and len(lines[0]) < 400  # the first few ids and a count, not every id
+    assert not (tmp_path / "c.json").exists()

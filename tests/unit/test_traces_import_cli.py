@@ -81,6 +81,10 @@ def test_imported_granite_traces_feed_stats_simulate_and_forecast_eval(granite, 
     ("[1, 2, 3]", [], r"unknown trace layout \(a JSON list\)"),
     ("not json at all", [], r"unknown trace layout \(no JSON object on its first line\)"),
     ("", [], "is empty"),
+    ("[" * 100_000 + "]" * 100_000, [], r"nested too deeply"),
+    ('{"seq": 0, "token": 0, "layer": 0, "experts": [0, 1]}\n' + "[" * 100_000 + "]" * 100_000,
+     ["--format", "jsonl", "--num-experts", "4", "--num-layers", "1"], r"f.json:2: JSON nested too deeply"),
+    ('{"prompts": ' + "[" * 100_000 + "]" * 100_000 + "}", ["--format", "granite"], r"nested too deeply"),
     ('{"seq": 0, "token": 0, "layer": 0, "experts": [0, 1]}', [], "--num-experts is required for the jsonl layout"),
 ])
 def test_unknown_layouts_and_missing_flags_are_one_line_errors(tmp_path, capsys, content, argv, message):
