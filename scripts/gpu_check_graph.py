@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from expertcast.inference.cache.driver import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.sim.synthetic import check_policy
@@ -114,7 +115,7 @@ def check_graph_replay(dev: torch.device, dry_run: bool) -> bool:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             equal &= torch.equal(out, want) and all(torch.equal(v, want_state[k]) for k, v in snap().items())
-        loads = int(gd.state.counters[2].sum())
+        loads = int(gd.state.counters[COUNTER_NAMES.index("demand")].sum())
         host_us, step_us = _time_replay(replay, dev, L)
     finally:
         om.restore()

@@ -1,4 +1,4 @@
-"""The graph decode path's pieces (inference/runtime/graph/decode.py): which path runs and why, and one layer
+"""The graph decode path's pieces (inference/runtime/graph/): which path runs and why, and one layer
 function on hand-set device state: victims (empty slots first, then least recent, the selection protected),
 temporary scratch rows when the pool is full, the table kept consistent, the output equal to the full-load
 experts module's."""
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from expertcast.inference.cache.driver import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.runtime.graph.decode import choose_decode_path
+from expertcast.inference.runtime.graph.path import choose_decode_path
 from expertcast.models.presets import build_tiny
 from expertcast.utils.errors import UsageError
 
@@ -64,6 +65,11 @@ def _run(om, ref, layer, idx):
     return gd.state
 
 
+def _named(st, layer=1):
+    """accesses, hits, demand, temp of ``layer`` (rows of the driver's COUNTER_NAMES)."""
+    return [int(st.counters[COUNTER_NAMES.index(n), layer]) for n in ("accesses", "hits", "demand", "temp")]
+
+
 def _slots_of(st, layer, E, experts):
     return [int(st.table[layer * E + e]) for e in experts]
 
@@ -79,21 +85,21 @@ def test_layer_loads_evicts_and_serves_temporaries(layer_setup):
     # layer 1 owns slots 4..7: the first selection fills them lowest first
     st = _run(om, ref, 1, torch.tensor([[3, 5, 7, 9]]))
     assert _slots_of(st, 1, E, [3, 5, 7, 9]) == [4, 5, 6, 7]
-    assert st.counters[:4, 1].tolist() == [4, 0, 4, 0]  # accesses, hits, demand, temp
+    assert _named(st) == [4, 0, 4, 0]  # accesses, hits, demand, temp
     # 3 and 9 hit (protected); 2 misses evict the least recent of the others: 5 (tick 2), then 7 (tick 3)
     st = _run(om, ref, 1, torch.tensor([[9, 11, 3, 12]]))
     assert _slots_of(st, 1, E, [9, 3, 11, 12]) == [7, 4, 5, 6]
     assert _slots_of(st, 1, E, [5, 7]) == [-1, -1]
-    assert st.counters[:4, 1].tolist() == [8, 2, 6, 0]
+    assert _named(st) == [8, 2, 6, 0]
     # two tokens with 8 distinct experts, 4 slots: 4 demand loads into the slots, 4 from scratch rows
     st = _run(om, ref, 1, torch.tensor([[0, 1, 2, 13], [14, 15, 6, 8]]))
-    assert st.counters[:4, 1].tolist() == [16, 2, 14, 4]
+    assert _named(st) == [16, 2, 14, 4]
     keys = st.slot_key[4:8].tolist()
     assert sorted(k - E for k in keys) == [0, 1, 2, 13]  # the first four misses in selection order took the slots
     # a duplicate key is one access; other layers' slots never move
     before_other = st.slot_key[:4].clone()
     st = _run(om, ref, 1, torch.tensor([[0, 1, 2, 13], [0, 2, 1, 13]]))
-    assert st.counters[:4, 1].tolist() == [20, 6, 14, 4]
+    assert _named(st) == [20, 6, 14, 4]
     assert torch.equal(st.slot_key[:4], before_other)
     # the table and the slot keys describe each other
     for s, k in enumerate(st.slot_key[:-1].tolist()):
@@ -106,7 +112,7 @@ def test_layer_loads_evicts_and_serves_temporaries(layer_setup):
 def test_first_in_order_equals_stable_sort(with_k2):
     """The victims found by successive argmins are the first m of the stable sort by (k1, k2, slot), ties and
     infinities included (empty slots -inf first, excluded slots +inf never valid)."""
-    from expertcast.inference.runtime.graph.decode import _first_in_order
+    from expertcast.inference.runtime.graph.state import first_in_order
 
     g = torch.Generator().manual_seed(0)
     for trial in range(40):
@@ -116,7 +122,7 @@ def test_first_in_order_equals_stable_sort(with_k2):
         k1[torch.rand(S, generator=g) < 0.2] = torch.inf
         k2 = torch.randint(0, 3, (S,), generator=g).double() if with_k2 else None
         m = int(torch.randint(1, S + 1, (1,), generator=g))
-        slots, valid = _first_in_order(k1, k2, m)
+        slots, valid = first_in_order(k1, k2, m)
         order = sorted(range(S), key=lambda s: (float(k1[s]), float(k2[s]) if with_k2 else 0.0, s))[:m]
         finite = [bool(k1[s] < torch.inf) for s in order]
         assert valid.tolist() == finite, trial
@@ -125,9 +131,9 @@ def test_first_in_order_equals_stable_sort(with_k2):
 
 
 def test_pool_slots_and_compile_choices():
-    from expertcast.inference.runtime.graph.decode import _pool_slots
+    from expertcast.inference.runtime.graph.state import pool_slots
 
-    got = _pool_slots([0, 0, 1, 2, 1, 1], 6)
+    got = pool_slots([0, 0, 1, 2, 1, 1], 6)
     assert got.tolist() == [[0, 1, 6], [2, 4, 5], [3, 6, 6]]
     om = OffloadedModel(build_tiny("qwen3_moe-tiny", seed=0), make_policy("lru"), 4, decode_path="graph")
     try:
