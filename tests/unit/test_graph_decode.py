@@ -36,6 +36,34 @@ def test_graph_refused_with_reason():
     assert choose_decode_path("eager", make_policy("lru"), CPU, None, pinned_store=False)[0] == "eager"
 
 
+def test_support_is_the_public_device_step():
+    """device_program_of (the one support decision): lru and seqmoe provide a device step, host-only policies and
+    subclasses that redefine a decision hook do not; the program says the eviction rule and the plan width."""
+    from expertcast.inference.policies.classic import LRUPolicy
+    from expertcast.inference.policies.device import EVICT_FORECAST, EVICT_RECENCY
+    from expertcast.inference.runtime.graph.path import device_program_of
+    from expertcast.inference.sim.synthetic import untrained_forecaster
+
+    fc = untrained_forecaster(2, 16, 4)
+    lru = device_program_of(make_policy("lru"))
+    assert lru.eviction == EVICT_RECENCY and lru.plan_width == 0 and lru.forecaster is None
+    seq = make_policy("seqmoe", forecaster=fc, max_tasks_per_layer=3)
+    prog = device_program_of(seq)
+    assert prog.eviction == EVICT_FORECAST and prog.plan_width == 3 and prog.forecaster is seq
+    assert device_program_of(make_policy("seqmoe", forecaster=fc, prefetch=False)).plan_width == 0
+    for name in ("lfu", "fifo", "belady"):
+        assert device_program_of(make_policy(name)) is None, name
+    assert device_program_of(make_policy("seqmoe-async", forecaster=fc)) is None
+
+    class Touchy(LRUPolicy):
+        def choose_victim(self, t, layer, candidates, cache):
+            return 0
+
+    assert device_program_of(Touchy()) is None
+    with pytest.raises(UsageError, match="decides on the host"):
+        choose_decode_path("graph", Touchy(), CPU, None, pinned_store=False)
+
+
 def test_path_is_printed(capsys):
     model = build_tiny("qwen3_moe-tiny", seed=0)
     om = OffloadedModel(model, make_policy("lfu"), 6, decode_path="auto")
