@@ -31,6 +31,7 @@ calls its public steps (``trigger_rows``, ``element``, ``forecast``, ``trigger``
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -185,6 +186,16 @@ class ForecastWorker:
                 self.jobs.task_done()
 
 
+def _composed_signature(outer: Callable, inner: Callable) -> inspect.Signature:
+    """``outer``'s signature with its ``**kwargs`` replaced by the keyword parameters of ``inner`` they are passed
+    to (so that option checks that read constructor signatures see every option of the composed policy)."""
+    own = inspect.signature(outer)
+    params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [p.replace(kind=p.KEYWORD_ONLY) for name, p in list(inspect.signature(inner).parameters.items())[1:]
+               if name not in own.parameters and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return own.replace(parameters=params)
+
+
 class AsyncSeqMoEPolicy(Policy):
     """``seqmoe`` with the forecaster on a worker thread beside decoding (registered as ``seqmoe-async``;
     arguments as :class:`SeqMoEPolicy`, forecasts always computed online).
@@ -207,6 +218,8 @@ class AsyncSeqMoEPolicy(Policy):
         self.blocking = bool(blocking)
         self.worker: ForecastWorker | None = None
         self._generation = 0
+
+    __init__.__signature__ = _composed_signature(__init__, SeqMoEPolicy.__init__)  # the options of both
 
     @property
     def model(self) -> Any:

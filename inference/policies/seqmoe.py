@@ -576,7 +576,7 @@ class SeqMoEPolicy(Policy):
         :attr:`prefetch_rule`); nothing without prefetch or before the first forecast."""
         if not (self.prefetch and self.has_forecast):
             return
-        tasks = self._generate(cache, rule or self.prefetch_rule)
+        tasks = self._generate(cache, rule)
         self.scheduler.clear()
         self.scheduler.submit(tasks)
         self.stats["tasks"] += len(tasks)
@@ -595,8 +595,10 @@ class SeqMoEPolicy(Policy):
         self._inflight.discard((layer, expert))
 
     # ------------------------------------------------------------------------------------------ prefetch
-    def _generate(self, cache: ExpertCache, rule: str) -> list:
-        """Prefetch tasks of the newest forecast under ``rule`` (one of :data:`PREFETCH_RULES`)."""
+    def _generate(self, cache: ExpertCache, rule: str | None = None) -> list:
+        """Prefetch tasks of the newest forecast under ``rule`` (one of :data:`PREFETCH_RULES`; default
+        :attr:`prefetch_rule`)."""
+        rule = rule or self.prefetch_rule
         skip = self._in_cache_mask(cache)
         deadlines = self.first_exec.astype(np.float64)
         if rule == "floor":
