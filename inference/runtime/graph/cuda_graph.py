@@ -86,6 +86,9 @@ class CudaGraphLayer:
         static = [t.clone() for t in (layer, h, idx, w)]
         torch.cuda.current_stream(self.device).synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # a memory pool of its own: graphs of different shapes replay in any order
+        # a memory pool of its own (graphs of different shapes replay in any order); thread-local capture: the
+        # planner's thread may wait on a routing-copy event meanwhile (docs/design.md, "Graph-compatible decode
+        # path")
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self.fn(*static)
         return _Captured(graph, *static, out)

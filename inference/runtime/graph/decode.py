@@ -52,13 +52,16 @@ from expertcast.inference.cache.driver import COUNTER_NAMES
 from expertcast.inference.cache.expert_cache import USED
 from expertcast.inference.policies.device import EVICT_RECENCY, DeviceKeys, DeviceProgram
 from expertcast.inference.runtime.graph.copier import RowCopier
-from expertcast.inference.runtime.graph.path import device_program_of
+from expertcast.inference.runtime.graph.path import DECODE_PATHS, choose_decode_path, device_program_of
 from expertcast.inference.runtime.graph.planner import GraphPlanner, Published
 from expertcast.inference.runtime.graph.state import ACC, DEM, PRO, DeviceResidency, first_in_order
 from expertcast.utils.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.runtime.engine import OffloadedModel
+
+__all__ = ["COMPILE_BACKENDS", "DECODE_PATHS", "MAX_BATCH", "GraphDecoder", "choose_decode_path", "device_program_of"]
+"""``DECODE_PATHS`` and ``choose_decode_path`` live in :mod:`.path`; importable from here too."""
 
 COMPILE_BACKENDS = ("none", "aot_eager", "inductor", "aoti", "cuda-graph")
 MAX_BATCH = 4
