@@ -54,6 +54,7 @@ def test_support_is_the_public_device_step():
     for name in ("lfu", "fifo", "belady"):
         assert device_program_of(make_policy(name)) is None, name
     assert device_program_of(make_policy("seqmoe-async", forecaster=fc)) is None
+    assert device_program_of(make_policy("hybrid", forecaster=fc, parts="forecast")) is None  # its own hooks
 
     class Touchy(LRUPolicy):
         def choose_victim(self, t, layer, candidates, cache):
