@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 15): one run on one H100/H200-class GPU, under 8 minutes, one line per check
+# The prepared GPU check (docs/design.md, "Runtime"): one run on one H100/H200-class GPU, under 8 minutes, one line per check
 #   PASS|FAIL|SKIP name figure
 # and exit status 1 when any check failed. Needs no download: presets, synthetic traces and the repo's files.
 #

@@ -1,5 +1,5 @@
-"""The graph decode path's step of ``scripts/gpu_check.sh`` (issue 16): one line per check,
-``PASS|FAIL|SKIP name figure``; exit status 1 when a check failed.
+"""The graph decode path's step of ``scripts/gpu_check.sh`` (docs/design.md, "Graph-compatible decode path"): one
+line per check, ``PASS|FAIL|SKIP name figure``; exit status 1 when a check failed.
 
 1. ``graph-tokens``: greedy tokens of the graph path equal the full-load model's (lru and seqmoe; two families);
 2. ``cuda-graph-replay``: the MoE part of a decode step captured in one CUDA Graph, replayed on new routing with

@@ -1,5 +1,5 @@
-"""SeqMoE with its forecaster running asynchronously beside decoding (issue 7: "forecaster prefetch
-running asynchronously beside decoding").
+"""SeqMoE with its forecaster running asynchronously beside decoding (docs/design.md, "Forecaster kernels and
+placement").
 
 :class:`AsyncSeqMoEPolicy` is the ``seqmoe`` policy (same eviction score, prefetch tasks, scheduler and
 admission) whose forecaster runs online on a worker thread instead of inside the runtime's hooks:

@@ -1,4 +1,4 @@
-"""Graph-compatible decode path (issue 16) on CPU, against the eager path, the full-load model and the simulator.
+"""Graph-compatible decode path (docs/design.md) on CPU, against the eager path, the full-load model and the simulator.
 
 * token identity: greedy generations of the graph path equal the full-load model's (lru and seqmoe, per-layer
   and shared pools, batch 1 and a left-padded batch whose members end at different steps on EOS);
