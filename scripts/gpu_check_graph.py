@@ -74,7 +74,7 @@ def check_graph_replay(dev: torch.device, dry_run: bool) -> bool:
 
     def step() -> None:
         for layer in range(L):
-            out[layer].copy_(gd._layer(gd.layer_ids[layer], h[layer], idx[layer], w[layer]))
+            out[layer].copy_(gd.run_layer(gd.layer_ids[layer], h[layer], idx[layer], w[layer]))
 
     def snap() -> dict:
         return {k: getattr(gd.state, k).clone() for k in fields}

@@ -61,7 +61,7 @@ def test_cuda_graph_capture_and_replay_of_decode_step():
 
     def step():
         for layer in range(L):
-            out[layer].copy_(gd._layer(gd.layer_ids[layer], h[layer], idx[layer], w[layer]))
+            out[layer].copy_(gd.run_layer(gd.layer_ids[layer], h[layer], idx[layer], w[layer]))
 
     gen = torch.Generator().manual_seed(0)
 

@@ -86,7 +86,7 @@ def _run(om, ref, layer, idx):
     g = torch.Generator().manual_seed(layer)
     h = torch.randn(idx.shape[0], om.model.config.hidden_size, generator=g)
     w = torch.rand(idx.shape, generator=g)
-    y = gd._layer(gd.layer_ids[layer], h, idx, w)
+    y = gd.run_layer(gd.layer_ids[layer], h, idx, w)
     mod = [m for m in ref.modules() if hasattr(m, "gate_up_proj") and getattr(m, "num_experts", 0) == E][layer]
     with torch.no_grad():
         want = mod(h, idx, w)
@@ -169,6 +169,6 @@ def test_pool_slots_and_compile_choices():
         with pytest.raises(UsageError, match="compile backend must be one of"):
             om.graph.compile("fast")
         om.graph.compile("none")
-        assert om.graph.layer_fn == om.graph._layer
+        assert om.graph.layer_fn == om.graph.run_layer
     finally:
         om.restore()

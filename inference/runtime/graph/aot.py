@@ -20,7 +20,7 @@ dozen tiny buffers; a tensor object and a malloc per buffer cost more than the l
 
 
 class AOTLayer:
-    """:meth:`GraphDecoder._layer` compiled ahead of time by AOTInductor (CPU), one artefact per batch size T.
+    """:meth:`GraphDecoder.run_layer` compiled ahead of time by AOTInductor (CPU), one artefact per batch size T.
 
     ``torch.compile`` pays, at every call, dynamo's guard evaluation and the compiled graph's Python wrapper
     (AOTAutograd runtime wrappers, input mutation bookkeeping): hundreds of microseconds per layer on a CPU,
@@ -31,7 +31,7 @@ class AOTLayer:
     the selection): a new batch size compiles a new artefact (seconds, on first use). CPU only: on CUDA the
     host cost is removed by capturing the decode step in a CUDA Graph instead.
 
-    Call: ``(layer int64 [] , h [T, H], idx int64 [T, K], w [T, K]) -> y [T, H]`` like ``_layer``.
+    Call: ``(layer int64 [] , h [T, H], idx int64 [T, K], w [T, K]) -> y [T, H]`` like ``run_layer``.
     """
 
     def __init__(self, decoder: GraphDecoder):
@@ -84,7 +84,7 @@ class AOTLayer:
 
 
 class _BoundLayer(torch.nn.Module):
-    """``GraphDecoder._layer`` as a module whose inputs are every tensor it reads or writes (for torch.export):
+    """``GraphDecoder.run_layer`` as a module whose inputs are every tensor it reads or writes (for torch.export):
     ``forward(layer, h, idx, w, store_rows, pool_buffer, *state_fields)``. While it runs, the decoder's state,
     pool views and row copier point at the inputs."""
 
@@ -97,9 +97,9 @@ class _BoundLayer(torch.nn.Module):
         d = self.decoder
         saved = d.state, d.weights, d.copier.src, d.copier.dst
         d.state = DeviceResidency(**dict(zip(self.fields, state, strict=True)))
-        d.weights = d._weight_views(pool_buffer)
+        d.weights = d.weight_views(pool_buffer)
         d.copier.src, d.copier.dst = store_rows, pool_buffer
         try:
-            return d._layer(layer, h, idx, w)
+            return d.run_layer(layer, h, idx, w)
         finally:
             d.state, d.weights, d.copier.src, d.copier.dst = saved

@@ -45,7 +45,7 @@ class CudaGraphLayer:
     def __init__(self, decoder: GraphDecoder, warmup: int = 2):
         if decoder.device.type != "cuda":
             raise UsageError("CUDA Graph capture of the decode layer needs a CUDA device (CPU: compile 'aoti')")
-        self.fn = decoder._layer
+        self.fn = decoder.run_layer
         self.device = decoder.device
         self.warmup = int(warmup)
         self.graphs: dict[tuple, _Captured] = {}

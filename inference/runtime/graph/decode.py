@@ -95,7 +95,7 @@ class GraphDecoder:
         self.state = DeviceResidency.empty(self.L, self.E, self.N, om.cache.slot_pool, om.cache_config.pool_of_layer,
                                            self.P, self.device)
         self.copier = RowCopier(om.store.rows, om.pool.buffer)
-        self.weights = self._weight_views(om.pool.buffer)
+        self.weights = self.weight_views(om.pool.buffer)
         """Named weight stacks [R, ...] over every pool row (views of the pool buffer, slot = row)."""
         self.layer_ids = [torch.tensor(i, dtype=torch.long, device=self.device) for i in range(self.L)]
         self.arange = torch.arange(max(self.scratch, 1), device=self.device)
@@ -105,8 +105,8 @@ class GraphDecoder:
         self.routing_w = torch.zeros((self.L, MAX_BATCH, self.K), dtype=torch.float32, device=self.device)
         self.template = om.refs[0].module
         """Gate and activation of every layer's experts (the same config): one function serves all layers."""
-        self.layer_fn: Any = self._layer
-        """The per-layer decode function ``(layer, h, idx, w) -> y`` (``torch.compile(decoder._layer,
+        self.layer_fn: Any = self.run_layer
+        """The per-layer decode function ``(layer, h, idx, w) -> y`` (``torch.compile(decoder.run_layer,
         fullgraph=True)`` compiles it once for every layer: the layer is a device tensor). On CUDA it is
         captured in CUDA Graphs (:meth:`compile` ``"cuda-graph"``), on the CPU uncompiled by default."""
         self.active = False
@@ -115,7 +115,7 @@ class GraphDecoder:
         if self.device.type == "cuda":
             self.compile("cuda-graph")
 
-    def _weight_views(self, pool_buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    def weight_views(self, pool_buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named weight stacks [R, ...] of the pool buffer [R, row_numel] (views)."""
         return {p.name: pool_buffer[:, p.offset:p.offset + p.numel].view(-1, *p.shape) for p in self.om.layout.parts}
 
@@ -129,7 +129,7 @@ class GraphDecoder:
         if backend not in COMPILE_BACKENDS:
             raise UsageError(f"compile backend must be one of {COMPILE_BACKENDS}, got {backend!r}")
         if backend == "none":
-            self.layer_fn = self._layer
+            self.layer_fn = self.run_layer
         elif backend == "aoti":
             from expertcast.inference.runtime.graph.aot import AOTLayer
 
@@ -139,7 +139,7 @@ class GraphDecoder:
 
             self.layer_fn = CudaGraphLayer(self)
         else:
-            self.layer_fn = torch.compile(self._layer, fullgraph=True, backend=backend)
+            self.layer_fn = torch.compile(self.run_layer, fullgraph=True, backend=backend)
 
     @staticmethod
     def scratch_rows(top_k: int, plan_width: int) -> int:
@@ -210,7 +210,7 @@ class GraphDecoder:
         return self.layer_fn(self.layer_ids[layer], h, idx, w)
 
     # ------------------------------------------------------------------------------------------ the layer
-    def _layer(self, layer: torch.Tensor, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def run_layer(self, layer: torch.Tensor, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Residency, miss loads, compute and eviction keys of one layer; every shape depends on T*K only."""
         st, N, E = self.state, self.N, self.E
         T, K = idx.shape
