@@ -94,7 +94,7 @@ class OffloadedModel:
             to a policy that decides CPU vs transfer (``use_latency``); the figures are in
             :attr:`latency_measurement`.
         decode_path: ``"eager"`` (the reference), ``"graph"`` (the graph-compatible path of
-            :mod:`.graph`; policies with a device step: lru and seqmoe) or ``"auto"`` (graph where it can run); which path runs and
+            :mod:`.graph`; lru and seqmoe) or ``"auto"`` (graph where it can run); which path runs and
             why is in :attr:`decode_path` / :attr:`decode_path_reason` (printed unless ``"eager"`` was asked).
     """
 
