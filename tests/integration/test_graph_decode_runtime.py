@@ -23,6 +23,7 @@ import torch
 from expertcast.data.trace_format import TraceMeta
 from expertcast.inference.cache.driver import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
+from expertcast.inference.policies.async_forecast import ForecastWorker
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.runtime.graph.aot import AOTLayer
 from expertcast.inference.sim.simulator import build_stream, replay
@@ -102,6 +103,8 @@ def test_graph_seqmoe_tokens_and_device_plan(batch):
     assert st.P > 0, "the planner's forecasts should reach the device as proactive loads"
     assert np.array_equal(st.hits + st.demand + st.late, st.accesses)
     assert om.graph.planner.stats["forecasts"] > 0
+    w = om.graph.planner.worker  # the package's one background forecaster (AsyncSeqMoEPolicy's too)
+    assert isinstance(w, ForecastWorker) and w.rollouts == w.steps > 0
     # the host cache written back from the device table holds at most its slots, each expert once
     assert 0 < len(resident) <= om.cache.num_slots
 
