@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 15): one run on one H100/H200-class GPU, under 8 minutes, one line per check
+# The prepared GPU check (docs/design.md, "Runtime"): one run on one H100/H200-class GPU, under 8 minutes, one line per check
 #   PASS|FAIL|SKIP name figure
 # and exit status 1 when any check failed. Needs no download: presets, synthetic traces and the repo's files.
 #
@@ -11,8 +11,9 @@
 # qwen3_moe-tiny and gpt_oss-tiny), bench (scripts/bench_runtime.py --device cuda on a random-weight
 # Qwen3-30B-A3B-shaped model, --layers MoE layers, forced synthetic staged routing: % of full-load tokens/s at
 # 25% and 45% residency for lru, static and seqmoe, real pinned-memory transfers), peak-memory (the
-# benchmark's peak device memory vs its memory report), graph (scripts/gpu_check_graph.py, the CUDA-graph
-# decode path).
+# benchmark's peak device memory vs its memory report), eval-graph (`expertcast eval --decode-path graph` on
+# qwen3_moe-tiny: on CUDA it captures and replays the decode layers' CUDA Graphs; completions equal the eager
+# path's), graph (scripts/gpu_check_graph.py, the CUDA-graph decode path).
 # --dry-run: nothing needs CUDA; every step resolves its inputs and runs its code on the CPU at tiny sizes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -122,7 +123,38 @@ PYEOF
   fi
 fi
 
-# -- 6. CUDA-graph decode path (the Graph step: scripts/gpu_check_graph.py prints its own PASS/FAIL lines) ------
+# -- 6. the eval command on the graph decode path (on CUDA it captures and replays the decode layers' CUDA Graphs) --
+if ! skipped eval-graph; then
+  DATA=${EXPERTCAST_DATA_DIR:-}
+  for d in "$DATA" ../shared/data shared/data; do [ -n "$d" ] && [ -f "$d/gsm8k/test.jsonl" ] && { DATA=$d; break; }; done
+  if [ -z "$DATA" ] || [ ! -f "$DATA/gsm8k/test.jsonl" ]; then
+    say SKIP eval-graph "no local gsm8k (set EXPERTCAST_DATA_DIR)"
+  else
+    DEV=$( [ $DRY = 1 ] && echo cpu || echo cuda )
+    EVAL=(-m expertcast.cli eval --model qwen3_moe-tiny --benchmark gsm8k --data-dir "$DATA" --policy lru
+          --capacity 0.5 --limit 4 --batch-size 2 --max-new-tokens 8 --no-progress --device "$DEV" --baseline none)
+    ok=1
+    for path in eager graph; do
+      rm -rf "$OUT/eval_$path"
+      $PY "${EVAL[@]}" --decode-path $path --out "$OUT/eval_$path" >"$OUT/eval_$path.log" 2>&1 || ok=0
+    done
+    if [ $ok = 1 ] && grep -q "decode path: graph" "$OUT/eval_graph.log"; then
+      fig=$($PY - "$OUT" <<'PYEOF'
+import json, sys
+from pathlib import Path
+rows = {p: [json.loads(ln)["completion"] for ln in (Path(sys.argv[1]) / f"eval_{p}" / "samples.jsonl").open()]
+        for p in ("eager", "graph")}
+print(("equal" if rows["graph"] == rows["eager"] else "DIFFER") + f" ({len(rows['graph'])} samples)")
+PYEOF
+)
+      what=$( [ $DRY = 1 ] && echo "dry-run: CPU graph path, no capture" || echo "CUDA Graphs captured and replayed" )
+      if [ "${fig%% *}" = equal ]; then say PASS eval-graph "expertcast eval --decode-path graph ($what): completions vs the eager path's: $fig"
+      else say FAIL eval-graph "completions of --decode-path graph vs eager: $fig"; fi
+    else say FAIL eval-graph "eval failed or did not run the graph path (see $OUT/eval_graph.log, $OUT/eval_eager.log)"; fi
+  fi
+fi
+
+# -- 7. CUDA-graph decode path (the Graph step: scripts/gpu_check_graph.py prints its own PASS/FAIL lines) ------
 if ! skipped graph; then
   if [ -f scripts/gpu_check_graph.py ]; then
     run_step graph "$OUT/graph.log" $PY scripts/gpu_check_graph.py --out "$OUT/graph" --layers "$LAYERS" $( [ $DRY = 1 ] && echo --dry-run )

@@ -1,5 +1,5 @@
-"""The graph decode path's step of ``scripts/gpu_check.sh`` (issue 16): one line per check,
-``PASS|FAIL|SKIP name figure``; exit status 1 when a check failed.
+"""The graph decode path's step of ``scripts/gpu_check.sh`` (docs/design.md, "Graph-compatible decode path"): one
+line per check, ``PASS|FAIL|SKIP name figure``; exit status 1 when a check failed.
 
 1. ``graph-tokens``: greedy tokens of the graph path equal the full-load model's (lru and seqmoe; two families);
 2. ``cuda-graph-replay``: the MoE part of a decode step captured in one CUDA Graph, replayed on new routing with
@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from expertcast.inference.cache.driver import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.sim.synthetic import check_policy
@@ -73,7 +74,7 @@ def check_graph_replay(dev: torch.device, dry_run: bool) -> bool:
 
     def step() -> None:
         for layer in range(L):
-            out[layer].copy_(gd._layer(gd.layer_ids[layer], h[layer], idx[layer], w[layer]))
+            out[layer].copy_(gd.run_layer(gd.layer_ids[layer], h[layer], idx[layer], w[layer]))
 
     def snap() -> dict:
         return {k: getattr(gd.state, k).clone() for k in fields}
@@ -114,7 +115,7 @@ def check_graph_replay(dev: torch.device, dry_run: bool) -> bool:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             equal &= torch.equal(out, want) and all(torch.equal(v, want_state[k]) for k, v in snap().items())
-        loads = int(gd.state.counters[2].sum())
+        loads = int(gd.state.counters[COUNTER_NAMES.index("demand")].sum())
         host_us, step_us = _time_replay(replay, dev, L)
     finally:
         om.restore()

@@ -1,5 +1,5 @@
-"""SeqMoE with its forecaster running asynchronously beside decoding (issue 7: "forecaster prefetch
-running asynchronously beside decoding").
+"""SeqMoE with its forecaster running asynchronously beside decoding (docs/design.md,
+"Graph-compatible decode path").
 
 :class:`AsyncSeqMoEPolicy` is the ``seqmoe`` policy (same eviction score, prefetch tasks, scheduler and
 admission) whose forecaster runs online on a worker thread instead of inside the runtime's hooks:
@@ -22,16 +22,18 @@ runs the forecaster on a CUDA stream of its own (:func:`forecaster_stream`), so 
 decoding thread's instead of queuing behind them; on the CPU it never touches CUDA (the Mamba kernels
 are dispatched by device: :mod:`expertcast.models.mamba_kernels`).
 
-Only the public forecaster API is used (``ExpertForecaster.step/rollout/probs``, ``ForecasterState``);
-the policy overrides :class:`~expertcast.inference.policies.seqmoe.SeqMoEPolicy`'s ``_trigger`` and reuses its
-score update by feeding it the shifted forecast.
+The policy is a composition: it holds a :class:`~expertcast.inference.policies.seqmoe.SeqMoEPolicy` and
+calls its public steps (``trigger_rows``, ``element``, ``forecast``, ``trigger``, ``plan_prefetch``,
+``issue_after``), installing the shifted published forecast through ``trigger``. The worker thread,
+:class:`ForecastWorker`, is the one background forecaster of the package: the graph decode path's planner
+(:mod:`expertcast.inference.runtime.graph.planner`) runs on it too.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from expertcast.inference.cache.options import option
+from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
-from expertcast.inference.policies.prefetch import generate_tasks
 from expertcast.inference.policies.seqmoe import ForecastOptions, SeqMoEPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,47 +64,92 @@ def forecaster_stream(device: str | torch.device) -> Iterator[torch.cuda.Stream 
         yield stream
 
 
-class _ForecastWorker:
-    """Thread that owns the forecaster state of one batch: consumes elements, publishes forecasts."""
+@dataclass
+class ForecastJob:
+    """One element for :class:`ForecastWorker`, run on its thread in submission order.
 
-    def __init__(self, policy: AsyncSeqMoEPolicy):
+    Attributes:
+        generation: the batch it belongs to (jobs of an ended batch are skipped).
+        t: the step whose element it is.
+        element: returns ``(rows, x)``: the members consuming the element and the element float32
+            [len(rows), L, E] (``rows`` empty: nothing to consume, e.g. precomputed forecasts).
+        publish: ``F -> value`` turns the forecast (None when none was rolled out) into what the worker
+            publishes (None: nothing new); default: F itself.
+    """
+
+    generation: int
+    t: int
+    element: Callable[[], tuple[list[int], np.ndarray | None]]
+    publish: Callable[[np.ndarray | None], Any] | None = None
+
+
+class ForecastWorker:
+    """The background forecasting thread of a :class:`~expertcast.inference.policies.seqmoe.SeqMoEPolicy`: consumes
+    the submitted elements in order through the policy's public :meth:`~SeqMoEPolicy.forecast` (the recurrent
+    state sees them all), rolls out after the last queued one (after every one with ``every``), and publishes
+    ``(generation, t, value)``. Used by :class:`AsyncSeqMoEPolicy` and by the graph decode path's planner.
+
+    Args:
+        policy: the SeqMoE policy whose forecaster state it advances.
+        every: roll out after every element (blocking modes: each step's forecast is published).
+    """
+
+    def __init__(self, policy: SeqMoEPolicy, every: bool = False):
         self.policy = policy
+        self.every = bool(every)
         self.jobs: queue.Queue = queue.Queue()
-        self.latest: tuple[int, int, np.ndarray] | None = None  # (generation, t_f, F [H, L, E]) read lock-free
+        self.latest: tuple[int, int, Any] | None = None
+        """(generation, t, value) of the newest publication (read lock-free, or popped by :meth:`take`)."""
         self.error: BaseException | None = None
         self.generation = 0
         self.steps = 0
         self.rollouts = 0
+        self.published = 0
         self._cv = threading.Condition()
         self._done_t = -1
         self.stream: torch.cuda.Stream | None = None
         self.thread = threading.Thread(target=self._run, name="expertcast-forecaster", daemon=True)
         self.thread.start()
 
-    def submit(self, generation: int, t: int, rows: list[int], x: np.ndarray) -> None:
-        """One element: rows of the active members, x float32 [len(rows), L, E]."""
-        if self.error is not None:
-            raise RuntimeError("the forecaster worker failed") from self.error
-        self.jobs.put((generation, t, rows, x))
+    def begin(self, generation: int) -> None:
+        """A new batch: wait for the previous one's elements, forget its publication."""
+        self.drain()
+        self.generation = generation
+        with self._cv:
+            self.latest = None
+            self._done_t = -1
+
+    def submit(self, job: ForecastJob) -> None:
+        self._raise()
+        self.jobs.put(job)
 
     def wait_for(self, t: int, timeout: float = 60.0) -> None:
-        """Block until the forecast of element ``t`` is published (blocking mode, tests)."""
+        """Block until element ``t`` was consumed and its forecast, if any, published (blocking mode)."""
         with self._cv:
             if not self._cv.wait_for(lambda: self._done_t >= t or self.error is not None, timeout):
                 raise TimeoutError(f"forecast of step {t} not published within {timeout} s")
-        if self.error is not None:
-            raise RuntimeError("the forecaster worker failed") from self.error
+        self._raise()
 
     def drain(self) -> None:
         """Wait until every queued element has been consumed."""
         self.jobs.join()
-        if self.error is not None:
-            raise RuntimeError("the forecaster worker failed") from self.error
+        self._raise()
+
+    def take(self) -> tuple[int, int, Any] | None:
+        """The newest publication of the current batch not taken yet (None when there is none)."""
+        with self._cv:
+            pub, self.latest = self.latest, None
+        return pub if pub is not None and pub[0] == self.generation else None
 
     def close(self) -> None:
         if self.thread.is_alive():
             self.jobs.put(_STOP)
             self.thread.join(timeout=30)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"the forecaster worker failed: {err}") from err
 
     @torch.no_grad()
     def _run(self) -> None:
@@ -111,35 +158,28 @@ class _ForecastWorker:
             self._loop()
 
     def _loop(self) -> None:
-        pol = self.policy
-        model = pol.model
         while True:
             job = self.jobs.get()
             try:
                 if job is _STOP:
                     return
-                gen, t, rows, x = job
-                if gen != self.generation or pol._state is None:
+                if job.generation != self.generation:
                     continue  # an element of a batch that has ended
-                sub = pol._state.select(rows)
-                logits, _ = model.step(torch.from_numpy(x).to(pol.device), sub, all_horizons=True)
-                self.steps += 1
-                last = self.jobs.unfinished_tasks <= 1  # nothing newer queued: forecast from here
-                if last or pol.blocking:
-                    roll = model.rollout(logits, sub, pol.horizon)
-                    probs = model.probs(roll).cpu().numpy().astype(np.float16)  # [B, H, L, E], as seqmoe stores
-                    miss = np.ones(probs.shape[1:], np.float32)
-                    for pm in probs:
-                        miss *= 1.0 - np.clip(pm.astype(np.float32), 0.0, 1.0)
-                    self.rollouts += 1
-                    pol._state.put_rows(rows, sub)
-                    self.latest = (gen, t, 1.0 - miss)
-                else:
-                    pol._state.put_rows(rows, sub)
+                rows, x = job.element()
+                F = None
+                if rows:
+                    last = self.jobs.unfinished_tasks <= 1  # nothing newer queued: forecast from here
+                    F = self.policy.forecast(rows, x, rollout=last or self.every)
+                    self.steps += 1
+                    self.rollouts += F is not None
+                value = job.publish(F) if job.publish is not None else F
                 with self._cv:
-                    self._done_t = t
+                    if value is not None:
+                        self.latest = (job.generation, job.t, value)
+                        self.published += 1
+                    self._done_t = job.t
                     self._cv.notify_all()
-            except BaseException as e:  # surfaced to the decoding thread on its next submit/wait
+            except BaseException as e:  # surfaced to the decoding thread on its next submit/wait/drain
                 self.error = e
                 with self._cv:
                     self._cv.notify_all()
@@ -147,9 +187,12 @@ class _ForecastWorker:
                 self.jobs.task_done()
 
 
-class AsyncSeqMoEPolicy(SeqMoEPolicy):
-    """``seqmoe`` with the forecaster on a worker thread beside decoding (registered in the bench as
-    ``seqmoe-async``; arguments as :class:`SeqMoEPolicy`, forecasts always computed online).
+class AsyncSeqMoEPolicy(Policy):
+    """``seqmoe`` with the forecaster on a worker thread beside decoding (registered as ``seqmoe-async``;
+    arguments as :class:`SeqMoEPolicy`, forecasts always computed online).
+
+    It holds a :class:`SeqMoEPolicy` (:attr:`inner`) and runs its hooks, except that at the trigger layer the
+    element goes to a :class:`ForecastWorker` and the forecast installed is the newest published one.
 
     Args:
         blocking: wait in the trigger hook for the step's forecast (equals the synchronous online policy).
@@ -159,47 +202,63 @@ class AsyncSeqMoEPolicy(SeqMoEPolicy):
     name = "seqmoe-async"
 
     def __init__(self, options: Any = None, *, forecaster: Any = None):
-        super().__init__(options, forecaster=forecaster)
-        self.precompute = False
+        super().__init__(options)
+        self.inner = SeqMoEPolicy(self.options, forecaster=forecaster)  # its options have no precompute
         self.blocking = bool(self.options.blocking)
-        self._worker: _ForecastWorker | None = None
+        self.worker: ForecastWorker | None = None
         self._generation = 0
-        self._applied: tuple[int, int] | None = None
-        self._feed: np.ndarray | None = None
+
+    @property
+    def demand_only(self) -> bool:
+        return self.inner.demand_only
+
+    @property
+    def model(self) -> Any:
+        """The forecaster (the inner policy's)."""
+        return self.inner.model
+
+    @property
+    def device(self) -> str:
+        return self.inner.device
+
+    @property
+    def stats(self) -> dict:
+        """The inner policy's stats plus ``staleness``, ``stale_dropped``, ``worker_steps``, ``worker_rollouts``."""
+        return self.inner.stats
+
+    def check_compatible(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:
+        self.inner.check_compatible(num_layers, num_experts, top_k, what)
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def _ensure_worker(self) -> _ForecastWorker:
-        if self._worker is None or not self._worker.thread.is_alive():
-            self._worker = _ForecastWorker(self)
-        return self._worker
+    def _ensure_worker(self) -> ForecastWorker:
+        if self.worker is None or not self.worker.thread.is_alive():
+            self.worker = ForecastWorker(self.inner, every=self.blocking)
+            self.worker.generation = self._generation
+        return self.worker
 
     def reset(self, config) -> None:
-        if self._worker is not None:
-            self._worker.drain()
+        if self.worker is not None:
+            self.worker.drain()
         super().reset(config)
-        self.stats.update({"staleness": 0, "stale_dropped": 0, "worker_steps": 0, "worker_rollouts": 0})
-        self._applied = None
+        self.inner.reset(config)
+        self.inner.stats.update({"staleness": 0, "stale_dropped": 0, "worker_steps": 0, "worker_rollouts": 0})
 
     def begin_batch(self, batch: Any) -> None:
         w = self._ensure_worker()
-        w.drain()  # the previous batch's elements are consumed before its state is replaced
         self._generation += 1
-        w.generation = self._generation
-        w.latest = None
-        self._applied = None
-        super().begin_batch(batch)
-        self._traced = False  # always online: forecasts from the observed routing
-        if self._state is None:
-            self._state = self.model.init_state(len(self.members), self.device)
-            self._latest = np.zeros((len(self.members), self.L, self.E), np.float32)
+        w.begin(self._generation)  # the previous batch's elements are consumed before its state is replaced
+        self.inner.begin_batch(batch)
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)  # the state was made on this thread's stream; the worker has its own
 
+    def prepare_sequences(self, sequences: Sequence[Any]) -> None:
+        self.inner.prepare_sequences(sequences)
+
     def close(self) -> None:
         """Stop the worker thread (also done at interpreter exit: it is a daemon)."""
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:
@@ -210,60 +269,70 @@ class AsyncSeqMoEPolicy(SeqMoEPolicy):
     # ------------------------------------------------------------------------------------------ forecasting
     def _trigger(self, t: int) -> None:
         """Hand the element of step ``t`` to the worker; apply the latest published forecast."""
-        assert self._latest is not None
-        rows = [b for b, pos in enumerate(self._pos) if pos >= 0 and pos - self.s >= 0]
+        rows = self.inner.trigger_rows()
         if rows:
             w = self._ensure_worker()
-            w.submit(self._generation, t, rows, self._latest[rows].copy())
+            x = self.inner.element(rows)
+            w.submit(ForecastJob(self._generation, t, lambda rows=rows, x=x: (rows, x)))
             if self.blocking:
                 w.wait_for(t)
         self._apply_published(t, after_trigger=True)
 
-    def _forecast(self, t: int) -> np.ndarray | None:  # fed by _apply_published
-        return self._feed
-
     def _apply_published(self, t: int, after_trigger: bool) -> bool:
         """Install the latest published forecast if it is new. ``t``: the current step; before the trigger
         layer of step t the last trigger point is t - 1. Returns whether a forecast was installed."""
-        w = self._worker
-        pub = None if w is None else w.latest
-        if pub is None or pub[0] != self._generation or (pub[0], pub[1]) == self._applied:
+        pub = None if self.worker is None else self.worker.take()
+        if pub is None:
             return False
         _, t_f, F = pub
-        self._applied = (pub[0], t_f)
         t_eff = t if after_trigger else t - 1
         d = max(t_eff - t_f, 0)
         if d >= F.shape[0]:
             self.stats["stale_dropped"] += 1
             return False
         self.stats["staleness"] += d
-        self._feed = F[d:]
-        try:
-            SeqMoEPolicy._trigger(self, t_eff)  # scores, first_exec, first_probs from the shifted forecast
-        finally:
-            self._feed = None
+        self.inner.trigger(t_eff, F[d:])  # scores, first_exec, first_probs from the shifted forecast
         return True
 
-    def _submit_tasks(self, cache: ExpertCache) -> None:
-        tasks = generate_tasks(self.first_probs, self.first_exec.astype(np.float64), self._in_cache_mask(cache),
-                               self.max_tasks, self.min_confidence)
-        self.scheduler.clear()
-        self.scheduler.submit(tasks)
-        self.stats["tasks"] += len(tasks)
-
     # ------------------------------------------------------------------------------------------ hooks
+    def on_step(self, t: int, info: Any) -> None:
+        self.inner.on_step(t, info)
+
+    def observe_routing(self, t: int, layer: int, expert_ids: np.ndarray, weights: np.ndarray) -> None:
+        self.inner.observe_routing(t, layer, expert_ids, weights)
+
+    def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: ExpertCache) -> Any:
+        return self.inner.on_miss(t, layer, expert, n_tokens, cache)
+
+    def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
+        return self.inner.choose_victim(t, layer, candidates, cache)
+
+    def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:
+        self.inner.on_access(t, layer, selected, counts, cache)
+
+    def on_insert(self, layer: int, expert: int, proactive: bool) -> None:
+        self.inner.on_insert(layer, expert, proactive)
+
+    def on_evict(self, layer: int, expert: int) -> None:
+        self.inner.on_evict(layer, expert)
+
     def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
-        if self._apply_published(t, after_trigger=layer > self.p) and self.prefetch:
-            self._submit_tasks(cache)
-        return super().before_layer(t, layer, cache)
+        if self._apply_published(t, after_trigger=layer > self.inner.p):
+            self.inner.plan_prefetch(cache, rule="floor")
+        return self.inner.before_layer(t, layer, cache)
 
     def after_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
-        if layer != self.p and self._apply_published(t, after_trigger=layer > self.p) and self.prefetch:
-            self._submit_tasks(cache)
-        out = super().after_layer(t, layer, cache)  # at p: _trigger (submit + apply) then tasks
-        if self._worker is not None:
-            self.stats["worker_steps"] = self._worker.steps
-            self.stats["worker_rollouts"] = self._worker.rollouts
+        inner = self.inner
+        if layer != inner.p and self._apply_published(t, after_trigger=layer > inner.p):
+            inner.plan_prefetch(cache, rule="floor")
+        inner.mark_after(t, layer)
+        if layer == inner.p:
+            self._trigger(t)
+            inner.plan_prefetch(cache)
+        out = inner.issue_after(t, layer, cache)
+        if self.worker is not None:
+            self.stats["worker_steps"] = self.worker.steps
+            self.stats["worker_rollouts"] = self.worker.rollouts
         return out
 
 

@@ -25,6 +25,7 @@ from expertcast.inference.cache.options import PolicyOptions, option
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies import kernels as K
+from expertcast.inference.policies.device import EVICT_RECENCY, DeviceKeys, DeviceProgram, overrides_any
 
 HISTORIES = ("perfect", "in-cache")
 
@@ -117,6 +118,24 @@ class LRUPolicy(KeyedPolicy):
         if resident:
             self.k1[item] = self.clock
             self.k2[item] = 0.0
+
+    def device_program(self) -> DeviceProgram | None:
+        """LRU on the device engine (:mod:`~expertcast.inference.policies.device`): the access clock as the
+        eviction key, demand only. None for a subclass that redefines a decision hook."""
+        if overrides_any(self, LRUPolicy, _LRU_DEVICE_HOOKS):
+            return None
+        return DeviceProgram(EVICT_RECENCY, 0, read_keys=lambda: DeviceKeys(self.k1.copy(), float(self.clock)),
+                             write_keys=self._set_device_keys)
+
+    def _set_device_keys(self, keys: DeviceKeys) -> None:
+        self.k1[:] = keys.recency
+        self.k2[:] = 0.0
+        self.clock = float(keys.clock)
+
+
+_LRU_DEVICE_HOOKS = ("on_access", "_touch", "keys_of", "choose_victim", "on_insert", "_proactive_insert", "on_evict",
+                     "on_miss", "before_layer", "after_layer")
+"""The hooks :meth:`LRUPolicy.device_program` reproduces on the device."""
 
 
 class FIFOPolicy(KeyedPolicy):

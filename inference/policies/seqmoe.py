@@ -45,6 +45,7 @@ from expertcast.inference.cache.expert_cache import SlotState
 from expertcast.inference.cache.options import DEVICE_PATTERN, PolicyOptions, option
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
+from expertcast.inference.policies.device import EVICT_FORECAST, DeviceKeys, DeviceProgram, overrides_any
 from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
     TransferEstimator,
@@ -68,6 +69,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 PREFETCH_RULES = ("benefit", "floor")
 """How prefetch tasks are chosen: expected benefit over the displaced resident, or probability above a floor."""
+_DEVICE_HOOKS = ("begin_batch", "on_step", "before_layer", "on_miss", "choose_victim", "on_access", "after_layer",
+                 "on_insert", "on_evict", "_scores", "_load_scores", "_trigger", "_forecast")
+"""The hooks :meth:`SeqMoEPolicy.device_program` reproduces on the device."""
 
 
 @dataclass
@@ -219,6 +223,28 @@ def _precompute_direct(model: ExpertForecaster, els: list[torch.Tensor], horizon
     return outs
 
 
+def combine_members(per_member: Sequence[np.ndarray]) -> np.ndarray:
+    """P(active for any member) = 1 - prod_b (1 - P_b) of per-member [H, L, E] probabilities."""
+    miss = np.ones_like(per_member[0])
+    for pm in per_member:
+        miss *= 1.0 - np.clip(pm, 0.0, 1.0)
+    return 1.0 - miss
+
+
+@dataclass
+class ForecastScores:
+    """What one forecast sets (SeqMoE 7.1): ``before`` / ``after`` [L, E] the CacheScore of each expert before
+    and after its next execution, ``first_exec`` int [L] the layer-execution index of each layer's next
+    execution, ``first_probs`` [L, E] P(active) at that execution (the prefetch input); ``second_probs``
+    [L, E] P(active) at the execution after it (None when the horizon is 1)."""
+
+    before: np.ndarray
+    after: np.ndarray
+    first_exec: np.ndarray
+    first_probs: np.ndarray
+    second_probs: np.ndarray | None = None
+
+
 class SeqMoEPolicy(Policy):
     """Forecast-driven prefetch + probabilistic-Belady eviction (registered as ``seqmoe``).
 
@@ -322,6 +348,32 @@ class SeqMoEPolicy(Policy):
         self._row_tables: list[np.ndarray | None] = []
         self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0}
 
+    # ------------------------------------------------------------------------------------------ device step
+    def device_program(self) -> DeviceProgram | None:
+        """This policy's decisions on the device engine (:mod:`~expertcast.inference.policies.device`): eviction
+        by the forecast CacheScore, ties to the least recent layer-execution, a plan of :meth:`plan_keys` per
+        layer when prefetching, forecasts from this policy's public forecast steps. None for a subclass that
+        redefines a decision hook (its decisions are not these)."""
+        if overrides_any(self, SeqMoEPolicy, _DEVICE_HOOKS):
+            return None
+        return DeviceProgram(EVICT_FORECAST, self.max_tasks if self.prefetch else 0,
+                             read_keys=lambda: DeviceKeys(self.last_use.reshape(-1).copy()),
+                             write_keys=self._set_device_keys, forecaster=self)
+
+    def _set_device_keys(self, keys: DeviceKeys) -> None:
+        self.last_use = np.asarray(keys.recency, np.float64).reshape(self.L, self.E).copy()
+
+    def plan_keys(self, probs: np.ndarray, width: int) -> np.ndarray:
+        """int64 [L, max(width, 1)]: keys ``layer * E + expert`` of the ``width`` most likely experts of each
+        layer's next execution (``probs`` [L, E]) at or above :attr:`min_confidence`, -1 padded (the device
+        engine's proactive plan; all -1 when ``width`` is 0)."""
+        if width == 0:
+            return np.full((self.L, 1), -1, np.int64)
+        top = np.argsort(-probs, axis=1, kind="stable")[:, :width]
+        conf = np.take_along_axis(probs, top, axis=1)
+        keys = np.arange(self.L)[:, None] * self.E + top
+        return np.where((conf >= self.min_confidence) & (conf > 0), keys, -1).astype(np.int64)
+
     # ------------------------------------------------------------------------------------------ batch / steps
     def begin_batch(self, batch: Any) -> None:
         self.members = list(batch)
@@ -404,47 +456,91 @@ class SeqMoEPolicy(Policy):
                 np.add.at(row, np.asarray(selected, np.int64), np.asarray(counts, np.float32))
             self._latest[b, layer] = row / max(row.sum(), 1e-9)
 
-    @torch.no_grad()
-    def _forecast(self, t: int) -> np.ndarray | None:
-        """[H, L, E] combined activation probabilities of the next ``horizon`` elements, or None."""
-        per_member = []
-        if self._traced and self.precompute:
-            for b, pos in enumerate(self._pos):
-                el = pos - self.s
-                tab = self._row_tables[b]
-                if pos >= 0 and tab is not None and 0 <= el < len(tab):
-                    per_member.append(tab[el].astype(np.float32))
-        else:
-            assert self._state is not None and self._latest is not None
-            rows = [b for b, pos in enumerate(self._pos) if pos >= 0 and pos - self.s >= 0]
-            if rows:
-                sub = self._state.select(rows)
-                x = torch.from_numpy(self._latest[rows]).to(self.device)
-                logits, _ = self.model.step(x, sub, all_horizons=True)
-                roll = self.model.rollout(logits, sub, self.horizon)
-                self._state.put_rows(rows, sub)
-                probs = self.model.probs(roll).cpu().numpy().astype(np.float16)  # as stored when precomputed
-                per_member = [pm.astype(np.float32) for pm in probs]
-        if not per_member:
-            return None
-        miss = np.ones_like(per_member[0])
-        for pm in per_member:
-            miss *= 1.0 - np.clip(pm, 0.0, 1.0)
-        return 1.0 - miss
+    @property
+    def precomputed(self) -> bool:
+        """Whether this batch's forecasts come from the precomputed tables (recorded routing, ``precompute``)
+        rather than from the online forecaster state."""
+        return self._traced and self.precompute
 
-    def _trigger(self, t: int) -> None:
-        F = self._forecast(t)
-        if F is None:
-            return
-        self.stats["forecasts"] += 1
+    def forecast_rows(self, members: Sequence[int], positions: Sequence[int]) -> list[int]:
+        """The ``members`` (batch rows, processing ``positions``) whose element exists (position >= s)."""
+        return [b for b, pos in zip(members, positions, strict=True) if pos >= 0 and pos - self.s >= 0]
+
+    def element(self, rows: Sequence[int]) -> np.ndarray:
+        """float32 [len(rows), L, E]: a copy of the newest element of members ``rows`` (online mode)."""
+        assert self._latest is not None
+        return self._latest[list(rows)].copy()
+
+    def record_element(self, rows: Sequence[int], act: np.ndarray, layers: slice) -> None:
+        """Online mode: members ``rows`` routed ``act`` float32 [len(rows), L', E] at ``layers`` (normalized
+        activation vectors) in the current step."""
+        assert self._latest is not None
+        self._latest[list(rows), layers] = act
+
+    @torch.no_grad()
+    def forecast(self, rows: Sequence[int], x: np.ndarray, rollout: bool = True) -> np.ndarray | None:
+        """Online forecaster step: members ``rows`` consume element ``x`` float32 [len(rows), L, E]; with
+        ``rollout``, returns the [H, L, E] combined activation probabilities of their next ``horizon`` elements
+        (float16-rounded per member, as precomputed tables store them), else None. Runs on any one thread."""
+        assert self._state is not None
+        rows = list(rows)
+        sub = self._state.select(rows)
+        logits, _ = self.model.step(torch.from_numpy(np.ascontiguousarray(x)).to(self.device), sub,
+                                    all_horizons=True)
+        if not rollout:
+            self._state.put_rows(rows, sub)
+            return None
+        roll = self.model.rollout(logits, sub, self.horizon)
+        self._state.put_rows(rows, sub)
+        probs = self.model.probs(roll).cpu().numpy().astype(np.float16)  # as stored when precomputed
+        return combine_members([pm.astype(np.float32) for pm in probs])
+
+    def forecast_from_tables(self, members: Sequence[int], positions: Sequence[int]) -> np.ndarray | None:
+        """[H, L, E] combined precomputed forecasts of ``members`` at ``positions`` (precomputed mode), or None."""
+        per_member = []
+        for b, pos in zip(members, positions, strict=True):
+            el = pos - self.s
+            tab = self._row_tables[b]
+            if pos >= 0 and tab is not None and 0 <= el < len(tab):
+                per_member.append(tab[el].astype(np.float32))
+        return combine_members(per_member) if per_member else None
+
+    def forecast_scores(self, t: int, F: np.ndarray) -> ForecastScores:
+        """The eviction scores and prefetch inputs of forecast ``F`` [H, L, E] made at step ``t``'s trigger."""
         H = F.shape[0]
         d = self.disc[:H]
-        self.score_before = np.einsum("h,hle->le", d, F)
-        self.score_after = np.einsum("h,hle->le", d[: H - 1], F[1:]) if H > 1 else np.zeros_like(F[0])
         layers = np.arange(self.L)
-        self.first_exec = np.where(layers > self.p, t * self.L + layers, (t + 1) * self.L + layers)
-        self.first_probs = F[0]
+        return ForecastScores(before=np.einsum("h,hle->le", d, F),
+                              after=np.einsum("h,hle->le", d[: H - 1], F[1:]) if H > 1 else np.zeros_like(F[0]),
+                              first_exec=np.where(layers > self.p, t * self.L + layers, (t + 1) * self.L + layers),
+                              first_probs=F[0], second_probs=F[1] if H > 1 else None)
+
+    def current_scores(self) -> ForecastScores:
+        """The scores in use (zeros and first executions -1 before the first forecast)."""
+        return ForecastScores(self.score_before, self.score_after, self.first_exec, self.first_probs)
+
+    def install_scores(self, sc: ForecastScores) -> None:
+        """Make ``sc`` the scores of eviction and prefetch (counts one forecast)."""
+        self.stats["forecasts"] += 1
+        self.score_before, self.score_after = sc.before, sc.after
+        self.first_exec, self.first_probs = sc.first_exec, sc.first_probs
         self.has_forecast = True
+
+    def _forecast(self, t: int) -> np.ndarray | None:
+        """[H, L, E] combined activation probabilities of the next ``horizon`` elements, or None."""
+        members = list(range(len(self._pos)))
+        if self.precomputed:
+            return self.forecast_from_tables(members, self._pos)
+        rows = self.forecast_rows(members, self._pos)
+        return self.forecast(rows, self.element(rows)) if rows else None
+
+    def trigger(self, t: int, F: np.ndarray | None) -> None:
+        """Install the forecast ``F`` made at step ``t``'s trigger (nothing when None)."""
+        if F is not None:
+            self.install_scores(self.forecast_scores(t, F))
+
+    def _trigger(self, t: int) -> None:
+        self.trigger(t, self._forecast(t))
 
     # ------------------------------------------------------------------------------------------ scores
     def _scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
@@ -487,14 +583,35 @@ class SeqMoEPolicy(Policy):
         return self._issue(float(x), cache)
 
     def after_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
-        self._now = (t, layer, 2)
+        self.mark_after(t, layer)
         if layer == self.p:
             self._trigger(t)
-            if self.prefetch and self.has_forecast:
-                tasks = self._generate(cache)
-                self.scheduler.clear()
-                self.scheduler.submit(tasks)
-                self.stats["tasks"] += len(tasks)
+            self.plan_prefetch(cache)
+        return self.issue_after(t, layer, cache)
+
+    # ------------------------------------------------------------------------------------------ public steps
+    # The steps of the hooks above, for a policy that runs this one's decisions with its own forecast source
+    # (AsyncSeqMoEPolicy composes them: docs/design.md, "Graph-compatible decode path").
+    def trigger_rows(self) -> list[int]:
+        """The members of the current step whose element exists (the rows a forecast at its trigger covers)."""
+        return self.forecast_rows(range(len(self._pos)), self._pos)
+
+    def mark_after(self, t: int, layer: int) -> None:
+        """``layer`` of step ``t`` has run (the time the scores of the coming decisions are taken at)."""
+        self._now = (t, layer, 2)
+
+    def plan_prefetch(self, cache: ExpertCache, rule: str | None = None) -> None:
+        """Replace the scheduler's tasks by those of the newest forecast (``rule``: default
+        :attr:`prefetch_rule`); nothing without prefetch or before the first forecast."""
+        if not (self.prefetch and self.has_forecast):
+            return
+        tasks = self._generate(cache, rule)
+        self.scheduler.clear()
+        self.scheduler.submit(tasks)
+        self.stats["tasks"] += len(tasks)
+
+    def issue_after(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        """The proactive loads to start after ``layer`` of step ``t`` ran (the scheduler's, admitted)."""
         if not self.prefetch:
             return ()
         return self._issue(float(t * self.L + layer + 1), cache)
@@ -507,11 +624,13 @@ class SeqMoEPolicy(Policy):
         self._inflight.discard((layer, expert))
 
     # ------------------------------------------------------------------------------------------ prefetch
-    def _generate(self, cache: ExpertCache) -> list:
-        """Prefetch tasks of the newest forecast under :attr:`prefetch_rule`."""
+    def _generate(self, cache: ExpertCache, rule: str | None = None) -> list:
+        """Prefetch tasks of the newest forecast under ``rule`` (one of :data:`PREFETCH_RULES`; default
+        :attr:`prefetch_rule`)."""
+        rule = rule or self.prefetch_rule
         skip = self._in_cache_mask(cache)
         deadlines = self.first_exec.astype(np.float64)
-        if self.prefetch_rule == "floor":
+        if rule == "floor":
             return generate_tasks(self.first_probs, deadlines, skip, self.max_tasks, self.min_confidence)
         floor = min(self.min_confidence, chance_level(self.E, self.K))
         value = expected_benefit(self._load_scores(), self._displaced(cache))

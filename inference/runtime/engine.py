@@ -42,7 +42,7 @@ from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy, check_policy_compatible
 from expertcast.inference.policies import spec_of
 from expertcast.inference.runtime import experts as X
-from expertcast.inference.runtime.graph import decode as GD
+from expertcast.inference.runtime import graph as GD
 from expertcast.inference.runtime.residency import RuntimeTransport
 from expertcast.inference.runtime.run_state import (
     GenerationResult,
@@ -95,7 +95,7 @@ class OffloadedModel:
             to a policy that decides CPU vs transfer (``use_latency``); the figures are in
             :attr:`latency_measurement`.
         decode_path: ``"eager"`` (the reference), ``"graph"`` (the graph-compatible path of
-            :mod:`.graph_decode`; lru and seqmoe) or ``"auto"`` (graph where it can run); which path runs and
+            :mod:`.graph`; lru and seqmoe) or ``"auto"`` (graph where it can run); which path runs and
             why is in :attr:`decode_path` / :attr:`decode_path_reason` (printed unless ``"eager"`` was asked).
     """
 
@@ -152,7 +152,7 @@ class OffloadedModel:
         self.stats = RuntimeStats(self.L, self.layout.expert_bytes)
         self.driver = Driver(policy, self.cache, self.transport, self.stats)
         self.workspace = X.Workspace(self.device, self.layout.dtype)
-        self.graph = GD.GraphDecoder(self, GD.policy_kind(policy)) if self.decode_path == "graph" else None
+        self.graph = GD.GraphDecoder(self) if self.decode_path == "graph" else None
         self.cpu_exec_ms = cpu_exec_ms
         self.cpu_parallel = bool(cpu_parallel)
         self._cpu_pool: ThreadPoolExecutor | None = None

@@ -13,8 +13,8 @@ resident set.
 
 from __future__ import annotations
 
-from expertcast.inference.cache.expert_cache import ExpertCache
 from expertcast.inference.cache.driver import Transport
+from expertcast.inference.cache.expert_cache import ExpertCache
 from expertcast.inference.runtime.slots import SlotPool
 from expertcast.inference.runtime.store import HostExpertStore
 from expertcast.inference.runtime.transfer import Transfer, TransferEngine

@@ -63,11 +63,11 @@ def test_nonblocking_async_keeps_tokens_and_consumes_every_element():
     pol = AsyncSeqMoEPolicy(forecaster=fc)
     try:
         seq, cnt, model = _run(model, pol, ids, am, K)
-        pol._worker.drain()
+        pol.worker.drain()
         # 9 prompt positions + NEW - 1 decode forwards, each hands one element to the worker
-        assert pol._worker.steps == 9 + NEW - 1
-        assert pol.stats["forecasts"] > 0 and pol._worker.rollouts >= 1
-        assert pol._worker.rollouts <= pol._worker.steps
+        assert pol.worker.steps == 9 + NEW - 1
+        assert pol.stats["forecasts"] > 0 and pol.worker.rollouts >= 1
+        assert pol.worker.rollouts <= pol.worker.steps
     finally:
         pol.close()
     assert torch.equal(seq, ref)

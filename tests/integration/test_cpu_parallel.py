@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
-from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
+from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.models.presets import build_tiny
 
 torch.set_num_threads(1)

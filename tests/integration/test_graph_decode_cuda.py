@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from expertcast.inference.cache.driver import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.sim.synthetic import check_policy
@@ -60,7 +61,7 @@ def test_cuda_graph_capture_and_replay_of_decode_step():
 
     def step():
         for layer in range(L):
-            out[layer].copy_(gd._layer(gd.layer_ids[layer], h[layer], idx[layer], w[layer]))
+            out[layer].copy_(gd.run_layer(gd.layer_ids[layer], h[layer], idx[layer], w[layer]))
 
     gen = torch.Generator().manual_seed(0)
 
@@ -94,6 +95,6 @@ def test_cuda_graph_capture_and_replay_of_decode_step():
             got = _snapshot(gd.state)
             for k in want_state:
                 assert torch.equal(got[k], want_state[k]), k
-        assert int(gd.state.counters[2].sum()) > 0, "the replayed steps should have loaded experts on the device"
+        assert int(gd.state.counters[COUNTER_NAMES.index("demand")].sum()) > 0, "the replayed steps should have loaded experts on the device"
     finally:
         om.restore()

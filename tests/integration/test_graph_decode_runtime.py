@@ -1,12 +1,17 @@
-"""Graph-compatible decode path (issue 16) on CPU, against the eager path, the full-load model and the simulator.
+"""Graph-compatible decode path (docs/design.md) on CPU, against the eager path, the full-load model and the simulator.
 
 * token identity: greedy generations of the graph path equal the full-load model's (lru and seqmoe, per-layer
   and shared pools, batch 1 and a left-padded batch whose members end at different steps on EOS);
-* counters: for lru the graph path's decode counters and final resident set equal the eager path's and the
-  simulator's replay of the routing the graph run recorded (the same decisions, taken on the device);
-* seqmoe: forecasts from the host planner reach the device (proactive loads, eviction by forecast score);
-  without prefetch and with the forecast at the last layer its counters equal the eager path's; with prefetch
-  they differ by construction (module docstring of graph_decode);
+* counters: the graph path reports the driver's Counters; wherever the two paths take the same decisions its
+  decode counters and final resident set equal the eager path's and the simulator's replay of the routing the
+  graph run recorded:
+  - lru: always (the same decisions, taken on the device);
+  - seqmoe: when both evict by the same forecasts at the same times: the planner blocking (every step's forecast
+    is installed before the next step: no race with the background thread), no prefetch, and the trigger at
+    the last layer (p = L-1: the step boundary where the graph path installs a forecast is then the eager
+    trigger point). With prefetch the graph path admits its plan one layer ahead inside the compute stream
+    (no EDF scheduler, no late prefetches) and with p < L-1 its forecast applies at the step boundary, so
+    only the accesses are compared there, and the forecasts reach the device as proactive loads;
 * ``torch.compile(fullgraph=True)`` of the per-layer decode function: no graph break, same tokens.
 """
 
@@ -18,8 +23,9 @@ import torch
 from expertcast.data.trace_format import TraceMeta
 from expertcast.inference.cache.driver import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
+from expertcast.inference.policies.async_forecast import ForecastWorker
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.runtime.graph.decode import AOTLayer
+from expertcast.inference.runtime.graph.aot import AOTLayer
 from expertcast.inference.sim.simulator import build_stream, replay
 from expertcast.inference.sim.synthetic import untrained_forecaster
 from expertcast.models.presets import build_tiny
@@ -97,32 +103,43 @@ def test_graph_seqmoe_tokens_and_device_plan(batch):
     assert st.P > 0, "the planner's forecasts should reach the device as proactive loads"
     assert np.array_equal(st.hits + st.demand + st.late, st.accesses)
     assert om.graph.planner.stats["forecasts"] > 0
+    w = om.graph.planner.worker  # the package's one background forecaster (AsyncSeqMoEPolicy's too)
+    assert isinstance(w, ForecastWorker) and w.rollouts == w.steps > 0
     # the host cache written back from the device table holds at most its slots, each expert once
     assert 0 < len(resident) <= om.cache.num_slots
 
 
 def test_graph_seqmoe_eviction_equals_eager_where_decisions_match(batch):
-    """SeqMoE without prefetch, forecast at the last layer (trigger p = L-1, so the step boundary is the trigger):
-    the graph path evicts by the same forecast scores (ties to the least recent) as the host policy, so its
-    counters and resident set equal the eager path's (which equal the simulator's: test_runtime_parity)."""
+    """SeqMoE where the decisions match (module docstring): no prefetch, forecast at the last layer (p = L-1, so
+    the step boundary is the trigger), the planner blocking (the forecast of every step installed before the next
+    one: no race). The graph path evicts by the same forecast scores (ties to the least recent) as the host
+    policy, so its counters, its number of forecasts and its resident set equal the eager path's and the
+    simulator's replay of the routing it recorded."""
     def run(path):
-        om = OffloadedModel(batch.model, make_policy("seqmoe", forecaster=batch.forecaster, precompute=False,
-                                                     prefetch=False), SLOTS, decode_path=path)
+        pol = make_policy("seqmoe", forecaster=batch.forecaster, precompute=False, prefetch=False)
+        om = OffloadedModel(batch.model, pol, SLOTS, decode_path=path)
         try:
             if om.graph is not None:
                 om.graph.planner.blocking = True
-            out = om.generate(batch.ids, batch.am, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=0)
-            return out.sequences, om.stats, om.cache.resident_set()
+            out = om.generate(batch.ids, batch.am, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=0,
+                              record=True, seq_ids=[f"s{i}" for i in range(batch.batch)])
+            return out, om.stats, om.cache.resident_set(), pol.stats["forecasts"], om
         finally:
             batch.model = om.restore()
 
     assert batch.forecaster.config.p == batch.model.config.num_hidden_layers - 1
-    g_out, g_st, g_res = run("graph")
-    e_out, e_st, e_res = run("eager")
-    assert torch.equal(g_out, batch.ref) and torch.equal(e_out, batch.ref)
+    g_out, g_st, g_res, g_fc, om = run("graph")
+    e_out, e_st, e_res, e_fc, _ = run("eager")
+    assert om.decode_path == "graph"
+    assert torch.equal(g_out.sequences, batch.ref) and torch.equal(e_out.sequences, batch.ref)
+    meta = TraceMeta("tiny", om.L, om.E, om.K, om.layout.expert_bytes)
+    sim = replay(build_stream(meta, g_out.traces, batch_size=batch.batch),
+                 make_policy("seqmoe", forecaster=batch.forecaster, precompute=False, prefetch=False), om.cache_config)
     for k in COUNTER_NAMES:
         assert np.array_equal(getattr(g_st, k), getattr(e_st, k)), (k, getattr(g_st, k), getattr(e_st, k))
-    assert g_res == e_res and g_st.D > 0
+        assert np.array_equal(getattr(g_st, k), getattr(sim, k)), (k, getattr(g_st, k), getattr(sim, k))
+    assert g_res == e_res == sim.resident and g_st.D > 0
+    assert g_fc == e_fc > 0, "one forecast per decode step on both paths"
 
 
 def test_graph_state_carries_over_calls_and_paths(batch):

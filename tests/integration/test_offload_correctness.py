@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from expertcast.data.trace_format import TraceMeta
-from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
+from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.sim.simulator import build_stream, replay, run_policy
 from expertcast.models.presets import build_tiny
 

@@ -1,4 +1,4 @@
-"""CUDA miss copies of the graph decode path (:mod:`.graph_decode`): a Triton kernel that copies expert rows
+"""CUDA miss copies of the graph decode path (:mod:`.decode`): a Triton kernel that copies expert rows
 from pinned host memory, addressed on the device through unified virtual addressing (pinned host memory is
 device-mapped at the same address), into rows of the device slot pool. Rows whose mask is 0 move no bytes.
 Imported only on CUDA devices with Triton installed."""
