@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from expertcast.inference.cache.counters import adj_hit_rate, hit_rate, mb_per_token
 from expertcast.inference.cache.policy import MissAction, Policy
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
@@ -198,7 +199,7 @@ def batch_stats(om: Any, before: dict[str, Any], res: Any, wall: float) -> dict[
     return {
         "accesses": A, "demand_misses": D, "proactive_loads": P,
         "late_prefetches": int((st.late - before["late"]).sum()), "cpu_exec": int((st.cpu - before["cpu"]).sum()),
-        "hit": 1 - D / A if A else None, "adj_hit": (A - D) / (A + P) if A else None,
+        "hit": hit_rate(A, D) if A else None, "adj_hit": adj_hit_rate(A, D, P) if A else None,
         "decoded_tokens": tok, "decode_seconds": dec_s, "tokens_per_s": tok / dec_s if dec_s > 0 else None,
         "ttft_s": res.ttft_seconds, "stall_seconds": st.stall_seconds - before["stall_seconds"],
         "expert_bytes": om.layout.expert_bytes, "wall_seconds": wall,
@@ -231,9 +232,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "samples": n,
         "correct": correct,
         "accuracy": correct / n if n else float("nan"),
-        "hit": 1.0 - D / A if A else float("nan"),
-        "adj_hit": (A - D) / (A + P) if A else float("nan"),
-        "mb_per_token": (D + P) * eb / 1e6 / max(tok, 1),
+        "hit": hit_rate(A, D),
+        "adj_hit": adj_hit_rate(A, D, P),
+        "mb_per_token": mb_per_token(D, P, eb, tok),
         "tokens_per_s": tok / dec_s if dec_s > 0 else float("nan"),
         "ttft_s": float(np.mean([x["ttft_s"] for x in b])) if b else float("nan"),
         "stall_ms_per_token": 1e3 * sum(x["stall_seconds"] for x in b) / max(tok, 1),

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from expertcast.data.trace_format import TraceMeta
-from expertcast.inference.cache.driver import COUNTER_NAMES
+from expertcast.inference.cache.counters import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.runtime.graph.decode import AOTLayer

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 from expertcast.data.trace_format import TraceMeta
-from expertcast.inference.saem.cpu_exec import LatencyModel
-from expertcast.inference.cache.driver import COUNTER_NAMES, RecordedTransport
+from expertcast.inference.cache.counters import COUNTER_NAMES
+from expertcast.inference.cache.driver import RecordedTransport
 from expertcast.inference.policies import REGISTRY, make_policy
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.runtime.engine import OffloadedModel
+from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.sim.simulator import build_stream, replay
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.presets import build_tiny
