@@ -212,20 +212,6 @@ def check_leakage(name: str, files: dict[str, str], problem_ids: list[str], allo
 
 
 # -- settings that determine the samples --------------------------------------------------------------
-def model_identity(resolved: str) -> dict[str, Any]:
-    """What fixes the model's weights (with the seed, for a random-init preset): the preset name, the
-    sha256 of a local folder's files, or a Hub id."""
-    from expertcast.models.presets import is_preset
-    from expertcast.utils.provenance import sha256_files
-
-    if is_preset(resolved):
-        return {"preset": resolved}
-    p = Path(resolved)
-    if p.is_dir():
-        return {"path": str(p.resolve()), "files_sha256": sha256_files(p)}
-    return {"hub_id": resolved}
-
-
 def artefact_hashes(files: dict[str, str]) -> dict[str, str]:
     """``{option: sha256}`` of the policy's file options (a folder: over all its files)."""
     from expertcast.utils.provenance import sha256_file, sha256_files
@@ -236,10 +222,11 @@ def artefact_hashes(files: dict[str, str]) -> dict[str, str]:
 def eval_settings(args: Any, *, resolved: str, device: str, policy_name: str, opts: dict[str, Any],
                   files: dict[str, str], capacity: dict[str, Any]) -> dict[str, Any]:
     """The resume key: every setting that determines the samples (:func:`~expertcast.utils.provenance.settings_key`)."""
+    from expertcast.models.backbone import model_identity
     from expertcast.utils.provenance import settings_key
 
     return settings_key(
-        job="eval", model=model_identity(resolved), dtype=args.dtype, device=device.split(":")[0],
+        job="eval", model=model_identity(resolved, init_seed=args.seed), dtype=args.dtype, device=device.split(":")[0],
         seed=args.seed, chat_template=args.chat_template, benchmark=args.benchmark, split=args.split,
         max_new_tokens=args.max_new_tokens,
         policy={"name": policy_name, "options": {k: v for k, v in sorted(opts.items()) if k not in files},

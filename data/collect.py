@@ -11,8 +11,8 @@ R1 chain-of-thought traces of ``../shared/data/cot/``) is tokenized and routed.
 Shards of ``shard_size`` input items are written atomically by
 :class:`expertcast.data.traces.TraceWriter` into an output folder claimed with
 :func:`expertcast.utils.outdir.claim_output_dir`. Rerunning the same command resumes: only when every
-setting that changes the traces matches exactly (:func:`run_settings`; the model is identified by
-preset name + init seed, the content hash of a local directory, or a Hub id + resolved commit).
+setting that changes the traces matches exactly (:func:`run_settings`; the model by
+:func:`expertcast.models.backbone.model_identity`).
 ``limit`` is the one setting a resume may change, and only upwards: shard i always holds input items
 [i*S, (i+1)*S), so every full shard already written is exactly what the larger run would write (its
 sequence ids and per-item input digests are checked); a partial last shard is redone; a smaller
@@ -227,62 +227,17 @@ def _device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def model_identity(name: str, model) -> dict[str, Any]:
-    """What identifies the weights behind ``name``: a tiny preset's name and init seed, a local
-    directory's content hash (every file: weights, config, tokenizer), or a Hub id with the commit
-    the loader resolved."""
-    from expertcast.models.presets import get_preset, is_preset
-
-    if is_preset(name):
-        preset = get_preset(name)
-        if preset.size == "tiny":
-            return {"preset": name, "init_seed": PRESET_INIT_SEED}
-        name = str(preset.hub_id)
-    p = Path(name).expanduser()
-    if p.is_dir():
-        return {"local_sha256": _dir_sha256(p)}
-    return {"hub_id": name, "revision": getattr(getattr(model, "config", None), "_commit_hash", None)}
-
-
-def _dir_sha256(root: Path) -> str:
-    """sha256 over every non-hidden file below ``root`` with its relative path (as
-    :func:`expertcast.utils.provenance.sha256_files`), each file's digest cached by (real path, size,
-    mtime) under the cache folder so a many-GB model is hashed once."""
-    from expertcast.utils.io import atomic_write_json
-    from expertcast.utils.paths import cache_dir
-    from expertcast.utils.provenance import sha256_file
-
-    cache_file = cache_dir() / "sha256-cache.json"
-    try:
-        cache = json.loads(cache_file.read_text(encoding="utf-8"))
-        cache = cache if isinstance(cache, dict) else {}
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        cache = {}
-    names = sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
-    h = hashlib.sha256()
-    changed = False
-    for n in names:
-        real = (root / n).resolve()
-        st = real.stat()
-        key = f"{real}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in cache:
-            cache[key], changed = sha256_file(real), True
-        h.update(n.encode() + b"\0" + cache[key].encode() + b"\n")
-    if changed:
-        atomic_write_json(cache_file, cache)
-    return h.hexdigest()
-
-
 def run_settings(cfg: CollectConfig, model, templated: bool) -> dict[str, Any]:
     """Everything that changes the traces (a resumed run must match it exactly), except ``limit``
     (see the module doc). Batch sizes and the device are included: on GPUs in low precision they
     change the numbers."""
+    from expertcast.models.backbone import model_identity
     from expertcast.utils.provenance import sha256_file
 
     param = next(model.parameters())
     d: dict[str, Any] = {
-        "model": model_identity(cfg.model, model), "dtype": str(param.dtype), "device": param.device.type,
+        "model": model_identity(cfg.model, init_seed=PRESET_INIT_SEED, model=model), "dtype": str(param.dtype),
+        "device": param.device.type,
         "shard_size": cfg.shard_size, "router_probs": cfg.router_probs, "route_batch_tokens": cfg.route_batch_tokens,
         "chat_template": templated,
     }

@@ -10,7 +10,7 @@ architectures that transformers itself implements (:func:`supported_families`) a
 A router-adaptation export (what ``expertcast fit --config configs/router/*.yaml`` writes; docs/design.md,
 "Cache-aware router adaptation (restated)") holds either ``model/``, a plain Hugging Face folder with the
 LoRA already merged (the default), or ``adapter/``, a peft adapter over the base model the export
-records in ``export.json`` (``base``: :func:`base_identity`). An adapter export is loaded as base +
+records in ``export.json`` (``base``: its name and :func:`model_identity`). An adapter export is loaded as base +
 adapter through peft and merged on load (the runtime offloads plain expert weights); the base is
 checked against the recorded identity first.
 """
@@ -212,26 +212,35 @@ def load_moe_config(name_or_path: str | os.PathLike) -> Any:
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
-def base_identity(name: str, resolved: str, *, init_seed: int = 0) -> dict[str, Any]:
-    """What fixes a base model's weights, recorded by an adapter export and checked when it is loaded:
-    ``name`` as configured, ``path`` (the resolved local folder or Hub id) and one of ``preset`` +
-    ``init_seed`` (random-init tiny preset), ``weights_sha256`` (a local folder: sha256 over its
-    ``*.safetensors`` and ``config.json``) or ``revision`` (a Hub id: the commit transformers resolved)."""
+def model_identity(resolved: str, *, init_seed: int = 0, model: Any = None) -> dict[str, Any]:
+    """What fixes the weights (and tokenizer) behind a resolved model name: the one identity that traces,
+    evaluations and adapter exports record.
+
+    ``path`` (where they load from: the preset name, the absolute local folder or the Hub id), plus one of
+
+    * ``preset`` + ``init_seed``: a random-init tiny preset (built with that seed);
+    * ``files_sha256``: a local folder, sha256 over every non-hidden file (weights, config, tokenizer;
+      :func:`~expertcast.utils.provenance.sha256_files`, per-file digests cached);
+    * ``revision``: a Hub id (a real-size preset: its Hub id), the commit transformers resolved
+      (``model``'s config when the model is loaded, else its config's).
+    """
     from expertcast.utils.provenance import sha256_files
 
-    ident: dict[str, Any] = {"name": str(name), "path": str(resolved)}
-    p = Path(resolved).expanduser()
-    if is_preset(resolved) and get_preset(resolved).size == "tiny":
-        ident.update(preset=str(resolved), init_seed=int(init_seed))
-    elif p.is_dir():
-        files = sorted(f.name for f in p.iterdir() if f.suffix == ".safetensors" or f.name == "config.json")
-        ident.update(path=str(p.resolve()), weights_sha256=sha256_files(p, files))
-    else:
+    name = str(resolved)
+    if is_preset(name):
+        preset = get_preset(name)
+        if preset.size == "tiny":
+            return {"path": name, "preset": name, "init_seed": int(init_seed)}
+        name = str(preset.hub_id)
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return {"path": str(p.resolve()), "files_sha256": sha256_files(p, cached=True)}
+    config = getattr(model, "config", None)
+    if config is None:
         from transformers import AutoConfig
 
-        ident["revision"] = getattr(AutoConfig.from_pretrained(resolved, trust_remote_code=False),
-                                    "_commit_hash", None)
-    return ident
+        config = AutoConfig.from_pretrained(name, trust_remote_code=False)
+    return {"path": name, "revision": getattr(config, "_commit_hash", None)}
 
 
 def _base_source(base: dict[str, Any], export: str | os.PathLike) -> str:
@@ -241,7 +250,7 @@ def _base_source(base: dict[str, Any], export: str | os.PathLike) -> str:
     path = base.get("path")
     if not path:
         raise UsageError(f"{export}: adapter export records no base model (export.json `base`); re-export it")
-    if base.get("weights_sha256") and not Path(path).is_dir():
+    if base.get("files_sha256") and not Path(path).is_dir():
         raise UsageError(f"{export}: the adapter's base model {base.get('name')!r} is not at {path} on this machine; "
                          f"put it there (or re-export with lora.merge_on_export: true)")
     return str(path)
@@ -250,8 +259,8 @@ def _base_source(base: dict[str, Any], export: str | os.PathLike) -> str:
 def _check_base(base: dict[str, Any], source: str, export: Path) -> None:
     from expertcast.utils.errors import UsageError
 
-    here = base_identity(base.get("name", source), source, init_seed=int(base.get("init_seed", 0)))
-    for key in ("preset", "init_seed", "weights_sha256", "revision"):
+    here = model_identity(source, init_seed=int(base.get("init_seed", 0)))
+    for key in ("preset", "init_seed", "files_sha256", "revision"):
         if base.get(key) is not None and here.get(key) != base[key]:
             raise UsageError(f"{export}: the adapter was trained on base {base.get('name')!r} with {key} "
                              f"{base[key]}, but {source} has {here.get(key)}: not the same base weights")
