@@ -3,7 +3,7 @@ directory, a Hub id or a router-adaptation export. ``trust_remote_code`` is alwa
 architectures that transformers itself implements (:func:`supported_families`) are accepted.
 
     >>> model, tok = load_moe_model("qwen3_moe-tiny")      # random-init tiny preset + byte tokenizer
-    >>> model, tok = load_moe_model(resolve_model("tiny-default"))   # the embedded default (cached dir)
+    >>> model, tok = load_moe_model(resolve_model("tiny-default"))   # the embedded default (its last build)
     >>> model, tok = load_moe_model("/models/Qwen3-30B-A3B", dtype="bfloat16", device="cuda")
     >>> model, tok = load_moe_model("runs/router/tiny/router-tiny-.../export")   # a fine-tuned export
 
@@ -22,15 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from expertcast.models.names import is_export_dir, resolve_model
 from expertcast.models.presets import build_tiny, get_preset, is_preset
 from expertcast.models.spec import SUPPORTED_FAMILIES, UnsupportedModelError, unsupported_message
-
-EXPORT_FILE = "export.json"
-"""The top-level JSON of a router-adaptation export (``expertcast.models.router_export.ADAPTATION_FILE``)."""
-DEFAULT_MODEL_NAMES = ("tiny-default", "default")
-"""Names of the embedded default model: resolve them first with
-:func:`expertcast.train.model_names.resolve_model` (the command layer does), which returns its cached
-directory; ``models/`` never builds it."""
+from expertcast.utils.errors import UsageError
 
 
 def supported_families() -> list[str]:
@@ -56,40 +51,19 @@ def _torch_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype:
     return out
 
 
-def _looks_local(name: str) -> bool:
-    """A path rather than a Hub id ("owner/name"): absolute, relative with ./ or ../, ~, or more
-    than one slash."""
-    return name.startswith(("/", "./", "../", "~", ".")) or name.count("/") > 1 or os.sep == "\\" and "\\" in name
-
-
 def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, bool]:
-    """(where to load from, is_local). Raises FileNotFoundError for a local path that does not
-    exist and for a directory without ``config.json``; a merged router-adaptation export resolves to its
-    ``model/`` folder (an adapter export raises UsageError: only :func:`load_moe_model` merges it)."""
+    """(where to load from, is_local) of a name :func:`resolve_model` accepts; a merged router-adaptation
+    export resolves to its ``model/`` folder (an adapter export raises UsageError: only
+    :func:`load_moe_model` merges it)."""
     name = str(name_or_path)
     if is_export_dir(name):  # a merged router-adaptation export: its model/ folder
         mdir = export_model_dir(name)
         if mdir is None:
-            from expertcast.utils.errors import UsageError
-
             raise UsageError(f"{name}: this export keeps a peft adapter (no model/ folder): load it with "
                              f"load_moe_model, which merges it over its recorded base")
         return str(mdir), True
-    if name in DEFAULT_MODEL_NAMES:
-        from expertcast.utils.errors import UsageError
-
-        raise UsageError(f"model name {name!r} names the embedded default model: resolve it with "
-                         f"expertcast.train.model_names.resolve_model (every command does) and load its directory")
-    p = Path(name).expanduser()
-    if p.exists():
-        if not p.is_dir():
-            raise FileNotFoundError(f"model path {p} is a file; expected a Hugging Face model directory")
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {p} has no config.json (not a Hugging Face model directory)")
-        return str(p), True
-    if _looks_local(name):
-        raise FileNotFoundError(f"model path {p} does not exist")
-    return name, False
+    path = resolve_model(name)
+    return path, Path(path).is_dir()
 
 
 def load_moe_model(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
@@ -175,12 +149,6 @@ def save_tiny(name: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
 
 
 # -- router-adaptation exports ---------------------------------------------------------------------
-def is_export_dir(name_or_path: str | os.PathLike) -> bool:
-    """True for a folder holding a router-adaptation export (``export.json``)."""
-    p = Path(str(name_or_path)).expanduser()
-    return p.is_dir() and (p / EXPORT_FILE).is_file()
-
-
 def export_model_dir(export_dir: str | os.PathLike) -> Path | None:
     """The plain Hugging Face folder (``model/``) of a verified router-adaptation export, or None when the
     export keeps a peft adapter instead (load it with :func:`load_moe_model`)."""
@@ -245,8 +213,6 @@ def model_identity(resolved: str, *, init_seed: int = 0, model: Any = None) -> d
 
 def _base_source(base: dict[str, Any], export: str | os.PathLike) -> str:
     """Where to load an adapter export's base from: its recorded local folder, preset or Hub id."""
-    from expertcast.utils.errors import UsageError
-
     path = base.get("path")
     if not path:
         raise UsageError(f"{export}: adapter export records no base model (export.json `base`); re-export it")
@@ -257,8 +223,6 @@ def _base_source(base: dict[str, Any], export: str | os.PathLike) -> str:
 
 
 def _check_base(base: dict[str, Any], source: str, export: Path) -> None:
-    from expertcast.utils.errors import UsageError
-
     here = model_identity(source, init_seed=int(base.get("init_seed", 0)))
     for key in ("preset", "init_seed", "files_sha256", "revision"):
         if base.get(key) is not None and here.get(key) != base[key]:

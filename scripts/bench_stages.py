@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/bench_stages", help="output folder (JSON + CSV)")
     args = ap.parse_args(argv)
 
-    from expertcast.inference.saem.cues import DEFAULT_CANDIDATES, load_tokenizer
+    from expertcast.inference.saem.cues import DEFAULT_CANDIDATES
     from expertcast.inference.saem.stages import StageDetector, TokenDecoder
+    from expertcast.models.tokenizer import load_tokenizer
     from expertcast.utils.io import report
     from expertcast.utils.paths import data_dir
 

@@ -686,20 +686,26 @@ def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = 
                          data_root: str | os.PathLike | None = None, checkpoint_every_s: float = 60.0) -> Path:
     """Path of the trained default model (a Hugging Face directory: config, safetensors weights,
     tokenizer with chat template, ``report.json``). Trains it on the first call (or when ``force``),
-    reuses the cached one afterwards."""
+    reuses the cached one afterwards; records the build as what ``tiny-default`` resolves to
+    (:func:`expertcast.models.names.record_default_model`)."""
+    from expertcast.models.names import record_default_model
+
     cfg = cfg or TinyDefaultConfig()
     files = _data_files(Path(data_root) if data_root else None)
     key = cfg.key(files)
     final = cache_dir() / DEFAULT_NAME / key
     if _is_complete(final) and not force:
+        record_default_model(final)
         return final
     with _file_lock(final.parent / f"{key}.lock"):
         if _is_complete(final) and not force:  # built by the process we waited for
+            record_default_model(final)
             return final
         if final.exists() and not _is_complete(final) and not force:
             raise UsageError(f"cached default model at {final} is incomplete (missing files); "
                              f"rebuild it with `expertcast build-default --force`")
         build_default_model(cfg, final, files=files, progress=progress, checkpoint_every_s=checkpoint_every_s)
+    record_default_model(final)
     return final
 
 

@@ -129,7 +129,7 @@ class StageAwarePolicy(Policy):
                 raise ValueError("StageAwarePolicy needs a tokenizer to read the generated tokens: pass "
                                  "tokenizer=DIR (the trace's model directory) or a cue set that names one")
             if isinstance(spec, (str, Path)):
-                from expertcast.inference.saem.cues import load_tokenizer
+                from expertcast.models.tokenizer import load_tokenizer
 
                 spec = load_tokenizer(str(spec))
             self._decoder = TokenDecoder(spec)

@@ -46,8 +46,8 @@ IDS = torch.tensor([[5, 17, 99, 3, 250, 41, 8, 77]])
 @pytest.mark.parametrize("kind", ["merged", "adapter"])
 def test_export_loads_as_the_trained_backbone(exports, kind):
     from expertcast.models.backbone import load_moe_config, load_moe_model
+    from expertcast.models.names import resolve_model
     from expertcast.models.presets import build_tiny
-    from expertcast.train.model_names import resolve_model
 
     d, module = exports[kind]
     info = json.loads((d / "export.json").read_text())
