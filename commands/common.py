@@ -173,6 +173,7 @@ def capacities_from_args(args: argparse.Namespace, *, multiple: bool) -> list[di
 # -- models ---------------------------------------------------------------------------------------------
 from expertcast.models.names import DEFAULT_MODEL_NAMES  # noqa: E402,F401
 from expertcast.models.names import resolve_model as _resolve_model  # noqa: E402
+from expertcast.utils.devices import resolve_device  # noqa: E402,F401  (the one device resolver)
 
 
 def build_default_model() -> str:
@@ -185,17 +186,3 @@ def build_default_model() -> str:
 resolve_model = functools.partial(_resolve_model, build_default=build_default_model, announce=True)
 """``--model`` of every command: the one resolver (:func:`expertcast.models.names.resolve_model`), the
 embedded default built when named."""
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> cuda when available, else cpu; refuses ``cuda`` without CUDA with one line."""
-    import torch
-
-    d = str(device)
-    if d == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if d.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {d}: CUDA is not available on this machine (use --device cpu)")
-    if not (d == "cpu" or d.startswith("cuda") or d == "mps"):
-        raise UsageError(f"--device {d}: expected auto, cpu or cuda[:N]")
-    return d

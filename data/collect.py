@@ -214,17 +214,9 @@ def load_model(name: str, device: str = "auto", dtype: str | None = None):
     """(model, tokenizer) for a preset name, local directory or Hub id
     (:func:`expertcast.models.backbone.load_moe_model`), in eval mode on ``device``."""
     from expertcast.models.backbone import load_moe_model
+    from expertcast.utils.devices import resolve_device
 
-    return load_moe_model(name, dtype=dtype or "auto", device=_device(device), seed=PRESET_INIT_SEED)
-
-
-def _device(device: str) -> torch.device:
-    """``auto`` -> cuda when available; a bare ``cuda`` under torchrun is this process's ``cuda:LOCAL_RANK``."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and os.environ.get("LOCAL_RANK"):
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-    return torch.device(device)
+    return load_moe_model(name, dtype=dtype or "auto", device=resolve_device(device), seed=PRESET_INIT_SEED)
 
 
 def run_settings(cfg: CollectConfig, model, templated: bool) -> dict[str, Any]:
