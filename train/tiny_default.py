@@ -30,7 +30,6 @@ load-balancing auxiliary loss of the config (``router_aux_loss_coef`` with ``out
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -48,6 +47,7 @@ import numpy as np
 import torch
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_json, print_table
+from expertcast.utils.locks import FileLock
 from expertcast.utils.paths import DATA_DIR_ENV, cache_dir, data_dir
 from expertcast.utils.provenance import sha256_file
 
@@ -665,23 +665,6 @@ def _is_complete(path: Path) -> bool:
     return all((path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json", REPORT_FILE))
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"build-default: another process is building {path.stem}; waiting for it")
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = False, progress: bool = True,
                          data_root: str | os.PathLike | None = None, checkpoint_every_s: float = 60.0) -> Path:
     """Path of the trained default model (a Hugging Face directory: config, safetensors weights,
@@ -697,7 +680,8 @@ def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = 
     if _is_complete(final) and not force:
         record_default_model(final)
         return final
-    with _file_lock(final.parent / f"{key}.lock"):
+    waiting = f"build-default: another process is building {key}; waiting for it"
+    with FileLock(final.parent / f"{key}.lock", on_wait=lambda: print(waiting)):
         if _is_complete(final) and not force:  # built by the process we waited for
             record_default_model(final)
             return final
@@ -705,7 +689,7 @@ def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = 
             raise UsageError(f"cached default model at {final} is incomplete (missing files); "
                              f"rebuild it with `expertcast build-default --force`")
         build_default_model(cfg, final, files=files, progress=progress, checkpoint_every_s=checkpoint_every_s)
-    record_default_model(final)
+        record_default_model(final)
     return final
 
 
