@@ -54,6 +54,7 @@ import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.data.traces import OUTPUT_KIND, TraceWriter, read_manifest, shard_name
 from expertcast.utils.errors import OutputDirError, UsageError
+from expertcast.utils.io import iter_jsonl
 from expertcast.utils.outdir import OutputDir
 
 PRESET_INIT_SEED = 0
@@ -296,31 +297,22 @@ def read_completion_rows(cfg: CollectConfig) -> list[_Row]:
         raise FileNotFoundError(f"completions file {path} does not exist")
     rows: list[_Row] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if cfg.limit is not None and len(rows) >= cfg.limit:
-                break
-            where = f"{path}:{ln}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise UsageError(f"{where}: expected a JSON object")
-            fields = [cfg.text_field] + ([cfg.prompt_field] if cfg.prompt_field else [])
-            for name in fields:
-                if name not in row:
-                    raise UsageError(f"{where}: no field {name!r} (fields: {', '.join(row)})")
-                if not isinstance(row[name], str) or not row[name].strip():
-                    raise UsageError(f"{where}: field {name!r} must be a non-empty string")
-            prompt = row[cfg.prompt_field] if cfg.prompt_field else None
-            sid = _row_id(row, prompt, row[cfg.text_field], where)
-            if sid in seen:
-                raise UsageError(f"{where}: sequence id {sid!r} repeats line {seen[sid]} (ids must be unique)")
-            seen[sid] = ln
-            rows.append(_Row(ln, sid, prompt, row[cfg.text_field]))
+    for ln, row in iter_jsonl(path, limit=cfg.limit):
+        where = f"{path}:{ln}"
+        if not isinstance(row, dict):
+            raise UsageError(f"{where}: expected a JSON object")
+        fields = [cfg.text_field] + ([cfg.prompt_field] if cfg.prompt_field else [])
+        for name in fields:
+            if name not in row:
+                raise UsageError(f"{where}: no field {name!r} (fields: {', '.join(row)})")
+            if not isinstance(row[name], str) or not row[name].strip():
+                raise UsageError(f"{where}: field {name!r} must be a non-empty string")
+        prompt = row[cfg.prompt_field] if cfg.prompt_field else None
+        sid = _row_id(row, prompt, row[cfg.text_field], where)
+        if sid in seen:
+            raise UsageError(f"{where}: sequence id {sid!r} repeats line {seen[sid]} (ids must be unique)")
+        seen[sid] = ln
+        rows.append(_Row(ln, sid, prompt, row[cfg.text_field]))
     if not rows:
         raise UsageError(f"{path} holds no completions")
     return rows

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.utils.errors import UsageError
-from expertcast.utils.io import atomic_write_json, print_table
+from expertcast.utils.io import atomic_write_json, print_table, read_jsonl
 from expertcast.utils.locks import FileLock
 from expertcast.utils.paths import DATA_DIR_ENV, cache_dir, data_dir
 from expertcast.utils.provenance import sha256_file
@@ -228,21 +228,12 @@ def _data_files(root: Path | None = None) -> dict[str, Path]:
     return files
 
 
-def _read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if limit is not None and len(rows) >= limit:
-                break
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
+def _data_rows(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The first ``limit`` rows of a data file of the recipe (:func:`~expertcast.utils.io.read_jsonl`); it must
+    hold one at least."""
+    rows = read_jsonl(path, limit=limit)
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise UsageError(f"{path}: no rows")
     return rows
 
 
@@ -292,8 +283,8 @@ class _Corpus:
 
 
 def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path]) -> _Corpus:
-    gsm = _read_jsonl(files["gsm8k_train"], cfg.gsm8k_train_limit)
-    cot = _read_jsonl(files["cot_train"], cfg.cot_limit)
+    gsm = _data_rows(files["gsm8k_train"], cfg.gsm8k_train_limit)
+    cot = _data_rows(files["cot_train"], cfg.cot_limit)
     arith = arith_train_problems(cfg.arith_train)
     chats = ([gsm8k_messages(r, cfg.strip_calculator_notes) for r in gsm] + [cot_messages(r) for r in cot]
              + [arith_messages(p) for p in arith])
@@ -301,8 +292,8 @@ def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path]) -> _Corpus:
     return _Corpus(
         train_chats=chats,  # type: ignore[arg-type]
         tokenizer_texts=tok_texts,
-        eval_gsm8k=_read_jsonl(files["gsm8k_test"], cfg.eval_gsm8k_test) if cfg.eval_gsm8k_test else [],
-        eval_cot=_read_jsonl(files["cot_heldout"], cfg.eval_cot) if cfg.eval_cot else [],
+        eval_gsm8k=_data_rows(files["gsm8k_test"], cfg.eval_gsm8k_test) if cfg.eval_gsm8k_test else [],
+        eval_cot=_data_rows(files["cot_heldout"], cfg.eval_cot) if cfg.eval_cot else [],
         n_gsm8k=len(gsm),
         n_cot=len(cot),
         n_arith=len(arith),
