@@ -207,7 +207,7 @@ def _load_traces(args):
     if bool(args.traces) == bool(args.synthetic):
         raise UsageError("give exactly one of --traces DIR or --synthetic KIND (or --list-policies)")
     if args.synthetic:
-        from expertcast.inference.sim import synthetic
+        from expertcast.data import synthetic
 
         shape = parse_counts(args.synthetic_shape, "--synthetic-shape")
         if len(shape) != 5:

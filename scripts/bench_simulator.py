@@ -24,10 +24,10 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA
     os.environ.setdefault(var, "1")
 
 import numpy as np  # noqa: E402
+from expertcast.data.synthetic import markov_traces, zipf_popularity  # noqa: E402
 from expertcast.inference.cache.expert_cache import CacheConfig  # noqa: E402
 from expertcast.inference.policies import make_policy  # noqa: E402
 from expertcast.inference.sim.simulator import build_stream, replay, replay_kernel  # noqa: E402
-from expertcast.inference.sim.synthetic import markov_traces, zipf_popularity  # noqa: E402
 from expertcast.utils.io import report  # noqa: E402
 
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 from expertcast.inference.policies import make_policy
+from expertcast.inference.runtime.checks import check_policy
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.sim.synthetic import check_policy
 from expertcast.models.presets import build_tiny
 
 BENCH = Path(__file__).resolve().parent / "bench_runtime.py"

@@ -473,7 +473,7 @@ def simulate(traces, policies: Sequence[str | Policy], capacities: Sequence[Any]
 
     Args:
         traces: a trace directory (``data.traces.load_traces``), a ``(TraceMeta, [TraceSequence])`` tuple
-            or an object with ``.meta`` and ``.sequences`` (e.g. :mod:`expertcast.inference.sim.synthetic`).
+            or an object with ``.meta`` and ``.sequences`` (e.g. :mod:`expertcast.data.synthetic`).
         policies: registry names with options (``"lrfu:lam=0.1"``, ``"belady-k:k=8"``) or Policy objects
             (a Policy object is reset and reused for every capacity).
         capacities: fractions of L*E (floats), slot counts (ints) or per-layer budget lists.

@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 from expertcast.inference.policies import make_policy
+from expertcast.inference.runtime.checks import check_policy
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.sim.synthetic import check_policy
 from expertcast.models.presets import build_tiny
 
 pytestmark = pytest.mark.gpu

@@ -21,7 +21,7 @@ from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.runtime.graph.decode import AOTLayer
 from expertcast.inference.sim.simulator import build_stream, replay
-from expertcast.inference.sim.synthetic import untrained_forecaster
+from expertcast.models.forecaster import untrained_forecaster
 from expertcast.models.presets import build_tiny
 
 torch.set_num_threads(1)

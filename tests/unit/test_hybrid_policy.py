@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from expertcast.inference.sim import synthetic
+from expertcast.data import synthetic
 from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.hybrid import HybridPolicy, parse_parts
+from expertcast.inference.policies.prefetch import chance_level, expected_benefit, generate_tasks
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
-from expertcast.inference.policies.prefetch import chance_level, expected_benefit, generate_tasks
 from expertcast.inference.sim.simulator import simulate
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.utils.errors import UsageError

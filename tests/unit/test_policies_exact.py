@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from expertcast.data.synthetic import markov_traces, random_traces, zipf_traces
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference.cache.expert_cache import CacheConfig
 from expertcast.inference.policies import available_policies, make_policy
 from expertcast.inference.sim.simulator import build_stream, replay, replay_kernel
-from expertcast.inference.sim.synthetic import markov_traces, random_traces, zipf_traces
 
 lcs = pytest.importorskip("libcachesim")
 

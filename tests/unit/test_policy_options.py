@@ -7,8 +7,15 @@ import dataclasses
 import inspect
 
 import pytest
+from expertcast.data.synthetic import zipf_traces
 from expertcast.data.traces import write_traces
 from expertcast.inference import policies as registry
+from expertcast.inference.cache.options import (
+    OPTIONS,
+    constructor_options,
+    parse_policy_options,
+    split_policy_list,
+)
 from expertcast.inference.policies import (
     REGISTRY,
     available_policies,
@@ -16,13 +23,6 @@ from expertcast.inference.policies import (
     parse_policy_spec,
     policy_class,
 )
-from expertcast.inference.cache.options import (
-    OPTIONS,
-    constructor_options,
-    parse_policy_options,
-    split_policy_list,
-)
-from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.utils.errors import UsageError
 
 

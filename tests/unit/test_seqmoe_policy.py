@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from expertcast.data.synthetic import ModeMarkovProcess
 from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy, precompute_forecasts, precompute_forecasts_many
 from expertcast.inference.sim.simulator import simulate
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.forecaster_export import save_forecaster
-from expertcast.train.forecaster_synthetic import ModeMarkovProcess, fit_forecaster
+from expertcast.train.forecaster_module import fit_forecaster
 
 torch.set_num_threads(1)
 

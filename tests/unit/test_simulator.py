@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from expertcast.data.synthetic import markov_traces, staged_traces, zipf_traces
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache.expert_cache import CacheConfig
 from expertcast.inference.cache.cost_model import CostConfig
+from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.cache.policy import MissAction
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.classic import LRUPolicy
-from expertcast.inference.cache.policy import MissAction
 from expertcast.inference.sim.simulator import build_stream, replay, replay_ceiling, replay_static, simulate
-from expertcast.inference.sim.synthetic import markov_traces, staged_traces, zipf_traces
 
 
 class ScriptedPrefetch(LRUPolicy):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from expertcast.data.synthetic import staged_traces
 from expertcast.inference.cache.expert_cache import CacheConfig
-from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.policies.stage_aware import StageAwarePolicy, StageOraclePolicy
+from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.saem.evaluate import synthetic_cue_decoder
 from expertcast.inference.sim.simulator import simulate
-from expertcast.inference.sim.synthetic import staged_traces
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,7 @@ def _tcseq(traces) -> float:
 
 
 def test_drifting_stages_plant_adjacent_coherence():
-    from expertcast.inference.saem.synthetic import drifting_stage_traces
+    from expertcast.data.synthetic import drifting_stage_traces
 
     kw = dict(num_sequences=3, num_tokens=400, num_layers=2, num_experts=32, top_k=2, hot=8, mean_stage_len=50.0,
               seed=0)
@@ -222,8 +222,8 @@ def test_drifting_stages_plant_adjacent_coherence():
 
 
 def test_stage_updates_track_drifting_stages():
+    from expertcast.data.synthetic import drifting_stage_traces
     from expertcast.inference.policies.static import selection_counts
-    from expertcast.inference.saem.synthetic import drifting_stage_traces
 
     d = drifting_stage_traces(num_sequences=4, num_tokens=300, num_layers=2, num_experts=32, top_k=2, hot=8, keep=6,
                               mean_stage_len=50.0, seed=2)
