@@ -178,12 +178,12 @@ def model_shape(resolved: str) -> tuple[int, int, int]:
 
 def check_capacity(cap: dict[str, Any], pool: str, shape: tuple[int, int, int]):
     """The CacheConfig of ``cap`` on a model of ``shape`` (UsageError naming the flag when it cannot hold)."""
-    from expertcast.inference.cache.expert_cache import CacheConfig
+    from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 
     L, E, K = shape
     flag = "--capacity" if "capacity" in cap else "--slots"
     try:
-        return CacheConfig(num_layers=L, num_experts=E, top_k=K, pool=pool, **cap)
+        return CacheConfig(num_layers=L, num_experts=E, top_k=K, pool=pool, budget=Budget.from_flags(cap))
     except ValueError as e:
         raise UsageError(f"{flag} {next(iter(cap.values()))}: {e} (model: L={L}, E={E}, K={K}, --pool {pool})") from None
 
@@ -325,11 +325,12 @@ class ModelSession:
 
     def offload(self, policy: Any, capacity: dict[str, Any], measure_latency: bool = False):
         """An OffloadedModel of the session's model (loaded on the first call; then the store is reused)."""
+        from expertcast.inference.cache.expert_cache import Budget
         from expertcast.inference.runtime.engine import OffloadedModel
         from expertcast.inference.runtime.live_routers import attach_live_routers
 
         a = self.args
-        cap = capacity.get("capacity", capacity.get("slots"))
+        cap = Budget.from_flags(capacity)
         if self.model is None:
             from expertcast.inference.runtime.loading import load_offloaded
 

@@ -54,7 +54,7 @@ from expertcast.inference.cache.cost_model import (
 )
 from expertcast.inference.cache.counters import Counters
 from expertcast.inference.cache.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.policies import kernels as K
 
@@ -441,8 +441,9 @@ def _load(traces) -> tuple[TraceMeta, list[TraceSequence]]:
 def cache_configs(meta: TraceMeta, capacities: Sequence[Any] | None = None, pool: str = "per-layer",
                   slots_per_layer: Sequence[int] | None = None,
                   allow_below_top_k: bool = False) -> list[tuple[Any, CacheConfig]]:
-    """(requested capacity, CacheConfig) for each capacity: a float is a fraction of L*E, an int is
-    slots (per layer or shared), a list is per-layer budgets; ``slots_per_layer`` values are uniform
+    """(requested capacity, CacheConfig) for each capacity: a :class:`Budget`, or its number form
+    (:meth:`Budget.parse`: a float is a fraction of L*E, an int is slots per layer or shared, a list is
+    per-layer budgets); ``slots_per_layer`` values are uniform
     per-layer budgets (per-layer pool). ``allow_below_top_k``: see :class:`CacheConfig`."""
     common = dict(num_layers=meta.num_layers, num_experts=meta.num_experts, top_k=meta.top_k,
                   expert_bytes=meta.expert_bytes, allow_below_top_k=allow_below_top_k)
@@ -451,14 +452,10 @@ def cache_configs(meta: TraceMeta, capacities: Sequence[Any] | None = None, pool
         if pool != "per-layer":
             raise ValueError("--slots-per-layer gives per-layer budgets: use pool='per-layer'")
         for b in slots_per_layer:
-            out.append((int(b), CacheConfig(pool="per-layer", slots=int(b), **common)))
+            out.append((int(b), CacheConfig(pool="per-layer", budget=Budget.slots(int(b)), **common)))
     for c in capacities or ():
-        if isinstance(c, (list, tuple, np.ndarray)):
-            out.append((list(c), CacheConfig(pool=pool, slots_per_layer=[int(v) for v in c], **common)))
-        elif isinstance(c, (int, np.integer)) and not isinstance(c, bool):
-            out.append((int(c), CacheConfig(pool=pool, slots=int(c), **common)))
-        else:
-            out.append((float(c), CacheConfig(pool=pool, capacity=float(c), **common)))
+        budget = Budget.parse(c)
+        out.append((budget.requested, CacheConfig(pool=pool, budget=budget, **common)))
     if not out:
         raise ValueError("no capacity given")
     return out
