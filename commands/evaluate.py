@@ -226,7 +226,8 @@ def eval_settings(args: Any, *, resolved: str, device: str, policy_name: str, op
     from expertcast.utils.provenance import settings_key
 
     return settings_key(
-        job="eval", model=model_identity(resolved, init_seed=args.seed), dtype=args.dtype, device=device.split(":")[0],
+        job="eval", model=model_identity(resolved, init_seed=None),  # a preset's init seed is `seed`
+        dtype=args.dtype, device=device.split(":")[0],
         seed=args.seed, chat_template=args.chat_template, benchmark=args.benchmark, split=args.split,
         max_new_tokens=args.max_new_tokens,
         policy={"name": policy_name, "options": {k: v for k, v in sorted(opts.items()) if k not in files},

@@ -180,13 +180,14 @@ def load_moe_config(name_or_path: str | os.PathLike) -> Any:
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
-def model_identity(resolved: str, *, init_seed: int = 0, model: Any = None) -> dict[str, Any]:
+def model_identity(resolved: str, *, init_seed: int | None = 0, model: Any = None) -> dict[str, Any]:
     """What fixes the weights (and tokenizer) behind a resolved model name: the one identity that traces,
     evaluations and adapter exports record.
 
     ``path`` (where they load from: the preset name, the absolute local folder or the Hub id), plus one of
 
-    * ``preset`` + ``init_seed``: a random-init tiny preset (built with that seed);
+    * ``preset`` + ``init_seed``: a random-init tiny preset (built with that seed; ``init_seed=None`` leaves it
+      out for a caller that records its seed beside the identity);
     * ``files_sha256``: a local folder, sha256 over every non-hidden file (weights, config, tokenizer;
       :func:`~expertcast.utils.provenance.sha256_files`, per-file digests cached);
     * ``revision``: a Hub id (a real-size preset: its Hub id), the commit transformers resolved
@@ -198,7 +199,10 @@ def model_identity(resolved: str, *, init_seed: int = 0, model: Any = None) -> d
     if is_preset(name):
         preset = get_preset(name)
         if preset.size == "tiny":
-            return {"path": name, "preset": name, "init_seed": int(init_seed)}
+            ident: dict[str, Any] = {"path": name, "preset": name}
+            if init_seed is not None:
+                ident["init_seed"] = int(init_seed)
+            return ident
         name = str(preset.hub_id)
     p = Path(name).expanduser()
     if p.is_dir():
