@@ -51,8 +51,8 @@ EMPTY, USED, FETCH, COMPUTE = (int(s) for s in SlotState)
 class Budget:
     """How many experts a cache keeps resident, with its unit: a fraction of all experts
     (:meth:`fraction`), a slot count (:meth:`slots`: per layer, or in total for a shared pool) or explicit
-    per-layer slot counts (:meth:`per_layer`). Parsed once where a number enters (:meth:`parse`);
-    :attr:`requested` and :attr:`label` are what outputs record."""
+    per-layer slot counts (:meth:`per_layer`). Parsed once where a number or a flag enters (:meth:`parse`,
+    :meth:`from_flags`); :attr:`requested`, :attr:`tag` and :attr:`label` are how outputs and messages name it."""
 
     kind: str
     """``fraction``, ``slots`` or ``per-layer``."""
@@ -107,6 +107,13 @@ class Budget:
     def requested(self) -> float | int | list[int]:
         """The budget as outputs record it (``capacity_requested``): the fraction, the count or the list."""
         return list(self.value) if self.kind == "per-layer" else self.value  # type: ignore[arg-type]
+
+    @property
+    def tag(self) -> str:
+        """A short folder-safe name for output paths: ``c0.25``, ``s8`` or ``p2-4-3``."""
+        if self.kind == "fraction":
+            return f"c{self.value:g}"
+        return f"s{self.value}" if self.kind == "slots" else "p" + "-".join(map(str, self.value))  # type: ignore[arg-type]
 
     @property
     def label(self) -> str:

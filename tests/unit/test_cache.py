@@ -65,3 +65,20 @@ def test_evict_and_reuse_slot():
     assert cache.resident_set() == {(0, 2)}
     with pytest.raises(ValueError, match="already holds"):
         cache.assign(cache.take_free_slot(0), 0, 2, SlotState.USED)
+
+
+def test_budget_carries_its_unit():
+    assert Budget.parse(0.25) == Budget.fraction(0.25) and Budget.parse(8) == Budget.slots(8)
+    assert Budget.parse([2, 4, 3]) == Budget.per_layer([2, 4, 3]) and Budget.parse(Budget.slots(3)) == Budget.slots(3)
+    assert Budget.from_flags({"capacity": 0.25}) == Budget.fraction(0.25)
+    assert Budget.from_flags({"slots": 8}) == Budget.slots(8)
+    with pytest.raises(ValueError, match="'capacity': fraction"):
+        Budget.from_flags({"capacity": 0.25, "slots": 8})
+    with pytest.raises(ValueError, match="a cache budget is"):
+        Budget.parse("0.25")
+    assert [b.requested for b in (Budget.fraction(0.25), Budget.slots(8), Budget.per_layer([2, 4]))] == \
+        [0.25, 8, [2, 4]]
+    assert [b.tag for b in (Budget.fraction(0.25), Budget.slots(8), Budget.per_layer([2, 4]))] == \
+        ["c0.25", "s8", "p2-4"]
+    assert CacheConfig(48, 128, 8, budget=Budget.fraction(0.15)).total_slots == \
+        CacheConfig(48, 128, 8, budget=Budget.slots(19)).total_slots
