@@ -227,6 +227,9 @@ def _base_source(base: dict[str, Any], export: str | os.PathLike) -> str:
 
 
 def _check_base(base: dict[str, Any], source: str, export: Path) -> None:
+    if "weights_sha256" in base:  # recorded before model_identity hashed every file of a base folder
+        raise UsageError(f"{export}: the adapter export records its base in an older form (weights_sha256), "
+                         f"which cannot be checked any more; re-export it")
     here = model_identity(source, init_seed=int(base.get("init_seed", 0)))
     for key in ("preset", "init_seed", "files_sha256", "revision"):
         if base.get(key) is not None and here.get(key) != base[key]:
