@@ -328,36 +328,17 @@ def _refuse_parts(root: Path) -> None:
                          f"or start over with --overwrite")
 
 
-def _lock_held(path: Path) -> bool:
-    """Whether another process holds the output-folder lock of ``path``."""
-    import fcntl
-
-    from expertcast.utils.outdir import LOCK
-
-    try:
-        fd = os.open(path / LOCK, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def claim_waiting(path: str | os.PathLike, timeout: float = 900.0) -> OutputDir:
     """Claim the trace folder ``path``, waiting (up to ``timeout`` s) while another rank holds it."""
-    from expertcast.utils.outdir import claim_output_dir
+    from expertcast.utils.locks import FileLock
+    from expertcast.utils.outdir import LOCK, claim_output_dir
 
     deadline = time.monotonic() + timeout
     while True:
         try:
             return claim_output_dir(path, OUTPUT_KIND)
         except OutputDirError:
-            if not _lock_held(Path(path)) or time.monotonic() > deadline:
+            if not FileLock(Path(path) / LOCK).held_elsewhere() or time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
 

@@ -5,8 +5,9 @@
 * :func:`run_command`: runs a command body; a :class:`~expertcast.utils.errors.UsageError` (or another
   input error listed in ``USER_ERRORS``) becomes one line on stderr and exit status 2. Set
   ``EXPERTCAST_DEBUG=1`` to see the traceback instead.
-* :func:`resolve_model`: the one model-name resolver (``tiny-default``/``default``, tiny presets, local
-  Hugging Face directories, Hub ids) used by every command that takes ``--model``.
+* :data:`resolve_model`: the one model-name resolver (:func:`expertcast.models.names.resolve_model`:
+  ``tiny-default``/``default``, tiny presets, local Hugging Face directories, Hub ids) with the embedded
+  default built when named, used by every command that takes ``--model``.
 * :func:`add_capacity_args` / :func:`capacities_from_args`: ``--capacity`` is always a fraction of all
   experts in (0, 1]; ``--slots`` is always a slot count. The unit is in the flag, never in the number.
 """
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -169,21 +171,18 @@ def capacities_from_args(args: argparse.Namespace, *, multiple: bool) -> list[di
 
 
 # -- models ---------------------------------------------------------------------------------------------
-from expertcast.inference.saem.cues import set_model_name_resolver  # noqa: E402
-from expertcast.train.model_names import DEFAULT_MODEL_NAMES, resolve_model  # noqa: E402,F401  (the one resolver)
+from expertcast.models.names import DEFAULT_MODEL_NAMES  # noqa: E402,F401
+from expertcast.models.names import resolve_model as _resolve_model  # noqa: E402
+from expertcast.utils.devices import resolve_device  # noqa: E402,F401  (the one device resolver)
 
-set_model_name_resolver(resolve_model)  # cue sets name their tokenizer as --model did (e.g. tiny-default)
+
+def build_default_model() -> str:
+    """The embedded default model's directory, trained first when this recipe has no build yet."""
+    from expertcast.train.tiny_default import ensure_default_model
+
+    return str(ensure_default_model())
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` -> cuda when available, else cpu; refuses ``cuda`` without CUDA with one line."""
-    import torch
-
-    d = str(device)
-    if d == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if d.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {d}: CUDA is not available on this machine (use --device cpu)")
-    if not (d == "cpu" or d.startswith("cuda") or d == "mps"):
-        raise UsageError(f"--device {d}: expected auto, cpu or cuda[:N]")
-    return d
+resolve_model = functools.partial(_resolve_model, build_default=build_default_model, announce=True)
+"""``--model`` of every command: the one resolver (:func:`expertcast.models.names.resolve_model`), the
+embedded default built when named."""

@@ -192,12 +192,12 @@ def model_shape(resolved: str) -> tuple[int, int, int]:
 
 def check_capacity(cap: dict[str, Any], pool: str, shape: tuple[int, int, int]):
     """The CacheConfig of ``cap`` on a model of ``shape`` (UsageError naming the flag when it cannot hold)."""
-    from expertcast.inference.cache.expert_cache import CacheConfig
+    from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 
     L, E, K = shape
     flag = "--capacity" if "capacity" in cap else "--slots"
     try:
-        return CacheConfig(num_layers=L, num_experts=E, top_k=K, pool=pool, **cap)
+        return CacheConfig(num_layers=L, num_experts=E, top_k=K, pool=pool, budget=Budget.from_flags(cap))
     except ValueError as e:
         raise UsageError(f"{flag} {next(iter(cap.values()))}: {e} (model: L={L}, E={E}, K={K}, --pool {pool})") from None
 
@@ -226,20 +226,6 @@ def check_leakage(name: str, files: dict[str, str], problem_ids: list[str], allo
 
 
 # -- settings that determine the samples --------------------------------------------------------------
-def model_identity(resolved: str) -> dict[str, Any]:
-    """What fixes the model's weights (with the seed, for a random-init preset): the preset name, the
-    sha256 of a local folder's files, or a Hub id."""
-    from expertcast.models.presets import is_preset
-    from expertcast.utils.provenance import sha256_files
-
-    if is_preset(resolved):
-        return {"preset": resolved}
-    p = Path(resolved)
-    if p.is_dir():
-        return {"path": str(p.resolve()), "files_sha256": sha256_files(p)}
-    return {"hub_id": resolved}
-
-
 def artefact_hashes(files: dict[str, str]) -> dict[str, str]:
     """``{option: sha256}`` of the policy's file options (a folder: over all its files)."""
     from expertcast.utils.provenance import sha256_file, sha256_files
@@ -250,10 +236,12 @@ def artefact_hashes(files: dict[str, str]) -> dict[str, str]:
 def eval_settings(args: Any, *, resolved: str, device: str, policy_name: str, opts: dict[str, Any],
                   files: dict[str, str], capacity: dict[str, Any]) -> dict[str, Any]:
     """The resume key: every setting that determines the samples (:func:`~expertcast.utils.provenance.settings_key`)."""
+    from expertcast.models.backbone import model_identity
     from expertcast.utils.provenance import settings_key
 
     return settings_key(
-        job="eval", model=model_identity(resolved), dtype=args.dtype, device=device.split(":")[0],
+        job="eval", model=model_identity(resolved, init_seed=None),  # a preset's init seed is `seed`
+        dtype=args.dtype, device=device.split(":")[0],
         seed=args.seed, chat_template=args.chat_template, benchmark=args.benchmark, split=args.split,
         max_new_tokens=args.max_new_tokens,
         policy={"name": policy_name, "options": {k: v for k, v in sorted(opts.items()) if k not in files},
@@ -481,11 +469,12 @@ class ModelSession:
 
     def offload(self, policy: Any, capacity: dict[str, Any], measure_latency: bool = False):
         """An OffloadedModel of the session's model (loaded on the first call; then the store is reused)."""
+        from expertcast.inference.cache.expert_cache import Budget
         from expertcast.inference.runtime.engine import OffloadedModel
         from expertcast.inference.runtime.live_routers import attach_live_routers
 
         a = self.args
-        cap = capacity.get("capacity", capacity.get("slots"))
+        cap = Budget.from_flags(capacity)
         if self.model is None:
             from expertcast.inference.runtime.eval_run import pad_left
             from expertcast.inference.runtime.loading import load_offloaded
@@ -578,6 +567,8 @@ def _batches(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Accuracy over samples; cache and speed metrics over the raw counters of their batches."""
+    from expertcast.inference.cache.counters import adj_hit_rate, hit_rate, mb_per_token
+
     b = list(_batches(rows).values())
     A = sum(x["accesses"] for x in b)
     D = sum(x["demand_misses"] for x in b)
@@ -593,9 +584,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "samples": n,
         "correct": correct,
         "accuracy": correct / n if n else float("nan"),
-        "hit": 1.0 - D / A if A else float("nan"),
-        "adj_hit": (A - D) / (A + P) if A else float("nan"),
-        "mb_per_token": (D + P) * eb / 1e6 / max(tok, 1),
+        "hit": hit_rate(A, D),
+        "adj_hit": adj_hit_rate(A, D, P),
+        "mb_per_token": mb_per_token(D, P, eb, tok),
         "tokens_per_s": tok / dec_s if dec_s > 0 else float("nan"),
         "ttft_s": float(np.mean([x["ttft_s"] for x in b])) if b else float("nan"),
         "stall_ms_per_token": 1e3 * sum(x["stall_seconds"] for x in b) / max(tok, 1),

@@ -151,7 +151,7 @@ def _capacity_flags(caps: list[dict[str, Any]]) -> list[str]:
 
 def _steps(pipe: Pipeline, args: Any, cap_flags: list[str]) -> dict[str, Path]:
     """Run (or reuse) every step; returns the folder of each step's output."""
-    from expertcast.commands.evaluate import model_identity
+    from expertcast.models.backbone import model_identity
 
     data = ["--data-dir", args.data_dir] if args.data_dir else []
     pipe.banner("model" + (" (the embedded default: trained once, then cached)" if args.model == "tiny-default" else ""))

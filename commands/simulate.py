@@ -155,13 +155,16 @@ def _floats(text: str, flag: str) -> list[float]:
 
 
 def _capacities(args) -> tuple[list[Any], list[int] | None]:
-    """(capacities for :func:`simulate`: floats = fractions, ints = slot counts; per-layer budgets)."""
-    caps: list[Any] = [c.get("capacity", c.get("slots")) for c in capacities_from_args(args, multiple=True)]
+    """(capacities for :func:`simulate`: :class:`~expertcast.inference.cache.expert_cache.Budget`s; per-layer
+    budgets)."""
+    from expertcast.inference.cache.expert_cache import Budget
+
+    caps: list[Any] = [Budget.from_flags(c) for c in capacities_from_args(args, multiple=True)]
     spl = parse_counts(args.slots_per_layer, "--slots-per-layer") if args.slots_per_layer is not None else None
     if spl and args.pool != "per-layer":
         raise UsageError("--slots-per-layer gives per-layer budgets: use --pool per-layer")
     if not caps and not spl:
-        caps = list(DEFAULT_CAPACITIES)
+        caps = [Budget.fraction(c) for c in DEFAULT_CAPACITIES]
     return caps, spl
 
 
@@ -204,7 +207,7 @@ def _load_traces(args):
     if bool(args.traces) == bool(args.synthetic):
         raise UsageError("give exactly one of --traces DIR or --synthetic KIND (or --list-policies)")
     if args.synthetic:
-        from expertcast.inference.sim import synthetic
+        from expertcast.data import synthetic
 
         shape = parse_counts(args.synthetic_shape, "--synthetic-shape")
         if len(shape) != 5:

@@ -78,7 +78,7 @@ def _load_traces(path: str, max_sequences: int | None):
 def _tokenizer(model: str | None, fallback: str | None, what: str) -> tuple[Any, str]:
     """(tokenizer, its model name): ``--model`` when given, else ``fallback`` (``what`` says where that
     came from); both resolved through the one model resolver."""
-    from expertcast.inference.saem.cues import load_tokenizer
+    from expertcast.models.tokenizer import load_tokenizer
 
     name = model or fallback
     if not name:

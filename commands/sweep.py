@@ -156,14 +156,11 @@ def policy_slug(spec: str) -> str:
     return name if not opts.strip() else f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
 
 
-def capacity_label(cap: dict[str, Any]) -> str:
-    """``{"capacity": 0.25}`` -> ``c0.25``; ``{"slots": 8}`` -> ``s8``."""
-    return f"c{cap['capacity']:g}" if "capacity" in cap else f"s{int(cap['slots'])}"
-
-
 def cell_relpath(benchmark: str, spec: str, cap: dict[str, Any]) -> str:
     """The cell's folder relative to the sweep's output folder."""
-    return f"{CELLS}/{benchmark}/{policy_slug(spec)}@{capacity_label(cap)}"
+    from expertcast.inference.cache.expert_cache import Budget
+
+    return f"{CELLS}/{benchmark}/{policy_slug(spec)}@{Budget.from_flags(cap).tag}"
 
 
 class CellDir:

@@ -10,15 +10,14 @@ exactly, whose ``test`` problems are held out of the default model's corpus.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from expertcast.utils.errors import UsageError
+from expertcast.utils.io import read_jsonl
 from expertcast.utils.paths import data_dir as _default_data_dir
 
 
@@ -87,18 +86,6 @@ def _check(name: str, split: str) -> BenchmarkSpec:
     return spec
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-    return rows
-
-
 def _to_problems(name: str, split: str, rows: Iterable[dict[str, Any]], where: str) -> list[Problem]:
     out: list[Problem] = []
     for i, r in enumerate(rows):
@@ -150,7 +137,7 @@ def load_benchmark(
                 f"{name} {split} not found: looked for {path} (set --data-dir or $EXPERTCAST_DATA_DIR to the "
                 f"directory holding {spec.local_dir}/{split}.jsonl)"
             )
-        problems = _to_problems(name, split, _read_jsonl(path), str(path))
+        problems = _to_problems(name, split, read_jsonl(path), str(path))
     else:
         problems = _to_problems(name, split, _load_hub(spec, split, local=root is not None), f"Hub dataset {spec.hub_id}")
     return problems[:limit] if limit is not None else problems

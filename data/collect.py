@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta
 from expertcast.utils.errors import UsageError
+from expertcast.utils.io import iter_jsonl
 
 PRESET_INIT_SEED = 0
 """Seed of the random init of tiny presets (:func:`expertcast.models.backbone.load_moe_model`)."""
@@ -148,75 +148,22 @@ def load_model(name: str, device: str = "auto", dtype: str | None = None):
     """(model, tokenizer) for a preset name, local directory or Hub id
     (:func:`expertcast.models.backbone.load_moe_model`), in eval mode on ``device``."""
     from expertcast.models.backbone import load_moe_model
+    from expertcast.utils.devices import resolve_device
 
-    return load_moe_model(name, dtype=dtype or "auto", device=_device(device), seed=PRESET_INIT_SEED)
-
-
-def _device(device: str) -> torch.device:
-    """``auto`` -> cuda when available; a bare ``cuda`` under torchrun is this process's ``cuda:LOCAL_RANK``."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and os.environ.get("LOCAL_RANK"):
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-    return torch.device(device)
-
-
-def model_identity(name: str, model) -> dict[str, Any]:
-    """What identifies the weights behind ``name``: a tiny preset's name and init seed, a local
-    directory's content hash (every file: weights, config, tokenizer), or a Hub id with the commit
-    the loader resolved."""
-    from expertcast.models.presets import get_preset, is_preset
-
-    if is_preset(name):
-        preset = get_preset(name)
-        if preset.size == "tiny":
-            return {"preset": name, "init_seed": PRESET_INIT_SEED}
-        name = str(preset.hub_id)
-    p = Path(name).expanduser()
-    if p.is_dir():
-        return {"local_sha256": _dir_sha256(p)}
-    return {"hub_id": name, "revision": getattr(getattr(model, "config", None), "_commit_hash", None)}
-
-
-def _dir_sha256(root: Path) -> str:
-    """sha256 over every non-hidden file below ``root`` with its relative path (as
-    :func:`expertcast.utils.provenance.sha256_files`), each file's digest cached by (real path, size,
-    mtime) under the cache folder so a many-GB model is hashed once."""
-    from expertcast.utils.io import atomic_write_json
-    from expertcast.utils.paths import cache_dir
-    from expertcast.utils.provenance import sha256_file
-
-    cache_file = cache_dir() / "sha256-cache.json"
-    try:
-        cache = json.loads(cache_file.read_text(encoding="utf-8"))
-        cache = cache if isinstance(cache, dict) else {}
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        cache = {}
-    names = sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
-    h = hashlib.sha256()
-    changed = False
-    for n in names:
-        real = (root / n).resolve()
-        st = real.stat()
-        key = f"{real}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in cache:
-            cache[key], changed = sha256_file(real), True
-        h.update(n.encode() + b"\0" + cache[key].encode() + b"\n")
-    if changed:
-        atomic_write_json(cache_file, cache)
-    return h.hexdigest()
+    return load_moe_model(name, dtype=dtype or "auto", device=resolve_device(device), seed=PRESET_INIT_SEED)
 
 
 def run_settings(cfg: CollectConfig, model, templated: bool) -> dict[str, Any]:
     """Everything that changes the traces (a resumed run must match it exactly), except ``limit``
     (see the module doc). Batch sizes and the device are included: on GPUs in low precision they
     change the numbers."""
+    from expertcast.models.backbone import model_identity
     from expertcast.utils.provenance import sha256_file
 
     param = next(model.parameters())
     d: dict[str, Any] = {
-        "model": model_identity(cfg.model, model), "dtype": str(param.dtype), "device": param.device.type,
+        "model": model_identity(cfg.model, init_seed=PRESET_INIT_SEED, model=model), "dtype": str(param.dtype),
+        "device": param.device.type,
         "shard_size": cfg.shard_size, "router_probs": cfg.router_probs, "route_batch_tokens": cfg.route_batch_tokens,
         "chat_template": templated,
     }
@@ -283,31 +230,22 @@ def read_completion_rows(cfg: CollectConfig) -> list[CompletionRow]:
         raise FileNotFoundError(f"completions file {path} does not exist")
     rows: list[CompletionRow] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if cfg.limit is not None and len(rows) >= cfg.limit:
-                break
-            where = f"{path}:{ln}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise UsageError(f"{where}: expected a JSON object")
-            fields = [cfg.text_field] + ([cfg.prompt_field] if cfg.prompt_field else [])
-            for name in fields:
-                if name not in row:
-                    raise UsageError(f"{where}: no field {name!r} (fields: {', '.join(row)})")
-                if not isinstance(row[name], str) or not row[name].strip():
-                    raise UsageError(f"{where}: field {name!r} must be a non-empty string")
-            prompt = row[cfg.prompt_field] if cfg.prompt_field else None
-            sid = _row_id(row, prompt, row[cfg.text_field], where)
-            if sid in seen:
-                raise UsageError(f"{where}: sequence id {sid!r} repeats line {seen[sid]} (ids must be unique)")
-            seen[sid] = ln
-            rows.append(CompletionRow(ln, sid, prompt, row[cfg.text_field]))
+    for ln, row in iter_jsonl(path, limit=cfg.limit):
+        where = f"{path}:{ln}"
+        if not isinstance(row, dict):
+            raise UsageError(f"{where}: expected a JSON object")
+        fields = [cfg.text_field] + ([cfg.prompt_field] if cfg.prompt_field else [])
+        for name in fields:
+            if name not in row:
+                raise UsageError(f"{where}: no field {name!r} (fields: {', '.join(row)})")
+            if not isinstance(row[name], str) or not row[name].strip():
+                raise UsageError(f"{where}: field {name!r} must be a non-empty string")
+        prompt = row[cfg.prompt_field] if cfg.prompt_field else None
+        sid = _row_id(row, prompt, row[cfg.text_field], where)
+        if sid in seen:
+            raise UsageError(f"{where}: sequence id {sid!r} repeats line {seen[sid]} (ids must be unique)")
+        seen[sid] = ln
+        rows.append(CompletionRow(ln, sid, prompt, row[cfg.text_field]))
     if not rows:
         raise UsageError(f"{path} holds no completions")
     return rows

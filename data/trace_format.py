@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 
 TRACE_FORMAT_VERSION = 1
+QWEN3_30B_A3B_EXPERT_BYTES = 3 * 2048 * 768 * 2
+"""9,437,184 bytes: one Qwen3-30B-A3B routed expert in bf16 (the expert size of synthetic traces and the
+cost model's default)."""
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.utils.errors import UsageError
+from expertcast.utils.io import iter_jsonl
 from expertcast.utils.jsonfields import int_field, is_int, require_keys
 
 FLOAT16_MAX = 65504.0
@@ -123,26 +124,17 @@ def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int
     max_layer = -1
     rows = 0
     no_weights = 0
-    with open(path, encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{ln}"
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ImportFormatError(f"{where}: not valid JSON ({e.msg})") from None
-            except RecursionError:
-                raise ImportFormatError(f"{where}: JSON nested too deeply to be a trace row") from None
-            sid, t, li, experts, weights, phase, token_id = _parse_row(r, where, num_experts, num_layers, K)
-            K = len(experts)
-            no_weights += weights is None
-            tok = seqs.setdefault(sid, {}).setdefault(t, {})
-            if li in tok:
-                raise ImportFormatError(f"{where}: duplicate row for seq {sid!r} token {t} layer {li}")
-            tok[li] = (experts, weights, phase, token_id)
-            max_layer = max(max_layer, li)
-            rows += 1
+    for ln, r in iter_jsonl(path, error=ImportFormatError):
+        where = f"{path}:{ln}"
+        sid, t, li, experts, weights, phase, token_id = _parse_row(r, where, num_experts, num_layers, K)
+        K = len(experts)
+        no_weights += weights is None
+        tok = seqs.setdefault(sid, {}).setdefault(t, {})
+        if li in tok:
+            raise ImportFormatError(f"{where}: duplicate row for seq {sid!r} token {t} layer {li}")
+        tok[li] = (experts, weights, phase, token_id)
+        max_layer = max(max_layer, li)
+        rows += 1
     if not rows or K is None:
         raise ImportFormatError(f"{path} holds no rows")
     L = num_layers if num_layers is not None else max_layer + 1

@@ -3,14 +3,14 @@ directory, a Hub id or a router-adaptation export. ``trust_remote_code`` is alwa
 architectures that transformers itself implements (:func:`supported_families`) are accepted.
 
     >>> model, tok = load_moe_model("qwen3_moe-tiny")      # random-init tiny preset + byte tokenizer
-    >>> model, tok = load_moe_model(resolve_model("tiny-default"))   # the embedded default (cached dir)
+    >>> model, tok = load_moe_model(resolve_model("tiny-default"))   # the embedded default (its last build)
     >>> model, tok = load_moe_model("/models/Qwen3-30B-A3B", dtype="bfloat16", device="cuda")
     >>> model, tok = load_moe_model("runs/router/tiny/router-tiny-.../export")   # a fine-tuned export
 
 A router-adaptation export (what ``expertcast fit --config configs/router/*.yaml`` writes; docs/design.md,
 "Cache-aware router adaptation (restated)") holds either ``model/``, a plain Hugging Face folder with the
 LoRA already merged (the default), or ``adapter/``, a peft adapter over the base model the export
-records in ``export.json`` (``base``: :func:`base_identity`). An adapter export is loaded as base +
+records in ``export.json`` (``base``: its name and :func:`model_identity`). An adapter export is loaded as base +
 adapter through peft and merged on load (the runtime offloads plain expert weights); the base is
 checked against the recorded identity first.
 """
@@ -22,15 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from expertcast.models.names import is_export_dir, resolve_model
 from expertcast.models.presets import build_tiny, get_preset, is_preset
 from expertcast.models.spec import SUPPORTED_FAMILIES, UnsupportedModelError, unsupported_message
-
-EXPORT_FILE = "export.json"
-"""The top-level JSON of a router-adaptation export (``expertcast.models.router_export.ADAPTATION_FILE``)."""
-DEFAULT_MODEL_NAMES = ("tiny-default", "default")
-"""Names of the embedded default model: resolve them first with
-:func:`expertcast.train.model_names.resolve_model` (the command layer does), which returns its cached
-directory; ``models/`` never builds it."""
+from expertcast.utils.errors import UsageError
 
 
 def supported_families() -> list[str]:
@@ -56,40 +51,19 @@ def _torch_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype:
     return out
 
 
-def _looks_local(name: str) -> bool:
-    """A path rather than a Hub id ("owner/name"): absolute, relative with ./ or ../, ~, or more
-    than one slash."""
-    return name.startswith(("/", "./", "../", "~", ".")) or name.count("/") > 1 or os.sep == "\\" and "\\" in name
-
-
 def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, bool]:
-    """(where to load from, is_local). Raises FileNotFoundError for a local path that does not
-    exist and for a directory without ``config.json``; a merged router-adaptation export resolves to its
-    ``model/`` folder (an adapter export raises UsageError: only :func:`load_moe_model` merges it)."""
+    """(where to load from, is_local) of a name :func:`resolve_model` accepts; a merged router-adaptation
+    export resolves to its ``model/`` folder (an adapter export raises UsageError: only
+    :func:`load_moe_model` merges it)."""
     name = str(name_or_path)
     if is_export_dir(name):  # a merged router-adaptation export: its model/ folder
         mdir = export_model_dir(name)
         if mdir is None:
-            from expertcast.utils.errors import UsageError
-
             raise UsageError(f"{name}: this export keeps a peft adapter (no model/ folder): load it with "
                              f"load_moe_model, which merges it over its recorded base")
         return str(mdir), True
-    if name in DEFAULT_MODEL_NAMES:
-        from expertcast.utils.errors import UsageError
-
-        raise UsageError(f"model name {name!r} names the embedded default model: resolve it with "
-                         f"expertcast.train.model_names.resolve_model (every command does) and load its directory")
-    p = Path(name).expanduser()
-    if p.exists():
-        if not p.is_dir():
-            raise FileNotFoundError(f"model path {p} is a file; expected a Hugging Face model directory")
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {p} has no config.json (not a Hugging Face model directory)")
-        return str(p), True
-    if _looks_local(name):
-        raise FileNotFoundError(f"model path {p} does not exist")
-    return name, False
+    path = resolve_model(name)
+    return path, Path(path).is_dir()
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -193,12 +167,6 @@ def save_tiny(name: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
 
 
 # -- router-adaptation exports ---------------------------------------------------------------------
-def is_export_dir(name_or_path: str | os.PathLike) -> bool:
-    """True for a folder holding a router-adaptation export (``export.json``)."""
-    p = Path(str(name_or_path)).expanduser()
-    return p.is_dir() and (p / EXPORT_FILE).is_file()
-
-
 def export_model_dir(export_dir: str | os.PathLike) -> Path | None:
     """The plain Hugging Face folder (``model/``) of a verified router-adaptation export, or None when the
     export keeps a peft adapter instead (load it with :func:`load_moe_model`)."""
@@ -230,46 +198,58 @@ def load_moe_config(name_or_path: str | os.PathLike) -> Any:
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
-def base_identity(name: str, resolved: str, *, init_seed: int = 0) -> dict[str, Any]:
-    """What fixes a base model's weights, recorded by an adapter export and checked when it is loaded:
-    ``name`` as configured, ``path`` (the resolved local folder or Hub id) and one of ``preset`` +
-    ``init_seed`` (random-init tiny preset), ``weights_sha256`` (a local folder: sha256 over its
-    ``*.safetensors`` and ``config.json``) or ``revision`` (a Hub id: the commit transformers resolved)."""
+def model_identity(resolved: str, *, init_seed: int | None = 0, model: Any = None) -> dict[str, Any]:
+    """What fixes the weights (and tokenizer) behind a resolved model name: the one identity that traces,
+    evaluations and adapter exports record.
+
+    ``path`` (where they load from: the preset name, the absolute local folder or the Hub id), plus one of
+
+    * ``preset`` + ``init_seed``: a random-init tiny preset (built with that seed; ``init_seed=None`` leaves it
+      out for a caller that records its seed beside the identity);
+    * ``files_sha256``: a local folder, sha256 over every non-hidden file (weights, config, tokenizer;
+      :func:`~expertcast.utils.provenance.sha256_files`, per-file digests cached);
+    * ``revision``: a Hub id (a real-size preset: its Hub id), the commit transformers resolved
+      (``model``'s config when the model is loaded, else its config's).
+    """
     from expertcast.utils.provenance import sha256_files
 
-    ident: dict[str, Any] = {"name": str(name), "path": str(resolved)}
-    p = Path(resolved).expanduser()
-    if is_preset(resolved) and get_preset(resolved).size == "tiny":
-        ident.update(preset=str(resolved), init_seed=int(init_seed))
-    elif p.is_dir():
-        files = sorted(f.name for f in p.iterdir() if f.suffix == ".safetensors" or f.name == "config.json")
-        ident.update(path=str(p.resolve()), weights_sha256=sha256_files(p, files))
-    else:
+    name = str(resolved)
+    if is_preset(name):
+        preset = get_preset(name)
+        if preset.size == "tiny":
+            ident: dict[str, Any] = {"path": name, "preset": name}
+            if init_seed is not None:
+                ident["init_seed"] = int(init_seed)
+            return ident
+        name = str(preset.hub_id)
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return {"path": str(p.resolve()), "files_sha256": sha256_files(p, cached=True)}
+    config = getattr(model, "config", None)
+    if config is None:
         from transformers import AutoConfig
 
-        ident["revision"] = getattr(AutoConfig.from_pretrained(resolved, trust_remote_code=False),
-                                    "_commit_hash", None)
-    return ident
+        config = AutoConfig.from_pretrained(name, trust_remote_code=False)
+    return {"path": name, "revision": getattr(config, "_commit_hash", None)}
 
 
 def _base_source(base: dict[str, Any], export: str | os.PathLike) -> str:
     """Where to load an adapter export's base from: its recorded local folder, preset or Hub id."""
-    from expertcast.utils.errors import UsageError
-
     path = base.get("path")
     if not path:
         raise UsageError(f"{export}: adapter export records no base model (export.json `base`); re-export it")
-    if base.get("weights_sha256") and not Path(path).is_dir():
+    if base.get("files_sha256") and not Path(path).is_dir():
         raise UsageError(f"{export}: the adapter's base model {base.get('name')!r} is not at {path} on this machine; "
                          f"put it there (or re-export with lora.merge_on_export: true)")
     return str(path)
 
 
 def _check_base(base: dict[str, Any], source: str, export: Path) -> None:
-    from expertcast.utils.errors import UsageError
-
-    here = base_identity(base.get("name", source), source, init_seed=int(base.get("init_seed", 0)))
-    for key in ("preset", "init_seed", "weights_sha256", "revision"):
+    if "weights_sha256" in base:  # recorded before model_identity hashed every file of a base folder
+        raise UsageError(f"{export}: the adapter export records its base in an older form (weights_sha256), "
+                         f"which cannot be checked any more; re-export it")
+    here = model_identity(source, init_seed=int(base.get("init_seed", 0)))
+    for key in ("preset", "init_seed", "files_sha256", "revision"):
         if base.get(key) is not None and here.get(key) != base[key]:
             raise UsageError(f"{export}: the adapter was trained on base {base.get('name')!r} with {key} "
                              f"{base[key]}, but {source} has {here.get(key)}: not the same base weights")

@@ -749,3 +749,12 @@ class ExpertForecaster(nn.Module):
             if self.online.rate > 0:  # top-K of the sources and their scores at every horizon
                 macs += M * c.input_size + c.direct_horizons * M * c.num_layers * c.top_k
         return 2 * macs
+
+
+def untrained_forecaster(num_layers: int, num_experts: int, top_k: int, seed: int = 0):
+    """A small randomly initialised :class:`ExpertForecaster` (eval mode) of the
+    given routing shape: a deterministic stand-in for checks that exercise SeqMoE's mechanics, not its quality."""
+    torch.manual_seed(seed)
+    return ExpertForecaster(ForecasterConfig(num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+                                             hidden_size=32, num_blocks=1, state_size=8, head_dim=16,
+                                             chunk_size=16)).eval()

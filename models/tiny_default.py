@@ -35,7 +35,6 @@ builds or reuses the model through :func:`ensure_default_model` and prints its r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -52,7 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.utils.errors import UsageError
-from expertcast.utils.io import atomic_write_json
+from expertcast.utils.io import atomic_write_json, read_jsonl
+from expertcast.utils.locks import FileLock
 from expertcast.utils.paths import DATA_DIR_ENV, cache_dir, data_dir
 from expertcast.utils.provenance import sha256_file
 
@@ -233,21 +233,12 @@ def _data_files(root: Path | None = None) -> dict[str, Path]:
     return files
 
 
-def _read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if limit is not None and len(rows) >= limit:
-                break
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
+def _data_rows(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The first ``limit`` rows of a data file of the recipe (:func:`~expertcast.utils.io.read_jsonl`); it must
+    hold one at least."""
+    rows = read_jsonl(path, limit=limit)
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise UsageError(f"{path}: no rows")
     return rows
 
 
@@ -297,8 +288,8 @@ class _Corpus:
 
 
 def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path]) -> _Corpus:
-    gsm = _read_jsonl(files["gsm8k_train"], cfg.gsm8k_train_limit)
-    cot = _read_jsonl(files["cot_train"], cfg.cot_limit)
+    gsm = _data_rows(files["gsm8k_train"], cfg.gsm8k_train_limit)
+    cot = _data_rows(files["cot_train"], cfg.cot_limit)
     arith = arith_train_problems(cfg.arith_train)
     chats = ([gsm8k_messages(r, cfg.strip_calculator_notes) for r in gsm] + [cot_messages(r) for r in cot]
              + [arith_messages(p) for p in arith])
@@ -306,8 +297,8 @@ def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path]) -> _Corpus:
     return _Corpus(
         train_chats=chats,  # type: ignore[arg-type]
         tokenizer_texts=tok_texts,
-        eval_gsm8k=_read_jsonl(files["gsm8k_test"], cfg.eval_gsm8k_test) if cfg.eval_gsm8k_test else [],
-        eval_cot=_read_jsonl(files["cot_heldout"], cfg.eval_cot) if cfg.eval_cot else [],
+        eval_gsm8k=_data_rows(files["gsm8k_test"], cfg.eval_gsm8k_test) if cfg.eval_gsm8k_test else [],
+        eval_cot=_data_rows(files["cot_heldout"], cfg.eval_cot) if cfg.eval_cot else [],
         n_gsm8k=len(gsm),
         n_cot=len(cot),
         n_arith=len(arith),
@@ -670,41 +661,31 @@ def _is_complete(path: Path) -> bool:
     return all((path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json", REPORT_FILE))
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"build-default: another process is building {path.stem}; waiting for it")
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = False, progress: bool = True,
                          data_root: str | os.PathLike | None = None, checkpoint_every_s: float = 60.0) -> Path:
     """Path of the trained default model (a Hugging Face directory: config, safetensors weights,
     tokenizer with chat template, ``report.json``). Trains it on the first call (or when ``force``),
-    reuses the cached one afterwards."""
+    reuses the cached one afterwards; records the build as what ``tiny-default`` resolves to
+    (:func:`expertcast.models.names.record_default_model`)."""
+    from expertcast.models.names import record_default_model
+
     cfg = cfg or TinyDefaultConfig()
     files = _data_files(Path(data_root) if data_root else None)
     key = cfg.key(files)
     final = cache_dir() / DEFAULT_NAME / key
     if _is_complete(final) and not force:
+        record_default_model(final)
         return final
-    with _file_lock(final.parent / f"{key}.lock"):
+    waiting = f"build-default: another process is building {key}; waiting for it"
+    with FileLock(final.parent / f"{key}.lock", on_wait=lambda: print(waiting)):
         if _is_complete(final) and not force:  # built by the process we waited for
+            record_default_model(final)
             return final
         if final.exists() and not _is_complete(final) and not force:
             raise UsageError(f"cached default model at {final} is incomplete (missing files); "
                              f"rebuild it with `expertcast build-default --force`")
         build_default_model(cfg, final, files=files, progress=progress, checkpoint_every_s=checkpoint_every_s)
+        record_default_model(final)
     return final
 
 

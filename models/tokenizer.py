@@ -6,6 +6,9 @@ Two kinds, same special tokens and chat template (ChatML, as Qwen uses):
   random-init presets (vocab 512) get a real tokenizer at once.
 - :func:`train_bpe_tokenizer`: a byte-level BPE trained on given texts (the embedded default model).
 
+:func:`load_tokenizer` loads the tokenizer of any model name or folder (a tiny preset's is the
+byte-level one).
+
 Prompts are built with ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``. The
 reasoning delimiters ``<think>`` / ``</think>`` are single tokens that survive
 ``decode(skip_special_tokens=True)``, as in Qwen3.
@@ -13,7 +16,10 @@ reasoning delimiters ``<think>`` / ``</think>`` are single tokens that survive
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
 
 PAD_TOKEN = "<|pad|>"
 EOT_TOKEN = "<|endoftext|>"
@@ -124,3 +130,31 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length:
     if got != vocab_size:
         raise RuntimeError(f"BPE training gave {got} ids instead of {vocab_size} (corpus too small for the vocabulary?)")
     return _wrap(tok, model_max_length)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
+    """The tokenizer of a model: the byte-level tokenizer for a tiny preset name, else transformers'
+    AutoTokenizer of a folder or Hub id (remote code off). A name that is not an existing path goes
+    through :func:`expertcast.models.names.resolve_model` first, so it accepts what ``--model`` accepts
+    (e.g. the ``tiny-default`` a cue set records as its tokenizer: its last build)."""
+    from expertcast.models.names import ModelNotFoundError, resolve_model
+    from expertcast.models.presets import get_preset, is_preset
+
+    name = str(name_or_path)
+    if not Path(name).expanduser().exists():  # a folder is read as it is (a tokenizer needs no config.json)
+        try:
+            name = resolve_model(name)
+        except ModelNotFoundError as e:
+            raise FileNotFoundError(f"cannot load a tokenizer from {name!r}: {e}") from None
+    if is_preset(name):
+        preset = get_preset(name)
+        if preset.size == "tiny":
+            return byte_level_tokenizer()
+        name = preset.hub_id
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise FileNotFoundError(f"cannot load a tokenizer from {name!r}: {first}") from None

@@ -119,9 +119,9 @@ def bench_training(args, cfg_path: Path) -> dict:
     import warnings
 
     import lightning as pl
+    from expertcast.data.synthetic import ModeMarkovProcess
     from expertcast.train.forecaster_data import ForecasterDataModule
     from expertcast.train.forecaster_module import ForecasterModule
-    from expertcast.train.forecaster_synthetic import ModeMarkovProcess
 
     warnings.filterwarnings("ignore")
     import yaml

@@ -133,7 +133,7 @@ def load_or_make_traces(args, L: int, E: int, K: int, vocab: int, expert_bytes: 
         if not seqs:
             raise SystemExit(f"{args.traces}: no sequence with at least 4 decoded positions")
         return meta, seqs, None, f"recorded traces {args.traces}"
-    from expertcast.inference.sim.synthetic import staged_traces
+    from expertcast.data.synthetic import staged_traces
 
     syn = staged_traces(num_sequences=args.sequences, num_tokens=args.prompt + args.tokens, num_layers=L,
                         num_experts=E, top_k=K, num_stages=3, hot=max(K, int(round(0.2 * E))), hot_mass=0.9,
@@ -295,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     # ---- the SeqMoE forecaster: trained on held-out traces of the same process (synthetic routing only)
     args._layer_ms, args._ratio = layer_ms, None
     if "seqmoe" in args.policies and not args.forecaster and cue_token is not None and args.train_forecaster_epochs > 0:
-        from expertcast.inference.sim.synthetic import staged_traces
-        from expertcast.train.forecaster_synthetic import fit_forecaster
+        from expertcast.data.synthetic import staged_traces
+        from expertcast.train.forecaster_module import fit_forecaster
 
         held = staged_traces(num_sequences=24, num_tokens=args.prompt + args.tokens, num_layers=L, num_experts=E,
                              top_k=K, num_stages=3, hot=max(K, int(round(0.2 * E))), hot_mass=0.9,
@@ -404,7 +404,7 @@ OVERHEAD_DEFINITION = (
 
 def overhead_main(args) -> int:
     """Host time per MoE layer of the eager and the graph decode paths (``--overhead``; OVERHEAD_DEFINITION)."""
-    from expertcast.inference.sim.synthetic import staged_traces
+    from expertcast.data.synthetic import staged_traces
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -24,10 +24,10 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA
     os.environ.setdefault(var, "1")
 
 import numpy as np  # noqa: E402
-from expertcast.inference.cache.expert_cache import CacheConfig  # noqa: E402
+from expertcast.data.synthetic import markov_traces, zipf_popularity  # noqa: E402
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig  # noqa: E402
 from expertcast.inference.policies import make_policy  # noqa: E402
 from expertcast.inference.sim.simulator import build_stream, replay, replay_kernel  # noqa: E402
-from expertcast.inference.sim.synthetic import markov_traces, zipf_popularity  # noqa: E402
 from expertcast.utils.io import report  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     A = len(stream.experts)
     print(f"trace: {len(tr.sequences)} sequences, {stream.num_steps} steps "
           f"({int(stream.step_counted.sum())} decode), {A:,} accesses; built in {gen_s:.1f}s")
-    cfg = CacheConfig(48, 128, 8, pool=args.pool, capacity=args.capacity, expert_bytes=tr.meta.expert_bytes)
+    cfg = CacheConfig(48, 128, 8, pool=args.pool, budget=Budget.fraction(args.capacity), expert_bytes=tr.meta.expert_bytes)
     print(f"cache: {cfg.describe()}")
 
     # warm the JIT on a tiny stream so compile time is not measured

@@ -16,7 +16,6 @@ under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,16 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/bench_stages", help="output folder (JSON + CSV)")
     args = ap.parse_args(argv)
 
-    from expertcast.inference.saem.cues import DEFAULT_CANDIDATES, load_tokenizer
+    from expertcast.inference.saem.cues import DEFAULT_CANDIDATES
     from expertcast.inference.saem.stages import StageDetector, TokenDecoder
-    from expertcast.utils.io import report
+    from expertcast.models.tokenizer import load_tokenizer
+    from expertcast.utils.io import read_jsonl, report
     from expertcast.utils.paths import data_dir
 
     path = Path(args.texts) if args.texts else (data_dir() or Path("missing")) / "cot" / "math153.jsonl"
     if not path.is_file():
         print(f"bench_stages: texts file {path} not found (give --texts)", file=sys.stderr)
         return 2
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = read_jsonl(path)
     all_texts = [r[args.field] for r in rows]
     texts = all_texts[: args.n]
     if args.tokenizer:

@@ -37,7 +37,7 @@ VARIANTS = {
 
 
 def rows():
-    from expertcast.train.forecaster_synthetic import ModeMarkovProcess, StickyRoutingProcess
+    from expertcast.data.synthetic import ModeMarkovProcess, StickyRoutingProcess
     from expertcast.train.generalisation import in_domain_split, protocol_rows
 
     a = StickyRoutingProcess.realistic(num_layers=2, num_experts=16, top_k=2, seed=0)

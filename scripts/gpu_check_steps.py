@@ -76,9 +76,9 @@ def _epoch(args: dict, dm, accelerator: str, precision: str) -> list[float]:
 
 
 def forecaster(dry_run: bool) -> int:
+    from expertcast.data.synthetic import ModeMarkovProcess
     from expertcast.models import mamba_kernels
     from expertcast.train.forecaster_data import ForecasterDataModule
-    from expertcast.train.forecaster_synthetic import ModeMarkovProcess
 
     L, E, K, n, T, batch = (48, 128, 8, 64, 512, 8) if not dry_run else (4, 16, 2, 8, 48, 4)
     proc = ModeMarkovProcess.random(num_modes=8, num_layers=L, num_experts=E, top_k=K, seed=0)

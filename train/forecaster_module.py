@@ -22,6 +22,7 @@ import lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import (
     ExpertForecaster,
     ForecasterConfig,
@@ -552,3 +553,44 @@ class ForecasterModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         if self._trainer is not None and not self.trainer.sanity_checking:
             self.calibrate()
+
+
+# ------------------------------------------------------------------------------------------------ in memory
+def fit_forecaster(meta: TraceMeta, seqs: list[TraceSequence], *, epochs: int = 10, batch_size: int = 16,
+                   window: int | None = None, val_fraction: float = 0.2, seed: int = 0, trigger_layer: int | None = None,
+                   max_steps: int = -1, val_sequences: list[TraceSequence] | None = None, **module_kwargs):
+    """Train a small forecaster on in-memory sequences with Lightning on CPU (tests, benchmarks).
+
+    ``max_steps`` > 0 stops after that many optimizer steps (else after ``epochs``); ``val_fraction`` 0 trains
+    on every sequence and calibrates on them. ``val_sequences``: the held-out sequences (instead of a
+    ``val_fraction`` split of ``seqs``). The probability temperature and, with online statistics and a held-out
+    split, the residual scale (unless ``fit_residual_scale=False``) are fitted on the held-out windows.
+    Returns (ForecasterModule, ForecasterDataModule); the network is ``module.net`` (eval mode).
+    """
+    from expertcast.train.forecaster_data import ForecasterDataModule
+
+    pl.seed_everything(seed, verbose=False)
+    T = max(s.num_tokens for s in list(seqs) + list(val_sequences or []))
+    dm = ForecasterDataModule.from_sequences(meta, seqs, window=window or T, batch_size=batch_size,
+                                             val_fraction=0.0 if val_sequences else val_fraction, split_seed=seed,
+                                             trigger_layer=trigger_layer)
+    if val_sequences:
+        from expertcast.train.forecaster_data import check_sequences
+        from expertcast.utils.provenance import check_overlap
+
+        check_sequences(meta, val_sequences)
+        check_overlap([s.seq_id for s in val_sequences], [s.seq_id for s in seqs], what="the training sequences")
+        assert dm.splits is not None
+        dm.splits["val"] = list(val_sequences)
+    kw = dict(hidden_size=32, head_dim=16, state_size=16, num_blocks=1, chunk_size=32, lr=1e-2, kl_weight=0.1)
+    kw.update(module_kwargs)
+    module = ForecasterModule(**kw)
+    trainer = pl.Trainer(max_epochs=epochs if max_steps <= 0 else -1, max_steps=max_steps, accelerator="cpu",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, gradient_clip_val=1.0, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, dm)
+    held_out = bool(dm.splits["val"])
+    calibrate_on_loader(module.net, dm.val_dataloader() if held_out else dm.train_dataloader(),
+                        residual=held_out and module.hparams.fit_residual_scale)
+    module.net.eval()
+    return module, dm

@@ -88,7 +88,7 @@ def train_row_forecaster(meta: TraceMeta, row: ProtocolRow, *, max_steps: int, s
     them, residual scale left at 1). ``module_kwargs`` go to
     :class:`~expertcast.train.forecaster_module.ForecasterModule` (and ``window``/``batch_size``/
     ``trigger_layer`` to the data module)."""
-    from expertcast.train.forecaster_synthetic import fit_forecaster
+    from expertcast.train.forecaster_module import fit_forecaster
 
     train, held = holdout_split(row.fit, holdout, seed)
     module, _ = fit_forecaster(meta, train, val_fraction=0.0, seed=seed, max_steps=max_steps,

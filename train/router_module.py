@@ -68,15 +68,16 @@ class LoraSettings:
 
 def load_backbone(name: str, dtype: str = "float32", seed: int = 0):
     """(model, tokenizer, base identity) for ``name``: ``default``/``tiny-default``, a tiny preset, an HF
-    directory or a Hub id (:func:`expertcast.train.model_names.resolve_model`, then
+    directory or a Hub id (:func:`expertcast.models.names.resolve_model`, the default built when named, then
     :func:`expertcast.models.backbone.load_moe_model`); the identity is what an adapter export records
-    (:func:`expertcast.models.backbone.base_identity`)."""
-    from expertcast.models.backbone import base_identity, load_moe_model
-    from expertcast.train.model_names import resolve_model
+    (``name`` as given plus :func:`expertcast.models.backbone.model_identity`)."""
+    from expertcast.models.backbone import load_moe_model, model_identity
+    from expertcast.models.names import resolve_model
+    from expertcast.models.tiny_default import ensure_default_model
 
-    resolved = resolve_model(name, announce=False)
+    resolved = resolve_model(name, build_default=ensure_default_model)
     model, tok = load_moe_model(resolved, dtype=dtype, seed=seed)
-    return model, tok, base_identity(name, resolved, init_seed=seed)
+    return model, tok, {"name": str(name), **model_identity(resolved, init_seed=seed, model=model)}
 
 
 class RouterAdaptationModule(pl.LightningModule):
@@ -225,7 +226,7 @@ class RouterAdaptationModule(pl.LightningModule):
 
         ``model/``: a plain Hugging Face folder, LoRA merged (``lora.merge_on_export``, the default), or
         ``adapter/``: the peft adapter, loaded over the base model that ``export.json`` records (``base``,
-        :func:`expertcast.models.backbone.base_identity`) by :func:`~expertcast.models.backbone.load_moe_model`;
+        :func:`expertcast.models.backbone.model_identity`) by :func:`~expertcast.models.backbone.load_moe_model`;
         ``routers/`` (safetensors + JSON, :mod:`expertcast.models.router_export`), ``export.json`` (with the
         provenance block ``training`` when given) and a manifest over every file of the export.
 

@@ -1,4 +1,5 @@
-"""Atomic file writes and result reporting (terminal table, CSV, JSON) shared by every job."""
+"""Atomic file writes, the JSON-lines reader (:func:`iter_jsonl`) and result reporting (terminal table, CSV,
+JSON) shared by every job."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from expertcast.utils.errors import UsageError
 
 
 def _umask_mode() -> int:
@@ -133,3 +136,31 @@ def report(rows: Sequence[dict[str, Any]], *, title: str, json_path: str | os.Pa
         atomic_write_json(json_path, list(rows))
     if csv_path:
         write_csv(csv_path, rows)
+
+
+def iter_jsonl(path: str | os.PathLike, *, limit: int | None = None,
+               error: type[Exception] = UsageError) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of the non-blank lines of a JSON-lines file, in order, at most ``limit``
+    values. A line that is not JSON (or nested past the parser's depth) raises ``error`` in one line: ``PATH:N: not
+    valid JSON (why)``."""
+    with open(path, encoding="utf-8") as f:
+        n = 0
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and n >= limit:
+                return
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise error(f"{path}:{lineno}: JSON nested too deeply") from None
+            n += 1
+            yield lineno, value
+
+
+def read_jsonl(path: str | os.PathLike, *, limit: int | None = None,
+               error: type[Exception] = UsageError) -> list[Any]:
+    """The values of :func:`iter_jsonl` (without line numbers)."""
+    return [v for _, v in iter_jsonl(path, limit=limit, error=error)]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from expertcast.utils.errors import OutputDirError
+from expertcast.utils.locks import FileLock
 
 MARKER = ".expertcast-output.json"
 LOCK = ".expertcast.lock"
@@ -55,10 +56,10 @@ def _protected(path: Path) -> str | None:
 class OutputDir:
     """A claimed output folder (use as a context manager, or call :meth:`release`)."""
 
-    def __init__(self, path: Path, kind: str, lock_fd: int | None):
+    def __init__(self, path: Path, kind: str, lock: FileLock | None):
         self.path = path
         self.kind = kind
-        self._lock_fd = lock_fd
+        self._lock = lock
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def _read_marker(self) -> dict[str, Any]:
@@ -90,14 +91,8 @@ class OutputDir:
         return self.path / name
 
     def release(self) -> None:
-        if self._lock_fd is not None:
-            import fcntl
-
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            finally:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()
 
     def __enter__(self) -> OutputDir:
         return self
@@ -141,22 +136,12 @@ def _is_internal(name: str) -> bool:
     return name in _INTERNAL or (name.startswith(f".{MARKER}.") and name.endswith(".tmp"))
 
 
-def _take_lock(path: Path, kind: str) -> int:
-    import fcntl
-
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-        finally:
-            os.close(fd)
-        raise OutputDirError(f"{path} is in use by another expertcast run (pid {holder}); wait for it to finish "
-                             f"or choose another --out") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {kind}\n".encode())
-    return fd
+def _take_lock(path: Path, kind: str) -> FileLock:
+    lock = FileLock(path / LOCK)
+    if not lock.acquire(owner=f"{os.getpid()} {kind}"):
+        raise OutputDirError(f"{path} is in use by another expertcast run (pid {lock.holder()}); wait for it to "
+                             f"finish or choose another --out")
+    return lock
 
 
 def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = False, lock: bool = True) -> OutputDir:
@@ -191,7 +176,7 @@ def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = Fa
             raise OutputDirError(f"output folder {p} also holds files expertcast did not write "
                                  f"({', '.join(sorted(foreign)[:5])}); --overwrite only removes its own output, "
                                  f"so move those first or choose another folder")
-    fd = _take_lock(p, kind) if lock else None
+    held = _take_lock(p, kind) if lock else None
     try:
         from expertcast.utils.io import atomic_write_json
 
@@ -207,7 +192,7 @@ def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = Fa
             atomic_write_json(p / MARKER, {"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                            "written": []})
     except BaseException:
-        if fd is not None:
-            os.close(fd)
+        if held is not None:
+            held.release()
         raise
-    return OutputDir(p, kind, fd)
+    return OutputDir(p, kind, held)

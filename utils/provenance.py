@@ -34,17 +34,48 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def sha256_files(root: str | os.PathLike, names: Iterable[str] | None = None) -> str:
+def sha256_files(root: str | os.PathLike, names: Iterable[str] | None = None, *, cached: bool = False) -> str:
     """One sha256 over the files ``names`` under ``root`` (default: every regular file below ``root``,
-    hidden files excluded), each hashed with its relative path, in sorted order."""
+    hidden files excluded), each hashed with its relative path, in sorted order. ``cached``: each file's
+    digest is kept by (real path, size, mtime) in ``sha256-cache.json`` under the cache folder
+    (:func:`expertcast.utils.paths.cache_dir`), so a many-GB model folder is hashed once."""
     root = Path(root)
     if names is None:
         names = [str(p.relative_to(root)) for p in root.rglob("*")
                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    cache: dict[str, str] | None = _digest_cache() if cached else None
+    changed = False
     h = hashlib.sha256()
     for n in sorted(names):
-        h.update(n.encode() + b"\0" + sha256_file(root / n).encode() + b"\n")
+        if cache is None:
+            digest = sha256_file(root / n)
+        else:
+            real = (root / n).resolve()
+            st = real.stat()
+            key = f"{real}:{st.st_size}:{st.st_mtime_ns}"
+            if key not in cache:
+                cache[key], changed = sha256_file(real), True
+            digest = cache[key]
+        h.update(n.encode() + b"\0" + digest.encode() + b"\n")
+    if changed:
+        from expertcast.utils.io import atomic_write_json
+
+        atomic_write_json(_digest_cache_file(), cache)
     return h.hexdigest()
+
+
+def _digest_cache_file() -> Path:
+    from expertcast.utils.paths import cache_dir
+
+    return cache_dir() / "sha256-cache.json"
+
+
+def _digest_cache() -> dict[str, str]:
+    try:
+        cache = json.loads(_digest_cache_file().read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
 
 
 def sha256_json(obj: Any) -> str:

@@ -40,10 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from expertcast.data.trace_format import QWEN3_30B_A3B_EXPERT_BYTES  # noqa: F401  (the default expert size)
 from expertcast.inference.cache.driver import Transport
-
-QWEN3_30B_A3B_EXPERT_BYTES = 3 * 2048 * 768 * 2
-"""9,437,184 bytes: one Qwen3-30B-A3B routed expert in bf16."""
 
 
 @dataclass

@@ -52,8 +52,8 @@ Hook order (what :class:`Driver` calls; the numbers are the order within a layer
         transport.prefetch(slot, deadline) with deadline = the next execution of that layer
         (this step if it has not run yet, else the next step); counted steps: proactive += 1.
 
-Counters are per-layer int64 [L] arrays ``accesses, hits, late, demand, temp, cpu, proactive,
-dropped`` of any object that has them (:class:`Counters`, the runtime's stats), incremented on counted
+Counters are the per-layer int64 [L] arrays ``accesses, hits, late, demand, temp, cpu, proactive,
+dropped`` of a :class:`~expertcast.inference.cache.counters.Counters` (the runtime passes its stats), incremented on counted
 steps only (decode steps; a caller may say otherwise per step, e.g. a stream whose ``step_counted``
 was edited). Step 0 happens only for policies that override ``observe_routing``
 (:attr:`Driver.wants_routing`), and only when the caller passes the per-member routing (the
@@ -72,10 +72,11 @@ without copies, then per decode forward calls ``begin_step``, per layer ``serve`
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from expertcast.inference.cache.counters import Counters
 from expertcast.inference.cache.expert_cache import COMPUTE, FETCH, USED, ExpertCache, acquire_slot
 from expertcast.inference.cache.policy import MissAction, Policy
 
@@ -264,31 +265,6 @@ class RecordedTransport(Transport):
 
 
 # ------------------------------------------------------------------------------------------------
-# Counters
-# ------------------------------------------------------------------------------------------------
-COUNTER_NAMES = ("accesses", "hits", "late", "demand", "temp", "cpu", "proactive", "dropped")
-
-
-@dataclass
-class Counters:
-    """Per-layer int64 [L] counters of counted (decode) steps."""
-
-    num_layers: int
-    accesses: np.ndarray = field(init=False)
-    hits: np.ndarray = field(init=False)
-    late: np.ndarray = field(init=False)
-    demand: np.ndarray = field(init=False)
-    temp: np.ndarray = field(init=False)
-    cpu: np.ndarray = field(init=False)
-    proactive: np.ndarray = field(init=False)
-    dropped: np.ndarray = field(init=False)
-
-    def __post_init__(self) -> None:
-        for name in COUNTER_NAMES:
-            setattr(self, name, np.zeros(self.num_layers, np.int64))
-
-
-# ------------------------------------------------------------------------------------------------
 # The driver
 # ------------------------------------------------------------------------------------------------
 class Driver:
@@ -298,11 +274,11 @@ class Driver:
         policy: the cache policy.
         cache: the slot table it manages.
         transport: what moves the bytes (see :class:`Transport`).
-        counters: object holding the per-layer counters (default: a new :class:`Counters`).
+        counters: the :class:`~expertcast.inference.cache.counters.Counters` it increments (default: new ones).
         record_landings: keep ``(x, layer, expert)`` of every landing (see :class:`RecordedTransport`).
     """
 
-    def __init__(self, policy: Policy, cache: ExpertCache, transport: Transport, counters: Any = None,
+    def __init__(self, policy: Policy, cache: ExpertCache, transport: Transport, counters: Counters | None = None,
                  record_landings: bool = False):
         self.policy = policy
         self.cache = cache

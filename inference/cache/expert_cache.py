@@ -19,8 +19,10 @@ demand miss): no policy can keep more experts than the pool has slots.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 from expertcast.utils.errors import UsageError
@@ -45,10 +47,85 @@ POOLS = ("per-layer", "shared")
 EMPTY, USED, FETCH, COMPUTE = (int(s) for s in SlotState)
 
 
+@dataclass(frozen=True)
+class Budget:
+    """How many experts a cache keeps resident, with its unit: a fraction of all experts
+    (:meth:`fraction`), a slot count (:meth:`slots`: per layer, or in total for a shared pool) or explicit
+    per-layer slot counts (:meth:`per_layer`). Parsed once where a number or a flag enters (:meth:`parse`,
+    :meth:`from_flags`); :attr:`requested`, :attr:`tag` and :attr:`label` are how outputs and messages name it."""
+
+    kind: str
+    """``fraction``, ``slots`` or ``per-layer``."""
+    value: float | int | tuple[int, ...]
+
+    KINDS = ("fraction", "slots", "per-layer")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise UsageError(f"budget kind must be one of {self.KINDS}, got {self.kind!r}")
+
+    @classmethod
+    def fraction(cls, f: float) -> Budget:
+        """``f`` of all L*E experts: ``round(f * E)`` slots per layer, or ``round(f * L * E)`` shared slots."""
+        return cls("fraction", float(f))
+
+    @classmethod
+    def slots(cls, n: int) -> Budget:
+        """``n`` slots per layer (per-layer pool) or in total (shared pool)."""
+        return cls("slots", int(n))
+
+    @classmethod
+    def per_layer(cls, counts: Sequence[int]) -> Budget:
+        """Explicit per-layer slot counts [L] (per-layer pool only)."""
+        return cls("per-layer", tuple(int(v) for v in counts))
+
+    @classmethod
+    def parse(cls, value: Budget | float | int | Sequence[int]) -> Budget:
+        """A :class:`Budget` from the number form of the library API: a float is a fraction, an int a slot
+        count, a list per-layer counts (a Budget passes through)."""
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, (list, tuple, np.ndarray)):
+            return cls.per_layer(value)
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            return cls.slots(int(value))
+        if isinstance(value, (float, np.floating)):
+            return cls.fraction(float(value))
+        raise UsageError(f"a cache budget is a fraction (float), a slot count (int) or per-layer counts, got {value!r}")
+
+    @classmethod
+    def from_flags(cls, cap: Mapping[str, Any]) -> Budget:
+        """The Budget of a command's capacity flags as :func:`expertcast.commands.common.capacities_from_args`
+        gives them: ``{"capacity": f}`` (a fraction) or ``{"slots": n}``."""
+        if set(cap) == {"capacity"}:
+            return cls.fraction(cap["capacity"])
+        if set(cap) == {"slots"}:
+            return cls.slots(cap["slots"])
+        raise UsageError(f"a capacity is {{'capacity': fraction}} or {{'slots': count}}, got {dict(cap)!r}")
+
+    @property
+    def requested(self) -> float | int | list[int]:
+        """The budget as outputs record it (``capacity_requested``): the fraction, the count or the list."""
+        return list(self.value) if self.kind == "per-layer" else self.value  # type: ignore[arg-type]
+
+    @property
+    def tag(self) -> str:
+        """A short folder-safe name for output paths: ``c0.25``, ``s8`` or ``p2-4-3``."""
+        if self.kind == "fraction":
+            return f"c{self.value:g}"
+        return f"s{self.value}" if self.kind == "slots" else "p" + "-".join(map(str, self.value))  # type: ignore[arg-type]
+
+    @property
+    def label(self) -> str:
+        """``capacity 0.25``, ``slots=8`` or ``slots_per_layer``: how messages name it."""
+        if self.kind == "fraction":
+            return f"capacity {self.value:g}"
+        return f"slots={self.value}" if self.kind == "slots" else "slots_per_layer"
+
+
 @dataclass
 class CacheConfig:
-    """Shape and capacity of an expert cache. Give exactly one of ``capacity``, ``slots`` and
-    ``slots_per_layer``."""
+    """Shape and capacity of an expert cache."""
 
     num_layers: int
     """L: MoE layers."""
@@ -58,13 +135,8 @@ class CacheConfig:
     """K: experts selected per token per layer (the capacity rule's lower bound)."""
     pool: str = "per-layer"
     """``per-layer`` (one pool of B_l slots per layer) or ``shared`` (one pool for all layers)."""
-    capacity: float | None = None
-    """Fraction of all L*E experts kept resident: ``round(capacity * E)`` slots per layer, or
-    ``round(capacity * L * E)`` shared slots."""
-    slots: int | None = None
-    """Slots per layer (per-layer pool) or in total (shared pool)."""
-    slots_per_layer: list[int] | None = None
-    """Explicit per-layer budgets [L] (per-layer pool only)."""
+    budget: Budget | None = None
+    """The resident experts (:class:`Budget`; required)."""
     expert_bytes: int = 0
     """Bytes of one expert's weights (for MB/token and the cost model)."""
     allow_below_top_k: bool = False
@@ -80,31 +152,31 @@ class CacheConfig:
                              f"K={self.top_k}")
         if self.top_k > self.num_experts:
             raise UsageError(f"top-K {self.top_k} exceeds the number of experts {self.num_experts}")
-        given = [n for n in ("capacity", "slots", "slots_per_layer") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise UsageError(f"give exactly one of capacity, slots, slots_per_layer (got {given or 'none'})")
+        if not isinstance(self.budget, Budget):
+            raise UsageError(f"give the cache budget as a Budget (fraction, slots or per-layer), got {self.budget!r}")
         self._budgets = self._resolve()
 
     def _resolve(self) -> np.ndarray:
         L, E, K = self.num_layers, self.num_experts, self.top_k
-        if self.capacity is not None:
-            c = float(self.capacity)
+        b = self.budget
+        assert b is not None
+        what = b.label
+        if b.kind == "fraction":
+            c = float(b.value)  # type: ignore[arg-type]
             if not 0.0 < c <= 1.0:
                 raise UsageError(f"capacity is a fraction of all experts in (0, 1], got {c}")
             n = int(round(c * (E if self.pool == "per-layer" else L * E)))
-            what = f"capacity {c:g} of {'E=' + str(E) if self.pool == 'per-layer' else 'L*E=' + str(L * E)}"
+            what = f"{what} of {'E=' + str(E) if self.pool == 'per-layer' else 'L*E=' + str(L * E)}"
             budgets = np.full(L, n, np.int32) if self.pool == "per-layer" else np.array([n], np.int32)
-        elif self.slots is not None:
-            n = int(self.slots)
-            what = f"slots={n}"
+        elif b.kind == "slots":
+            n = int(b.value)  # type: ignore[arg-type]
             budgets = np.full(L, n, np.int32) if self.pool == "per-layer" else np.array([n], np.int32)
         else:
             if self.pool != "per-layer":
                 raise UsageError("slots_per_layer needs pool='per-layer'")
-            budgets = np.asarray(self.slots_per_layer, dtype=np.int32)
+            budgets = np.asarray(b.value, dtype=np.int32)
             if budgets.shape != (L,):
                 raise UsageError(f"slots_per_layer must list {L} budgets (one per MoE layer), got {budgets.shape[0]}")
-            what = "slots_per_layer"
         if self.pool == "per-layer":
             low = int(budgets.min())
             if self.allow_below_top_k and low < 1:

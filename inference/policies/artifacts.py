@@ -51,7 +51,7 @@ def load_cue_set(path: str | Path) -> Any:
 
 def load_tokenizer(name_or_path: str) -> Any:
     """The tokenizer decoding a policy's tokens (a model directory, preset or Hub id)."""
-    from expertcast.inference.saem.cues import load_tokenizer as load
+    from expertcast.models.tokenizer import load_tokenizer as load
 
     return load(str(name_or_path))
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference.cache.driver import CPU, SLOT, TEMP, Driver
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy, check_policy_compatible
 from expertcast.inference.policies import spec_of
 from expertcast.inference.runtime import experts as X
@@ -75,7 +75,8 @@ class OffloadedModel:
         model: a transformers-5 MoE causal LM (fused experts). Its expert weights are moved into the
             host store and released from the modules (``restore()`` puts them back).
         policy: a :class:`~expertcast.inference.cache.policy.Policy` (e.g. ``make_policy("lru")``).
-        capacity: fraction of all L*E experts (float) or slots (int); see :class:`CacheConfig`.
+        capacity: the resident experts, a :class:`~expertcast.inference.cache.expert_cache.Budget` (or its
+            number form, :meth:`Budget.parse`: a float is a fraction of all L*E experts, an int slots).
         pool: ``"per-layer"`` or ``"shared"``.
         device: compute device (default: the model's).
         link_gbps: CPU only: emulated host-device bandwidth for the transfer thread (None = memory speed).
@@ -99,7 +100,7 @@ class OffloadedModel:
             why is in :attr:`decode_path` / :attr:`decode_path_reason` (printed unless ``"eager"`` was asked).
     """
 
-    def __init__(self, model: nn.Module, policy: Policy, capacity: float | int, *, pool: str = "per-layer",
+    def __init__(self, model: nn.Module, policy: Policy, capacity: Budget | float | int, *, pool: str = "per-layer",
                  device: torch.device | str | None = None, link_gbps: float | None = None,
                  mmap_path: str | None = None, num_temp_slots: int = 2, future: Any = None,
                  store: HostExpertStore | None = None, cpu_exec_ms: Any = None, cpu_parallel: bool = True,
@@ -112,9 +113,9 @@ class OffloadedModel:
         self.K = int(_top_k_of(model))
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         layout = store.layout if store is not None else layout_of(mod0)
-        kw = {"capacity": float(capacity)} if isinstance(capacity, float) else {"slots": int(capacity)}
         self.cache_config = CacheConfig(num_layers=self.L, num_experts=self.E, top_k=self.K, pool=pool,
-                                        expert_bytes=layout.expert_bytes, **kw)  # capacity below top-K -> error
+                                        budget=Budget.parse(capacity),
+                                        expert_bytes=layout.expert_bytes)  # capacity below top-K -> error
         what = f"model {getattr(model.config, '_name_or_path', '') or type(model).__name__}"
         check_policy_compatible(policy, self.L, self.E, self.K, what)  # exports for another model -> error
         self.policy = policy

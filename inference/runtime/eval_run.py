@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from expertcast.inference.cache.counters import adj_hit_rate, hit_rate
 from expertcast.inference.cache.policy import MissAction, Policy
 
 
@@ -100,7 +101,7 @@ def batch_stats(om: Any, before: dict[str, Any], res: Any, wall: float) -> dict[
     return {
         "accesses": A, "demand_misses": D, "proactive_loads": P,
         "late_prefetches": int((st.late - before["late"]).sum()), "cpu_exec": int((st.cpu - before["cpu"]).sum()),
-        "hit": 1 - D / A if A else None, "adj_hit": (A - D) / (A + P) if A else None,
+        "hit": hit_rate(A, D) if A else None, "adj_hit": adj_hit_rate(A, D, P) if A else None,
         "decoded_tokens": tok, "decode_seconds": dec_s, "tokens_per_s": tok / dec_s if dec_s > 0 else None,
         "ttft_s": res.ttft_seconds, "stall_seconds": st.stall_seconds - before["stall_seconds"],
         "expert_bytes": om.layout.expert_bytes, "wall_seconds": wall,

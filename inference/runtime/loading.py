@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.runtime.store import (
     ExpertLayout,
     HostExpertStore,
@@ -466,10 +466,10 @@ def _config_and_dtype(model_dir: Path, dtype: str | torch.dtype | None, revision
 
 def _plan(model_dir: Path, model: nn.Module, refs: list[MoELayerRef], layout: ExpertLayout,
           tensors: dict[str, TensorEntry], expert_entries: dict[int, list[tuple[TensorEntry, ExpertTarget]]],
-          capacity: float | int, device: torch.device, pool: str, num_temp_slots: int, top_k: int) -> LoadPlan:
+          capacity: Budget, device: torch.device, pool: str, num_temp_slots: int, top_k: int) -> LoadPlan:
     L, E = len(refs), layout.num_experts
-    kw = {"capacity": float(capacity)} if isinstance(capacity, float) else {"slots": int(capacity)}
-    cc = CacheConfig(num_layers=L, num_experts=E, top_k=top_k, pool=pool, expert_bytes=layout.expert_bytes, **kw)
+    cc = CacheConfig(num_layers=L, num_experts=E, top_k=top_k, pool=pool, budget=capacity,
+                     expert_bytes=layout.expert_bytes)
     skip = _expert_param_ids(refs, layout)
     tensors_ = [*(p for p in model.parameters() if id(p) not in skip), *model.buffers()]
     non_expert = sum(t.numel() * t.element_size() for t in tensors_)  # as MemoryReport counts them
@@ -504,12 +504,12 @@ def _prepare(name_or_path, capacity, device, dtype, pool, num_temp_slots, revisi
     return model_dir, model, refs, layout, split, plan
 
 
-def plan_offload(name_or_path: str | os.PathLike, capacity: float | int, *, device: str | torch.device = "cpu",
+def plan_offload(name_or_path: str | os.PathLike, capacity: Budget | float | int, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype | None = "auto", pool: str = "per-layer", num_temp_slots: int = 2,
                  revision: str | None = None) -> LoadPlan:
-    """The sizes of offloading ``name_or_path`` at ``capacity`` (fraction of L*E, or int slots) on
-    ``device``, read from config.json and the safetensors headers (no weights)."""
-    return _prepare(name_or_path, capacity, device, dtype, pool, num_temp_slots, revision)[-1]
+    """The sizes of offloading ``name_or_path`` at ``capacity`` (a :class:`Budget`, or its number form: a
+    fraction of L*E, or int slots) on ``device``, read from config.json and the safetensors headers (no weights)."""
+    return _prepare(name_or_path, Budget.parse(capacity), device, dtype, pool, num_temp_slots, revision)[-1]
 
 
 def _place(model: nn.Module, key: str, value: torch.Tensor) -> None:
@@ -602,8 +602,8 @@ class OffloadOptions:
 
     policy: Any
     """The cache policy (``make_policy(...)``), reset to the model's cache configuration."""
-    capacity: float | int
-    """Resident experts: float = fraction of all L*E experts, int = number of slots."""
+    capacity: Budget
+    """Resident experts."""
     device: torch.device
     """Compute device: non-expert weights, slots and workspace live here."""
     pool: str = "per-layer"
@@ -642,7 +642,7 @@ class OffloadOptions:
                           source=source)
 
 
-def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float | int, *,
+def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budget | float | int, *,
                    device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "auto",
                    pool: str = "per-layer", link_gbps: float | None = None, mmap_path: str | os.PathLike | None = None,
                    num_temp_slots: int = 2, future: Any = None, cpu_exec_ms: Callable[[int], float] | None = None,
@@ -655,8 +655,8 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float
             stream: a tiny preset name (random init) or an adapter export (merged on load), built in
             host memory, then offloaded.
         policy, capacity, pool, link_gbps, num_temp_slots, future, cpu_exec_ms, decode_path: as
-            :class:`~expertcast.inference.runtime.engine.OffloadedModel` (capacity: float = fraction of
-            all L*E experts, int = slots); see :class:`OffloadOptions`.
+            :class:`~expertcast.inference.runtime.engine.OffloadedModel` (capacity: a :class:`Budget`, or its
+            number form: float = fraction of all L*E experts, int = slots); see :class:`OffloadOptions`.
         mmap_path: stream the packed experts into this store file and memory-map it (host RAM holds no
             copy beyond the page cache).
     Raises:
@@ -667,6 +667,7 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: float
     from expertcast.models.presets import get_preset, is_preset
 
     t0 = time.perf_counter()
+    capacity = Budget.parse(capacity)
     opts = OffloadOptions(policy, capacity, torch.device(device), pool=pool, link_gbps=link_gbps,
                           mmap_path=Path(mmap_path).expanduser() if mmap_path is not None else None,
                           num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms,

@@ -7,30 +7,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from expertcast.inference.cache.driver import COUNTER_NAMES
-from expertcast.inference.cache.metrics import CacheMetricsMixin
+from expertcast.inference.cache.counters import Counters
 
 
 @dataclass
-class RuntimeStats(CacheMetricsMixin):
-    """Counters of decode steps only (prefill is uncounted), per MoE layer int64 [L], plus timings.
+class RuntimeStats(Counters):
+    """The :class:`~expertcast.inference.cache.counters.Counters` of decode steps only (prefill is
+    uncounted), which the driver (:class:`expertcast.inference.cache.driver.Driver`) writes, plus timings.
 
-    Same names and meaning as :class:`expertcast.inference.sim.simulator.ReplayResult`; the driver
-    (:class:`expertcast.inference.cache.driver.Driver`) writes the counters.
+    Same counters and metrics as :class:`expertcast.inference.sim.simulator.ReplayResult`.
     """
 
-    num_layers: int
-    expert_bytes: int
-    accesses: np.ndarray = None  # type: ignore[assignment]
-    hits: np.ndarray = None  # type: ignore[assignment]
-    demand: np.ndarray = None  # type: ignore[assignment]
-    temp: np.ndarray = None  # type: ignore[assignment]
-    late: np.ndarray = None  # type: ignore[assignment]
-    cpu: np.ndarray = None  # type: ignore[assignment]
-    proactive: np.ndarray = None  # type: ignore[assignment]
-    dropped: np.ndarray = None  # type: ignore[assignment]
-    decoded_tokens: int = 0
-    decode_steps: int = 0
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     prefill_tokens: int = 0
@@ -41,16 +28,6 @@ class RuntimeStats(CacheMetricsMixin):
     """Host time blocked waiting for transfers (demand loads and late prefetches) in decode."""
     ttft_seconds: list[float] = field(default_factory=list)
     """Time to first token of each generate() call."""
-
-    def __post_init__(self) -> None:
-        for name in COUNTER_NAMES:
-            if getattr(self, name) is None:
-                setattr(self, name, np.zeros(self.num_layers, np.int64))
-
-    @property
-    def bytes_moved(self) -> int:
-        """Bytes copied host->device in decode (demand, temporary and proactive loads)."""
-        return (self.D + self.P) * self.expert_bytes
 
     @property
     def tokens_per_s(self) -> float:

@@ -514,43 +514,7 @@ def resolve_cue_set(cue_set: str | os.PathLike | None, model: str | os.PathLike 
                             f"{CUESET_FILENAME} in")
 
 
-_model_name_resolver: Callable[[str], str] | None = None
-"""The command layer's model resolver (:func:`set_model_name_resolver`), for tokenizers named by a model name."""
-
-
-def set_model_name_resolver(resolve: Callable[[str], str] | None) -> None:
-    """Register the one model-name resolver (``expertcast.commands.common`` registers
-    ``resolve_model``): :func:`load_tokenizer` then accepts what ``--model`` accepts, e.g. the ``tiny-default``
-    a cue set records as its tokenizer, wherever the cue set is read (``eval``, ``sweep``, ``simulate``)."""
-    global _model_name_resolver
-    _model_name_resolver = resolve
-
-
-def load_tokenizer(name_or_path: str) -> Any:
-    """The tokenizer of a model: the byte-level tokenizer for a tiny preset name, else transformers'
-    AutoTokenizer of a model folder or Hub id (remote code off). A bare name (no ``/``) that is neither a
-    preset nor an existing path goes through the registered model resolver first (:func:`set_model_name_resolver`)."""
-    from expertcast.models.presets import get_preset, is_preset
-
-    name = str(name_or_path)
-    if (_model_name_resolver is not None and not is_preset(name) and "/" not in name and os.sep not in name
-            and not Path(name).expanduser().exists()):  # a bare name (tiny-default); paths and Hub ids load as they are
-        name = str(_model_name_resolver(name))
-    if is_preset(name):
-        preset = get_preset(name)
-        if preset.size == "tiny":
-            from expertcast.models.tokenizer import byte_level_tokenizer
-
-            return byte_level_tokenizer()
-        name = preset.hub_id
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise FileNotFoundError(f"cannot load a tokenizer from {name!r}: {first}") from None
-
-
 def decoder_for(name_or_path: str) -> TokenDecoder:
+    from expertcast.models.tokenizer import load_tokenizer
+
     return TokenDecoder(load_tokenizer(name_or_path))

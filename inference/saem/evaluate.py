@@ -56,7 +56,7 @@ POLICIES = tuple(RUNS)
 
 
 def synthetic_cue_decoder(cue_token: int):
-    """Token decoder for :func:`expertcast.inference.sim.synthetic.staged_traces`: the cue token reads
+    """Token decoder for :func:`expertcast.data.synthetic.staged_traces`: the cue token reads
     " Wait", every other token " x"."""
 
     def dec(i: int) -> bytes:
@@ -214,9 +214,8 @@ def synthetic_runs() -> list[tuple[str, Any, np.ndarray, np.ndarray]]:
     ``synthetic``: every stage draws a profile different from the finished one (SAEM's premise
     violated); ``synthetic-drift``: a boundary swaps 2 of a layer's 8 hot experts (adjacent stages
     coherent). Calibration (static placement) uses 4 held-out sequences of the same generator run."""
+    from expertcast.data.synthetic import drifting_stage_traces, staged_traces
     from expertcast.inference.policies.static import selection_counts
-    from expertcast.inference.saem.synthetic import drifting_stage_traces
-    from expertcast.inference.sim.synthetic import staged_traces
 
     shape = dict(num_sequences=16, num_tokens=512, num_layers=8, num_experts=64, top_k=2, hot=8,
                  mean_stage_len=64.0, seed=1)

@@ -16,7 +16,6 @@ detections / detections, recall = matched gold changes / gold changes.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 import numpy as np
 from expertcast.inference.saem.stages import StageDetector
+from expertcast.utils.io import iter_jsonl
 
 STAGE_FUNCTIONS = ("plan_generation", "uncertainty_management", "self_checking")
 
@@ -65,12 +65,9 @@ def load_gold(path: str | os.PathLike, functions: Sequence[str] = STAGE_FUNCTION
     if not p.is_file():
         raise FileNotFoundError(f"gold file {p} does not exist (labeled40.jsonl of the shared data, cot/)")
     out = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if "thinking" not in row or "chunks" not in row:
-            raise ValueError(f"{p} line {n + 1}: a gold row needs 'thinking' and 'chunks' (sentence labels)")
+    for n, row in iter_jsonl(p):
+        if not isinstance(row, dict) or "thinking" not in row or "chunks" not in row:
+            raise ValueError(f"{p} line {n}: a gold row needs 'thinking' and 'chunks' (sentence labels)")
         text = row["thinking"]
         norm, idx = _normalize(text)
         pos, starts, gold, unaligned, prev_tag = 0, [], [], 0, None

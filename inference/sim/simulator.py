@@ -52,9 +52,9 @@ from expertcast.inference.cache.cost_model import (
     Event,
     ModelledTransport,
 )
+from expertcast.inference.cache.counters import Counters
 from expertcast.inference.cache.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
-from expertcast.inference.cache.metrics import CacheMetricsMixin
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.policies import kernels as K
 
@@ -176,23 +176,13 @@ def build_stream(meta: TraceMeta, sequences: Sequence[TraceSequence], batch_size
 # ------------------------------------------------------------------------------------------------
 # Results
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class ReplayResult(CacheMetricsMixin):
-    """Counters of one replay (decode steps only), per layer: int64 [L] each."""
+@dataclass(kw_only=True)
+class ReplayResult(Counters):
+    """The :class:`~expertcast.inference.cache.counters.Counters` of one replay (decode steps only), plus
+    the cost model's timings."""
 
-    accesses: np.ndarray
-    hits: np.ndarray
-    demand: np.ndarray
-    temp: np.ndarray
-    late: np.ndarray
-    cpu: np.ndarray
-    proactive: np.ndarray
-    dropped: np.ndarray
     stall_ms: float
     compute_ms: float
-    decoded_tokens: int
-    decode_steps: int
-    expert_bytes: int
     engine: str
     seconds: float = 0.0
     resident: set[tuple[int, int]] | None = None
@@ -200,16 +190,11 @@ class ReplayResult(CacheMetricsMixin):
     landings: list[tuple[int, int, int]] | None = None
     """``(x, layer, expert)`` of every landing (``replay(..., record_landings=True)``)."""
 
-    @property
-    def per_layer_hit(self) -> list[float]:
-        acc = np.maximum(self.accesses, 1)
-        return [float(v) for v in 1.0 - self.demand / acc]
-
     def metrics(self) -> dict[str, Any]:
         total = self.compute_ms + self.stall_ms
         return {
             **self.counter_metrics(),
-            "resident_hit": int(self.hits.sum()) / self.A if self.A else float("nan"),
+            "resident_hit": self.resident_hit,
             "adj_hit": self.adj_hit,
             "mb_per_token": self.mb_per_token,
             "decoded_tokens": self.decoded_tokens,
@@ -253,7 +238,8 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
     xbytes = _expert_bytes(config, cost)
     if transport is None:
         transport = ModelledTransport(cost, L, xbytes, record_timeline)
-    driver = Driver(policy, ExpertCache(config), transport, record_landings=record_landings)
+    counters = Counters(L, xbytes, decoded_tokens=stream.decoded_tokens, decode_steps=int(stream.step_counted.sum()))
+    driver = Driver(policy, ExpertCache(config), transport, counters, record_landings=record_landings)
     driver.reset(stream)
     seqs = stream.sequences
     if seqs and hasattr(policy, "prepare_sequences"):
@@ -278,12 +264,9 @@ def replay(stream: AccessStream, policy: Policy, config: CacheConfig, cost: Cost
             driver.run_layer(layer, sel, cnt, routing)
         if seqs:
             driver.end_step(_fed_tokens(info, members))
-    c = driver.counters
-    return ReplayResult(c.accesses, c.hits, c.demand, c.temp, c.late, c.cpu, c.proactive, c.dropped,
-                        transport.stall_ms, transport.compute_ms, stream.decoded_tokens,
-                        int(stream.step_counted.sum()), xbytes, "python", time.perf_counter() - t0,
-                        driver.cache.resident_set(), transport.timeline,
-                        driver.landings if record_landings else None)
+    return ReplayResult(**counters.counts(), stall_ms=transport.stall_ms, compute_ms=transport.compute_ms,
+                        engine="python", seconds=time.perf_counter() - t0, resident=driver.cache.resident_set(),
+                        timeline=transport.timeline, landings=driver.landings if record_landings else None)
 
 
 def _member_routing(info: StepInfo, members: Sequence[TraceSequence], layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -335,8 +318,9 @@ def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
     compute_total = float(compute.sum()) * n_steps
     stall = float(miss.sum()) * cost.transfer_ms(xbytes)  # demand transfers only, each exposed
     res = {(int(i) // E, int(i) % E) for i in np.flatnonzero(resident)}
-    return ReplayResult(acc, hit, miss, temp, z(), z(), z(), z(), stall, compute_total, stream.decoded_tokens,
-                        n_steps, xbytes, "kernel", seconds, res, None)
+    return ReplayResult(L, xbytes, accesses=acc, hits=hit, demand=miss, temp=temp, decoded_tokens=stream.decoded_tokens,
+                        decode_steps=n_steps, stall_ms=stall, compute_ms=compute_total, engine="kernel",
+                        seconds=seconds, resident=res)
 
 
 def replay_ceiling(stream: AccessStream, config: CacheConfig, cost: CostConfig | None = None) -> ReplayResult:
@@ -355,10 +339,9 @@ def replay_ceiling(stream: AccessStream, config: CacheConfig, cost: CostConfig |
     seconds = time.perf_counter() - t0
     n_steps = int(stream.step_counted.sum())
     miss = acc - hit
-    z = np.zeros(L, np.int64)
-    return ReplayResult(acc, hit, miss, z, z.copy(), z.copy(), z.copy(), z.copy(),
-                        float(miss.sum()) * cost.transfer_ms(xbytes), float(cost.compute_ms(L).sum()) * n_steps,
-                        stream.decoded_tokens, n_steps, xbytes, "ceiling", seconds)
+    return ReplayResult(L, xbytes, accesses=acc, hits=hit, demand=miss, decoded_tokens=stream.decoded_tokens,
+                        decode_steps=n_steps, stall_ms=float(miss.sum()) * cost.transfer_ms(xbytes),
+                        compute_ms=float(cost.compute_ms(L).sum()) * n_steps, engine="ceiling", seconds=seconds)
 
 
 def replay_static(stream: AccessStream, policy, config: CacheConfig, cost: CostConfig | None = None) -> ReplayResult:
@@ -384,22 +367,20 @@ def replay_static(stream: AccessStream, policy, config: CacheConfig, cost: CostC
     compute = cost.compute_ms(L)
     n_steps = int(stream.step_counted.sum())
     compute_total = float(compute.sum()) * n_steps
-    z = np.zeros(L, np.int64)
+    base = Counters(L, xbytes, accesses=acc, hits=hit, decoded_tokens=stream.decoded_tokens, decode_steps=n_steps)
     if policy.miss == "cpu":
         cpu_cost = np.where(is_hit, 0.0, cost.cpu_expert_ms + stream.counts * cost.cpu_token_ms)
         cum = np.concatenate([[0.0], np.cumsum(cpu_cost)])
         per_exec = cum[stream.exec_ptr[1:]] - cum[stream.exec_ptr[:-1]]
         over = np.maximum(per_exec - np.tile(compute, stream.num_steps), 0.0)
         stall = float(over[counted_exec].sum())
-        res = ReplayResult(acc, hit, z.copy(), z.copy(), z.copy(), miss, z.copy(), z.copy(), stall, compute_total,
-                           stream.decoded_tokens, n_steps, xbytes, "static", 0.0)
+        base.cpu = miss
     else:
         stall = float(miss.sum()) * cost.transfer_ms(xbytes)
-        res = ReplayResult(acc, hit, miss, miss.copy(), z.copy(), z.copy(), z.copy(), z.copy(), stall, compute_total,
-                           stream.decoded_tokens, n_steps, xbytes, "static", 0.0)
-    res.seconds = time.perf_counter() - t0
-    res.resident = {(int(a), int(b)) for a, b in zip(*np.nonzero(placed), strict=True)}
-    return res
+        base.demand, base.temp = miss, miss.copy()
+    return ReplayResult(**base.counts(), stall_ms=stall, compute_ms=compute_total, engine="static",
+                        seconds=time.perf_counter() - t0,
+                        resident={(int(a), int(b)) for a, b in zip(*np.nonzero(placed), strict=True)})
 
 
 def run_policy(stream: AccessStream, policy: Policy, config: CacheConfig, cost: CostConfig | None = None,
@@ -463,8 +444,9 @@ def _load(traces) -> tuple[TraceMeta, list[TraceSequence]]:
 def cache_configs(meta: TraceMeta, capacities: Sequence[Any] | None = None, pool: str = "per-layer",
                   slots_per_layer: Sequence[int] | None = None,
                   allow_below_top_k: bool = False) -> list[tuple[Any, CacheConfig]]:
-    """(requested capacity, CacheConfig) for each capacity: a float is a fraction of L*E, an int is
-    slots (per layer or shared), a list is per-layer budgets; ``slots_per_layer`` values are uniform
+    """(requested capacity, CacheConfig) for each capacity: a :class:`Budget`, or its number form
+    (:meth:`Budget.parse`: a float is a fraction of L*E, an int is slots per layer or shared, a list is
+    per-layer budgets); ``slots_per_layer`` values are uniform
     per-layer budgets (per-layer pool). ``allow_below_top_k``: see :class:`CacheConfig`."""
     common = dict(num_layers=meta.num_layers, num_experts=meta.num_experts, top_k=meta.top_k,
                   expert_bytes=meta.expert_bytes, allow_below_top_k=allow_below_top_k)
@@ -473,14 +455,10 @@ def cache_configs(meta: TraceMeta, capacities: Sequence[Any] | None = None, pool
         if pool != "per-layer":
             raise ValueError("--slots-per-layer gives per-layer budgets: use pool='per-layer'")
         for b in slots_per_layer:
-            out.append((int(b), CacheConfig(pool="per-layer", slots=int(b), **common)))
+            out.append((int(b), CacheConfig(pool="per-layer", budget=Budget.slots(int(b)), **common)))
     for c in capacities or ():
-        if isinstance(c, (list, tuple, np.ndarray)):
-            out.append((list(c), CacheConfig(pool=pool, slots_per_layer=[int(v) for v in c], **common)))
-        elif isinstance(c, (int, np.integer)) and not isinstance(c, bool):
-            out.append((int(c), CacheConfig(pool=pool, slots=int(c), **common)))
-        else:
-            out.append((float(c), CacheConfig(pool=pool, capacity=float(c), **common)))
+        budget = Budget.parse(c)
+        out.append((budget.requested, CacheConfig(pool=pool, budget=budget, **common)))
     if not out:
         raise ValueError("no capacity given")
     return out
@@ -495,7 +473,7 @@ def simulate(traces, policies: Sequence[str | Policy], capacities: Sequence[Any]
 
     Args:
         traces: a trace directory (``data.traces.load_traces``), a ``(TraceMeta, [TraceSequence])`` tuple
-            or an object with ``.meta`` and ``.sequences`` (e.g. :mod:`expertcast.inference.sim.synthetic`).
+            or an object with ``.meta`` and ``.sequences`` (e.g. :mod:`expertcast.data.synthetic`).
         policies: registry names with options (``"lrfu:lam=0.1"``, ``"belady-k:k=8"``) or Policy objects
             (a Policy object is reset and reused for every capacity).
         capacities: fractions of L*E (floats), slot counts (ints) or per-layer budget lists.

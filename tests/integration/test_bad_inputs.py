@@ -20,9 +20,9 @@ ROWS: list[tuple[str, str, int, str]] = []
 def work(tmp_path_factory) -> Path:
     """A folder with a small trace set, a trace set with no decode tokens, a foreign folder, bad imports
     and a cue set of another model."""
+    from expertcast.data.synthetic import zipf_traces
     from expertcast.data.trace_format import TraceSequence
     from expertcast.data.traces import write_traces
-    from expertcast.inference.sim.synthetic import zipf_traces
 
     w = tmp_path_factory.mktemp("bad-inputs")
     tr = zipf_traces(num_sequences=3, num_tokens=24, num_layers=2, num_experts=8, top_k=2)

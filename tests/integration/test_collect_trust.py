@@ -158,12 +158,12 @@ def test_a_local_model_directory_is_identified_by_its_content(tmp_path, capsys, 
     out = tmp_path / "t"
     assert _collect(out, "--limit", "1", "--model", str(model)) == 0
     run = read_manifest(out)["run"]["model"]
-    assert set(run) == {"local_sha256"}
+    assert set(run) == {"path", "files_sha256"} and run["path"] == str(model.resolve())
     assert json.loads((tmp_path / "cache" / "sha256-cache.json").read_text())  # per-file digests cached
     save_tiny(MODEL, model, seed=1)  # other weights in the same folder
     capsys.readouterr()
     assert _collect(out, "--limit", "1", "--model", str(model)) == 2
-    _one_line_error(capsys, "model: {\"local_sha256\"")
+    _one_line_error(capsys, "model: {\"", "files_sha256")
 
 
 def _rows_file(path: Path, rows: list[dict]) -> Path:

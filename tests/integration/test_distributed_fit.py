@@ -69,8 +69,8 @@ def test_ddp_router_fit_writes_one_export_that_loads_and_generates(tmp_path):
 
 @pytest.fixture(scope="module")
 def full_window_traces(tmp_path_factory) -> Path:
+    from expertcast.data.synthetic import ModeMarkovProcess
     from expertcast.data.traces import write_traces
-    from expertcast.train.forecaster_synthetic import ModeMarkovProcess
 
     proc = ModeMarkovProcess.random(num_modes=6, num_layers=2, num_experts=8, top_k=2, seed=0)
     seqs, _ = proc.sample(24, 42, prompt_len=6, seed=1)  # 42 tokens: every window of 8 has 8 targets

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from expertcast.commands import fit as fit_cmd
+from expertcast.data.synthetic import ModeMarkovProcess
 from expertcast.data.trace_format import sequences_fingerprint
 from expertcast.data.traces import load_traces, write_traces
 from expertcast.models.forecaster_export import load_forecaster, training_ids
-from expertcast.train.forecaster_synthetic import ModeMarkovProcess
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_NAME = re.compile(r"forecaster-tiny-\d{8}-\d{6}-[0-9a-f]{8}(-\d+)?")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from expertcast.data.synthetic import ModeMarkovProcess
 from expertcast.data.traces import write_traces
 from expertcast.models.forecaster_export import load_forecaster
-from expertcast.train.forecaster_synthetic import ModeMarkovProcess
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 import torch
-from expertcast.inference.cache.driver import COUNTER_NAMES
+from expertcast.inference.cache.counters import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
+from expertcast.inference.runtime.checks import check_policy
 from expertcast.inference.runtime.engine import OffloadedModel
-from expertcast.inference.sim.synthetic import check_policy
 from expertcast.models.presets import build_tiny
 
 pytestmark = pytest.mark.gpu

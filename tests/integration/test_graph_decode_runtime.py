@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 from expertcast.data.trace_format import TraceMeta
-from expertcast.inference.cache.driver import COUNTER_NAMES
+from expertcast.inference.cache.counters import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.async_forecast import ForecastWorker
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.runtime.graph.aot import AOTLayer
 from expertcast.inference.sim.simulator import build_stream, replay
-from expertcast.inference.sim.synthetic import untrained_forecaster
+from expertcast.models.forecaster import untrained_forecaster
 from expertcast.models.presets import build_tiny
 
 torch.set_num_threads(1)

@@ -66,8 +66,8 @@ def test_torchrun_script_resumes_a_run_directory_that_holds_a_run(tmp_path):
 def test_torchrun_script_fits_the_tiny_config_on_two_cpu_processes(tmp_path):
     """The script itself with 2 CPU ranks and a few steps (the equality of a 2-process and a 1-process fit is
     tests/integration/test_distributed_fit.py's)."""
+    from expertcast.data.synthetic import ModeMarkovProcess
     from expertcast.data.traces import write_traces
-    from expertcast.train.forecaster_synthetic import ModeMarkovProcess
 
     proc = ModeMarkovProcess.random(num_modes=6, num_layers=2, num_experts=8, top_k=2, seed=0)
     seqs, _ = proc.sample(16, 40, prompt_len=6, seed=1)

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from expertcast.inference.cache.driver import COUNTER_NAMES, RecordedTransport
+from expertcast.inference.cache.counters import COUNTER_NAMES
+from expertcast.inference.cache.driver import RecordedTransport
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.runtime.live_routers import LiveRouterScores

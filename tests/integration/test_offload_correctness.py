@@ -151,7 +151,7 @@ def test_runtime_counters_equal_simulator(pool, cap):
 def test_forced_routing_replay_matches_simulator():
     """Replay of recorded traces on a random-weight model of the same shape: the runtime's counters
     equal the simulator's, and the model's own routing is replaced by the trace's."""
-    from expertcast.inference.sim.synthetic import zipf_traces
+    from expertcast.data.synthetic import zipf_traces
 
     model = build_tiny("olmoe-tiny", seed=7)
     L, K = 2, 4

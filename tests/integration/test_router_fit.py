@@ -54,7 +54,8 @@ def test_reload_and_live_routers_on_the_fitted_export(fitted):
     router-full live in the runtime: the same greedy tokens as full load, proactive loads issued, and the
     simulator replaying the recorded run (routing and router outputs) ends with equal counters."""
     from expertcast.data.trace_format import TraceMeta
-    from expertcast.inference.cache.driver import COUNTER_NAMES, RecordedTransport
+    from expertcast.inference.cache.counters import COUNTER_NAMES
+    from expertcast.inference.cache.driver import RecordedTransport
     from expertcast.inference.policies import make_policy
     from expertcast.inference.runtime.engine import OffloadedModel
     from expertcast.inference.runtime.live_routers import LiveRouterScores

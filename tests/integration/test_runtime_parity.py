@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 from expertcast.data.trace_format import TraceMeta
-from expertcast.inference.cache.driver import COUNTER_NAMES, RecordedTransport
+from expertcast.inference.cache.counters import COUNTER_NAMES
+from expertcast.inference.cache.driver import RecordedTransport
 from expertcast.inference.policies import make_policy, registry, spec_of
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.runtime.engine import OffloadedModel

@@ -46,8 +46,8 @@ IDS = torch.tensor([[5, 17, 99, 3, 250, 41, 8, 77]])
 @pytest.mark.parametrize("kind", ["merged", "adapter"])
 def test_export_loads_as_the_trained_backbone(exports, kind):
     from expertcast.models.backbone import load_moe_config, load_moe_model
+    from expertcast.models.names import resolve_model
     from expertcast.models.presets import build_tiny
-    from expertcast.train.model_names import resolve_model
 
     d, module = exports[kind]
     info = json.loads((d / "export.json").read_text())
@@ -83,8 +83,8 @@ def test_adapter_over_other_base_weights_is_refused(tmp_path):
     m = _trained_module(str(base), merge=False)
     d = m.export(tmp_path / "export")
     rec = json.loads((d / "export.json").read_text())["base"]
-    assert rec["path"] == str(base.resolve()) and len(rec["weights_sha256"]) == 64
+    assert rec["path"] == str(base.resolve()) and len(rec["files_sha256"]) == 64
     torch.testing.assert_close(_logits(load_moe_model(d)[0], IDS), _logits(m.backbone, IDS), rtol=1e-4, atol=1e-4)
     save_tiny("qwen3_moe-tiny", base, seed=1)  # the base folder now holds other weights
-    with pytest.raises(UsageError, match="weights_sha256"):
+    with pytest.raises(UsageError, match="files_sha256"):
         load_moe_model(d)

@@ -4,38 +4,40 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache, SlotState
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache, SlotState
 
 
 def test_capacity_resolution_per_layer_and_shared():
-    c = CacheConfig(48, 128, 8, capacity=0.15)
+    c = CacheConfig(48, 128, 8, budget=Budget.fraction(0.15))
     assert c.uniform_slots_per_layer == 19 and c.total_slots == 48 * 19
-    s = CacheConfig(48, 128, 8, pool="shared", capacity=0.15)
+    s = CacheConfig(48, 128, 8, pool="shared", budget=Budget.fraction(0.15))
     assert s.total_slots == round(0.15 * 48 * 128) and s.pool_of_layer.tolist() == [0] * 48
-    b = CacheConfig(3, 16, 2, slots_per_layer=[2, 4, 3])
+    b = CacheConfig(3, 16, 2, budget=Budget.per_layer([2, 4, 3]))
     assert b.pool_capacities.tolist() == [2, 4, 3] and b.uniform_slots_per_layer is None
     assert b.fraction == pytest.approx(9 / 48)
 
 
 def test_capacity_errors_name_the_problem():
     with pytest.raises(ValueError, match="gives 1 slots per layer, below top-K=2"):
-        CacheConfig(2, 16, 2, capacity=0.05)
+        CacheConfig(2, 16, 2, budget=Budget.fraction(0.05))
     with pytest.raises(ValueError, match="gives 3 shared slots, below top-K=4"):
-        CacheConfig(2, 16, 4, pool="shared", slots=3)
+        CacheConfig(2, 16, 4, pool="shared", budget=Budget.slots(3))
     with pytest.raises(ValueError, match="below top-K=2"):
-        CacheConfig(3, 16, 2, slots_per_layer=[2, 1, 2])
+        CacheConfig(3, 16, 2, budget=Budget.per_layer([2, 1, 2]))
     with pytest.raises(ValueError, match="must list 3 budgets"):
-        CacheConfig(3, 16, 2, slots_per_layer=[2, 2])
-    with pytest.raises(ValueError, match="exactly one"):
-        CacheConfig(3, 16, 2, capacity=0.5, slots=4)
+        CacheConfig(3, 16, 2, budget=Budget.per_layer([2, 2]))
+    with pytest.raises(ValueError, match="give the cache budget"):
+        CacheConfig(3, 16, 2)
+    with pytest.raises(ValueError, match="give the cache budget"):
+        CacheConfig(3, 16, 2, budget=0.5)  # a bare number has no unit: Budget.fraction / Budget.slots
     with pytest.raises(ValueError, match="more than E=16"):
-        CacheConfig(3, 16, 2, slots=17)
+        CacheConfig(3, 16, 2, budget=Budget.slots(17))
     with pytest.raises(ValueError, match="pool must be"):
-        CacheConfig(3, 16, 2, pool="global", slots=4)
+        CacheConfig(3, 16, 2, pool="global", budget=Budget.slots(4))
 
 
 def test_slot_table_states_and_protection():
-    cache = ExpertCache(CacheConfig(2, 8, 1, slots=2))
+    cache = ExpertCache(CacheConfig(2, 8, 1, budget=Budget.slots(2)))
     assert cache.num_slots == 4 and cache.pool_of(1) == 1
     s0 = cache.take_free_slot(0)
     cache.assign(s0, 0, 3, SlotState.USED)
@@ -54,7 +56,7 @@ def test_slot_table_states_and_protection():
 
 
 def test_evict_and_reuse_slot():
-    cache = ExpertCache(CacheConfig(2, 8, 1, pool="shared", slots=2))
+    cache = ExpertCache(CacheConfig(2, 8, 1, pool="shared", budget=Budget.slots(2)))
     a = cache.take_free_slot(0)
     cache.assign(a, 1, 7, SlotState.USED)
     s = cache.evict(1, 7)
@@ -63,3 +65,20 @@ def test_evict_and_reuse_slot():
     assert cache.resident_set() == {(0, 2)}
     with pytest.raises(ValueError, match="already holds"):
         cache.assign(cache.take_free_slot(0), 0, 2, SlotState.USED)
+
+
+def test_budget_carries_its_unit():
+    assert Budget.parse(0.25) == Budget.fraction(0.25) and Budget.parse(8) == Budget.slots(8)
+    assert Budget.parse([2, 4, 3]) == Budget.per_layer([2, 4, 3]) and Budget.parse(Budget.slots(3)) == Budget.slots(3)
+    assert Budget.from_flags({"capacity": 0.25}) == Budget.fraction(0.25)
+    assert Budget.from_flags({"slots": 8}) == Budget.slots(8)
+    with pytest.raises(ValueError, match="'capacity': fraction"):
+        Budget.from_flags({"capacity": 0.25, "slots": 8})
+    with pytest.raises(ValueError, match="a cache budget is"):
+        Budget.parse("0.25")
+    assert [b.requested for b in (Budget.fraction(0.25), Budget.slots(8), Budget.per_layer([2, 4]))] == \
+        [0.25, 8, [2, 4]]
+    assert [b.tag for b in (Budget.fraction(0.25), Budget.slots(8), Budget.per_layer([2, 4]))] == \
+        ["c0.25", "s8", "p2-4"]
+    assert CacheConfig(48, 128, 8, budget=Budget.fraction(0.15)).total_slots == \
+        CacheConfig(48, 128, 8, budget=Budget.slots(19)).total_slots

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.sim.simulator import build_stream, replay, replay_ceiling, run_policy, simulate
@@ -71,7 +71,7 @@ def cases(draw, small: bool = False):
     hi = E if pool == "per-layer" else L * E
     slots = draw(st.integers(K, min(hi, K + 2) if small else hi))
     batch = draw(st.integers(1, 2))
-    return TraceMeta("prop", L, E, K, expert_bytes=1), seqs, CacheConfig(L, E, K, pool=pool, slots=slots), batch
+    return TraceMeta("prop", L, E, K, expert_bytes=1), seqs, CacheConfig(L, E, K, pool=pool, budget=Budget.slots(slots)), batch
 
 
 @settings(max_examples=60, deadline=None)
@@ -120,7 +120,7 @@ def test_real_routing_every_demand_only_policy_under_the_ceiling(data_dir, pool,
     for r in recs:
         assert r["belady_fraction"] <= 1.0, r["policy"]
     stream = build_stream(meta, seqs, batch_size=batch)
-    cfg = CacheConfig(L, E, meta.top_k, pool=pool, capacity=0.45)
+    cfg = CacheConfig(L, E, meta.top_k, pool=pool, budget=Budget.fraction(0.45))
     if pool == "per-layer":  # the router policies manage per-layer pools
         rt = replay(stream, make_policy("router-temporal", replay=routers), cfg)
         assert rt.proactive.sum() == 0 and rt.hit <= replay_ceiling(stream, cfg).hit

@@ -25,8 +25,8 @@ ON_CPU = ["--trainer.accelerator", "cpu", "--trainer.devices", "1"]
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> Path:
+    from expertcast.data.synthetic import ModeMarkovProcess
     from expertcast.data.traces import write_traces
-    from expertcast.train.forecaster_synthetic import ModeMarkovProcess
 
     proc = ModeMarkovProcess.random(num_modes=4, num_layers=2, num_experts=8, top_k=2, seed=0)
     seqs, _ = proc.sample(12, 24, prompt_len=4, seed=0)

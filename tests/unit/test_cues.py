@@ -175,7 +175,7 @@ def test_cue_set_model_check_names_both_models(tmp_path):
 
 
 def test_load_tokenizer_of_a_preset_needs_no_hub():
-    from expertcast.inference.saem.cues import load_tokenizer
+    from expertcast.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer("qwen3_moe-tiny")
     assert tok.decode(tok.encode("Wait, so", add_special_tokens=False)) == "Wait, so"
@@ -183,20 +183,19 @@ def test_load_tokenizer_of_a_preset_needs_no_hub():
         load_tokenizer("/nonexistent/tokenizer-folder")
 
 
-def test_load_tokenizer_resolves_a_bare_model_name_through_the_registered_resolver(monkeypatch, tmp_path):
+def test_load_tokenizer_resolves_the_default_model_name_through_the_one_resolver(monkeypatch, tmp_path):
     """A cue set records its tokenizer as --model named it (`tiny-default`); eval, sweep and simulate read it
-    through the command layer's resolver (registered by expertcast.commands.common)."""
-    import expertcast.commands.common  # noqa: F401  (registers resolve_model)
-    from expertcast.inference.saem import cues
-
-    assert cues._model_name_resolver is not None
+    through the one model resolver (expertcast.models.names), which names the default's last build."""
     from expertcast.models.backbone import save_tiny
+    from expertcast.models.names import record_default_model
+    from expertcast.models.tokenizer import load_tokenizer
 
+    monkeypatch.setenv("EXPERTCAST_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match="expertcast build-default"):  # nothing built yet
+        load_tokenizer("tiny-default")
     folder = save_tiny("qwen3_moe-tiny", tmp_path / "m")
-    seen = []
-    monkeypatch.setattr(cues, "_model_name_resolver", lambda n: seen.append(n) or str(folder))
-    tok = cues.load_tokenizer("my-alias")
-    assert seen == ["my-alias"] and tok.decode(tok.encode("Wait, so", add_special_tokens=False)) == "Wait, so"
-    with pytest.raises(FileNotFoundError, match="cannot load a tokenizer from"):  # paths are not resolved
-        cues.load_tokenizer("/nonexistent/tokenizer-folder")
-    assert seen == ["my-alias"]
+    record_default_model(folder)
+    tok = load_tokenizer("tiny-default")
+    assert tok.decode(tok.encode("Wait, so", add_special_tokens=False)) == "Wait, so"
+    with pytest.raises(FileNotFoundError, match="cannot load a tokenizer from"):  # a missing path stays missing
+        load_tokenizer("/nonexistent/tokenizer-folder")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from expertcast.commands.forecast_eval import main
+from expertcast.data.synthetic import zipf_traces
 from expertcast.data.traces import write_traces
-from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.forecaster_export import save_forecaster
 from expertcast.utils.outdir import claim_output_dir

@@ -6,11 +6,11 @@ from __future__ import annotations
 import lightning as pl
 import pytest
 import torch
+from expertcast.data.synthetic import StickyRoutingProcess
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.forecaster_export import load_forecaster, save_forecaster
 from expertcast.train.forecaster_data import ForecasterDataModule
 from expertcast.train.forecaster_module import RESIDUAL_GRID, ForecasterModule, ResidualScaleFit
-from expertcast.train.forecaster_synthetic import StickyRoutingProcess
 
 torch.set_num_threads(1)
 

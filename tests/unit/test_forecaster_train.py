@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from expertcast.data.synthetic import ModeMarkovProcess
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import activation_vector, trigger_sequence
 from expertcast.models.forecaster_recall import evaluate, fit_baselines
@@ -14,8 +15,7 @@ from expertcast.train.forecaster_data import (
     ForecastWindows,
     split_sequences,
 )
-from expertcast.train.forecaster_module import kl_loss, ranking_loss, recall_at
-from expertcast.train.forecaster_synthetic import ModeMarkovProcess, fit_forecaster
+from expertcast.train.forecaster_module import fit_forecaster, kl_loss, ranking_loss, recall_at
 from expertcast.utils.provenance import split_of
 
 torch.set_num_threads(1)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from expertcast.data.synthetic import StickyRoutingProcess
 from expertcast.models.forecaster_recall import _frequency
 from expertcast.train.forecaster_data import ForecasterDataModule, training_subset
-from expertcast.train.forecaster_synthetic import StickyRoutingProcess
 from expertcast.train.generalisation import (
     in_domain_split,
     margin_over_online,

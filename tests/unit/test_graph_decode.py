@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from expertcast.inference.cache.driver import COUNTER_NAMES
+from expertcast.inference.cache.counters import COUNTER_NAMES
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.runtime.graph.path import choose_decode_path
@@ -42,7 +42,7 @@ def test_support_is_the_public_device_step():
     from expertcast.inference.policies.classic import LRUPolicy
     from expertcast.inference.policies.device import EVICT_FORECAST, EVICT_RECENCY
     from expertcast.inference.runtime.graph.path import device_program_of
-    from expertcast.inference.sim.synthetic import untrained_forecaster
+    from expertcast.models.forecaster import untrained_forecaster
 
     fc = untrained_forecaster(2, 16, 4)
     lru = device_program_of(make_policy("lru"))

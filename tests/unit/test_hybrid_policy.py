@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache, SlotState
+from expertcast.data import synthetic
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.hybrid import HybridPolicy, parse_parts
 from expertcast.inference.policies.prefetch import chance_level, expected_benefit, generate_tasks
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
-from expertcast.inference.sim import synthetic
 from expertcast.inference.sim.simulator import simulate
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.utils.errors import UsageError
@@ -44,7 +44,7 @@ def _spread_policy(rule: str) -> tuple[SeqMoEPolicy, ExpertCache]:
     """A policy holding a spread forecast (two favourites per layer at 0.3, the rest at 0.15; chance K/E = 0.25)
     and an empty cache of 3 slots per layer."""
     pol = SeqMoEPolicy(SeqMoEPolicy.Options(prefetch_rule=rule), forecaster=_forecaster())
-    cfg = CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="per-layer", slots=3)
+    cfg = CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="per-layer", budget=Budget.slots(3))
     pol.reset(cfg)
     cache = ExpertCache(cfg)
     F = np.full((pol.horizon, L, E), 0.15)
@@ -155,7 +155,7 @@ def test_routers_part_without_scores_is_refused_at_the_first_batch_and_auto_gain
         simulate(tr, [pol], [0.5], progress=False, belady_fraction=False)
     rp = _oracle_replay(tr)
     auto = make_policy("hybrid", forecaster=fc, parts="auto", prefetch=False)
-    auto.reset(CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="per-layer", capacity=0.5))
+    auto.reset(CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="per-layer", budget=Budget.fraction(0.5)))
     assert auto.parts == ("forecast",) and not auto.routers_explicit
     auto.use_routers(rp)  # after reset, as the runtime does: the new part is reset too
     assert auto.parts == ("forecast", "routers") and auto.replay is rp and not auto.routers_explicit

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from expertcast.data.synthetic import markov_traces, random_traces, zipf_traces
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.policies import available_policies, make_policy
 from expertcast.inference.sim.simulator import build_stream, replay, replay_kernel
-from expertcast.inference.sim.synthetic import markov_traces, random_traces, zipf_traces
 
 lcs = pytest.importorskip("libcachesim")
 
@@ -84,7 +84,7 @@ def test_lru_per_layer_equals_libcachesim(name, slots):
     tr = TRACES[name]()
     m = tr.meta
     stream = build_stream(m, tr.sequences)
-    cfg = CacheConfig(m.num_layers, m.num_experts, m.top_k, pool="per-layer", slots=slots)
+    cfg = CacheConfig(m.num_layers, m.num_experts, m.top_k, pool="per-layer", budget=Budget.slots(slots))
     res = replay_kernel(stream, make_policy("lru"), cfg)
     for layer in range(m.num_layers):
         assert res.hits[layer] == lcs_lru_protect_hits(stream, [layer], slots, m.num_experts), (name, layer)
@@ -98,7 +98,7 @@ def test_lru_shared_pool_equals_libcachesim(name):
     m = tr.meta
     stream = build_stream(m, tr.sequences)
     slots = 10
-    cfg = CacheConfig(m.num_layers, m.num_experts, m.top_k, pool="shared", slots=slots)
+    cfg = CacheConfig(m.num_layers, m.num_experts, m.top_k, pool="shared", budget=Budget.slots(slots))
     res = replay_kernel(stream, make_policy("lru"), cfg)
     assert res.hits.sum() == lcs_lru_protect_hits(stream, list(range(m.num_layers)), slots, m.num_experts)
 
@@ -109,12 +109,12 @@ def test_belady_top1_equals_libcachesim(name, slots):
     tr = TRACES[name]()
     m = tr.meta
     stream = build_stream(m, tr.sequences)
-    cfg = CacheConfig(m.num_layers, m.num_experts, 1, pool="per-layer", slots=slots)
+    cfg = CacheConfig(m.num_layers, m.num_experts, 1, pool="per-layer", budget=Budget.slots(slots))
     res = replay_kernel(stream, make_policy("belady"), cfg)
     for layer in range(m.num_layers):
         reqs, counted = _flat(stream, [layer], m.num_experts)
         assert res.hits[layer] == lcs_belady_hits(reqs, counted, slots)
-    shared = CacheConfig(m.num_layers, m.num_experts, 1, pool="shared", slots=slots * 2)
+    shared = CacheConfig(m.num_layers, m.num_experts, 1, pool="shared", budget=Budget.slots(slots * 2))
     reqs, counted = _flat(stream, list(range(m.num_layers)), m.num_experts)
     assert replay_kernel(stream, make_policy("belady"), shared).hits.sum() == lcs_belady_hits(reqs, counted, slots * 2)
 
@@ -125,7 +125,7 @@ def test_sequential_belady_is_libcachesim_belady_and_looser_than_protect_rule(na
     m = tr.meta
     stream = build_stream(m, tr.sequences)
     for slots in (3, 6):
-        cfg = CacheConfig(m.num_layers, m.num_experts, m.top_k, slots=slots)
+        cfg = CacheConfig(m.num_layers, m.num_experts, m.top_k, budget=Budget.slots(slots))
         seq = replay_kernel(stream, make_policy("belady-seq"), cfg)
         prot = replay_kernel(stream, make_policy("belady"), cfg)
         for layer in range(m.num_layers):
@@ -133,7 +133,7 @@ def test_sequential_belady_is_libcachesim_belady_and_looser_than_protect_rule(na
             assert seq.hits[layer] == lcs_belady_hits(reqs, counted, slots)
         assert seq.hits.sum() >= prot.hits.sum()
     # on these traces the looser bound is strictly looser at the smallest capacity
-    cfg = CacheConfig(m.num_layers, m.num_experts, m.top_k, slots=3)
+    cfg = CacheConfig(m.num_layers, m.num_experts, m.top_k, budget=Budget.slots(3))
     assert replay_kernel(stream, make_policy("belady-seq"), cfg).hits.sum() > \
         replay_kernel(stream, make_policy("belady"), cfg).hits.sum()
 
@@ -155,7 +155,7 @@ def test_lfu_hand_worked_counting_and_ties():
     a, b, c = 0, 1, 2
     meta, seqs = _one_layer([[a], [a], [b], [c], [b], [c], [a]])
     st = build_stream(meta, seqs)
-    cfg = CacheConfig(1, 8, 1, slots=2)
+    cfg = CacheConfig(1, 8, 1, budget=Budget.slots(2))
     for engine in (replay, replay_kernel):
         r = engine(st, make_policy("lfu"), cfg)
         assert int(r.hits.sum()) == 1 and int(r.demand.sum()) == 6
@@ -175,7 +175,7 @@ def test_lfu_counts_layer_executions_not_tokens_and_ties_by_recency_within_a_ste
     meta, seqs = _one_layer([[0, 1], [2, 0], [3, 4]])
     st = build_stream(meta, seqs)
     for engine in (replay, replay_kernel):
-        r = engine(st, make_policy("lfu"), CacheConfig(1, 8, 2, slots=3))
+        r = engine(st, make_policy("lfu"), CacheConfig(1, 8, 2, budget=Budget.slots(3)))
         assert r.resident == {(0, 0), (0, 3), (0, 4)}
         assert int(r.hits.sum()) == 1
 
@@ -184,7 +184,7 @@ def test_lfu_counts_layer_executions_not_tokens_and_ties_by_recency_within_a_ste
 def test_lrfu_spans_lfu_to_lru(pool):
     tr = zipf_traces(3, 50, num_layers=3, num_experts=16, top_k=2, alpha=0.8, seed=11)
     st = build_stream(tr.meta, tr.sequences)
-    cfg = CacheConfig(3, 16, 2, pool=pool, capacity=0.25)
+    cfg = CacheConfig(3, 16, 2, pool=pool, budget=Budget.fraction(0.25))
     lru = replay_kernel(st, make_policy("lru"), cfg)
     lfu = replay_kernel(st, make_policy("lfu"), cfg)
     assert lru.hits.sum() != lfu.hits.sum()  # the two ends differ on this trace, so the check has teeth
@@ -198,7 +198,7 @@ def test_belady_k_spans_lru_to_belady():
     tr = markov_traces(2, 60, num_layers=2, num_experts=16, top_k=2, seed=2)
     st = build_stream(tr.meta, tr.sequences)
     for pool in ("per-layer", "shared"):
-        cfg = CacheConfig(2, 16, 2, pool=pool, capacity=0.3)
+        cfg = CacheConfig(2, 16, 2, pool=pool, budget=Budget.fraction(0.3))
         lru = replay_kernel(st, make_policy("lru"), cfg).hits
         bel = replay_kernel(st, make_policy("belady"), cfg).hits
         assert (replay_kernel(st, make_policy("belady-k", k=0), cfg).hits == lru).all()
@@ -221,7 +221,7 @@ def test_kernels_equal_python_engine(pool, batch):
                                     tr.sequences[1].expert_weights[:17])
     st = build_stream(tr.meta, tr.sequences, batch_size=batch)
     # capacity 0.25 of 12 = 3 slots per layer: batch unions of up to 6 experts overflow into temporary slots
-    cfg = CacheConfig(3, 12, 2, pool=pool, capacity=0.25)
+    cfg = CacheConfig(3, 12, 2, pool=pool, budget=Budget.fraction(0.25))
     for name, kw in ALL_KERNEL_POLICIES:
         a = replay(st, make_policy(name, **kw), cfg)
         b = replay_kernel(st, make_policy(name, **kw), cfg)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.policies import make_policy
 from expertcast.inference.sim.simulator import build_stream, replay_kernel
 from hypothesis import given, settings
@@ -49,7 +49,7 @@ def test_belady_bounds_every_demand_policy(case):
     meta, seqs, pool, slots, lam, k = case
     stream = build_stream(meta, seqs, batch_size=1)
     stream.step_counted[:] = True  # count the warm-up too: Belady's objective is the whole stream
-    cfg = CacheConfig(meta.num_layers, meta.num_experts, meta.top_k, pool=pool, slots=slots)
+    cfg = CacheConfig(meta.num_layers, meta.num_experts, meta.top_k, pool=pool, budget=Budget.slots(slots))
     bel = replay_kernel(stream, make_policy("belady"), cfg).hits.sum()
     for name, kw in [("lru", {}), ("fifo", {}), ("lfu", {}), ("lfu", {"history": "in-cache"}),
                      ("lrfu", {"lam": lam}), ("belady-k", {"k": k})]:

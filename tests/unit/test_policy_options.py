@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+from expertcast.data.synthetic import zipf_traces
 from expertcast.data.traces import write_traces
 from expertcast.inference import policies as policies_pkg
 from expertcast.inference.cache.options import PolicyOptions, parse_policy_options, split_policy_list
@@ -19,7 +20,6 @@ from expertcast.inference.policies import (
     registry,
     spec_of,
 )
-from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.utils.errors import UsageError
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from expertcast.data.synthetic import StickyRoutingProcess
 from expertcast.data.trace_import import ImportFormatError, import_expert_trace_json, read_expert_trace_json
 from expertcast.data.trace_stats import trace_stats
-from expertcast.train.forecaster_synthetic import StickyRoutingProcess
 
 DATA = Path(os.environ.get("EXPERTCAST_DATA_DIR", Path(__file__).resolve().parents[3] / "shared" / "data"))
 GRANITE = DATA / "traces" / "granite-3.0-1b-a400m" / "moe_expert_trace.json"

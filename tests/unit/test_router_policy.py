@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.router import (
     RouterRecord,
@@ -50,7 +50,7 @@ def _record(p_S_kind: str = "next") -> RouterRecord:
 def _run(policy, seqs=None, batch_size=1, B=2):
     meta, seq = _trace()
     seqs = seqs or [seq]
-    cfg = CacheConfig(num_layers=1, num_experts=E, top_k=1, slots=B, expert_bytes=meta.expert_bytes)
+    cfg = CacheConfig(num_layers=1, num_experts=E, top_k=1, budget=Budget.slots(B), expert_bytes=meta.expert_bytes)
     return replay(build_stream(meta, seqs, batch_size), policy, cfg)
 
 
@@ -130,6 +130,6 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="recorded on another model"):
         _run(make_policy("router-temporal", replay=RouterReplay({"s0": RouterRecord(np.zeros((6, 2, E), np.float16))})))
     meta, seq = _trace()
-    shared = CacheConfig(num_layers=1, num_experts=E, top_k=1, slots=2, pool="shared")
+    shared = CacheConfig(num_layers=1, num_experts=E, top_k=1, budget=Budget.slots(2), pool="shared")
     with pytest.raises(ValueError, match="per-layer"):
         replay(build_stream(meta, [seq]), make_policy("router-temporal", replay=RouterReplay({"s0": _record()})), shared)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from expertcast.data.synthetic import ModeMarkovProcess
 from expertcast.models.forecaster import (
     ExpertForecaster,
     ForecasterConfig,
@@ -12,8 +13,12 @@ from expertcast.models.forecaster import (
     predictions_to_input,
 )
 from expertcast.models.forecaster_recall import evaluate
-from expertcast.train.forecaster_module import rollout_inputs, sample_replacements, sampling_schedule
-from expertcast.train.forecaster_synthetic import ModeMarkovProcess, fit_forecaster
+from expertcast.train.forecaster_module import (
+    fit_forecaster,
+    rollout_inputs,
+    sample_replacements,
+    sampling_schedule,
+)
 
 torch.set_num_threads(1)
 

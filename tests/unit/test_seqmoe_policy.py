@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache, SlotState
+from expertcast.data.synthetic import ModeMarkovProcess
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy, precompute_forecasts, precompute_forecasts_many
 from expertcast.inference.sim.simulator import simulate
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.forecaster_export import save_forecaster
-from expertcast.train.forecaster_synthetic import ModeMarkovProcess, fit_forecaster
+from expertcast.train.forecaster_module import fit_forecaster
 
 torch.set_num_threads(1)
 
@@ -32,12 +33,12 @@ def test_registered_and_loads_export(tmp_path):
     with pytest.raises(ValueError, match="needs a forecaster"):
         SeqMoEPolicy()
     with pytest.raises(ValueError, match="another model"):
-        pol.reset(CacheConfig(num_layers=4, num_experts=8, top_k=2, pool="shared", capacity=0.5))
+        pol.reset(CacheConfig(num_layers=4, num_experts=8, top_k=2, pool="shared", budget=Budget.fraction(0.5)))
 
 
 def test_victim_is_lowest_cache_score_with_lru_ties():
     pol = SeqMoEPolicy(SeqMoEPolicy.Options(horizon=3, gamma=0.5), forecaster=_untrained())
-    cfg = CacheConfig(num_layers=3, num_experts=8, top_k=2, pool="shared", slots=6)
+    cfg = CacheConfig(num_layers=3, num_experts=8, top_k=2, pool="shared", budget=Budget.slots(6))
     pol.reset(cfg)
     cache = ExpertCache(cfg)
     # a forecast made after layer 2 of step 0: next executions are step 1 for every layer

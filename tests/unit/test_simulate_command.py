@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 from expertcast.commands.simulate import main
+from expertcast.data.synthetic import zipf_traces
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.data.traces import write_traces
 from expertcast.inference.policies import registry
-from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.forecaster_export import save_forecaster
 from expertcast.utils.outdir import claim_output_dir

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from expertcast.commands.simulate import main
+from expertcast.data.synthetic import zipf_traces
 from expertcast.data.traces import write_traces
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.static import selection_counts
 from expertcast.inference.sim.simulator import simulate
-from expertcast.inference.sim.synthetic import zipf_traces
 from expertcast.train.forecaster_data import training_subset
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from expertcast.data.synthetic import markov_traces, staged_traces, zipf_traces
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference.cache.cost_model import CostConfig
-from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.cache.policy import MissAction
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.classic import LRUPolicy
 from expertcast.inference.sim.simulator import build_stream, replay, replay_ceiling, replay_static, simulate
-from expertcast.inference.sim.synthetic import markov_traces, staged_traces, zipf_traces
 
 
 class ScriptedPrefetch(LRUPolicy):
@@ -56,7 +56,7 @@ def test_hand_worked_metrics_with_a_late_prefetch():
     meta, seq = trace([[0], [1], [2], [0]])
     st = build_stream(meta, [seq])
     pol = ScriptedPrefetch({(0, 0): [(0, 1)], (1, 0): [(0, 3)]})
-    r = replay(st, pol, CacheConfig(1, 8, 1, slots=2, expert_bytes=meta.expert_bytes), COST, record_timeline=True)
+    r = replay(st, pol, CacheConfig(1, 8, 1, budget=Budget.slots(2), expert_bytes=meta.expert_bytes), COST, record_timeline=True)
     m = r.metrics()
     assert (m["accesses"], m["hits"], m["late_prefetches"], m["demand_misses"], m["proactive_loads"]) == (4, 0, 1, 3, 2)
     assert m["hit"] == pytest.approx(1 - 3 / 4)
@@ -78,7 +78,7 @@ def test_hand_worked_timely_prefetch_overlaps_compute():
     # t1 L0 (3): landed -> hit, no stall. t1 L1: hit.
     meta, seq = trace([[0, 0], [1, 0]], E=4)
     st = build_stream(meta, [seq])
-    r = replay(st, ScriptedPrefetch({(0, 0): [(0, 1)]}), CacheConfig(2, 4, 1, slots=1, expert_bytes=meta.expert_bytes),
+    r = replay(st, ScriptedPrefetch({(0, 0): [(0, 1)]}), CacheConfig(2, 4, 1, budget=Budget.slots(1), expert_bytes=meta.expert_bytes),
                COST, record_timeline=True)
     m = r.metrics()
     assert (m["accesses"], m["hits"], m["demand_misses"], m["proactive_loads"], m["late_prefetches"]) == (4, 2, 2, 1, 0)
@@ -101,7 +101,7 @@ def test_cpu_execution_cost_and_counts():
     st = build_stream(m1, [s1, s2], batch_size=2)
     assert st.counts.tolist() == [2]
     cost = CostConfig(bandwidth_gbps=2.0, layer_compute_ms=0.4, cpu_expert_ms=0.3, cpu_token_ms=0.1)
-    r = replay(st, ScriptedPrefetch({}, cpu_experts=[(0, 3)]), CacheConfig(1, 4, 1, slots=1), cost,
+    r = replay(st, ScriptedPrefetch({}, cpu_experts=[(0, 3)]), CacheConfig(1, 4, 1, budget=Budget.slots(1)), cost,
                record_timeline=True)
     m = r.metrics()
     assert (m["cpu_exec"], m["demand_misses"], m["hits"], m["accesses"]) == (1, 0, 0, 1)
@@ -128,7 +128,7 @@ def test_prefill_warms_the_cache_but_is_not_counted():
     # prompt selects 5 then decode selects 5 again: a hit (post-prefill state), prefill miss not counted
     meta, seq = trace([[5], [5], [6]], prompt_len=1)
     st = build_stream(meta, [seq])
-    r = replay(st, make_policy("lru"), CacheConfig(1, 8, 1, slots=2))
+    r = replay(st, make_policy("lru"), CacheConfig(1, 8, 1, budget=Budget.slots(2)))
     assert (r.A, int(r.hits.sum()), r.D) == (2, 1, 1)
 
 
@@ -136,7 +136,7 @@ def test_prefill_warms_the_cache_but_is_not_counted():
 def test_static_placement_engines_agree(miss):
     tr = zipf_traces(3, 40, num_layers=2, num_experts=16, top_k=2, seed=1)
     st = build_stream(tr.meta, tr.sequences)
-    cfg = CacheConfig(2, 16, 2, capacity=0.25)
+    cfg = CacheConfig(2, 16, 2, budget=Budget.fraction(0.25))
     cal = tr.sequences[:1]
     a = replay(st, make_policy("static", calibration=cal, miss=miss), cfg)
     b = replay_static(st, make_policy("static", calibration=cal, miss=miss), cfg)
@@ -163,7 +163,7 @@ def test_simulate_records_and_belady_fraction():
     # the fraction's denominator is the demand-only ceiling (replay_ceiling), which protect-rule Belady may not reach
     stream = build_stream(tr.meta, tr.sequences)
     for r, cap in zip(bel, (0.25, 0.5), strict=True):
-        cfg = CacheConfig(3, 16, 2, capacity=cap)
+        cfg = CacheConfig(3, 16, 2, budget=Budget.fraction(cap))
         assert r["belady_hit"] == replay_ceiling(stream, cfg).hit >= r["hit"]
     assert [r["slots"] for r in bel] == [12, 24]
     lru = [r for r in recs if r["policy"] == "lru"]
@@ -177,15 +177,15 @@ def test_simulate_records_and_belady_fraction():
 
 def test_bad_input_errors():
     with pytest.raises(ValueError, match="below top-K=4"):
-        CacheConfig(4, 16, 4, capacity=0.1)
+        CacheConfig(4, 16, 4, budget=Budget.fraction(0.1))
     with pytest.raises(ValueError, match="below top-K=8"):
-        CacheConfig(2, 16, 8, pool="shared", slots=7)
+        CacheConfig(2, 16, 8, pool="shared", budget=Budget.slots(7))
     with pytest.raises(ValueError, match="unknown policy 'lruu'"):
         simulate(zipf_traces(1, 10), ["lruu"], [0.5], progress=False)
     tr = zipf_traces(1, 10, num_layers=2, num_experts=8, top_k=2)
     st = build_stream(tr.meta, tr.sequences)
     with pytest.raises(ValueError, match="trace has L=2, E=8, K=2 but the cache is configured for L=3"):
-        replay(st, make_policy("lru"), CacheConfig(3, 8, 2, slots=2))
+        replay(st, make_policy("lru"), CacheConfig(3, 8, 2, budget=Budget.slots(2)))
     bad = TraceMeta("other-model", 2, 4, 2, expert_bytes=1)
     with pytest.raises(ValueError, match="outside \\[0, E=4\\).*trace/model mismatch"):
         build_stream(bad, tr.sequences)
@@ -207,7 +207,7 @@ def test_observe_tokens_and_begin_batch_reach_the_policy():
             seen.append(("tok", t, list(ids)))
 
     st = build_stream(tr.meta, tr.sequences)
-    replay(st, Spy(), CacheConfig(1, 8, 2, slots=3))
+    replay(st, Spy(), CacheConfig(1, 8, 2, budget=Budget.slots(3)))
     s0 = tr.sequences[0]
     assert seen[0] == ("batch", [s0.seq_id])
     assert seen[1] == ("tok", 0, [int(s0.token_ids[1])])  # the token produced by step 0

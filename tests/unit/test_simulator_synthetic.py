@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from expertcast.inference.sim.synthetic import markov_traces, random_traces, staged_traces, zipf_traces
+from expertcast.data.synthetic import markov_traces, random_traces, staged_traces, zipf_traces
 
 
 def _valid(tr):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.data.synthetic import staged_traces
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.stage_aware import StageAwarePolicy
 from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.saem.evaluate import synthetic_cue_decoder
 from expertcast.inference.sim.simulator import simulate
-from expertcast.inference.sim.synthetic import staged_traces
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +85,10 @@ def test_static_ablation_and_errors(syn):
     st = _labelled(make_policy("stage", cues="Wait", decoder=dec, stage_updates=False, static_frequency=freq), "s")
     r = _run(syn, [st])["s"]
     assert r["proactive_loads"] == 0 and st.n_updates == 0
-    shared = CacheConfig(num_layers=3, num_experts=16, top_k=2, pool="shared", capacity=0.25)
+    shared = CacheConfig(num_layers=3, num_experts=16, top_k=2, pool="shared", budget=Budget.fraction(0.25))
     with pytest.raises(ValueError, match="per-layer"):
         make_policy("stage", cues="Wait", decoder=dec).reset(shared)
-    bad = CacheConfig(num_layers=2, num_experts=16, top_k=2, capacity=0.25)
+    bad = CacheConfig(num_layers=2, num_experts=16, top_k=2, budget=Budget.fraction(0.25))
     with pytest.raises(ValueError, match="another model"):
         make_policy("stage", cues="Wait", decoder=dec, static_frequency=freq).reset(bad)
 
@@ -96,11 +96,11 @@ def test_static_ablation_and_errors(syn):
 def test_budget_below_top_k_is_opt_in_and_served_off_cache(syn):
     # 1 slot per layer < K=2 (SAEM's 3.125% ratio on a model with few experts)
     with pytest.raises(ValueError, match="below top-K"):
-        CacheConfig(num_layers=3, num_experts=16, top_k=2, capacity=0.0625)
-    cfg = CacheConfig(num_layers=3, num_experts=16, top_k=2, capacity=0.0625, allow_below_top_k=True)
+        CacheConfig(num_layers=3, num_experts=16, top_k=2, budget=Budget.fraction(0.0625))
+    cfg = CacheConfig(num_layers=3, num_experts=16, top_k=2, budget=Budget.fraction(0.0625), allow_below_top_k=True)
     assert cfg.uniform_slots_per_layer == 1
     with pytest.raises(ValueError, match="needs a slot"):
-        CacheConfig(num_layers=3, num_experts=16, top_k=2, capacity=0.01, allow_below_top_k=True)
+        CacheConfig(num_layers=3, num_experts=16, top_k=2, budget=Budget.fraction(0.01), allow_below_top_k=True)
     dec = synthetic_cue_decoder(syn.cue_token)
     pol = _labelled(make_policy("stage", cues="Wait", decoder=dec), "stage")
     recs = simulate(syn, [pol, "lru"], capacities=[0.0625], batch_size=2, belady_fraction=False, engine="python",
@@ -142,7 +142,7 @@ def test_cpu_parallel_cost_model(parallel):
     seq = TraceSequence("s", np.zeros(1, np.int32), 0, np.array([[[0, 3]]], np.int16), np.ones((1, 1, 2), np.float16))
     cost = CostConfig(bandwidth_gbps=2.0, layer_compute_ms=0.2, cpu_expert_ms=0.3, cpu_token_ms=0.1,
                       cpu_parallel=parallel)
-    r = replay(build_stream(meta, [seq]), _OneCpu(), CacheConfig(1, 4, 2, slots=2, expert_bytes=1_000_000), cost,
+    r = replay(build_stream(meta, [seq]), _OneCpu(), CacheConfig(1, 4, 2, budget=Budget.slots(2), expert_bytes=1_000_000), cost,
                record_timeline=True)
     assert r.stall_ms == pytest.approx(0.5 if parallel else 0.7)
     cpu_ev = [e for e in r.timeline if e.kind == "cpu"]
@@ -205,7 +205,7 @@ def _tcseq(traces) -> float:
 
 
 def test_drifting_stages_plant_adjacent_coherence():
-    from expertcast.inference.saem.synthetic import drifting_stage_traces
+    from expertcast.data.synthetic import drifting_stage_traces
 
     kw = dict(num_sequences=3, num_tokens=400, num_layers=2, num_experts=32, top_k=2, hot=8, mean_stage_len=50.0,
               seed=0)
@@ -223,8 +223,8 @@ def test_drifting_stages_plant_adjacent_coherence():
 
 
 def test_stage_updates_track_drifting_stages():
+    from expertcast.data.synthetic import drifting_stage_traces
     from expertcast.inference.policies.static import selection_counts
-    from expertcast.inference.saem.synthetic import drifting_stage_traces
 
     d = drifting_stage_traces(num_sequences=4, num_tokens=300, num_layers=2, num_experts=32, top_k=2, hot=8, keep=6,
                               mean_stage_len=50.0, seed=2)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from expertcast.inference.cache.driver import COUNTER_NAMES
+from expertcast.inference.cache.counters import COUNTER_NAMES
 from expertcast.inference.cache.expert_cache import USED
 from expertcast.inference.policies.device import EVICT_RECENCY, DeviceKeys, DeviceProgram
 from expertcast.inference.runtime.graph.copier import RowCopier

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from expertcast.inference.cache.driver import COUNTER_NAMES, Counters
+from expertcast.inference.cache.counters import COUNTER_NAMES, Counters
 
 ACC, HIT, DEM, TMP, PRO, DROP = (COUNTER_NAMES.index(n) for n in
                                  ("accesses", "hits", "demand", "temp", "proactive", "dropped"))

@@ -13,8 +13,9 @@ import pytest
 import torch
 from expertcast.commands.simulate import main
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.inference.cache.driver import COUNTER_NAMES, RecordedTransport
-from expertcast.inference.cache.expert_cache import CacheConfig
+from expertcast.inference.cache.counters import COUNTER_NAMES
+from expertcast.inference.cache.driver import RecordedTransport
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.policies import POLICY_MODULES, make_policy, policy_spec, registry, spec_of
 from expertcast.inference.policies.mru import MRUPolicy
 from expertcast.inference.runtime.engine import OffloadedModel
@@ -38,7 +39,7 @@ def test_mru_evicts_the_most_recently_used():
     ids = np.array([0, 1, 2, 0, 1, 2, 0, 1], np.int64).reshape(-1, 1, 1)
     seq = TraceSequence("s", np.zeros(len(ids), np.int32), 1, ids.astype(np.int16), np.ones(ids.shape, np.float16))
     meta = TraceMeta("cyclic", 1, 4, 1, 1)
-    cfg = CacheConfig(num_layers=1, num_experts=4, top_k=1, pool="per-layer", slots=2)
+    cfg = CacheConfig(num_layers=1, num_experts=4, top_k=1, pool="per-layer", budget=Budget.slots(2))
     stream = build_stream(meta, [seq])
     mru = run_policy(stream, make_policy("mru"), cfg)
     lru = run_policy(stream, make_policy("lru"), cfg)

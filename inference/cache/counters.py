@@ -1,0 +1,120 @@
+"""The one set of cache counters and the metrics computed from them (docs/design.md, "Cache semantics").
+
+:class:`Counters` holds the eight per-layer int64 [L] counters the driver
+(:class:`~expertcast.inference.cache.driver.Driver`) increments on counted (decode) steps, plus the
+expert size and the decoded tokens the per-token metrics need. The simulator's
+:class:`~expertcast.inference.sim.simulator.ReplayResult` and the runtime's
+:class:`~expertcast.inference.runtime.stats.RuntimeStats` are Counters with their own timing fields, so
+both compute Hit, AdjHit and MB per token here. A = accesses, D = demand misses (incl. temporary
+loads), P = proactive loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+COUNTER_NAMES = ("accesses", "hits", "late", "demand", "temp", "cpu", "proactive", "dropped")
+"""The per-layer counters, in the driver's order."""
+
+
+def hit_rate(A: int, D: int) -> float:
+    """Hit = 1 − D/A (NaN without accesses)."""
+    return 1.0 - D / A if A else float("nan")
+
+
+def adj_hit_rate(A: int, D: int, P: int) -> float:
+    """AdjHit = (A − D)/(A + P) (NaN without accesses)."""
+    return (A - D) / (A + P) if A else float("nan")
+
+
+def mb_per_token(D: int, P: int, expert_bytes: int, decoded_tokens: int) -> float:
+    """(D + P) × expert bytes per decoded token, in MB (1e6 bytes)."""
+    return (D + P) * expert_bytes / 1e6 / max(decoded_tokens, 1)
+
+
+@dataclass
+class Counters:
+    """Per-layer int64 [L] counters of counted (decode) steps (zeros when not given), the bytes of one
+    expert and the decoded tokens and decode steps they were counted over."""
+
+    num_layers: int
+    expert_bytes: int = 0
+    accesses: np.ndarray = None  # type: ignore[assignment]
+    hits: np.ndarray = None  # type: ignore[assignment]
+    late: np.ndarray = None  # type: ignore[assignment]
+    demand: np.ndarray = None  # type: ignore[assignment]
+    temp: np.ndarray = None  # type: ignore[assignment]
+    cpu: np.ndarray = None  # type: ignore[assignment]
+    proactive: np.ndarray = None  # type: ignore[assignment]
+    dropped: np.ndarray = None  # type: ignore[assignment]
+    decoded_tokens: int = 0
+    decode_steps: int = 0
+
+    def __post_init__(self) -> None:
+        for name in COUNTER_NAMES:
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(self.num_layers, np.int64))
+
+    def counts(self) -> dict[str, Any]:
+        """The fields of :class:`Counters` (not those of a subclass), e.g. to build a subclass from them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Counters)}
+
+    @property
+    def A(self) -> int:
+        return int(self.accesses.sum())
+
+    @property
+    def D(self) -> int:
+        return int(self.demand.sum())
+
+    @property
+    def P(self) -> int:
+        return int(self.proactive.sum())
+
+    @property
+    def hit(self) -> float:
+        """Hit = 1 − D/A."""
+        return hit_rate(self.A, self.D)
+
+    @property
+    def adj_hit(self) -> float:
+        """AdjHit = (A − D)/(A + P)."""
+        return adj_hit_rate(self.A, self.D, self.P)
+
+    @property
+    def resident_hit(self) -> float:
+        """Resident hits / A (late prefetches and CPU-executed accesses are not resident hits)."""
+        return int(self.hits.sum()) / self.A if self.A else float("nan")
+
+    @property
+    def mb_per_token(self) -> float:
+        """(D + P) × expert bytes per decoded token, in MB (1e6 bytes)."""
+        return mb_per_token(self.D, self.P, self.expert_bytes, self.decoded_tokens)
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes copied host->device on counted steps (demand, temporary and proactive loads)."""
+        return (self.D + self.P) * self.expert_bytes
+
+    @property
+    def per_layer_hit(self) -> list[float]:
+        acc = np.maximum(self.accesses, 1)
+        return [float(v) for v in 1.0 - self.demand / acc]
+
+    def counter_metrics(self) -> dict[str, int | float]:
+        """The totals both drivers report, in report order (each adds its own timing fields)."""
+        return {
+            "accesses": self.A,
+            "hits": int(self.hits.sum()),
+            "late_prefetches": int(self.late.sum()),
+            "demand_misses": self.D,
+            "temp_loads": int(self.temp.sum()),
+            "proactive_loads": self.P,
+            "dropped_prefetches": int(self.dropped.sum()),
+            "cpu_exec": int(self.cpu.sum()),
+            "hit": self.hit,
+        }
