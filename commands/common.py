@@ -178,7 +178,7 @@ from expertcast.utils.devices import resolve_device  # noqa: E402,F401  (the one
 
 def build_default_model() -> str:
     """The embedded default model's directory, trained first when this recipe has no build yet."""
-    from expertcast.train.tiny_default import ensure_default_model
+    from expertcast.models.tiny_default import ensure_default_model
 
     return str(ensure_default_model())
 
