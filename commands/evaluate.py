@@ -127,11 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 # -- validation (cheap, before the model loads) --------------------------------------------------------
 def build_policy(spec: str) -> tuple[Any, str, dict[str, Any], dict[str, str]]:
     """(policy, name, options, file options) of ``--policy NAME[:k=v,...]``, options typed and validated
-    by :func:`~expertcast.inference.cache.options.parse_policy_options`; the policy's spec says whether it
+    by :func:`~expertcast.inference.policies.parse_policy_options`; the policy's spec says whether it
     can drive a live generation. Every mistake is a UsageError."""
-    from expertcast.inference.cache.options import parse_policy_options
     from expertcast.inference.policies import build_policy as build
-    from expertcast.inference.policies import make_policy, policy_spec
+    from expertcast.inference.policies import make_policy, parse_policy_options, policy_spec
     from expertcast.inference.runtime.live_routers import is_router_policy, live_router_policy
 
     if is_router_policy(spec):  # live routers: their scores come from the --model export (attached at offload)

@@ -170,8 +170,8 @@ def _capacities(args) -> tuple[list[Any], list[int] | None]:
 
 def _policy_options(args) -> list:
     """Validated options of every ``--policies`` entry (``--forecaster`` filled into the ones that need one)."""
-    from expertcast.inference.cache.options import check_file, parse_policy_options, split_policy_list
-    from expertcast.inference.policies import policy_spec
+    from expertcast.inference.cache.options import check_file, split_policy_list
+    from expertcast.inference.policies import parse_policy_options, policy_spec
 
     specs = split_policy_list(args.policies)
     if args.forecaster:

@@ -324,7 +324,8 @@ class ModeMarkovProcess:
 @dataclass
 class StickyRoutingProcess:
     """Routing that is near-uniform in aggregate yet locally sticky, like real MoE routing (docs/design.md,
-    "Real-like synthetic routing": normalised entropy of expert use ~0.99, step overlap |S_t ∩ S_t+1| / K ~0.27 for top-6 of 64, random K/E = 0.09).
+    "Generalisation protocol"): normalised entropy of expert use ~0.99, step overlap |S_t ∩ S_t+1| / K ~0.27
+    for top-6 of 64, random K/E = 0.09.
 
     Per layer l: a global popularity ``popularity`` [L, E] (mildly skewed); per sequence a preference
     rho_l ~ Dirichlet(``concentration`` · E · popularity_l) (each sequence favours some experts, the favourites

@@ -20,6 +20,7 @@ right kind; :mod:`expertcast.inference.policies.artifacts` loads them. The optio
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -285,15 +286,15 @@ def check_file(kind: str, path: str | os.PathLike, where: str) -> None:
             read_export_config(p)
         except ForecasterExportError as e:
             raise UsageError(f"{where}: {e}") from None
-    elif kind == "cue_set":
-        from expertcast.inference.saem.cues import CueSet
-
+    elif kind == "cue_set":  # its shape; the loader (inference/policies/artifacts.py) reads the rest
         if not p.is_file():
             raise UsageError(f"{where}: is a folder; expected {expected}")
         try:
-            CueSet.load(p)
-        except ValueError as e:
-            raise UsageError(f"{where}: {e}") from None
+            doc = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise UsageError(f"{where}: not valid JSON ({e}); expected {expected}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("cues"), list):
+            raise UsageError(f"{where}: not a cue set (no \"cues\" list); expected {expected}")
     elif kind == "router_replay":
         if not (p.is_dir() and (p / "router_replay.json").is_file() and (p / "router_replay.npz").is_file()):
             raise UsageError(f"{where}: not a router replay; expected {expected}")
@@ -313,34 +314,3 @@ def split_policy_list(text: str) -> list[str]:
     if not out:
         raise UsageError("no policy given")
     return out
-
-
-def options_class(name: str) -> type[PolicyOptions]:
-    """The options class of registered policy ``name`` (UsageError listing the policies otherwise)."""
-    from expertcast.inference.policies import policy_spec
-
-    return policy_spec(name).options
-
-
-def parse_policy_options(spec: str, extra: Mapping[str, Any] | None = None) -> PolicyOptions:
-    """``"lrfu:lam=0.1"`` -> ``LRFUPolicy.Options(lam=0.1)``; UsageError for an unknown policy, an unknown
-    key (naming the valid ones), a repeated key, a malformed part or a value of the wrong type/range.
-    ``extra``: typed values a command adds after the text's (``--forecaster``), checked alike."""
-    name, _, rest = str(spec).partition(":")
-    cls = options_class(name)
-    policy = name.strip().lower()
-    values: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        if "=" not in part:
-            names = cls.option_names()
-            raise UsageError(f"policy option {part!r} in {spec!r} must be key=value"
-                             + (f"; options: {', '.join(names)}" if names else f" ({policy} has no options)"))
-        k, v = (s.strip() for s in part.split("=", 1))
-        if k in values:
-            raise UsageError(f"{policy} option {k} is given twice in {spec!r}")
-        values[k] = v
-    for k, v in (extra or {}).items():
-        if k in values:
-            raise UsageError(f"{policy} option {k} is given twice in {spec!r}")
-        values[k] = v
-    return cls.parse(policy, values)

@@ -14,9 +14,11 @@ import importlib
 import inspect
 import os
 import warnings
+from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
+from expertcast.inference.cache.options import PolicyOptions
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
 from expertcast.utils.errors import UsageError
@@ -155,8 +157,36 @@ def build_policy(spec: PolicySpec, opts: Any, **objects: Any) -> Policy:
 
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"lrfu:lam=0.1"`` or ``"belady-k:k=8"`` -> (name, options given), typed and validated by the policy's
-    options class (:func:`expertcast.inference.cache.options.parse_policy_options`)."""
-    from expertcast.inference.cache.options import parse_policy_options
+    options class (:func:`parse_policy_options`)."""
 
     opts = parse_policy_options(spec)
     return opts.policy, opts.given_values()
+
+
+def options_class(name: str) -> type[PolicyOptions]:
+    """The options class of registered policy ``name`` (UsageError listing the policies otherwise)."""
+    return policy_spec(name).options
+
+
+def parse_policy_options(spec: str, extra: Mapping[str, Any] | None = None) -> PolicyOptions:
+    """``"lrfu:lam=0.1"`` -> ``LRFUPolicy.Options(lam=0.1)``; UsageError for an unknown policy, an unknown
+    key (naming the valid ones), a repeated key, a malformed part or a value of the wrong type/range.
+    ``extra``: typed values a command adds after the text's (``--forecaster``), checked alike."""
+    name, _, rest = str(spec).partition(":")
+    cls = options_class(name)
+    policy = name.strip().lower()
+    values: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        if "=" not in part:
+            names = cls.option_names()
+            raise UsageError(f"policy option {part!r} in {spec!r} must be key=value"
+                             + (f"; options: {', '.join(names)}" if names else f" ({policy} has no options)"))
+        k, v = (s.strip() for s in part.split("=", 1))
+        if k in values:
+            raise UsageError(f"{policy} option {k} is given twice in {spec!r}")
+        values[k] = v
+    for k, v in (extra or {}).items():
+        if k in values:
+            raise UsageError(f"{policy} option {k} is given twice in {spec!r}")
+        values[k] = v
+    return cls.parse(policy, values)

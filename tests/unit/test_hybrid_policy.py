@@ -92,7 +92,7 @@ def test_parts_parsing_and_missing_inputs():
     with pytest.raises(ValueError, match="needs stage cues"):
         HybridPolicy(HybridPolicy.Options(parts="stage"), forecaster=_forecaster())
     with pytest.raises(UsageError, match="parts"):
-        from expertcast.inference.cache.options import parse_policy_options
+        from expertcast.inference.policies import parse_policy_options
 
         parse_policy_options("hybrid:parts=forecast+belady")
 

@@ -3,6 +3,8 @@
 models/ imports neither train/ nor inference/; data/ imports neither; inference/ does not import train/;
 train/ does not import inference/;
 inference/ and models/ import no lightning or wandb; only commands/ parses command lines (argparse).
+Inside inference/: cache/ (the mechanism) imports nothing above models/, data/ and utils/; policies/ never
+imports sim/, runtime/ or commands/; sim/ and runtime/ never import each other.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "train": ("expertcast.inference", "expertcast.commands"),
     "utils": ("expertcast.train", "expertcast.inference", "expertcast.commands"),
 }
+
+ROOMS: dict[str, tuple[str, ...]] = {
+    "inference/cache": ("expertcast.inference.policies", "expertcast.inference.sim", "expertcast.inference.runtime",
+                        "expertcast.inference.saem", "expertcast.train", "expertcast.commands"),
+    "inference/policies": ("expertcast.inference.sim", "expertcast.inference.runtime", "expertcast.commands"),
+    "inference/sim": ("expertcast.inference.runtime",),
+    "inference/runtime": ("expertcast.inference.sim",),
+}
+"""Import directions between the rooms of inference/ (docs/design.md, "Layout")."""
 
 
 def _package_modules() -> list[Path]:
@@ -62,6 +73,25 @@ def test_import_directions(layer):
             continue
         bad += [f"{rel}:{ln} imports {name}" for ln, name in _imports(p) if _hits(name, FORBIDDEN[layer])]
     assert not bad, "forbidden imports:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_room_import_directions(room):
+    bad = []
+    for p in _package_modules():
+        rel = p.relative_to(REPO)
+        if rel.parts[:2] != tuple(room.split("/")):
+            continue
+        bad += [f"{rel}:{ln} imports {name}" for ln, name in _imports(p) if _hits(name, ROOMS[room])]
+    assert not bad, "forbidden imports:\n" + "\n".join(bad)
+
+
+def test_inference_holds_only_its_rooms():
+    """inference/ has no loose modules: every module lives in one of its five rooms."""
+    loose = sorted(p.name for p in (REPO / "inference").glob("*.py") if p.name != "__init__.py")
+    rooms = sorted(p.name for p in (REPO / "inference").iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    assert not loose, f"loose modules in inference/: {loose}"
+    assert rooms == ["cache", "policies", "runtime", "saem", "sim"], rooms
 
 
 def test_only_commands_parse_command_lines():

@@ -9,12 +9,13 @@ import pytest
 from expertcast.data.synthetic import zipf_traces
 from expertcast.data.traces import write_traces
 from expertcast.inference import policies as policies_pkg
-from expertcast.inference.cache.options import PolicyOptions, parse_policy_options, split_policy_list
+from expertcast.inference.cache.options import PolicyOptions, split_policy_list
 from expertcast.inference.cache.spec import ENGINES, NEEDS, PolicySpec
 from expertcast.inference.policies import (
     available_policies,
     make_policy,
     object_names,
+    parse_policy_options,
     parse_policy_spec,
     policy_class,
     registry,
