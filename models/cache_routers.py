@@ -18,7 +18,7 @@ Per MoE layer ``l`` the native router gives ``p^R_{t,l} = softmax(W^R_l h_{t,l})
 The routers are attached to a backbone with forward hooks on its native router modules (found by
 :func:`expertcast.models.routing.find_routers`, so every family that module supports works). The
 hooks only *read* the router input and logits; they return nothing, so the native Top-K rule and
-every output of the backbone are unchanged (tested exactly in ``tests/unit/test_cache_routers.py``).
+every output of the backbone are unchanged (tested exactly in ``tests/models/test_cache_routers.py``).
 
 Copy-initialisation (paper section 3.4; the summary in ``papers/`` lost its text, so this is the
 rule as implemented here): before cache-aware training, ``W^T_l <- W^R_l`` (the Temporal router
@@ -66,7 +66,7 @@ def resolve_budget(budget: float | int, num_experts: int, top_k: int | None = No
 
 
 # --------------------------------------------------------------------------------------------
-# the loss (pure functions on distributions; hand-worked cases in tests/unit/test_cache_routers.py)
+# the loss (pure functions on distributions; hand-worked cases in tests/models/test_cache_routers.py)
 # --------------------------------------------------------------------------------------------
 
 

@@ -83,7 +83,7 @@ fi
 
 # -- 3. runtime token identity on CUDA, two families ---------------------------------------------------------
 if ! skipped token-identity; then
-  T=tests/integration/test_runtime_cuda.py::test_cuda_offloaded_generation_equals_full_load
+  T=tests/inference/runtime/test_engine_cuda.py::test_cuda_offloaded_generation_equals_full_load
   if [ $DRY = 1 ]; then
     n=$($PY -m pytest -q -p no:cacheprovider --collect-only "$T" 2>/dev/null | grep -c '::')
     if [ "$n" = 2 ]; then say PASS token-identity "dry-run: $n cases resolve ($T)"; else say FAIL token-identity "dry-run: $n cases"; fi

@@ -1,7 +1,7 @@
 """Adding a policy is one module and one line (docs/design.md, "Cache policies"): ``mru``
 (inference/policies/mru.py, named in POLICY_MODULES) shows up in the registry with its spec, in
 `expertcast simulate` (listed, replayed), in the offloading runtime on a tiny model, and the runtime's counters
-equal the simulator's replay of the run it recorded (the parity check of tests/integration/test_runtime_parity.py).
+equal the simulator's replay of the run it recorded (the parity check of tests/inference/runtime/test_engine_parity.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,413 @@
+"""Forecaster training loss under data parallelism: a mean over every rank's valid targets (partial windows
+included), not a mean of per-rank means. Two real gloo processes against one process on the union batch.
+
+The held-out residual scale: the grid choice per head, its validation, the Lightning fit writing it into the
+config only when fitting ends (from the last validation), and the export keeping it.
+
+Forecaster training pieces: losses, split by sequence, windows, schedule; recall vs Bayes-optimal.
+
+Scheduled sampling with the model's own multi-step rollout: the schedule, which inputs are replaced, that
+replaced inputs are exactly the fed-back rollout, and that it beats teacher forcing at long horizons.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as pl
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from expertcast.data.synthetic import ModeMarkovProcess, StickyRoutingProcess
+from expertcast.data.trace_format import TraceMeta, TraceSequence
+from expertcast.models.forecaster import (
+    ExpertForecaster,
+    ForecasterConfig,
+    activation_vector,
+    predictions_to_input,
+    trigger_sequence,
+)
+from expertcast.models.forecaster_export import load_forecaster, save_forecaster
+from expertcast.models.forecaster_recall import evaluate, fit_baselines
+from expertcast.train.forecaster_data import (
+    EpochShuffleSampler,
+    ForecasterDataModule,
+    ForecastWindows,
+    split_sequences,
+)
+from expertcast.train.forecaster_module import (
+    RESIDUAL_GRID,
+    ForecasterModule,
+    ResidualScaleFit,
+    fit_forecaster,
+    kl_loss,
+    ranking_loss,
+    recall_at,
+    rollout_inputs,
+    sample_replacements,
+    sampling_schedule,
+)
+from expertcast.utils.provenance import split_of
+
+L, E, K, W = 2, 8, 2, 10
+
+
+def _module() -> ForecasterModule:
+    torch.manual_seed(0)
+    m = ForecasterModule(shape={"num_layers": L, "num_experts": E, "top_k": K, "trigger_layer": None}, hidden_size=32,
+                         head_dim=16, state_size=8, num_blocks=1, chunk_size=8, direct_horizons=3,
+                         online_half_lives=[0.0, 4.0])
+    torch.nn.init.normal_(m.net.head.weight, std=0.1)
+    return m
+
+
+def _batch(rows: int, valid: list[int], seed: int) -> dict[str, torch.Tensor]:
+    """``rows`` windows of W elements, row r holding ``valid[r]`` valid targets (partial windows)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(rows * (W + 1) * L)]).view(rows, W + 1, L, K)
+    x = activation_vector(ids, torch.rand(rows, W + 1, L, K, generator=g), E)
+    mask = torch.arange(W).view(1, W) < torch.tensor(valid).view(rows, 1)
+    return {"inputs": x[:, :-1] * mask.view(rows, W, 1, 1), "target_ids": ids[:, 1:], "target_dist": x[:, 1:],
+            "mask": mask, "decode": mask.clone()}
+
+
+BATCHES = [_batch(2, [W, W], seed=1), _batch(2, [3, 1], seed=2)]  # rank 1 holds two partial windows
+
+
+def _grads(module: ForecasterModule, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    module.zero_grad()
+    out = module._losses(module.net(batch["inputs"], all_horizons=True), batch, batch["mask"], global_mean=True)
+    out["loss"].backward()
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+
+
+def _rank(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        grads = _grads(_module(), BATCHES[rank])
+        for g in grads:  # what DDP does: average the gradients over ranks
+            dist.all_reduce(g)
+            g /= 2
+        if rank == 0:
+            torch.save(grads, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_gradient_equals_the_mean_over_all_ranks_targets(tmp_path: Path):
+    torch.set_num_threads(1)
+    union = {k: torch.cat([b[k] for b in BATCHES]) for k in BATCHES[0]}
+    want = _grads(_module(), union)
+    out = tmp_path / "grads.pt"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(_rank, args=(f"file://{tmp_path / 'pg'}", str(out)), nprocs=2, join=True, start_method="fork")
+    got = torch.load(out)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    # the check can fail: a mean of per-rank means (each rank normalising by its own count) differs here
+    per_rank = [_grads_local(_module(), b) for b in BATCHES]
+    naive = [(a + b) / 2 for a, b in zip(*per_rank, strict=True)]
+    assert max(float((a - b).abs().max()) for a, b in zip(naive, want, strict=True)) > 1e-3
+
+
+def _grads_local(module: ForecasterModule, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    module.zero_grad()
+    out = module._losses(module.net(batch["inputs"], all_horizons=True), batch, batch["mask"], global_mean=False)
+    out["loss"].backward()
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+
+
+torch.set_num_threads(1)
+
+
+def test_residual_fit_picks_the_best_alpha_per_head_and_the_smallest_on_ties():
+    L, E, K, W = 1, 6, 2, 5
+    tgt = torch.zeros(1, W, L, K, dtype=torch.long)
+    tgt[..., 0], tgt[..., 1] = 0, 1  # every target: experts {0, 1}
+    prior = torch.zeros(1, W, 2, L, E)
+    prior[..., 2:4] = 1.0  # the prior ranks {2, 3} first: recall 0
+    learned = torch.zeros(1, W, 2, L, E)
+    learned[:, :, 0, :, :2] = 3.0  # head 0's learned part fixes it once alpha > 1/3
+    fit = ResidualScaleFit(2, K)
+    fit.add(learned, prior, tgt, torch.ones(1, W, dtype=torch.bool))
+    assert fit.result() == [0.5, 0.0]  # head 1: every alpha ties (learned part zero) -> the smallest
+    assert fit.count.tolist() == [W, W - 1]  # head j is scored on the targets j positions later
+    with pytest.raises(ValueError, match="residual_scale"):
+        ForecasterConfig(num_layers=1, num_experts=6, top_k=2, direct_horizons=2, residual_scale=[1.0])
+    with pytest.raises(ValueError, match="residual_scale"):
+        ForecasterConfig(num_layers=1, num_experts=6, top_k=2, direct_horizons=1, residual_scale=[1.5])
+
+
+def test_residual_scale_scales_only_the_learned_logits():
+    cfg = ForecasterConfig(num_layers=2, num_experts=8, top_k=2, hidden_size=32, head_dim=16, state_size=8,
+                           num_blocks=1, direct_horizons=2, online_half_lives=[0.0, 4.0])
+    m = ExpertForecaster(cfg).eval()
+    torch.nn.init.normal_(m.head.weight, std=0.3)
+    x = torch.rand(2, 6, 2, 8)
+    with torch.no_grad():
+        learned, prior = m.forward_parts(x)
+        m.config.residual_scale = [0.0, 0.5]
+        out = m(x, all_horizons=True)
+    assert torch.allclose(out[:, :, 0], prior[:, :, 0], atol=1e-6)
+    assert torch.allclose(out[:, :, 1], 0.5 * learned[:, :, 1] + prior[:, :, 1], atol=1e-6)
+
+
+def test_lightning_fit_applies_the_last_validations_choice_at_the_end_and_the_export_keeps_it(tmp_path):
+    proc = StickyRoutingProcess.realistic(num_layers=2, num_experts=8, top_k=2, seed=0)
+    seqs = proc.sample(24, 20, prompt_len=2, seed=1)
+    dm = ForecasterDataModule.from_sequences(proc.meta(), seqs, window=16, batch_size=8, val_fraction=0.3)
+    module = ForecasterModule(hidden_size=32, head_dim=16, state_size=8, num_blocks=1, chunk_size=16, direct_horizons=3,
+                              online_half_lives=[0.0, 4.0, 16.0], prior_start=16.0, online_hedge_rate=1.0,
+                              max_sampling_rate=0.0)
+    seen: list = []
+
+    class Spy(pl.Callback):
+        def on_validation_end(self, trainer, pl_module):  # never applied while training goes on
+            seen.append(pl_module.net.config.residual_scale)
+
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[Spy()])
+    trainer.fit(module, dm)
+    rs = module.net.config.residual_scale
+    assert seen and all(s is None for s in seen)
+    assert rs is not None and len(rs) == 3 and all(a in RESIDUAL_GRID for a in rs)
+    assert rs == module._residual_scale
+    exp = load_forecaster(save_forecaster(module.net, tmp_path / "exp"))
+    assert exp.config.residual_scale == rs and exp.config.online_hedge_rate == 1.0
+    x = torch.rand(1, 7, 2, 8)
+    with torch.no_grad():
+        assert torch.equal(exp.model(x, all_horizons=True), module.net.eval()(x, all_horizons=True))
+
+
+torch.set_num_threads(1)
+
+
+def test_ranking_loss_prefers_true_experts_above_the_boundary():
+    ids = torch.tensor([[[0, 1]]])
+    good = torch.tensor([[[5.0, 4.0, 0.0, -1.0]]])
+    bad = torch.tensor([[[0.0, -1.0, 5.0, 4.0]]])
+    assert ranking_loss(good, ids, 2) < 0.05 < ranking_loss(bad, ids, 2)
+    assert recall_at(good, ids, 2).item() == 1.0 and recall_at(bad, ids, 2).item() == 0.0
+    assert recall_at(bad, ids, 4).item() == 1.0
+
+
+def test_kl_zero_at_target():
+    q = torch.tensor([[[0.7, 0.3, 0.0, 0.0]]])
+    logits = torch.log(q.clamp_min(1e-12))
+    assert kl_loss(logits, q).abs().item() < 1e-5
+    assert kl_loss(torch.zeros_like(q), q).item() > 0.1
+
+
+def _seqs(n: int, T: int = 20, L: int = 2, E: int = 6, K: int = 2, probs: bool = False) -> list[TraceSequence]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        ids = np.stack([[rng.choice(E, K, replace=False) for _ in range(L)] for _ in range(T)]).astype(np.int16)
+        w = rng.random((T, L, K)).astype(np.float16)
+        rp = rng.dirichlet(np.ones(E), size=(T, L)).astype(np.float16) if probs else None
+        out.append(TraceSequence(f"s{i}", np.zeros(T, np.int32), 5, ids, w, rp))
+    return out
+
+
+def test_split_is_by_sequence_and_stable():
+    seqs = _seqs(60)
+    parts = split_sequences(seqs, seed=3, val_fraction=0.2, test_fraction=0.1)
+    ids = [{s.seq_id for s in parts[k]} for k in ("train", "val", "test")]
+    assert sum(len(x) for x in ids) == 60 and not (ids[0] & ids[1]) and not (ids[0] & ids[2])
+    assert len(ids[1]) > 3 and len(ids[2]) > 1
+    # same split whatever the order or subset
+    again = split_sequences(list(reversed(seqs[:30])), seed=3, val_fraction=0.2, test_fraction=0.1)
+    assert {s.seq_id for s in again["val"]} == {s.seq_id for s in seqs[:30] if s.seq_id in ids[1]}
+    # one implementation: the data module splits exactly like expertcast.utils.provenance.split_of
+    for k, part in parts.items():
+        assert all(split_of(s.seq_id, 0.2, 0.1, seed=3) == k for s in part)
+
+
+def test_split_is_stable_under_subsetting_and_listed_in_training_info():
+    meta = TraceMeta("m", num_layers=2, num_experts=6, top_k=2, expert_bytes=1)
+    seqs = _seqs(40)
+    full = ForecasterDataModule.from_sequences(meta, seqs, val_fraction=0.25, split_seed=1).training_info()
+    sub = ForecasterDataModule.from_sequences(meta, seqs[:15], val_fraction=0.25, split_seed=1,
+                                              max_sequences=None).training_info()
+    first = {s.seq_id for s in seqs[:15]}
+    assert set(sub["train_ids"]) == set(full["train_ids"]) & first
+    assert set(sub["val_ids"]) == set(full["val_ids"]) & first
+    assert sorted(full["train_ids"] + full["val_ids"]) == sorted(s.seq_id for s in seqs)
+    assert full["train_ids"] == sorted(full["train_ids"]) and full["val_ids"]
+    assert full["split"] == {"method": "sha256(seed, sequence id)", "seed": 1, "val_fraction": 0.25,
+                             "test_fraction": 0.0}
+    assert full["trace_fingerprint"] != sub["trace_fingerprint"]
+
+
+def test_epoch_sampler_is_fixed_by_seed_and_epoch_and_resumes_mid_epoch():
+    a, b = EpochShuffleSampler(20, seed=3), EpochShuffleSampler(20, seed=3)
+    torch.manual_seed(0)
+    e0 = list(a)
+    torch.manual_seed(1)  # the global RNG plays no part
+    assert list(b) == e0 and sorted(e0) == list(range(20))
+    a.set_epoch(1)
+    e1 = list(a)
+    assert e1 != e0 and sorted(e1) == list(range(20))
+    a.resume_at(1, 8)
+    assert list(a) == e1[8:] and list(a) == e1  # the skip applies to one pass only
+    a.resume_at(0, 8)
+    assert list(a) == e1  # a position recorded for another epoch is ignored
+
+
+@pytest.mark.parametrize("p", [1, 0])
+def test_windows_align_inputs_and_targets(p):
+    meta = TraceMeta("m", num_layers=2, num_experts=6, top_k=2, expert_bytes=1)
+    seqs = _seqs(1, T=20)
+    ds = ForecastWindows(seqs, meta, window=8, trigger_layer=p)
+    s = seqs[0]
+    el = trigger_sequence(activation_vector(torch.from_numpy(s.expert_ids.astype(np.int64)),
+                                            torch.from_numpy(s.expert_weights.astype(np.float32)), 6), p)
+    n_el = el.shape[0]
+    assert sum(int(ds[i]["mask"].sum()) for i in range(len(ds))) == n_el - 1  # every target exactly once
+    item = ds[1]
+    assert torch.allclose(item["inputs"][0], el[8]) and torch.allclose(item["target_dist"][0], el[9], atol=1e-3)
+    assert set(item["target_ids"][0, 0].tolist()) == set(torch.nonzero(el[9, 0]).flatten().tolist())
+    assert item["decode"][0] == (9 >= s.prompt_len)
+
+
+def test_router_probs_become_kl_targets_and_mismatch_is_named():
+    meta = TraceMeta("m", num_layers=2, num_experts=6, top_k=2, expert_bytes=1, has_router_probs=True)
+    seqs = _seqs(3, probs=True)
+    item = ForecastWindows(seqs, meta, window=8)[0]
+    rp = torch.from_numpy(seqs[0].router_probs[1].astype(np.float32))
+    assert torch.allclose(item["target_dist"][0], rp / rp.sum(-1, keepdim=True), atol=1e-3)
+    bad = TraceMeta("m", num_layers=2, num_experts=4, top_k=2, expert_bytes=1)
+    with pytest.raises(ValueError, match="outside"):
+        ForecasterDataModule.from_sequences(bad, seqs)
+    with pytest.raises(ValueError, match="trigger_layer"):
+        ForecasterDataModule.from_sequences(meta, seqs, trigger_layer=5)
+
+
+def test_forecaster_recall_approaches_bayes_optimal():
+    """Known Markov process: after a short CPU training the forecaster's held-out recall@K is within 3 points of
+    the Bayes-optimal predictor's at horizons 1 and 2 (measured: 0.580 vs 0.591 at h=1, 0.521 vs 0.527 at h=2), and beats every baseline at h=1."""
+    proc = ModeMarkovProcess.random(num_modes=6, num_layers=2, num_experts=8, top_k=2, seed=0)
+    seqs, modes = proc.sample(240, 64, seed=1)
+    module, dm = fit_forecaster(proc.meta(), seqs, epochs=12)
+    val = dm.splits["val"]
+    vmodes = [modes[int(s.seq_id.rsplit("-", 1)[1])] for s in val]
+    tables = evaluate(module.net, val, proc.meta(), fit_baselines(dm.splits["train"], proc.meta(), 1), horizons=2,
+                      progress=False)
+    got = tables["forecaster"].recall("k")
+    for h in (1, 2):
+        bayes = proc.bayes_recall(vmodes, h)
+        assert got[h - 1] > bayes - 0.03, (h, got, bayes)
+        assert got[h - 1] <= bayes + 0.02  # sanity: nothing beats Bayes beyond sampling noise
+    for name in ("repeat-last", "frequency", "transition"):
+        assert got[0] > tables[name].recall("k")[0] - 0.005, name
+
+
+def test_direct_heads_approach_bayes_optimal_at_longer_horizons():
+    """Multi-horizon training (direct heads, no rollout) on a known Markov process: held-out recall@K within 3
+    points of the Bayes-optimal predictor at horizons 1..4 (the process forgets its mode, so h4 is lower)."""
+    proc = ModeMarkovProcess.random(num_modes=6, num_layers=2, num_experts=8, top_k=2, seed=0)
+    seqs, modes = proc.sample(240, 64, seed=1)
+    module, dm = fit_forecaster(proc.meta(), seqs, epochs=12, direct_horizons=4)
+    val = dm.splits["val"]
+    vmodes = [modes[int(s.seq_id.rsplit("-", 1)[1])] for s in val]
+    tables = evaluate(module.net, val, proc.meta(), fit_baselines(dm.splits["train"], proc.meta(), 1), horizons=4,
+                      progress=False)
+    got = tables["forecaster"].recall("k")
+    for h in (1, 2, 3, 4):
+        bayes = proc.bayes_recall(vmodes, h)
+        assert got[h - 1] > bayes - 0.03, (h, got, bayes)
+        assert got[h - 1] <= bayes + 0.02
+        assert got[h - 1] > tables["transition"].recall("k")[h - 1] - 0.01, (h, got)
+
+
+def test_recent_frequency_baseline_follows_the_sequence_and_resets():
+    from expertcast.models.forecaster_recall import RecentFrequencyBaseline
+
+    freq = torch.full((2, 6), 1 / 6)
+    freq[:, 5] = 0.5  # the training prior favours expert 5
+    b = RecentFrequencyBaseline(freq, half_life=4)
+    b.reset(1)
+    x = torch.zeros(1, 2, 6)
+    x[0, :, [1, 2]] = 0.5
+    for _ in range(6):
+        b.observe(x)
+    y = torch.zeros(1, 2, 6)
+    y[0, :, [3, 4]] = 0.5
+    pred = b.predict(y, 3)
+    assert pred.shape == (1, 3, 2, 6)
+    top = set(pred[0, 0, 0].topk(4).indices.tolist())
+    assert top == {1, 2, 3, 4}  # this sequence's experts, not the prior's favourite
+    b.reset(1)
+    assert int(b.predict(torch.zeros(1, 2, 6), 1)[0, 0, 0].argmax()) == 5  # fresh sequence: the prior
+
+
+torch.set_num_threads(1)
+
+
+def test_sampling_schedule_teacher_forces_then_ramps_and_caps():
+    sched = [sampling_schedule(p, 0.4, 0.4, 0.5) for p in (0.0, 0.39, 0.4, 0.6, 0.8, 1.0)]
+    assert sched[:3] == [0.0, 0.0, 0.0]
+    assert sched[3] == pytest.approx(0.25) and sched[4] == pytest.approx(0.5) and sched[5] == pytest.approx(0.5)
+    assert sampling_schedule(0.9, 0.4, 0.4, 0.0) == 0.0
+
+
+def test_replacements_spare_segment_starts_and_padding():
+    mask = torch.ones(64, 20, dtype=torch.bool)
+    mask[:, 15:] = False
+    rep = sample_replacements(mask, 1.0, 4)
+    pos = torch.arange(20)
+    assert torch.equal(rep, ((pos % 4 != 0) & (pos < 15)).expand(64, -1))
+    assert not sample_replacements(mask, 0.0, 4).any()
+    half = sample_replacements(mask, 0.5, 4, generator=torch.Generator().manual_seed(0))
+    seg = half[:, 1::4]  # one decision per (row, segment)
+    assert 0.35 < seg[:, :3].float().mean() < 0.65
+    assert torch.equal(half[:, 1:4].any(1), half[:, 1:4].all(1))
+
+
+@pytest.mark.parametrize("direct_horizons", [1, 3])
+def test_replaced_inputs_are_the_models_fed_back_rollout(direct_horizons):
+    cfg = ForecasterConfig(num_layers=2, num_experts=8, top_k=2, hidden_size=32, head_dim=16, state_size=8,
+                           num_blocks=1, chunk_size=8, direct_horizons=direct_horizons, online_half_lives=[0.0, 4.0])
+    torch.manual_seed(0)
+    net = ExpertForecaster(cfg).eval()
+    torch.nn.init.normal_(net.head.weight, std=0.3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(3 * 13 * 2)]).view(3, 13, 2, 2)
+    x = activation_vector(ids, torch.rand(3, 13, 2, 2, generator=g), 8)
+    R = 5
+    rep = sample_replacements(torch.ones(3, 13, dtype=torch.bool), 0.6, R, generator=g)
+    assert rep.any()
+    out = rollout_inputs(net, x, rep, R)
+    assert torch.equal(out[~rep], x[~rep])
+    for b, p in rep.nonzero().tolist():
+        s = p - p % R
+        st = net.init_state(1)
+        for i in range(s + 1):  # the true history up to the segment's first element
+            lg, _ = net.step(x[b:b + 1, i], st)
+        for _ in range(p - s - 1):  # then the model's own forecasts, fed back
+            lg, _ = net.step(predictions_to_input(lg, 2), st)
+        assert torch.allclose(out[b, p], predictions_to_input(lg, 2)[0], atol=1e-5), (b, p)
+        assert not torch.allclose(out[b, p], x[b, p])
+
+
+def test_rollout_training_beats_teacher_forcing_at_long_horizons():
+    """Known Markov process, next-step head + recursive rollout (direct_horizons 1): trained with the model's own
+    rollout as inputs, held-out recall@K at h4 and h8 is above teacher forcing's (measured: h4 0.485 vs 0.452,
+    h8 0.475 vs 0.435; Bayes-optimal 0.500 / 0.493)."""
+    proc = ModeMarkovProcess.random(num_modes=8, num_layers=2, num_experts=16, top_k=4, stickiness=0.2,
+                                    concentration=0.2, seed=0)
+    seqs, modes = proc.sample(80, 40, seed=1)
+    got = {}
+    for name, kw in {"tf": dict(max_sampling_rate=0.0),
+                     "ss": dict(max_sampling_rate=0.7, teacher_forcing_fraction=0.2, sampling_ramp_fraction=0.3,
+                                sampling_rollout=8)}.items():
+        module, dm = fit_forecaster(proc.meta(), seqs, epochs=6, **kw)
+        tab = evaluate(module.net, dm.splits["val"], proc.meta(), [], horizons=8, progress=False)
+        got[name] = tab["forecaster"].recall("k")
+    for h in (4, 8):
+        assert got["ss"][h - 1] > got["tf"][h - 1] + 0.015, (h, got)
