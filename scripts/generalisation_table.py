@@ -1,4 +1,4 @@
-"""The generalisation table of issue 17: recall@K by horizon and Hit by capacity, per protocol row and fit size.
+"""The generalisation table: recall@K by horizon and Hit by capacity, per protocol row and fit size.
 
 Rows (docs/design.md "Generalisation protocol"): ``cot->cot`` (in-domain: a sha256 split of the CoT traces),
 ``gsm8k->cot`` (fit on GSM8K train, evaluated on the same held-out CoT sequences as the in-domain row),

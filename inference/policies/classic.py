@@ -24,7 +24,7 @@ import numpy as np
 from expertcast.inference.cache.options import PolicyOptions, option
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
-from expertcast.inference.policies import kernels as K
+from expertcast.inference.policies import kernels
 from expertcast.inference.policies.device import EVICT_RECENCY, DeviceKeys, DeviceProgram, overrides_any
 
 HISTORIES = ("perfect", "in-cache")
@@ -108,7 +108,7 @@ class LRUPolicy(KeyedPolicy):
     """Least recently used."""
 
     name = "lru"
-    kernel_kind = K.KIND_LRU
+    kernel_kind = kernels.KIND_LRU
 
     def _proactive_insert(self, item):
         self.k1[item] = self.clock
@@ -142,7 +142,7 @@ class FIFOPolicy(KeyedPolicy):
     """First in, first out: hits do not refresh."""
 
     name = "fifo"
-    kernel_kind = K.KIND_FIFO
+    kernel_kind = kernels.KIND_FIFO
 
     def _proactive_insert(self, item):
         self.k1[item] = self.clock
@@ -165,7 +165,7 @@ class LFUPolicy(KeyedPolicy):
                               "(in-cache)", choices=HISTORIES)
 
     name = "lfu"
-    kernel_kind = K.KIND_LFU
+    kernel_kind = kernels.KIND_LFU
 
     def __init__(self, options: Options | None = None):
         super().__init__(options)
@@ -194,7 +194,7 @@ class LRFUPolicy(KeyedPolicy):
                               "(in-cache)", choices=HISTORIES)
 
     name = "lrfu"
-    kernel_kind = K.KIND_LRFU
+    kernel_kind = kernels.KIND_LRFU
 
     def __init__(self, options: Options | None = None):
         super().__init__(options)
@@ -210,7 +210,7 @@ class LRFUPolicy(KeyedPolicy):
     def _touch(self, t, layer, index, item, resident, hit):
         if not resident and not self.perfect_history:
             return
-        self.logc[item] = K.lrfu_log_crf(self.logc[item], self.last[item], self.clock, self.lam, bool(self.hist[item]))
+        self.logc[item] = kernels.lrfu_log_crf(self.logc[item], self.last[item], self.clock, self.lam, bool(self.hist[item]))
         self.last[item] = self.clock
         self.hist[item] = True
         if resident:

@@ -1,4 +1,4 @@
-"""Hybrid policy: one eviction/prefetch priority from the forecaster, the routers and the stage signal (issue 17).
+"""Hybrid policy: one eviction/prefetch priority from the forecaster, the routers and the stage signal.
 
 Every (layer, expert) gets one priority, in units of expected uses (docs/design.md, "Forecaster"):
 

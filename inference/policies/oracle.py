@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from expertcast.inference.cache.options import PolicyOptions, option
 from expertcast.inference.cache.spec import PolicySpec
-from expertcast.inference.policies import kernels as K
+from expertcast.inference.policies import kernels
 from expertcast.inference.policies.classic import KeyedPolicy
 
 
@@ -38,7 +38,7 @@ class BeladyPolicy(KeyedPolicy):
     """Belady under the protect rule (full future)."""
 
     name = "belady"
-    kernel_kind = K.KIND_BELADY
+    kernel_kind = kernels.KIND_BELADY
     horizon_steps: int | None = None
 
     def __init__(self, options: PolicyOptions | None = None) -> None:
@@ -56,7 +56,7 @@ class BeladyPolicy(KeyedPolicy):
 
     def reset(self, config) -> None:
         super().reset(config)
-        self.nxt = np.full(config.num_layers * config.num_experts, K.NEVER, np.int64)
+        self.nxt = np.full(config.num_layers * config.num_experts, kernels.NEVER, np.int64)
 
     def _touch(self, t, layer, index, item, resident, hit):
         if not resident:
@@ -99,7 +99,7 @@ class SequentialBeladyPolicy(BeladyPolicy):
     """Sequential Belady on the flat stream (no protect rule); compiled engine only."""
 
     name = "belady-seq"
-    kernel_kind = K.KIND_BELADY_SEQ
+    kernel_kind = kernels.KIND_BELADY_SEQ
 
     def choose_victim(self, t, layer, candidates, cache) -> int:
         raise RuntimeError("belady-seq ignores the protect rule and runs only on the compiled engine "

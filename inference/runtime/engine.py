@@ -41,8 +41,7 @@ from expertcast.inference.cache.driver import CPU, SLOT, TEMP, Driver
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy, check_policy_compatible
 from expertcast.inference.policies import spec_of
-from expertcast.inference.runtime import experts as X
-from expertcast.inference.runtime import graph as GD
+from expertcast.inference.runtime import experts, graph
 from expertcast.inference.runtime.residency import RuntimeTransport
 from expertcast.inference.runtime.run_state import (
     GenerationResult,
@@ -141,28 +140,28 @@ class OffloadedModel:
         release_model_experts(self.refs, self.layout)
         model.to(self.device)
         self.cache = ExpertCache(self.cache_config)
-        self.decode_path, self.decode_path_reason = GD.choose_decode_path(decode_path, policy, self.device, link_gbps,
+        self.decode_path, self.decode_path_reason = graph.choose_decode_path(decode_path, policy, self.device, link_gbps,
                                                                           self.store.is_pinned,
                                                                           modules=[r.module for r in self.refs],
                                                                           announce=True)
         if self.decode_path == "graph":
-            num_temp_slots = max(num_temp_slots, GD.GraphDecoder.scratch_rows(self.K, getattr(policy, "max_tasks", 0)))
+            num_temp_slots = max(num_temp_slots, graph.GraphDecoder.scratch_rows(self.K, getattr(policy, "max_tasks", 0)))
         self.pool = SlotPool(self.layout, self.cache.num_slots, self.device, num_temp=num_temp_slots)
         self.transfer: TransferEngine = make_transfer_engine(self.device, link_gbps)
         self.transport = RuntimeTransport(self.store, self.pool, self.transfer)
         self.stats = RuntimeStats(self.L, self.layout.expert_bytes)
         self.driver = Driver(policy, self.cache, self.transport, self.stats)
-        self.workspace = X.Workspace(self.device, self.layout.dtype)
-        self.graph = GD.GraphDecoder(self) if self.decode_path == "graph" else None
+        self.workspace = experts.Workspace(self.device, self.layout.dtype)
+        self.graph = graph.GraphDecoder(self) if self.decode_path == "graph" else None
         self.cpu_exec_ms = cpu_exec_ms
         self.cpu_parallel = bool(cpu_parallel)
         self._cpu_pool: ThreadPoolExecutor | None = None
         self.latency_measurement: dict[str, Any] | None = None
         for i, r in enumerate(self.refs):
-            setattr(r.module, X.RUNTIME_ATTR, self)
-            setattr(r.module, X.LAYER_ATTR, i)
+            setattr(r.module, experts.RUNTIME_ATTR, self)
+            setattr(r.module, experts.LAYER_ATTR, i)
         self._impl_before = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else None
-        model.set_experts_implementation(X.register())
+        model.set_experts_implementation(experts.register())
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         self._run: RunState | None = None
         if measure_latency:
@@ -201,13 +200,13 @@ class OffloadedModel:
         self.close()
         self.store.restore_into(self.refs)
         for r in self.refs:
-            for a in (X.RUNTIME_ATTR, X.LAYER_ATTR):
+            for a in (experts.RUNTIME_ATTR, experts.LAYER_ATTR):
                 if hasattr(r.module, a):
                     delattr(r.module, a)
             for p in self.layout.parts:
                 getattr(r.module, p.name).data = getattr(r.module, p.name).data.to(self.device)
         prev = (self._impl_before or {}).get("", None)
-        prev = "grouped_mm" if prev in (None, X.IMPLEMENTATION_NAME) else prev
+        prev = "grouped_mm" if prev in (None, experts.IMPLEMENTATION_NAME) else prev
         self.model.set_experts_implementation(prev)
         return self.model
 
@@ -395,7 +394,7 @@ class OffloadedModel:
         if self.graph is not None and self.graph.active:
             return self.graph.decode_layer(module, layer, h, idx, w)
         rs = self._run
-        grouping = X.Grouping(idx, self.E)
+        grouping = experts.Grouping(idx, self.E)
         sel, cnt = grouping.selected, grouping.selected_counts
         routing = rs.member_routing(idx, w) if self.driver.wants_routing else None  # per member (forecaster input)
         plan = self.driver.serve(layer, sel, cnt, routing)
@@ -405,7 +404,7 @@ class OffloadedModel:
 
     def _prefill_layer(self, module, layer, h, idx, w) -> torch.Tensor:
         """Prompt compute: resident slots where the bytes are there, the rest streamed (uncounted)."""
-        grouping = X.Grouping(idx, self.E)
+        grouping = experts.Grouping(idx, self.E)
         plan = {}
         for e in grouping.active:
             s = self.cache.slot(layer, e)
@@ -458,7 +457,7 @@ class OffloadedModel:
         feed()
         cpu = {e for e in grouping.active if plan[e][0] == CPU}
         waited = [0.0]
-        y = X.grouped_expert_compute(module, h, idx, w, weights_of, self.workspace, grouping=grouping,
+        y = experts.grouped_expert_compute(module, h, idx, w, weights_of, self.workspace, grouping=grouping,
                                      cpu_weights_of=lambda e: self.store.views(layer, e), cpu_experts=cpu,
                                      before_expert=before, after_expert=after,
                                      cpu_async=self._cpu_submitter(module, layer, waited) if cpu and self.cpu_parallel
@@ -495,7 +494,7 @@ class OffloadedModel:
         """One expert on its host copy: rows ``xc`` [n, H] (CPU) -> [n, H]. On a CPU "device" with
         ``cpu_exec_ms`` it takes at least the emulated time (the host stands in for a slower CPU)."""
         t0 = time.perf_counter()
-        out = X.expert_forward(module, xc, self.store.views(layer, e))
+        out = experts.expert_forward(module, xc, self.store.views(layer, e))
         if self.cpu_exec_ms is not None and self.device.type == "cpu":
             left = self.cpu_exec_ms(xc.shape[0]) * 1e-3 - (time.perf_counter() - t0)
             if left > 0:
@@ -529,7 +528,7 @@ class OffloadedModel:
         emulate = self.cpu_exec_ms if self.device.type == "cpu" else None
 
         def cpu_run(n: int) -> None:
-            X.expert_forward(mod, xs[n], host_w)
+            experts.expert_forward(mod, xs[n], host_w)
 
         def copy_one() -> None:
             s = self.transport.temp_slot()
@@ -542,7 +541,7 @@ class OffloadedModel:
 
         def device_run() -> None:
             for _ in range(self.K):
-                X.expert_forward(mod, x1, slot_w)
+                experts.expert_forward(mod, x1, slot_w)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 

@@ -1,6 +1,6 @@
 """Detector precision/recall against sentence-labelled chain-of-thought traces (labeled40.jsonl).
 
-Gold (issue 6): each row's ``chunks`` are the sentences of ``thinking`` in order, each with
+Gold: each row's ``chunks`` are the sentences of ``thinking`` in order, each with
 ``function_tags``. A gold stage change is a chunk (not the first) whose function differs from the
 previous chunk's and is one of :data:`STAGE_FUNCTIONS`. Chunks are located in ``thinking`` by a
 whitespace-insensitive sequential search (the chunk texts have newlines folded into spaces); chunks

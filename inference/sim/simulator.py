@@ -56,7 +56,7 @@ from expertcast.inference.cache.counters import Counters
 from expertcast.inference.cache.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy
-from expertcast.inference.policies import kernels as K
+from expertcast.inference.policies import kernels
 
 WARMUP_NOTE = "decode-only; prefill replayed through the policy uncounted"
 ORACLE_NOTE = ("belady_fraction = hit / ceiling of demand-only policies (furthest next use kept, bypass allowed, "
@@ -117,7 +117,7 @@ class AccessStream:
     def next_exec(self) -> np.ndarray:
         """int64 [A]: next layer-execution selecting the same (layer, expert), or ``NEVER``."""
         if "exec" not in self._next:
-            self._next["exec"] = K.next_use_kernel(self.experts, self.exec_ptr, self.num_layers,
+            self._next["exec"] = kernels.next_use_kernel(self.experts, self.exec_ptr, self.num_layers,
                                                    self.num_experts, False)
         return self._next["exec"]
 
@@ -125,7 +125,7 @@ class AccessStream:
     def next_access(self) -> np.ndarray:
         """int64 [A]: next access index of the same (layer, expert) (sequential Belady)."""
         if "access" not in self._next:
-            self._next["access"] = K.next_use_kernel(self.experts, self.exec_ptr, self.num_layers,
+            self._next["access"] = kernels.next_use_kernel(self.experts, self.exec_ptr, self.num_layers,
                                                      self.num_experts, True)
         return self._next["access"]
 
@@ -168,7 +168,7 @@ def build_stream(meta: TraceMeta, sequences: Sequence[TraceSequence], batch_size
     flat = np.concatenate([np.ascontiguousarray(s.expert_ids, dtype=np.int16).reshape(-1) for s in sequences])
     sizes = lengths * L * Kk
     seq_off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    experts, counts, exec_ptr, step_tokens = K.build_batch_stream(flat, seq_off, step_seq, step_pos, L, Kk, E)
+    experts, counts, exec_ptr, step_tokens = kernels.build_batch_stream(flat, seq_off, step_seq, step_pos, L, Kk, E)
     return AccessStream(L, E, Kk, experts, counts, exec_ptr, step_counted, step_tokens, step_batch, batches,
                         list(sequences), scheds)
 
@@ -299,9 +299,9 @@ def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
     cost = cost or CostConfig()
     L, E = config.num_layers, config.num_experts
     xbytes = _expert_bytes(config, cost)
-    if params["kind"] == K.KIND_BELADY_SEQ:
+    if params["kind"] == kernels.KIND_BELADY_SEQ:
         nxt = stream.next_access
-    elif params["kind"] == K.KIND_BELADY:
+    elif params["kind"] == kernels.KIND_BELADY:
         nxt = stream.next_exec
     else:
         nxt = np.zeros(1, np.int64)
@@ -309,7 +309,7 @@ def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
     acc, hit, miss, temp = z(), z(), z(), z()
     resident = np.zeros(L * E, np.int8)
     t0 = time.perf_counter()
-    K.replay_kernel(stream.experts, stream.exec_ptr, stream.step_counted, L, E, config.pool_of_layer,
+    kernels.replay_kernel(stream.experts, stream.exec_ptr, stream.step_counted, L, E, config.pool_of_layer,
                     config.pool_capacities, params["kind"], float(params["lam"]), int(params["horizon"]),
                     bool(params["perfect_history"]), nxt, acc, hit, miss, temp, resident)
     seconds = time.perf_counter() - t0
@@ -334,7 +334,7 @@ def replay_ceiling(stream: AccessStream, config: CacheConfig, cost: CostConfig |
     xbytes = _expert_bytes(config, cost)
     acc, hit = np.zeros(L, np.int64), np.zeros(L, np.int64)
     t0 = time.perf_counter()
-    K.ceiling_kernel(stream.experts, stream.exec_ptr, stream.step_counted, L, config.num_experts, config.pool_of_layer,
+    kernels.ceiling_kernel(stream.experts, stream.exec_ptr, stream.step_counted, L, config.num_experts, config.pool_of_layer,
                      config.pool_capacities, stream.next_exec, acc, hit)
     seconds = time.perf_counter() - t0
     n_steps = int(stream.step_counted.sum())

@@ -1,5 +1,5 @@
 """`expertcast traces import` reads the granite per-prompt expert-trace JSON (``--format granite`` or detected),
-and what it writes is read by `traces stats`, `simulate` and `forecast-eval` (issue 17: the real-model fixture)."""
+and what it writes is read by `traces stats`, `simulate` and `forecast-eval` (the real-model fixture)."""
 
 from __future__ import annotations
 

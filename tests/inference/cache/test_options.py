@@ -8,7 +8,7 @@ import inspect
 import pytest
 from expertcast.data.synthetic import zipf_traces
 from expertcast.data.traces import write_traces
-from expertcast.inference import policies as policies_pkg
+from expertcast.inference import policies
 from expertcast.inference.cache.options import PolicyOptions, split_policy_list
 from expertcast.inference.cache.spec import ENGINES, NEEDS, PolicySpec
 from expertcast.inference.policies import (
@@ -104,13 +104,13 @@ def test_make_policy_names_the_valid_keys_and_loads_trace_options(tmp_path):
 
 
 def test_an_unimportable_policy_is_reported_not_dropped(monkeypatch):
-    monkeypatch.setattr(policies_pkg, "POLICY_MODULES",
-                        (*policies_pkg.POLICY_MODULES, "expertcast.inference.no_such_module"))
+    monkeypatch.setattr(policies, "POLICY_MODULES",
+                        (*policies.POLICY_MODULES, "expertcast.inference.no_such_module"))
     with pytest.warns(RuntimeWarning, match="'no_such_module' is unavailable: expertcast.inference.no_such_module: "
                                             "ModuleNotFoundError"):
         names = available_policies()
     assert "lru" in names and "mru" in names
-    assert "ModuleNotFoundError" in policies_pkg.policy_import_errors()["no_such_module"]
+    assert "ModuleNotFoundError" in policies.policy_import_errors()["no_such_module"]
     with pytest.warns(RuntimeWarning), pytest.raises(UsageError, match="unknown policy 'broken'.*unimportable policy "
                                                                        "modules: expertcast.inference.no_such_module"):
         make_policy("broken")

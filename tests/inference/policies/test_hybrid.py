@@ -1,4 +1,4 @@
-"""Prefetch under spread probability (expected-benefit rule) and the hybrid policy's parts (issue 17)."""
+"""Prefetch under spread probability (expected-benefit rule) and the hybrid policy's parts."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Exactness of the classic policies and oracles: against libcachesim, hand-worked cases, and the compiled
 kernels against the generic Python engine.
 
-The ceiling of belady_fraction (issue 12 §3): on the decode-only counts every table reports, no
+The ceiling of belady_fraction: on the decode-only counts every table reports, no
 demand-only policy beats it, whatever cache it starts decoding from (warm start, prefill warm-up);
 it equals the exhaustive optimum on small streams; and on real routing it bounds the static placement
 that protect-rule Belady did not bound.

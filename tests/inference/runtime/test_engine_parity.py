@@ -1,4 +1,4 @@
-"""Runtime == simulator, policy by policy (issue 12 §1): for every registered policy, the offloading
+"""Runtime == simulator, policy by policy: for every registered policy, the offloading
 runtime's counters (accesses, hits, late prefetches, demand misses, temporary loads, CPU executions,
 proactive and dropped loads) and its final resident set equal the simulator's replay of the run the
 runtime recorded (its routing, and the layer-executions at which its prefetches landed), at batch 1

@@ -1,4 +1,4 @@
-"""Live cache-aware routers in the offloading runtime (issue 13, "Live routers").
+"""Live cache-aware routers in the offloading runtime (docs/design.md, "Live cache-aware routers").
 
 A router-adaptation export (tiny Qwen3-MoE preset, routers randomly initialised, written by the
 module's own export) is loaded without Lightning; its routers are attached to the live model
@@ -171,7 +171,7 @@ def test_eval_runs_live_router_policies_on_an_export(exports, tmp_path, capsys, 
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "reads the scores of spatio_only or full routers" in err
 
 
-# ---------------------------------------------------------------------------------------------- hybrid (issue 17)
+# ---------------------------------------------------------------------------------------------- hybrid -----------
 HYBRID_CASES = [("temporal", "auto"), ("full", "routers"), ("full", "forecast+routers+stage")]
 CUES = dict(cues="a|e", decoder=lambda i: bytes([int(i) % 256]))
 

@@ -156,7 +156,7 @@ def test_cpu_experts_run_on_a_host_thread_beside_the_device_experts(monkeypatch)
     are computed on the calling thread; serial: CPU experts run on the calling thread, one after another."""
     import threading
 
-    from expertcast.inference.runtime import experts as X
+    from expertcast.inference.runtime import experts
 
     model = build_tiny("qwen3_moe-tiny", seed=1)
     ids, am = _prompts(B=2)
@@ -165,7 +165,7 @@ def test_cpu_experts_run_on_a_host_thread_beside_the_device_experts(monkeypatch)
     for parallel in (True, False):
         device_calls: list[float] = []
         cpu_runs: list[tuple[int, float, float]] = []
-        mlp, cpu_expert = X._expert_mlp, OffloadedModel._cpu_expert
+        mlp, cpu_expert = experts._expert_mlp, OffloadedModel._cpu_expert
 
         def device_mlp(module, x, w, out, gu, _mlp=mlp, _calls=device_calls):
             if threading.get_ident() == main and x.shape[0] and gu is not None:  # a resident (slot) expert
@@ -178,7 +178,7 @@ def test_cpu_experts_run_on_a_host_thread_beside_the_device_experts(monkeypatch)
             _runs.append((threading.get_ident(), t0, time.perf_counter()))
             return out
 
-        monkeypatch.setattr(X, "_expert_mlp", device_mlp)
+        monkeypatch.setattr(experts, "_expert_mlp", device_mlp)
         monkeypatch.setattr(OffloadedModel, "_cpu_expert", host_expert)
         lat = LatencyModel(transfer_ms=100.0, cpu_expert_ms=1.0, cpu_token_ms=0.0)  # every miss on the CPU
         om = OffloadedModel(model, _stage(lat), K, cpu_parallel=parallel, cpu_exec_ms=lambda n: 15.0)
