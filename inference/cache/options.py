@@ -292,9 +292,9 @@ def check_file(kind: str, path: str | os.PathLike, where: str) -> None:
         try:
             doc = json.loads(p.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise UsageError(f"{where}: not valid JSON ({e}); expected {expected}") from None
+            raise UsageError(f"{where}: cue set {p} is not valid JSON: {e}") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("cues"), list):
-            raise UsageError(f"{where}: not a cue set (no \"cues\" list); expected {expected}")
+            raise UsageError(f"{where}: cue set {p} has no \"cues\" list; expected {expected}")
     elif kind == "router_replay":
         if not (p.is_dir() and (p / "router_replay.json").is_file() and (p / "router_replay.npz").is_file()):
             raise UsageError(f"{where}: not a router replay; expected {expected}")
