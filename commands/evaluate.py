@@ -801,11 +801,11 @@ def _start_wandb(args: Any, info: dict[str, Any]):
     cap = next(iter(info["capacity"].values()))
     run = start_wandb_run(args.wandb_project, info["settings"], job_type="eval",
                           name=f"eval-{args.benchmark}-{args.policy}-{cap}")
-    use_inputs(run, _inputs(args, info["artefacts"]))
+    use_inputs(run, wandb_inputs(args, info["artefacts"]))
     return run
 
 
-def _inputs(args: Any, files: dict[str, str]) -> list[tuple[str, str, str | None]]:
+def wandb_inputs(args: Any, files: dict[str, str]) -> list[tuple[str, str, str | None]]:
     """The ``(path, kind, digest)`` inputs of the evaluation for W&B lineage: the router-adaptation export of a
     router policy (``--model``), else the policy's file options (forecaster export, cue set, ...)."""
     from expertcast.inference.policies import parse_policy_options

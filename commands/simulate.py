@@ -522,7 +522,7 @@ def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, set
     if args.wandb:
         log_results(args.wandb_project, "simulate", f"simulate-{Path(args.traces or 'synthetic').name}", vars(args),
                     tables={"simulate": records}, images={"hit_vs_capacity": png}, inputs=inputs,
-                    series={"simulate": ("capacity", "policy", SERIES_METRICS)})
+                    series=[(records, "capacity", "policy", SERIES_METRICS)])
     return 0
 
 

@@ -63,11 +63,16 @@ def _cell(v: Any) -> Any:
 
 def log_table(run: Any, key: str, rows: Sequence[Mapping[str, Any]]) -> None:
     """Log ``rows`` (the command's printed table) as a ``wandb.Table`` under ``key``; the columns are the
-    union of the rows' keys in first-seen order."""
+    union of the rows' keys in first-seen order (a column mixing text and numbers, such as a layer column
+    with an ``all`` row, is logged as text)."""
     columns: list[str] = []
     for r in rows:
         columns += [str(k) for k in r if str(k) not in columns]
     data = [[_cell(r.get(c)) for c in columns] for r in rows]
+    for j in range(len(columns)):  # a wandb.Table column holds one type: one mixing text and numbers is text
+        if len({isinstance(row[j], str) for row in data if row[j] is not None}) > 1:
+            for row in data:
+                row[j] = None if row[j] is None else str(row[j])
     run.log({key: _wandb().Table(columns=columns, data=data)})
 
 
@@ -205,20 +210,23 @@ def define_step_axis(run: Any, axis: str, metrics: Iterable[str]) -> None:
             run.define_metric(m, step_metric=axis)
 
 
-def log_series(run: Any, axis: str, rows: Sequence[Mapping[str, Any]], group: str | None = None,
+def log_series(run: Any, axis: str, rows: Sequence[Mapping[str, Any]], group: str | Sequence[str] | None = None,
                metrics: Sequence[str] | None = None) -> None:
-    """Log the numeric columns of ``rows`` as series over the column ``axis`` (one point per row), each named
-    ``<group value>/<column>`` when ``group`` names a column (one curve per policy), with their step axis
-    defined (:func:`define_step_axis`). Rows without a numeric ``axis`` are skipped."""
+    """Log the numeric columns of ``rows`` (those in ``metrics`` when given) as series over the column ``axis``
+    (one point per row), each named ``<group values>/<column>`` when ``group`` names columns (one curve per
+    policy), with their step axis defined (:func:`define_step_axis`). Rows without a numeric ``axis`` are
+    skipped."""
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
+    groups = [group] if isinstance(group, str) else list(group or ())
     points = []
     for r in rows:
         if not number(r.get(axis)):
             continue
-        prefix = str(r.get(group)).replace("/", "_") + "/" if group else ""  # "/" sections W&B panels
-        vals = {f"{prefix}{k}": v for k, v in r.items() if k != axis and k != group and number(v)
+        # "/" sections W&B's panels: only the one before the metric's name
+        prefix = " ".join(str(r.get(g)) for g in groups).replace("/", "_") + "/" if groups else ""
+        vals = {f"{prefix}{k}": v for k, v in r.items() if k != axis and k not in groups and number(v)
                 and (metrics is None or k in metrics)}
         points.append((r[axis], vals))
     define_step_axis(run, axis, sorted({k for _, v in points for k in v}))
@@ -231,15 +239,16 @@ def log_results(project: str, job_type: str, name: str, config: Mapping[str, Any
                 images: Mapping[str, str | Path] | None = None,
                 exports: Iterable[tuple[str | Path, str]] = (),
                 inputs: Iterable[tuple[str | Path, str, str | None]] = (),
-                series: Mapping[str, tuple[str, str | None, Sequence[str] | None]] | None = None) -> str:
+                series: Iterable[tuple[Sequence[Mapping[str, Any]], str, str | Sequence[str] | None,
+                                       Sequence[str] | None]] = ()) -> str:
     """One W&B run for one command's results: ``inputs`` ((path, kind, digest) consumed, :func:`use_inputs`),
     ``tables`` (key -> rows), ``images`` (key -> PNG path), ``exports`` ((folder, kind) pairs), ``series``
-    (table key -> (axis, group, metrics) of :func:`log_series`). Returns the run's local directory."""
+    ((rows, axis, group, metrics) of :func:`log_series`). Returns the run's local directory."""
     run = start_wandb_run(project, dict(config), job_type=job_type, name=name)
     try:
         use_inputs(run, inputs)
-        for key, (axis, group, metrics) in (series or {}).items():
-            log_series(run, axis, (tables or {}).get(key, ()), group, metrics)
+        for rows, axis, group, metrics in series:
+            log_series(run, axis, rows, group, metrics)
         for key, rows in (tables or {}).items():
             log_table(run, key, rows)
         for key, path in (images or {}).items():
