@@ -8,7 +8,8 @@ to be uploaded later with ``wandb sync``.
 * :func:`log_export` logs an export folder (forecaster, routers, fine-tuned model) as an artifact whose
   metadata holds the export's JSON files (its config, training block, manifest);
 * :func:`log_results` does all three for one command in a run of its own (simulate, forecast-eval,
-  stages eval, ...); :func:`log_export_to_loggers` finds the W&B run of a Lightning fit;
+  stages eval, ...); :func:`log_export_to_loggers` finds the W&B run of a Lightning fit,
+  :func:`log_checkpoints_to_loggers` logs its checkpoints there;
 * :func:`use_input` declares an export, trace set or cue set a command consumed as an input artifact of its
   run (lineage), named by its kind and the content hash the command's outputs record;
   :func:`define_step_axis` gives a run's series their step axis (``define_metric``);
@@ -265,6 +266,23 @@ def log_export_to_loggers(loggers: Iterable[Any], export_dir: str | Path) -> Non
     for lg in loggers:
         if type(lg).__name__ == "WandbLogger":
             log_export(lg.experiment, export_dir, export_kind(export_dir))
+
+
+def log_checkpoints_to_loggers(loggers: Iterable[Any], ckpt_dir: str | Path, **metadata: Any) -> None:
+    """After a fit (``expertcast fit --wandb-checkpoints``): log the checkpoints of ``ckpt_dir`` (``*.ckpt``)
+    as one artifact of type ``model-checkpoint`` to every W&B logger of the trainer, named after the run
+    directory, with ``metadata`` (step, export hash) and each file's size. Lightning's ``log_model`` refuses
+    offline loggers; this works offline too."""
+    d = Path(ckpt_dir)
+    files = sorted(p for p in d.glob("*.ckpt") if p.is_file())
+    for lg in loggers:
+        if type(lg).__name__ != "WandbLogger" or not files:
+            continue
+        art = _wandb().Artifact(_artifact_name(f"checkpoints-{d.resolve().parent.name}"), type="model-checkpoint",
+                                metadata={**_jsonable(metadata), "files": {p.name: p.stat().st_size for p in files}})
+        for f in files:
+            art.add_file(str(f), name=f.name)
+        lg.experiment.log_artifact(art)
 
 
 def finish_wandb_loggers(loggers: Iterable[Any]) -> None:
