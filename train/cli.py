@@ -408,13 +408,13 @@ def fit(args: list[str], options: FitOptions | None = None) -> FitResult:
                 raise UsageError("--wandb-checkpoints logs the checkpoints to the run's W&B logger, and trainer.logger "
                                  "has none (e.g. lightning.pytorch.loggers.WandbLogger, as in configs/forecaster/tiny.yaml)")
             with _run_dir_env(plan.run_dir):
-                return _train(cli, plan, args, options.log_checkpoints)
+                return _train(cli, plan, args)
         finally:
             finish_wandb_loggers(cli.trainer.loggers)
             plan.release()
 
 
-def _train(cli: FitCLI, plan: RunPlan, args: list[str], log_checkpoints: bool = False) -> FitResult:
+def _train(cli: FitCLI, plan: RunPlan, args: list[str]) -> FitResult:
     trainer = cli.trainer
     start = f" from {plan.resume_ckpt}" if plan.resume_ckpt else ""
     print(f"expertcast fit: run directory {plan.run_dir}{start}", flush=True)
@@ -442,7 +442,7 @@ def _train(cli: FitCLI, plan: RunPlan, args: list[str], log_checkpoints: bool = 
     if trainer.is_global_zero:
         _update_run(plan.run_dir, status="finished", global_step=int(trainer.global_step), export_hash=export_hash)
         log_export_to_loggers(trainer.loggers, plan.export_dir)  # a W&B logger gets the export as an artifact
-        if log_checkpoints:
+        if cli.options.log_checkpoints:
             log_checkpoints_to_loggers(trainer.loggers, plan.run_dir / CKPT_DIR, step=int(trainer.global_step),
                                        export_hash=export_hash)
         print(f"expertcast fit: {getattr(cli.model, 'task_name', 'model')} export written to {plan.export_dir} "
