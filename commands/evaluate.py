@@ -806,14 +806,17 @@ def _start_wandb(args: Any, info: dict[str, Any]):
 
 
 def wandb_inputs(args: Any, files: dict[str, str]) -> list[tuple[str, str, str | None]]:
-    """The ``(path, kind, digest)`` inputs of the evaluation for W&B lineage: the router-adaptation export of a
-    router policy (``--model``), else the policy's file options (forecaster export, cue set, ...)."""
+    """The ``(path, kind, digest)`` inputs of the evaluation for W&B lineage: a router-adaptation export given
+    as ``--model`` (a router policy runs its routers), and the file options of any other policy (forecaster
+    export, cue set, ...)."""
     from expertcast.inference.policies import parse_policy_options
+    from expertcast.models.names import is_export_dir
     from expertcast.utils.tracking import policy_inputs
 
+    model = [(args.model, "router", None)] if is_export_dir(args.model) else []
     if "routers" in files:
-        return [(args.model, "router", None)]
-    return policy_inputs(files, parse_policy_options(args.policy).file_options())
+        return model
+    return model + policy_inputs(files, parse_policy_options(args.policy).file_options())
 
 
 def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict[str, Any], templated: bool,

@@ -149,3 +149,20 @@ def test_eval_declares_the_forecaster_export_it_consumed(tmp_path, wandb_dir, of
     assert script.main([str(run)]) == 0
     out = capsys.readouterr().out
     assert "forecaster-export" in out and verify_export(exp) in out and "used" in out
+
+
+def test_eval_declares_the_router_export_it_runs(tmp_path, wandb_dir, offline_contents, data_dir):
+    """`eval --model EXPORT --policy router-*`: the router-adaptation export is the run's input, by its export
+    hash."""
+    from expertcast.commands.evaluate import main
+    from expertcast.train.router_module import RouterAdaptationModule
+    from expertcast.utils.provenance import verify_export_manifest
+
+    export = Path(RouterAdaptationModule(model="qwen3_moe-tiny", mode="temporal", init="random", seed=1)
+                  .export(tmp_path / "temporal"))
+    assert main(["--model", str(export), "--policy", "router-temporal", "--benchmark", "arith", "--limit", "1",
+                 "--max-new-tokens", "2", "--slots", "6", "--no-progress", "--device", "cpu", "--baseline", "none",
+                 "--out", str(tmp_path / "o"), "--wandb", "--wandb-project", "t"]) == 0
+    [run] = _runs(wandb_dir)
+    [art] = [a for a in offline_contents(run, _used)["artifacts"] if a["used"]]
+    assert art["type"] == "router-export" and art["sha256"] == verify_export_manifest(export)
