@@ -450,7 +450,7 @@ def run(args) -> int:
 
     from expertcast.utils.outdir import claim_output_dir
 
-    inputs = _inputs(args, settings, options, files, policies, calibration_fp)
+    inputs = _inputs(args, settings, options, files, policies, calibration_fp) if args.wandb else []
     with claim_output_dir(args.out, "simulate", overwrite=args.overwrite) as od:
         return _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, settings, files, overlaps,
                          inputs)

@@ -225,8 +225,8 @@ def log_series(run: Any, axis: str, rows: Sequence[Mapping[str, Any]], group: st
     for r in rows:
         if not number(r.get(axis)):
             continue
-        # "/" sections W&B's panels: only the one before the metric's name
-        prefix = " ".join(str(r.get(g)) for g in groups).replace("/", "_") + "/" if groups else ""
+        # "/" sections W&B's panels (only the one before the metric's name) and "." nests a metric's name
+        prefix = re.sub(r"[/.]", "_", " ".join(str(r.get(g)) for g in groups)) + "/" if groups else ""
         vals = {f"{prefix}{k}": v for k, v in r.items() if k != axis and k not in groups and number(v)
                 and (metrics is None or k in metrics)}
         points.append((r[axis], vals))
