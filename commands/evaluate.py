@@ -542,7 +542,12 @@ def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[d
                          settings_hash=info["settings_hash"])
             append_samples(out.path / SAMPLES, rows)
             if run is not None:
-                run.log({"batch": next_batch + bi, **{k: v for k, v in stats.items() if not isinstance(v, list)}})
+                series = {k: v for k, v in stats.items() if not isinstance(v, list)}
+                if bi == 0:
+                    from expertcast.utils.tracking import define_step_axis
+
+                    define_step_axis(run, "batch", series)  # per-batch series over the batch id
+                run.log({"batch": next_batch + bi, **series})
         rows = rows_of(read_samples(out.path / SAMPLES, info["settings_hash"]), [p.id for p in problems],
                        out.path / SAMPLES)
         memory = om.memory_report().to_dict()
@@ -791,11 +796,27 @@ def _progress(args: Any, batches: list[Any], info: dict[str, Any]):
 def _start_wandb(args: Any, info: dict[str, Any]):
     if not args.wandb:
         return None
-    from expertcast.utils.tracking import start_wandb_run
+    from expertcast.utils.tracking import start_wandb_run, use_inputs
 
     cap = next(iter(info["capacity"].values()))
-    return start_wandb_run(args.wandb_project, info["settings"], job_type="eval",
-                           name=f"eval-{args.benchmark}-{args.policy}-{cap}")
+    run = start_wandb_run(args.wandb_project, info["settings"], job_type="eval",
+                          name=f"eval-{args.benchmark}-{args.policy}-{cap}")
+    use_inputs(run, wandb_inputs(args, info["artefacts"]))
+    return run
+
+
+def wandb_inputs(args: Any, files: dict[str, str]) -> list[tuple[str, str, str | None]]:
+    """The ``(path, kind, digest)`` inputs of the evaluation for W&B lineage: a router-adaptation export given
+    as ``--model`` (a router policy runs its routers), and the file options of any other policy (forecaster
+    export, cue set, ...)."""
+    from expertcast.inference.policies import parse_policy_options
+    from expertcast.models.names import is_export_dir
+    from expertcast.utils.tracking import policy_inputs
+
+    model = [(args.model, "router", None)] if is_export_dir(args.model) else []
+    if "routers" in files:
+        return model
+    return model + policy_inputs(files, parse_policy_options(args.policy).file_options())
 
 
 def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict[str, Any], templated: bool,

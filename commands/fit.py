@@ -18,6 +18,9 @@ grow); a truncated ``last.ckpt`` falls back to ``last-prev.ckpt`` with a warning
 save a checkpoint after the running step and exit with 143/130 without writing an export; the
 message says how to resume. Every other option is LightningCLI's (``--trainer.*``, ``--model.init_args.*``,
 ``--data.init_args.*``, ``--print_config``; ``--lightning-help`` lists them).
+
+A W&B logger (``trainer.logger``, as in the shipped configs) gets the export as an artifact; with
+``--wandb-checkpoints`` also the run's checkpoints (type ``model-checkpoint``), offline runs included.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def build_parser() -> CommandParser:
     ap.add_argument("--checkpoint-every", type=positive_int, default=100, metavar="STEPS",
                     help="optimizer steps between resumable checkpoints (also at every epoch end, at the end "
                          "and on SIGTERM/SIGINT)")
+    ap.add_argument("--wandb-checkpoints", action="store_true",
+                    help="once training finished, log the run's checkpoints to its W&B logger (trainer.logger) as an "
+                         "artifact; works offline too")
     ap.add_argument("--lightning-help", action="store_true", help="print every LightningCLI option and exit")
     return ap
 
@@ -95,7 +101,7 @@ def run_fit(argv: list[str]):
 
     args, lightning = parse(argv)
     return fit(lightning, FitOptions(resume=args.resume, run_name=args.run_name, overwrite=args.overwrite,
-                                     checkpoint_every=args.checkpoint_every))
+                                     checkpoint_every=args.checkpoint_every, log_checkpoints=args.wandb_checkpoints))
 
 
 def main(argv: list[str] | None = None) -> int:

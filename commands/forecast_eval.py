@@ -228,8 +228,14 @@ def _write(out, args, exp, meta, split, evals, tables, overlap) -> None:
          + (f"; {note}" if note else ""))
     print(f"wrote {out.path / 'recall.csv'}, {out.path / 'recall_summary.json'}, {out.path / 'recall.png'}")
     if args.wandb:
+        inputs = [(args.forecaster, "forecaster", exp.export_hash), (args.traces, "traces", None)]
+        if args.fit_traces:
+            inputs.append((args.fit_traces, "traces", None))
+        tidy = long_rows(tables)
         log_results(args.wandb_project, "forecast-eval", f"forecast-eval-{Path(args.forecaster).name}", vars(args),
-                    tables={"recall": rows, "recall_by_layer": long_rows(tables)}, images={"recall": out.path / "recall.png"})
+                    tables={"recall": rows, "recall_by_layer": tidy}, images={"recall": out.path / "recall.png"},
+                    inputs=inputs, series=[([r for r in tidy if r["layer"] == "all"], "horizon", "predictor",
+                                            ("recall@K", "recall@K+3"))])
 
 
 def summary_rows(tables: dict[str, RecallTable]) -> list[dict[str, Any]]:

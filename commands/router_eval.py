@@ -691,7 +691,7 @@ def run_study(cfg: StudyConfig, out: OutputDir, exports: list[EvalTarget] | None
             completions[t.name] = got["completions"]
     add_lm_only_refs(rows, completions)
     add_lru_deltas(rows)
-    write_tables(rows, out, len(examples), len(problems), overlaps, cfg)
+    write_tables(rows, out, len(examples), len(problems), overlaps, cfg, [t.export for t in targets])
     return rows
 
 
@@ -732,8 +732,9 @@ def heldout_examples(cfg: StudyConfig, export: Path) -> list:
 
 
 def write_tables(rows: list[dict[str, Any]], out: OutputDir, n_texts: int, n_prompts: int,
-                 overlaps: dict[str, dict[str, Any]], cfg: StudyConfig) -> None:
-    """Table 2 (base B), Table 3 (other budgets), ``table2.png``, ``all_rows.json``; W&B when asked."""
+                 overlaps: dict[str, dict[str, Any]], cfg: StudyConfig, exports: list[Path] = ()) -> None:
+    """Table 2 (base B), Table 3 (other budgets), ``table2.png``, ``all_rows.json``; W&B when asked (the run
+    declares the evaluated ``exports`` as its inputs)."""
     base_B = _base_budget(rows)
     leaked = sum(1 for o in overlaps.values() if o["overlap"] or o.get("prompt_overlap"))
     unknown = sum(1 for o in overlaps.values() if o["overlap"] is None or o.get("prompt_overlap", 0) is None)
@@ -754,7 +755,7 @@ def write_tables(rows: list[dict[str, Any]], out: OutputDir, n_texts: int, n_pro
     atomic_write_json(out.file("all_rows.json"), rows)
     atomic_write_json(out.file(STUDY), {"settings": cfg.study_settings()})
     if cfg.wandb:
-        _log_wandb(rows, cfg, out.path / "table2.png")
+        _log_wandb(rows, cfg, out.path / "table2.png", exports)
     print(f"{header}\nwrote {out.path}/table2.csv, table2.png, all_rows.json (MB/token: real expert bytes; "
           f"mb_per_token_q3: {Q3_EXPERT_BYTES / 1e6} MB experts)")
 
@@ -795,11 +796,12 @@ def _plot(rows: list[dict[str, Any]], path: Path, B: int) -> None:
     save_figure(fig, path, dpi=120)
 
 
-def _log_wandb(rows: list[dict[str, Any]], cfg: StudyConfig, png: Path | None = None) -> None:
+def _log_wandb(rows: list[dict[str, Any]], cfg: StudyConfig, png: Path | None = None, exports: list[Path] = ()) -> None:
     import wandb
-    from expertcast.utils.tracking import start_wandb_run
+    from expertcast.utils.tracking import start_wandb_run, use_inputs
 
     run = start_wandb_run(cfg.wandb_project, {**asdict(cfg)}, job_type="router-eval", name=f"router-eval-s{cfg.seed}")
+    use_inputs(run, [(d, "router", _read_export_info(d)["export_hash"]) for d in exports])
     table = wandb.Table(columns=COLUMNS, data=[[_cell(r.get(c)) for c in COLUMNS] for r in rows])
     run.log({"router_eval/table2": table})
     if png is not None:

@@ -57,6 +57,8 @@ SETTINGS_FILE = "simulate.settings.json"
 PARTIAL_FILE = "simulate.partial.json"
 FIT_SET = "fit set"
 """Key of the generalisation protocol's fit-set header among the overlap checks (``--fit-traces``)."""
+SERIES_METRICS = ("hit", "adj_hit", "mb_per_token", "belady_fraction", "stall_ms_per_token", "pct_full_speed")
+"""Record fields logged to W&B as per-capacity series, one curve per policy (``--wandb``)."""
 TIMING_FIELDS = ("seconds", "accesses_per_s")
 """Record fields that measure this machine, not the simulation (they differ between identical runs)."""
 
@@ -448,11 +450,33 @@ def run(args) -> int:
 
     from expertcast.utils.outdir import claim_output_dir
 
+    inputs = _inputs(args, settings, options, files, policies, calibration_fp) if args.wandb else []
     with claim_output_dir(args.out, "simulate", overwrite=args.overwrite) as od:
-        return _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, settings, files, overlaps)
+        return _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, settings, files, overlaps,
+                         inputs)
 
 
-def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, settings, files, overlaps) -> int:
+def _inputs(args, settings, options, policies_files, policies, calibration_fp) -> list[tuple[str, str, str | None]]:
+    """The ``(path, kind, digest)`` inputs of the run for W&B lineage: the replayed traces, the calibration or
+    fit set, ``--forecaster`` and every policy's file options, with the hashes the outputs record."""
+    from expertcast.utils.tracking import policy_inputs
+
+    out = []
+    if args.traces:
+        out.append((args.traces, "traces", settings["traces"]))
+    if args.calibration or args.fit_traces:
+        out.append((args.calibration or args.fit_traces, "traces", None if args.fit_sequences else calibration_fp))
+    if args.forecaster:
+        out.append((args.forecaster, "forecaster", settings["forecaster"]))
+    for o, pol in zip(options, policies, strict=True):
+        got = policies_files.get(pol.label, {})
+        out += policy_inputs({k: v["path"] for k, v in got.items()}, o.file_options(),
+                             {k: v["sha256"] for k, v in got.items()})
+    return out
+
+
+def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, settings, files, overlaps,
+              inputs=()) -> int:
     from expertcast.inference.sim.report import TABLE_COLUMNS, plot_hit_vs_capacity
     from expertcast.inference.sim.simulator import simulate
     from expertcast.utils.io import atomic_write_json, report
@@ -497,7 +521,8 @@ def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, set
     print(f"wrote {out / 'simulate.json'}, {out / 'simulate.csv'}, {png}")
     if args.wandb:
         log_results(args.wandb_project, "simulate", f"simulate-{Path(args.traces or 'synthetic').name}", vars(args),
-                    tables={"simulate": records}, images={"hit_vs_capacity": png})
+                    tables={"simulate": records}, images={"hit_vs_capacity": png}, inputs=inputs,
+                    series=[(records, "capacity", "policy", SERIES_METRICS)])
     return 0
 
 

@@ -281,6 +281,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     eb = args.expert_bytes or QWEN3_30B_A3B_EXPERT_BYTES
     cost = CostConfig(expert_bytes=int(eb), cpu_parallel=not args.cpu_serial)
     traces = cs = dec = None
+    inputs: list[tuple[str, str, str | None]] = []
     if args.traces:
         meta, seqs = _load_traces(args.traces, args.max_sequences)
         cs, cue_path = _cue_set(args.cues, args.model or meta.model_id)
@@ -288,6 +289,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         cs.check_compatible(meta.num_layers, meta.num_experts)
         tok, _ = _tokenizer(args.model, cs.tokenizer or meta.model_id, "the cue set's tokenizer")
         traces, dec = (meta, seqs), TokenDecoder(tok)
+        inputs = [(args.traces, "traces", None), (str(cue_path), "cue_set", None)]  # W&B lineage (--wandb)
     elif not args.synthetic:
         raise UsageError("nothing to evaluate: give --traces (with a cue set) and/or --synthetic")
     tag = "cot" if args.max_sequences is None else f"cot{args.max_sequences}"
@@ -300,7 +302,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(f"wrote {out.path}")
         if args.wandb:
             log_results(args.wandb_project, "stages-eval", f"stages-eval-{tag}", {k: v for k, v in vars(args).items()
-                        if k != "fn"}, tables={"saem_eval": rows}, images={"saem_eval": out.path / "saem_eval.png"})
+                        if k != "fn"}, tables={"saem_eval": rows}, images={"saem_eval": out.path / "saem_eval.png"},
+                        inputs=inputs)
     return 0
 
 

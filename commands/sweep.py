@@ -112,11 +112,12 @@ def sweep(args: argparse.Namespace) -> int:
             print(f"[{i + 1}/{len(cells)}] {c['benchmark']} {c['spec']} @ {next(iter(c['cap'].values()))}", flush=True)
             summary = run_cell(c["args"], CellDir(out, c["rel"]), c["cell"], session)
             rows.append(table_row(c["benchmark"], c["spec"], c["cap"], summary))
-        _write_outputs(args, out, rows, first["info"])
+        _write_outputs(args, out, rows, first["info"], cells)
     return 0
 
 
-def _write_outputs(args: argparse.Namespace, out: Any, rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
+def _write_outputs(args: argparse.Namespace, out: Any, rows: list[dict[str, Any]], info: dict[str, Any],
+                   cells: list[dict[str, Any]] = ()) -> None:
     from expertcast.utils.io import atomic_write_json, print_table, write_csv
 
     table = [{k: r[k] for k in TABLE_COLUMNS} for r in rows]
@@ -128,17 +129,22 @@ def _write_outputs(args: argparse.Namespace, out: Any, rows: list[dict[str, Any]
     write_csv(out.file("sweep.csv"), table)
     plot_sweep(rows, out.file("sweep.png"), title)
     if args.wandb:
-        _log_wandb(args, table, out.path / "sweep.png")
+        _log_wandb(args, table, out.path / "sweep.png", cells)
     print(f"wrote {out.path / 'sweep.json'}, sweep.csv, sweep.png and {len(rows)} cells under {out.path / 'cells'}")
 
 
-def _log_wandb(args: argparse.Namespace, table: list[dict[str, Any]], png: Any) -> None:
-    """The sweep table (a wandb.Table) and its plot in one W&B run."""
+def _log_wandb(args: argparse.Namespace, table: list[dict[str, Any]], png: Any, cells: list[dict[str, Any]] = ()
+               ) -> None:
+    """The sweep table (a wandb.Table), its per-capacity series (one curve per benchmark and policy) and its
+    plot in one W&B run, which declares the exports and cue sets of every cell's policy as its inputs."""
+    from expertcast.commands.evaluate import wandb_inputs
     from expertcast.utils.tracking import log_results
 
     config = {k: v for k, v in vars(args).items() if k not in ("wandb", "wandb_project")}
+    inputs = [i for c in cells for i in wandb_inputs(c["args"], c["cell"]["info"]["artefacts"])]
     log_results(args.wandb_project, "sweep", f"sweep-{args.model}", config, tables={"sweep": table},
-                images={"sweep_plot": png})
+                images={"sweep_plot": png}, inputs=inputs,
+                series=[(table, "capacity", ("benchmark", "policy"), SERIES_METRICS)])
 
 
 # -- cell folders, the table and its plot ----------------------------------------------------------
@@ -146,6 +152,8 @@ CELLS = "cells"
 TABLE_COLUMNS = ["benchmark", "policy", "capacity", "samples", "accuracy", "hit", "adj_hit", "mb_per_token",
                  "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "baseline", "cpu_exec",
                  "stall_ms_per_token"]
+SERIES_METRICS = ("accuracy", "hit", "adj_hit", "mb_per_token", "tokens_per_s", "pct_full", "stall_ms_per_token")
+"""Table columns logged to W&B as per-capacity series (``--wandb``)."""
 
 
 def policy_slug(spec: str) -> str:

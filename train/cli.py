@@ -60,7 +60,7 @@ from expertcast.train.fit_run import (
 )
 from expertcast.utils.errors import UsageError
 from expertcast.utils.outdir import OutputDir, claim_output_dir, read_marker
-from expertcast.utils.tracking import finish_wandb_loggers, log_export_to_loggers
+from expertcast.utils.tracking import finish_wandb_loggers, log_checkpoints_to_loggers, log_export_to_loggers
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, instantiate_class
 
@@ -77,6 +77,8 @@ class FitOptions:
     """Replace an earlier export in an explicit ``export_dir`` (only once this run finished)."""
     checkpoint_every: int = 100
     """Optimizer steps between resumable checkpoints (also at every epoch end, at the end, on a signal)."""
+    log_checkpoints: bool = False
+    """Log the run's checkpoints to its W&B logger as an artifact once training finished (a W&B logger needed)."""
 
 
 @dataclass
@@ -402,6 +404,9 @@ def fit(args: list[str], options: FitOptions | None = None) -> FitResult:
         plan = cli.plan
         assert plan is not None
         try:
+            if options.log_checkpoints and not any(type(lg).__name__ == "WandbLogger" for lg in cli.trainer.loggers):
+                raise UsageError("--wandb-checkpoints logs the checkpoints to the run's W&B logger, and trainer.logger "
+                                 "has none (e.g. lightning.pytorch.loggers.WandbLogger, as in configs/forecaster/tiny.yaml)")
             with _run_dir_env(plan.run_dir):
                 return _train(cli, plan, args)
         finally:
@@ -437,6 +442,9 @@ def _train(cli: FitCLI, plan: RunPlan, args: list[str]) -> FitResult:
     if trainer.is_global_zero:
         _update_run(plan.run_dir, status="finished", global_step=int(trainer.global_step), export_hash=export_hash)
         log_export_to_loggers(trainer.loggers, plan.export_dir)  # a W&B logger gets the export as an artifact
+        if cli.options.log_checkpoints:
+            log_checkpoints_to_loggers(trainer.loggers, plan.run_dir / CKPT_DIR, step=int(trainer.global_step),
+                                       export_hash=export_hash)
         print(f"expertcast fit: {getattr(cli.model, 'task_name', 'model')} export written to {plan.export_dir} "
               f"(export hash {export_hash[:12]}, step {trainer.global_step})", flush=True)
     return FitResult(plan.run_dir, "finished", int(trainer.global_step), export_dir=plan.export_dir,

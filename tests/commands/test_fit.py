@@ -262,3 +262,21 @@ def _readable(path: Path) -> bool:
         return True
     except Exception:  # a checkpoint being written right now
         return False
+
+
+def test_wandb_checkpoints_are_logged_as_an_artifact_when_asked(traces, tmp_path, wandb_dir, offline_contents, capsys):
+    """``--wandb-checkpoints``: the finished run's checkpoints become a ``model-checkpoint`` artifact of its W&B
+    run (offline here), beside the export; without a W&B logger the flag is a one-line refusal."""
+    args = fit_args(tmp_path / "runs", traces["a"], 1, "--wandb-checkpoints")
+    rc, _ = run_fit(args)
+    assert rc == 2 and "--wandb-checkpoints" in capsys.readouterr().err
+    logger = '{"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"project": "t", "offline": true}}'
+    args[args.index("--trainer.logger") + 1] = logger
+    rc, res = run_fit(args)
+    assert rc == 0
+    [run] = sorted(res.run_dir.glob("wandb/offline-run-*"))
+    got = offline_contents(run, lambda c: {a["type"] for a in c["artifacts"]} >= {"model-checkpoint", "forecaster"})
+    [art] = [a for a in got["artifacts"] if a["type"] == "model-checkpoint"]
+    assert sorted(art["files"]) == sorted(p.name for p in (res.run_dir / "checkpoints").glob("*.ckpt"))
+    assert "last.ckpt" in art["files"] and not art["used"]
+    assert {"step", "export_hash", "files"} <= set(art["metadata"])

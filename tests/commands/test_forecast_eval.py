@@ -121,3 +121,16 @@ def test_missing_or_foreign_export_and_concurrent_run(data, tmp_path, capsys):
     (edited / "forecaster.json").write_text(json.dumps(cfg))
     assert main(["--forecaster", str(edited), "--traces", str(data["traces"])]) == 2
     assert "forecaster.json" in _err(capsys)
+
+
+def test_wandb_run_declares_the_export_and_the_traces(data, tmp_path, wandb_dir, offline_contents):
+    from expertcast.data.trace_format import sequences_fingerprint
+    from expertcast.data.traces import load_traces
+
+    assert _run(data, tmp_path, "--wandb", "--wandb-project", "t") == 0
+    [run] = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    got = offline_contents(run, lambda c: len([a for a in c["artifacts"] if a["used"]]) == 2 and c["tables"])
+    used = {a["type"]: a for a in got["artifacts"] if a["used"]}
+    assert used["forecaster-export"]["sha256"] == _summary(tmp_path)["export_hash"]
+    assert used["trace-set"]["sha256"] == sequences_fingerprint(load_traces(data["traces"])[1])
+    assert got["step_axes"]["forecaster/recall@K"] == "horizon"

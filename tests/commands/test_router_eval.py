@@ -269,6 +269,12 @@ def test_router_eval_logs_its_table_and_plot_offline(exports, tmp_path, wandb_di
     assert [r[cols.index("hit")] for r in logged["data"]] == pytest.approx([r["hit"] for r in rows])
     assert [r[cols.index("run")] for r in logged["data"]] == ["clean", "clean"]  # the run: the export folder's name
     assert any(Path(i).name.startswith("router_eval") or "plot" in Path(i).name for i in got["images"]), got["images"]
+    from expertcast.utils.provenance import verify_export_manifest
+
+    [used] = [a for a in offline_contents(runs[0], lambda c: any(a["used"] for a in c["artifacts"]))["artifacts"]
+              if a["used"]]  # the lineage: the evaluated export, by its export hash
+    assert used["type"] == "router-export" and used["sha256"] == verify_export_manifest(exports / "clean")
+    assert used["path"] == str((exports / "clean").resolve())
 
 
 def test_without_wandb_no_run_is_made(exports, tmp_path, wandb_dir, data_dir, run_router_eval):

@@ -245,3 +245,22 @@ def test_calibrate_refuses_token_ids_beyond_the_tokenizer(setup, tmp_path, capsy
     assert rc == 2 and len(lines) == 1 and "outside the tokenizer's vocabulary" in lines[0], err
     assert " ..." in lines[0] and len(lines[0]) < 400  # the first few ids and a count, not every id
     assert not (tmp_path / "c.json").exists()
+
+
+def test_eval_wandb_run_declares_its_traces_and_cue_set(setup, tmp_path, wandb_dir, offline_contents):
+    from expertcast.data.trace_format import sequences_fingerprint
+    from expertcast.data.traces import load_traces
+    from expertcast.utils.provenance import sha256_file
+
+    root, model, traces, _ = setup
+    cues = tmp_path / "cues.json"
+    assert main(["calibrate", "--traces", str(traces), "--model", str(model), "--out", str(cues),
+                 "--min-rate", "1", "--min-stage-tokens", "4"]) == 0
+    assert main(["eval", "--traces", str(traces), "--model", str(model), "--cues", str(cues), "--batch-sizes", "2",
+                 "--capacity", "0.25", "--policies", "stage,lru", "--out", str(tmp_path / "eval"),
+                 "--wandb", "--wandb-project", "t"]) == 0
+    [run] = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    got = offline_contents(run, lambda c: len([a for a in c["artifacts"] if a["used"]]) == 2)
+    used = {a["type"]: a for a in got["artifacts"] if a["used"]}
+    assert used["cue-set"]["sha256"] == sha256_file(cues) and used["cue-set"]["files"] == ["cues.json"]
+    assert used["trace-set"]["sha256"] == sequences_fingerprint(load_traces(traces)[1])

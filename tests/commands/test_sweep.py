@@ -43,6 +43,7 @@ def test_sweep_table_and_resume(tmp_path, data_dir, capsys, monkeypatch):
     [logged] = [json.loads((run / t).read_text()) for t in got["tables"] if Path(t).name.startswith("sweep")]
     assert [r[logged["columns"].index("benchmark")] for r in logged["data"]] == ["gsm8k", "math500"]
     assert any(Path(i).name.startswith("sweep_plot") for i in got["images"])
+    assert got["step_axes"]["gsm8k lru/hit"] == got["step_axes"]["math500 lru/hit"] == "capacity"  # per-capacity series
     assert [(r["benchmark"], r["policy"], float(r["capacity"])) for r in table] == [
         ("gsm8k", "lru", 0.5), ("math500", "lru", 0.5)]
     assert (out / "sweep.png").stat().st_size > 0
