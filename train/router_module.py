@@ -375,16 +375,18 @@ class DecoderLayerFSDP2Strategy(ModelParallelStrategy):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        if self.activation_checkpointing:
+        layers = [m for m in module.backbone.modules() if isinstance(m, self.layer_cls)]
+        if not layers:
+            from expertcast.utils.errors import UsageError
+
+            raise UsageError(f"{type(module.backbone).__name__} has no decoder layer of class "
+                             f"{self.layer_cls.__name__} (the strategy's layer_class)")
+        if self.activation_checkpointing:  # wraps the same layer objects; they stay the fully_shard units
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 apply_activation_checkpointing,
             )
 
             apply_activation_checkpointing(module.backbone, check_fn=lambda m: isinstance(m, self.layer_cls))
-        layers = [m for m in module.backbone.modules() if isinstance(m, self.layer_cls)]
-        if not layers:
-            raise ValueError(f"{type(module.backbone).__name__} has no decoder layer of class "
-                             f"{self.layer_cls.__name__} (the strategy's layer_class)")
         kw = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
         for layer in layers:
             fully_shard(layer, **kw)
