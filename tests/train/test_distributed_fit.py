@@ -71,24 +71,41 @@ def test_ddp_router_fit_writes_one_export_that_loads_and_generates(tmp_path):
     assert out.shape == (1, ids.shape[1] + 6)
 
 
-def test_shipped_real_size_router_strategy_runs_fsdp2_on_two_cpu_processes(tmp_path):
+SHIPPED_ROUTER = REPO / "configs/router/qwen3-30b-a3b.yaml"
+
+
+def _shipped_router_fit(root: Path, max_steps: int) -> list[str]:
+    """``expertcast fit`` of the shipped real-size router YAML with its strategy block, precision and LoRA as
+    shipped; only the backbone (tiny preset), the data size, the device (2 CPU processes) and the step counts
+    are this machine's."""
+    return [sys.executable, "-m", "expertcast.cli", "fit", "--config", str(SHIPPED_ROUTER),
+            "--model.init_args.model", "qwen3_moe-tiny", "--model.init_args.budget", "4",
+            "--data.init_args.limit", "24", "--data.init_args.heldout", "0.25", "--data.init_args.max_length", "48",
+            "--data.init_args.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+            "--trainer.max_steps", str(max_steps), "--trainer.accumulate_grad_batches", "1",
+            "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.default_root_dir", str(root)]
+
+
+@pytest.fixture(scope="module")
+def shipped_fsdp2_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(run directory, fit log) of a 2-step fit of the shipped real-size router recipe on 2 CPU processes."""
+    tmp = tmp_path_factory.mktemp("shipped_fsdp2")
+    _run(_shipped_router_fit(tmp / "runs", 2), tmp / "fit.log")
+    (run_dir,) = list((tmp / "runs").iterdir())
+    return run_dir, tmp / "fit.log"
+
+
+def test_shipped_real_size_router_strategy_runs_fsdp2_on_two_cpu_processes(shipped_fsdp2_run):
     from expertcast.models.backbone import load_moe_model
     from expertcast.models.router_export import load_routers, read_adaptation_export
 
-    config = REPO / "configs/router/qwen3-30b-a3b.yaml"
-    root = tmp_path / "runs"
-    _run([sys.executable, "-m", "expertcast.cli", "fit", "--config", str(config),
-          "--model.init_args.model", "qwen3_moe-tiny", "--model.init_args.budget", "4",
-          "--data.init_args.limit", "24", "--data.init_args.heldout", "0.25", "--data.init_args.max_length", "48",
-          "--data.init_args.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
-          "--trainer.max_steps", "2", "--trainer.accumulate_grad_batches", "1", "--trainer.val_check_interval", "2",
-          "--trainer.limit_val_batches", "1", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-          "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(root)], tmp_path / "fit.log")
-    log = (tmp_path / "fit.log").read_text()
+    run_dir, log_file = shipped_fsdp2_run
+    log = log_file.read_text()
     layers = load_moe_model("qwen3_moe-tiny")[0].config.num_hidden_layers
     assert log.count(f"FSDP2: {layers} Qwen3MoeDecoderLayer units sharded over 2 processes") == 1, log[-3000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log and log.count("router export written to") == 1
-    (run_dir,) = list(root.iterdir())
     run = json.loads((run_dir / "run.json").read_text())
     assert run["status"] == "finished" and run["global_step"] == 2
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -103,6 +120,15 @@ def test_shipped_real_size_router_strategy_runs_fsdp2_on_two_cpu_processes(tmp_p
     ids = torch.tensor([tok.encode("2 + 3 =")])
     out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape == (1, ids.shape[1] + 4)
+
+
+@pytest.mark.slow
+def test_shipped_real_size_router_fit_resumes_from_its_sharded_checkpoint(shipped_fsdp2_run, tmp_path):
+    run_dir, _ = shipped_fsdp2_run
+    _run([*_shipped_router_fit(run_dir.parent, 3), "--resume", str(run_dir)], tmp_path / "resume.log")
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["status"] == "finished" and run["global_step"] == 3
+    assert [r["step"] for r in run["resumes"]] == [2]  # read from the folder's meta.pt: settings checked, step 2
 
 
 @pytest.fixture(scope="module")
