@@ -23,9 +23,11 @@ Speed against full load, in the same run: the first ``--speed-samples`` problems
 offloaded and by the baseline in interleaved passes (baseline, then offloaded + baseline ``--speed-repeats``
 times); ``pct_full`` is the median of each offloaded pass's tokens/s over the mean of its two neighbouring
 baseline passes, with the min-max of those ratios (``speed.json``; reused on resume when nothing changed).
-The baseline is the full-load model (every expert on the device) or, when the experts do not fit beside
-it (``--baseline auto`` on CUDA), the runtime executing every routed expert on the host
-(``all-experts-on-host``, named as such). A stage-aware policy decides CPU execution vs transfer with a
+The baseline is the full-load model (every expert on the device) or, when a full load does not fit
+(``--baseline auto``: the experts copied out of the store once more need the host's MemAvailable, and on
+CUDA the device's free memory), the runtime executing every routed expert on the host
+(``all-experts-on-host``, named as such; the choice, its reason and figures in ``speed.json``'s
+``baseline_choice`` and on stderr). A stage-aware policy decides CPU execution vs transfer with a
 latency model measured on this machine at start-up (``latency_model`` in ``summary.json``).
 """
 
@@ -113,7 +115,8 @@ def add_speed_args(ap: CommandParser) -> None:
     """The paired speed measurement's flags (shared with ``expertcast sweep``)."""
     ap.add_argument("--baseline", default="auto", choices=BASELINES,
                     help="speed baseline: full-load (every expert on the device), host (every expert executed on "
-                         "the host: all-experts-on-host), auto (full-load when it fits the device), none (skip)")
+                         "the host: all-experts-on-host), auto (full-load when every expert fits once more beside the host store and on the device), "
+                         "none (skip)")
     ap.add_argument("--speed-repeats", type=positive_int, default=3,
                     help="offloaded passes of the paired speed measurement (each between two baseline passes)")
     ap.add_argument("--speed-samples", type=positive_int, default=None,
@@ -464,6 +467,8 @@ class ModelSession:
         self.model = self.tok = self.store = None
         self.full = False
         """The model holds its experts (full load) now."""
+        self.full_load_check: Any = None
+        """The last :class:`~expertcast.inference.runtime.eval_run.FullLoadFit` (None before a full load was asked)."""
         self.load_report: dict[str, Any] | None = None
 
     def offload(self, policy: Any, capacity: dict[str, Any], measure_latency: bool = False):
@@ -494,8 +499,9 @@ class ModelSession:
         return om
 
     def give_back(self, om: Any, full: bool) -> None:
-        """Detach ``om``; with ``full`` the experts go back into the model (full load) when they fit the
-        device (CUDA: its free memory once the slots are freed), else they stay in the host store only."""
+        """Detach ``om``; with ``full`` the experts go back into the model (full load) when they fit beside the
+        host store and on the device (:func:`~expertcast.inference.runtime.eval_run.full_load_fit`), else they
+        stay in the host store only."""
         from expertcast.inference.runtime.live_routers import detach_live_routers
 
         detach_live_routers(om.policy)  # a full-load pass runs without the live routers' hooks
@@ -507,12 +513,10 @@ class ModelSession:
             self.full = False
 
     def _full_load_fits(self, om: Any) -> bool:
-        if not str(self.device).startswith("cuda"):
-            return True  # the "device" is the host, which holds the experts already
-        import torch
+        from expertcast.inference.runtime.eval_run import full_load_fit
 
-        free, _ = torch.cuda.mem_get_info(torch.device(self.device))
-        return self.store.nbytes * 1.1 <= free + om.pool.nbytes  # a margin for the allocator
+        self.full_load_check = full_load_fit(self.store.nbytes, self.device, om.pool.nbytes)
+        return self.full_load_check.fits
 
 
 def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[dict[str, Any]],
@@ -693,7 +697,7 @@ def _speed(args: Any, out: Any, cell: dict[str, Any], session: ModelSession, tem
         return None
     n = args.speed_samples or args.batch_size
     probs = cell["problems"][:n]
-    baseline = _baseline_kind(args.baseline, session)
+    baseline, choice = _baseline_kind(args.baseline, session)
     key = {"settings_hash": cell["info"]["settings_hash"], "baseline": baseline, "speed_samples": n,
            "speed_repeats": args.speed_repeats, "problems": [p.id for p in probs]}
     path = out.path / SPEED
@@ -704,21 +708,33 @@ def _speed(args: Any, out: Any, cell: dict[str, Any], session: ModelSession, tem
             return saved
     speed = measure_speed(args, session, cell, probs, templated, eos, baseline, lat_model)
     speed["key"] = key
+    speed["baseline_choice"] = choice
     atomic_write_json(out.file(SPEED), speed)
     return speed
 
 
-def _baseline_kind(choice: str, session: ModelSession) -> str:
-    """:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE`` for ``--baseline``: ``auto``
-    takes the full load when the experts went back into the model (they fit the device)."""
+def _baseline_kind(choice: str, session: ModelSession) -> tuple[str, dict[str, Any]]:
+    """:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE`` for ``--baseline``, and the
+    record of the choice (``speed.json``'s ``baseline_choice``: the reason and the memory figures). ``auto``
+    takes the full load when the experts went back into the model (they fit beside the host store and on the
+    device), else the host baseline, which needs no second copy of the experts; it says which on stderr."""
     from expertcast.inference.runtime.eval_run import FULL_LOAD, HOST_BASELINE
 
-    if choice == "host" or (choice == "auto" and not session.full):
-        return HOST_BASELINE
-    if not session.full:
-        raise UsageError(f"--baseline full-load: the model's experts ({session.store.nbytes / 1e9:.2f} GB) do not fit "
-                         f"the free memory of {session.device}; use --baseline auto or host")
-    return FULL_LOAD
+    check = session.full_load_check
+    figures = check.to_dict() if check is not None else {}
+    why = figures.pop("reason", "the experts are not in the model")
+    figures.pop("fits", None)
+    if choice == "host":
+        kind, why = HOST_BASELINE, "asked (--baseline host)"
+    elif session.full:
+        kind = FULL_LOAD
+    elif choice == "auto":
+        kind = HOST_BASELINE
+    else:
+        raise UsageError(f"--baseline full-load: {why}; use --baseline auto or host")
+    if choice == "auto":
+        print(f"eval: --baseline auto: {kind} ({why})", file=sys.stderr, flush=True)
+    return kind, {"requested": choice, "baseline": kind, "reason": why, **figures}
 
 
 def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs: list[Any], templated: bool,

@@ -276,13 +276,14 @@ class CacheRouters(nn.Module):
 
     def distributions(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``h`` [..., L, H] router inputs -> (p^T, p^S), each float32 [..., L, E] or None."""
-        hf = h.float()
 
         def run(bank: nn.ModuleList | None) -> torch.Tensor | None:
             if bank is None:
                 return None
+            # float32 routers; a trainer's bf16-true precision casts them down: inputs follow, outputs stay float32
+            hf = h.to(bank[0].weight.dtype)
             logits = torch.stack([bank[li](hf[..., li, :]) for li in range(self.num_layers)], dim=-2)
-            return torch.softmax(logits, dim=-1)
+            return torch.softmax(logits.float(), dim=-1)
 
         return run(self.temporal), run(self.spatio)
 

@@ -13,7 +13,9 @@
 # 25% and 45% residency for lru, static and seqmoe, real pinned-memory transfers), peak-memory (the
 # benchmark's peak device memory vs its memory report), eval-graph (`expertcast eval --decode-path graph` on
 # qwen3_moe-tiny: on CUDA it captures and replays the decode layers' CUDA Graphs; completions equal the eager
-# path's), graph (scripts/gpu_check_graph.py, the CUDA-graph decode path).
+# path's), router-fsdp2 (`expertcast fit` of configs/router/qwen3-30b-a3b.yaml's FSDP2 strategy as shipped, on
+# one GPU with qwen3_moe-tiny: layers sharded, run finished, export written), graph (scripts/gpu_check_graph.py,
+# the CUDA-graph decode path).
 # --dry-run: nothing needs CUDA; every step resolves its inputs and runs its code on the CPU at tiny sizes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -154,7 +156,18 @@ PYEOF
   fi
 fi
 
-# -- 7. CUDA-graph decode path (the Graph step: scripts/gpu_check_graph.py prints its own PASS/FAIL lines) ------
+# -- 7. the shipped real-size router strategy (FSDP2, bf16-true) on one GPU, with the tiny preset --------------------
+if ! skipped router-fsdp2; then
+  RDATA=${EXPERTCAST_DATA_DIR:-}
+  for d in "$RDATA" ../shared/data shared/data; do [ -n "$d" ] && [ -f "$d/gsm8k/train.jsonl" ] && { RDATA=$d; break; }; done
+  if [ -z "$RDATA" ] || [ ! -f "$RDATA/gsm8k/train.jsonl" ]; then
+    say SKIP router-fsdp2 "no local gsm8k train split (set EXPERTCAST_DATA_DIR)"
+  else
+    run_step router-fsdp2 "$OUT/router.log" $PY scripts/gpu_check_steps.py router "$OUT" "$RDATA" $( [ $DRY = 1 ] && echo --dry-run )
+  fi
+fi
+
+# -- 8. CUDA-graph decode path (the Graph step: scripts/gpu_check_graph.py prints its own PASS/FAIL lines) ------
 if ! skipped graph; then
   if [ -f scripts/gpu_check_graph.py ]; then
     run_step graph "$OUT/graph.log" $PY scripts/gpu_check_graph.py --out "$OUT/graph" --layers "$LAYERS" $( [ $DRY = 1 ] && echo --dry-run )

@@ -8,11 +8,17 @@ mamba-ssm's kernels (asserted: every dispatched Mamba call took the kernel,
 figure is the median step time of each and their ratio. ``--dry-run``: the same code on the CPU at a tiny
 size, PyTorch path only.
 
+``router OUT DATA_DIR``: ``expertcast fit`` of configs/router/qwen3-30b-a3b.yaml as shipped (its FSDP2 strategy
+block, bf16-true, LoRA) on one GPU with the qwen3_moe-tiny preset, 2 steps on local GSM8K: every decoder layer
+sharded, the run finished and its export written; the figure names the units and the seconds. ``--dry-run``: the
+same on the CPU.
+
 ``memory OUT``: the peak device memory of the runtime benchmark (``OUT/memory.json`` of
 scripts/bench_runtime.py) against its memory report (slots + non-expert weights + workspace).
 
     python scripts/gpu_check_steps.py forecaster [--dry-run]
     python scripts/gpu_check_steps.py memory runs/bench_runtime
+    python scripts/gpu_check_steps.py router runs/gpu_check ../shared/data [--dry-run]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/forecaster/qwen3-30b-a3b.yaml"
+ROUTER_CONFIG = REPO / "configs/router/qwen3-30b-a3b.yaml"
 
 
 def line(ok: bool | None, name: str, figure: str) -> int:
@@ -124,20 +131,59 @@ def memory(out: Path, dry_run: bool) -> int:
                 f"({peak / report:.2f}x; pass <= 1.25x + 512 MiB)")
 
 
+def router(out: Path, data_dir: str, dry_run: bool) -> int:
+    import re
+    import shutil
+    import subprocess
+
+    root = out / "router_fit"
+    shutil.rmtree(root, ignore_errors=True)
+    cmd = [sys.executable, "-m", "expertcast.cli", "fit", "--config", str(ROUTER_CONFIG),
+           "--model.init_args.model", "qwen3_moe-tiny", "--model.init_args.budget", "4",
+           "--data.init_args.data_dir", data_dir, "--data.init_args.limit", "24", "--data.init_args.heldout", "0.25",
+           "--data.init_args.max_length", "48", "--data.init_args.num_workers", "0",
+           *(["--trainer.accelerator", "cpu"] if dry_run else []), "--trainer.devices", "1",
+           "--trainer.max_steps", "2", "--trainer.accumulate_grad_batches", "1", "--trainer.val_check_interval", "2",
+           "--trainer.limit_val_batches", "1", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+           "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(root)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
+    secs = time.perf_counter() - t0
+    log = out / "router_fit.log"
+    log.write_text(r.stdout + r.stderr)
+    sharded = re.search(r"FSDP2: (\d+) (\w+) units sharded over (\d+) processes", r.stdout + r.stderr)
+    runs = sorted(root.iterdir()) if root.is_dir() else []
+    info = json.loads((runs[0] / "run.json").read_text()) if len(runs) == 1 and (runs[0] / "run.json").is_file() else {}
+    exported = len(runs) == 1 and (runs[0] / "export" / "export.json").is_file()
+    if r.returncode != 0 or not sharded or info.get("status") != "finished" or not exported:
+        return line(False, "router-fsdp2", f"exit {r.returncode}, sharded {bool(sharded)}, status "
+                    f"{info.get('status')}, export {exported} (see {log})")
+    where = "dry-run cpu" if dry_run else "1 GPU"
+    return line(True, "router-fsdp2", f"{where}, {ROUTER_CONFIG.name}'s strategy as shipped on qwen3_moe-tiny: "
+                f"{sharded.group(1)} {sharded.group(2)} FSDP2 units, {info.get('global_step')} steps, export written "
+                f"({secs:.0f} s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=["forecaster", "memory"])
-    ap.add_argument("out", nargs="?", default="runs/bench_runtime", help="memory: the benchmark's --out folder")
+    ap.add_argument("step", choices=["forecaster", "memory", "router"])
+    ap.add_argument("out", nargs="?", default="runs/bench_runtime",
+                    help="memory: the benchmark's --out folder; router: the check's output folder")
+    ap.add_argument("data_dir", nargs="?", default=None, help="router: the folder holding gsm8k/train.jsonl")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
+    names = {"forecaster": "forecaster-epoch", "memory": "peak-memory", "router": "router-fsdp2"}
     try:
-        return forecaster(a.dry_run) if a.step == "forecaster" else memory(Path(a.out), a.dry_run)
+        if a.step == "forecaster":
+            return forecaster(a.dry_run)
+        if a.step == "router":
+            return router(Path(a.out), a.data_dir or "", a.dry_run)
+        return memory(Path(a.out), a.dry_run)
     except Exception as e:  # one FAIL line, the traceback on stderr
         import traceback
 
         traceback.print_exc()
-        return line(False, "forecaster-epoch" if a.step == "forecaster" else "peak-memory",
-                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return line(False, names[a.step], f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
 if __name__ == "__main__":

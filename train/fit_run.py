@@ -50,6 +50,8 @@ RUN_KIND = "fit-run"
 RUN_DIR_ENV = "EXPERTCAST_FIT_RUN_DIR"
 """The run directory shared by every process of a multi-process fit: rank 0 sets it for the processes
 Lightning launches; for torchrun / SLURM launches set it to a new folder for all ranks."""
+SHARDED_META = "meta.pt"
+"""The non-tensor part of a distributed checkpoint folder (Lightning's ModelParallelStrategy writes it on rank 0)."""
 CKPT_KEY = "expertcast"
 """Key of the block every checkpoint of a fit run carries: settings, data fingerprint, run dir, RNG states."""
 
@@ -347,19 +349,23 @@ class ResumeCheckpoint(pl.Callback):
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Open a checkpoint of a fit run (``torch.load(weights_only=True)``, memory-mapped): UsageError when it
-    is truncated, corrupt or was not written by ``expertcast fit``. A sharded checkpoint (a folder) is only
-    checked for being non-empty and carries no readable block (returns ``{}``)."""
+    is truncated, corrupt or was not written by ``expertcast fit``. A sharded checkpoint (a folder) must be
+    non-empty; a distributed one (FSDP2's, from ModelParallelStrategy) is read through its non-tensor part
+    (``meta.pt``, with the block), any other carries no readable block (returns ``{}``)."""
     p = Path(path)
-    if p.is_dir():
+    sharded = p.is_dir()
+    if sharded:
         if not any(p.iterdir()):
             raise UsageError(f"{p}: empty checkpoint folder")
-        return {}
+        if not (p / SHARDED_META).is_file():
+            return {}
+        p = p / SHARDED_META
     try:
         ck = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"; the message says which
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"{p}: unreadable checkpoint ({type(e).__name__}: {first[:160]})") from None
-    if not isinstance(ck, dict) or "state_dict" not in ck or "global_step" not in ck:
+    if not isinstance(ck, dict) or ("state_dict" not in ck and not sharded) or "global_step" not in ck:
         raise UsageError(f"{p}: not a Lightning checkpoint")
     if not isinstance(ck.get(CKPT_KEY), dict) or "settings" not in ck[CKPT_KEY]:
         raise UsageError(f"{p}: not a checkpoint of an `expertcast fit` run (it records no settings)")

@@ -41,7 +41,7 @@ from expertcast.models.cache_routers import (
     temporal_priority,
 )
 from expertcast.models.routing import find_routers
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 TRAIN_MODES = ("lm_only", "aux_only", "temporal", "spatio_only", "full")
 EXPORT_FORMAT = "expertcast-router-adaptation"
@@ -213,6 +213,13 @@ class RouterAdaptationModule(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / w))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def configure_model(self) -> None:
+        """Under :class:`DecoderLayerFSDP2Strategy` shard the model (:meth:`DecoderLayerFSDP2Strategy.shard`);
+        nothing under any other strategy. Lightning calls it once the processes exist, before the optimizer."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, DecoderLayerFSDP2Strategy) and not _is_sharded(self):
+            strategy.shard(self)
+
     # ------------------------------------------------------------------ export
     # `expertcast fit` writes the export once training finished normally (never from a hook mid-run):
     # into ``export_dir`` when set, else into the run directory (expertcast.train.fit_run)
@@ -242,7 +249,10 @@ class RouterAdaptationModule(pl.LightningModule):
 
     def _unsharded_copy(self, state: dict[str, torch.Tensor]) -> RouterAdaptationModule:
         """A new module of the same settings (backbone loaded again, LoRA applied) holding ``state``."""
-        twin = type(self)(**{k: v for k, v in self.hparams.items() if k != "export_dir"})
+        import inspect
+
+        names = set(inspect.signature(type(self).__init__).parameters) - {"self", "export_dir"}
+        twin = type(self)(**{k: v for k, v in self.hparams.items() if k in names})  # not LightningCLI's _class_path
         twin.load_state_dict(state, strict=True)
         return twin
 
@@ -330,21 +340,62 @@ def gathered_state_dict(module: pl.LightningModule) -> dict[str, torch.Tensor] |
     return get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-class DecoderLayerFSDPStrategy(FSDPStrategy):
-    """Lightning's FSDPStrategy wrapping (and checkpointing) each decoder layer of ``layer_class`` (a
-    dotted class path, e.g. ``transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeDecoderLayer``),
-    with original parameters kept (needed with LoRA). Selectable from YAML as the trainer's strategy."""
+class DecoderLayerFSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 over every process of the fit: Lightning's ModelParallelStrategy with one data-parallel mesh
+    dimension of all ranks (no tensor parallelism), and a module whose ``configure_model`` calls :meth:`shard`
+    (:class:`RouterAdaptationModule` does). Each decoder layer of ``layer_class`` (a dotted class path, e.g.
+    ``transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeDecoderLayer``) is one ``fully_shard`` unit, with
+    activation checkpointing around it when asked. Runs on CPU under gloo as on GPUs under NCCL
+    (``tests/train/test_distributed_fit.py``). Selectable from YAML as the trainer's strategy."""
 
     def __init__(self, layer_class: str = "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeDecoderLayer",
-                 sharding_strategy: str = "FULL_SHARD", state_dict_type: str = "sharded",
-                 activation_checkpointing: bool = True, cpu_offload: bool = False):
+                 reshard_after_forward: bool = True, activation_checkpointing: bool = True,
+                 save_distributed_checkpoint: bool = True, process_group_backend: str | None = None):
         import importlib
 
         mod, _, name = layer_class.rpartition(".")
         try:
-            layer_cls = getattr(importlib.import_module(mod), name)
+            self.layer_cls = getattr(importlib.import_module(mod), name)
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"decoder layer class {layer_class!r} not found: {e}") from None
-        super().__init__(auto_wrap_policy={layer_cls}, sharding_strategy=sharding_strategy,
-                         state_dict_type=state_dict_type, use_orig_params=True, cpu_offload=cpu_offload,
-                         activation_checkpointing_policy={layer_cls} if activation_checkpointing else None)
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.activation_checkpointing = bool(activation_checkpointing)
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes  # every rank shards; tensor_parallel_size 1
+        super().setup_environment()
+
+    def shard(self, module: RouterAdaptationModule) -> int:
+        """``fully_shard`` every decoder layer of ``module.backbone``, then the backbone (embeddings, norm, head)
+        and each cache router (their gradients are reduced like the backbone's); returns the number of
+        decoder layers. Called from ``configure_model``, before the optimizer exists."""
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        layers = [m for m in module.backbone.modules() if isinstance(m, self.layer_cls)]
+        if not layers:
+            from expertcast.utils.errors import UsageError
+
+            raise UsageError(f"{type(module.backbone).__name__} has no decoder layer of class "
+                             f"{self.layer_cls.__name__} (the strategy's layer_class)")
+        if self.activation_checkpointing:  # wraps the same layer objects; they stay the fully_shard units
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+            )
+
+            apply_activation_checkpointing(module.backbone, check_fn=lambda m: isinstance(m, self.layer_cls))
+        kw = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
+        for layer in layers:
+            fully_shard(layer, **kw)
+        fully_shard(module.backbone, **kw)
+        if module.routers is not None:  # called per layer (CacheRouters.distributions): one unit each
+            for lin in module.routers.modules():
+                if isinstance(lin, torch.nn.Linear):
+                    fully_shard(lin, **kw)
+        if self.global_rank == 0:
+            print(f"FSDP2: {len(layers)} {self.layer_cls.__name__} units sharded over {mesh.size()} processes",
+                  flush=True)
+        return len(layers)

@@ -4,13 +4,15 @@
 :func:`graded_batch` decodes a batch of benchmark problems greedily through an
 :class:`~expertcast.inference.runtime.engine.OffloadedModel` and grades every completion; :func:`run_batch`
 adds the batch's decode-only counters. :func:`full_load_generate` is the plain model's greedy generation,
-timed as the runtime times it; :class:`HostExecutionPolicy` executes every routed expert on the host.
+timed as the runtime times it; :func:`full_load_fit` says whether that full load fits beside the host store;
+:class:`HostExecutionPolicy` executes every routed expert on the host.
 The recipes that use them (samples file, resume, summary, paired speed) are in :mod:`expertcast.commands`.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from expertcast.inference.cache.counters import adj_hit_rate, hit_rate
@@ -114,6 +116,49 @@ FULL_LOAD = "full-load"
 HOST_BASELINE = "all-experts-on-host"
 """Baselines of the paired speed measurement: the plain model with every expert on the device, or (when the
 model does not fit the device) the runtime executing every routed expert on the host from the host store."""
+
+
+@dataclass
+class FullLoadFit:
+    """Whether the full-load baseline fits beside the host store. Giving the model its experts back
+    (:meth:`~expertcast.inference.runtime.engine.OffloadedModel.restore`) copies every expert out of the store on
+    the host before it moves to the device, so the host needs every expert's bytes once more beside the store
+    (its ``MemAvailable``); on CUDA the device needs them too (with a 10% margin for the allocator, the slot pool
+    being freed first)."""
+
+    fits: bool
+    reason: str
+    host_needed_bytes: int
+    host_available_bytes: int | None
+    device_needed_bytes: int | None = None
+    device_free_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def full_load_fit(store_bytes: int, device: str, pool_bytes: int = 0) -> FullLoadFit:
+    """:class:`FullLoadFit` for a store of ``store_bytes`` (every expert once) and a runtime on ``device`` whose
+    slot pool holds ``pool_bytes``; host memory read now (:func:`~expertcast.inference.runtime.loading.host_available_bytes`)."""
+    from expertcast.inference.runtime import loading
+
+    need = int(store_bytes)
+    host = loading.host_available_bytes()
+    fig = {"host_needed_bytes": need, "host_available_bytes": host}
+    if host is not None and need > host:
+        return FullLoadFit(False, f"a full load copies every expert once more beside the host store: needs "
+                                  f"{need / 1e9:.2f} GB of host memory, {host / 1e9:.2f} GB available", **fig)
+    if str(device).startswith("cuda"):
+        import torch
+
+        free = int(torch.cuda.mem_get_info(torch.device(device))[0]) + int(pool_bytes)
+        dev_need = int(need * 1.1)
+        fig.update(device_needed_bytes=dev_need, device_free_bytes=free)
+        if dev_need > free:
+            return FullLoadFit(False, f"the experts ({need / 1e9:.2f} GB + 10%) do not fit the free memory of {device} "
+                                      f"({free / 1e9:.2f} GB once the slots are freed)", **fig)
+    known = "host memory unknown" if host is None else f"{need / 1e9:.2f} GB more of {host / 1e9:.2f} GB host memory"
+    return FullLoadFit(True, f"the experts fit a full load ({known})", **fig)
 
 
 def generated(sequences: Any, prompt_len: int, eos: list[int]) -> list[list[int]]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `expertcast fit` on several processes with torchrun (DDP, or FSDP for the router recipe): one node, or one
+# `expertcast fit` on several processes with torchrun (DDP, or FSDP2 for the router recipe): one node, or one
 # node of several (slurm.sbatch runs this script once per node).
 #
 #   CONFIG=configs/forecaster/qwen3-30b-a3b.yaml RUN_DIR=runs/forecaster/q3-8gpu NPROC=8 \
@@ -12,8 +12,8 @@
 #
 # Settings (environment): CONFIG, RUN_DIR (required); NPROC (processes per node; default: the GPUs nvidia-smi
 # lists, else 1); NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node; default one node on 127.0.0.1:29500);
-# STRATEGY (default ddp_find_unused_parameters_true: the Mamba2 backbone's unused token embedding; `fsdp` for
-# the router recipe); TORCHRUN, EXPERTCAST (the executables); DRY_RUN=1 prints the command instead of running it.
+# STRATEGY (default ddp_find_unused_parameters_true: the Mamba2 backbone's unused token embedding; `config` keeps
+# the config's own strategy: the router recipe's FSDP2 block); TORCHRUN, EXPERTCAST (the executables); DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 
 : "${CONFIG:?set CONFIG to a fit config, e.g. configs/forecaster/qwen3-30b-a3b.yaml}"
@@ -31,6 +31,8 @@ TORCHRUN=${TORCHRUN:-torchrun}
 EXPERTCAST=${EXPERTCAST:-expertcast}
 
 export EXPERTCAST_FIT_RUN_DIR="$RUN_DIR"
+strategy=(--trainer.strategy "$STRATEGY")
+[ "$STRATEGY" != config ] || strategy=()
 resume=()
 if [ -f "$RUN_DIR/run.json" ]; then
   resume=(--resume "$RUN_DIR")
@@ -38,7 +40,7 @@ fi
 cmd=("$TORCHRUN" --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC"
      --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --no-python
      "$EXPERTCAST" fit --config "$CONFIG" --trainer.devices "$NPROC" --trainer.num_nodes "$NNODES"
-     --trainer.strategy "$STRATEGY" "${resume[@]}" "$@")
+     "${strategy[@]}" "${resume[@]}" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
   printf '%q ' "${cmd[@]}"
   echo

@@ -20,6 +20,8 @@ def test_full_load_speed_paired_in_the_same_run(tmp_path, data_dir, capsys):
     s = json.loads((out / "summary.json").read_text())
     sp = json.loads((out / "speed.json").read_text())
     assert s["baseline"] == sp["baseline"] == "full-load" and s["speed"]["key"] == sp["key"]
+    choice = sp["baseline_choice"]  # auto: every expert fits once more beside the host store
+    assert choice["requested"] == "auto" and choice["host_needed_bytes"] <= choice["host_available_bytes"]
     assert sp["tokens_match"]  # offloaded greedy decoding equals the full-load model's
     assert len(sp["offloaded_passes"]) == 2 and len(sp["baseline_passes"]) == 3  # B, O, B, O, B
     assert {p["decoded_tokens"] for p in sp["offloaded_passes"] + sp["baseline_passes"]} == {sp["decoded_tokens"]}
@@ -51,3 +53,34 @@ def test_host_baseline_named_and_stage_uses_measured_latency(tmp_path, data_dir)
     assert lat["source"] == "measured at start-up" and lat["parallel"]
     assert lat["transfer_ms"] > 0 and len(lat["cpu_points"]) == 4
     assert s["cpu_exec"] > 0  # cold experts executed on the host under the measured model
+
+
+def test_auto_baseline_picks_the_host_one_when_the_experts_do_not_fit_twice_in_host_memory(tmp_path, data_dir,
+                                                                                           capsys, monkeypatch):
+    from expertcast.inference.runtime import loading
+    from expertcast.inference.runtime.engine import OffloadedModel
+
+    def no_restore(self):
+        raise AssertionError("the experts were restored beside the store")
+
+    # MemAvailable: 1 MB, far below the experts; the store is memory-mapped, so the offloaded load itself fits
+    monkeypatch.setattr(loading, "host_available_bytes", lambda: 10 ** 6)
+    monkeypatch.setattr(OffloadedModel, "restore", no_restore)
+    args = [*ARGS[:-1], "1", "--limit", "1", "--mmap-store"]
+    out = tmp_path / "auto"
+    assert main([*args, "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    sp = json.loads((out / "speed.json").read_text())
+    assert s["baseline"] == sp["baseline"] == "all-experts-on-host" and sp["tokens_match"]
+    choice = sp["baseline_choice"]
+    assert choice["requested"] == "auto" and choice["baseline"] == "all-experts-on-host"
+    assert choice["host_available_bytes"] == 10 ** 6
+    assert choice["host_needed_bytes"] == s["load"]["plan"]["expert_bytes_total"] > 10 ** 6  # every expert once more
+    assert s["speed"]["baseline_choice"] == choice
+    err = capsys.readouterr().err
+    assert "--baseline auto: all-experts-on-host (a full load copies every expert once more beside the host store: " \
+           f"needs {choice['host_needed_bytes'] / 1e9:.2f} GB of host memory, 0.00 GB available)" in err
+
+    # asked for by name, the full load is refused with the same reason
+    assert main([*args, "--baseline", "full-load", "--out", str(tmp_path / "full")]) != 0
+    assert "--baseline full-load: a full load copies every expert once more beside the host store" in capsys.readouterr().err

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = ["gpu-extra", "gpu-tests", "forecaster-epoch", "token-identity", "bench", "peak-memory", "eval-graph"]
+CHECKS = ["gpu-extra", "gpu-tests", "forecaster-epoch", "token-identity", "bench", "peak-memory", "eval-graph",
+          "router-fsdp2"]
 
 
 @pytest.mark.slow

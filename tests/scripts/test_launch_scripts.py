@@ -60,6 +60,8 @@ def test_torchrun_script_resumes_a_run_directory_that_holds_a_run(tmp_path):
     again = _dry_run(tmp_path / "run", NPROC="8", NNODES="2", NODE_RANK="1", STRATEGY="fsdp")
     assert f"--resume {tmp_path / 'run'}" in again and "--nnodes 2 --node_rank 1" in again
     assert "--trainer.num_nodes 2 --trainer.strategy fsdp" in again
+    own = _dry_run(tmp_path / "run", NPROC="8", STRATEGY="config")  # the config's strategy block (router: FSDP2)
+    assert "--trainer.strategy" not in own and f"--resume {tmp_path / 'run'}" in own
 
 
 @pytest.mark.slow

@@ -7,9 +7,13 @@
   data-parallel sampler hands rank r the positions r, r+2, ... of the 1-process epoch order, so every optimizer
   step averages the gradients of the same 16 windows. Every window is full (the traces' length fills them),
   so the mean of the two per-rank token means is the 1-process token mean; scheduled sampling (random) is off;
-* FSDP: Lightning's FSDPStrategy (FSDP1) cannot run on CPU in torch 2.13 ("FSDP needs a non-CPU accelerator
-  device"), so the sharded path is tested directly with FSDP2 (``fully_shard``, which runs on CPU): RouterTap
-  on a model whose router weights are sharded, the full-state gather, and the export written once.
+* FSDP2, the shipped real-size strategy: ``configs/router/qwen3-30b-a3b.yaml`` as shipped (its strategy block,
+  :class:`~expertcast.train.router_module.DecoderLayerFSDP2Strategy`, a Lightning ModelParallelStrategy; bf16-true;
+  LoRA kept as an adapter) on 2 CPU processes (gloo) with the tiny preset: every decoder layer sharded, sharded
+  checkpoints from both ranks, one export that loads and generates. Lightning's FSDPStrategy (FSDP1) cannot run
+  on CPU in torch 2.13 ("FSDP needs a non-CPU accelerator device"), which is why the recipe ships FSDP2;
+* the sharded module directly (``fully_shard``): RouterTap on a model whose router weights are sharded, the
+  full-state gather equal to the unsharded model, and the export written once.
 """
 
 from __future__ import annotations
@@ -65,6 +69,66 @@ def test_ddp_router_fit_writes_one_export_that_loads_and_generates(tmp_path):
     ids = torch.tensor([tok.encode("2 + 3 =")])
     out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape == (1, ids.shape[1] + 6)
+
+
+SHIPPED_ROUTER = REPO / "configs/router/qwen3-30b-a3b.yaml"
+
+
+def _shipped_router_fit(root: Path, max_steps: int) -> list[str]:
+    """``expertcast fit`` of the shipped real-size router YAML with its strategy block, precision and LoRA as
+    shipped; only the backbone (tiny preset), the data size, the device (2 CPU processes) and the step counts
+    are this machine's."""
+    return [sys.executable, "-m", "expertcast.cli", "fit", "--config", str(SHIPPED_ROUTER),
+            "--model.init_args.model", "qwen3_moe-tiny", "--model.init_args.budget", "4",
+            "--data.init_args.limit", "24", "--data.init_args.heldout", "0.25", "--data.init_args.max_length", "48",
+            "--data.init_args.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+            "--trainer.max_steps", str(max_steps), "--trainer.accumulate_grad_batches", "1",
+            "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.default_root_dir", str(root)]
+
+
+@pytest.fixture(scope="module")
+def shipped_fsdp2_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(run directory, fit log) of a 2-step fit of the shipped real-size router recipe on 2 CPU processes."""
+    tmp = tmp_path_factory.mktemp("shipped_fsdp2")
+    _run(_shipped_router_fit(tmp / "runs", 2), tmp / "fit.log")
+    (run_dir,) = list((tmp / "runs").iterdir())
+    return run_dir, tmp / "fit.log"
+
+
+def test_shipped_real_size_router_strategy_runs_fsdp2_on_two_cpu_processes(shipped_fsdp2_run):
+    from expertcast.models.backbone import load_moe_model
+    from expertcast.models.router_export import load_routers, read_adaptation_export
+
+    run_dir, log_file = shipped_fsdp2_run
+    log = log_file.read_text()
+    layers = load_moe_model("qwen3_moe-tiny")[0].config.num_hidden_layers
+    assert log.count(f"FSDP2: {layers} Qwen3MoeDecoderLayer units sharded over 2 processes") == 1, log[-3000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log and log.count("router export written to") == 1
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["status"] == "finished" and run["global_step"] == 2
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2  # a distributed checkpoint: both ranks' shards
+    export = run_dir / "export"
+    info = read_adaptation_export(export)  # gathered to rank 0, written once; the manifest covers every file
+    assert info["adapter_dir"] == "adapter" and info["base"]["preset"] == "qwen3_moe-tiny"
+    assert info["training"]["config"]["trainer"]["strategy"]["class_path"].endswith("DecoderLayerFSDP2Strategy")
+    model, tok = load_moe_model(export)  # the recorded base + the adapter
+    routers, _ = load_routers(export / "routers", model=model)
+    assert all(torch.isfinite(v).all() for v in routers.state_dict().values())
+    ids = torch.tensor([tok.encode("2 + 3 =")])
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape == (1, ids.shape[1] + 4)
+
+
+@pytest.mark.slow
+def test_shipped_real_size_router_fit_resumes_from_its_sharded_checkpoint(shipped_fsdp2_run, tmp_path):
+    run_dir, _ = shipped_fsdp2_run
+    _run([*_shipped_router_fit(run_dir.parent, 3), "--resume", str(run_dir)], tmp_path / "resume.log")
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["status"] == "finished" and run["global_step"] == 3
+    assert [r["step"] for r in run["resumes"]] == [2]  # read from the folder's meta.pt: settings checked, step 2
 
 
 @pytest.fixture(scope="module")
