@@ -8,6 +8,9 @@
 * :data:`resolve_model`: the one model-name resolver (:func:`expertcast.models.names.resolve_model`:
   ``tiny-default``/``default``, tiny presets, local Hugging Face directories, Hub ids) with the embedded
   default built when named, used by every command that takes ``--model``.
+* :func:`add_config_arg`: ``--config FILE``, a YAML mapping of the command's flags (keys: the flags' dest
+  names or their spelling with dashes), read by :class:`CommandParser` as if given on the command line before
+  the flags, so an explicit flag overrides it (``docs/design.md``, "Provenance").
 * :func:`add_capacity_args` / :func:`capacities_from_args`: ``--capacity`` is always a fraction of all
   experts in (0, 1]; ``--slots`` is always a slot count. The unit is in the flag, never in the number.
 """
@@ -38,6 +41,27 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # noqa: D401 - argparse API
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None):  # noqa: D401 - argparse API
+        """argparse's, with the values of a ``--config FILE`` (:func:`add_config_arg`) as defaults: each value
+        converted and checked by its flag's own type and choices, required flags satisfied by the file, and
+        every flag on the command line overriding the file."""
+        argv = list(sys.argv[1:] if args is None else args)
+        path = _config_path(self, argv)
+        if path is None:
+            return super().parse_known_args(argv, namespace)
+        values = read_config(self, path)
+        relaxed = [a for a in self._actions if a.required and a.dest in values]
+        saved = {a.dest: a.default for a in self._actions if a.dest in values}
+        try:
+            for a in relaxed:
+                a.required = False
+            self.set_defaults(**values)
+            return super().parse_known_args(argv, namespace)
+        finally:
+            for a in relaxed:
+                a.required = True
+            self.set_defaults(**saved)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -73,11 +97,119 @@ def parse_and_run(parser: argparse.ArgumentParser, argv: list[str] | None, prog:
                   body: Callable[[argparse.Namespace], int | None]) -> int:
     """``main`` of a command: parse ``argv`` (``--help`` and argparse's one-line errors return their exit
     status to in-process callers instead of raising SystemExit), then :func:`run_command` the body."""
-    try:
-        args = parser.parse_args(argv)
+    parsed: list[argparse.Namespace] = []
+    try:  # a bad --config file is a UsageError: one line, exit status 2
+        rc = run_command(prog, lambda: parsed.append(parser.parse_args(argv)))
     except SystemExit as e:
         return int(e.code or 0)
-    return run_command(prog, lambda: body(args))
+    return rc if not parsed else run_command(prog, lambda: body(parsed[0]))
+
+
+# -- config files ------------------------------------------------------------------------------------------
+CONFIG_DEST = "config"
+
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    """``--config FILE``: a YAML mapping of this parser's flags (read by :class:`CommandParser`)."""
+    p.add_argument("--config", dest=CONFIG_DEST, default=None, metavar="FILE",
+                   help="YAML mapping of this command's flags (keys: dest names such as max_new_tokens, or "
+                        "max-new-tokens; true/false for switches); flags given on the command line override it")
+
+
+def _config_path(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The last ``--config FILE`` (or ``--config=FILE``) in ``argv`` when ``parser`` takes one."""
+    if not any(a.dest == CONFIG_DEST for a in parser._actions):
+        return None
+    path = None
+    for i, tok in enumerate(argv):
+        if tok == "--":
+            break
+        if tok == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif tok.startswith("--config="):
+            path = tok.split("=", 1)[1]
+    return path
+
+
+def _config_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """``{key: action}``: every flag's dest name and its spellings without the leading dashes."""
+    keys: dict[str, argparse.Action] = {}
+    for a in parser._actions:
+        if a.dest in (CONFIG_DEST, argparse.SUPPRESS) or isinstance(a, argparse._HelpAction):
+            continue
+        keys[a.dest] = a
+        for opt in a.option_strings:
+            keys[opt.lstrip("-")] = a
+    return keys
+
+
+def _scalar_text(value: Any) -> str | None:
+    """A YAML scalar as the text a command line would carry (None: not a string or a number)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
+def read_config(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """``{dest: value}`` of a ``--config`` YAML file, each value converted and checked as its flag's
+    argument would be. UsageError (one line, naming the file and the key) on a missing file, a YAML syntax
+    error, a document that is not a mapping, an unknown key, a key given twice, or a value of the wrong type."""
+    import yaml
+
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as exc:
+        raise UsageError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise UsageError(f"--config {path}: YAML syntax error{where}: {problem}") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"--config {path}: expected a mapping of flag names to values, got "
+                         f"{type(doc).__name__ if doc is not None else 'an empty document'}")
+    keys = _config_keys(parser)
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        action = keys.get(str(key))
+        if action is None:
+            valid = ", ".join(sorted({a.dest for a in keys.values()}))
+            raise UsageError(f"--config {path}: unknown key {key!r}; valid keys: {valid}")
+        if action.dest in out:
+            raise UsageError(f"--config {path}: key {key!r} sets {action.dest} a second time")
+        out[action.dest] = _config_value(parser, action, value, f"--config {path}: key {key!r}")
+    return out
+
+
+def _config_value(parser: argparse.ArgumentParser, action: argparse.Action, value: Any, where: str) -> Any:
+    """``value`` converted and checked the way ``action``'s command-line argument would be."""
+    if action.nargs == 0:  # a switch: the value it leaves in the namespace
+        if not isinstance(value, bool) or value not in (action.default, action.const):
+            raise UsageError(f"{where}: expected true or false, got {value!r}")
+        return value
+    many = action.nargs in ("*", "+") or isinstance(action.nargs, int)
+    items = value if many and isinstance(value, list) else [value] if not many else None
+    texts = [_scalar_text(v) for v in items] if items is not None else None
+    if texts is None or None in texts:
+        wanted = "a list of strings or numbers" if many else "a string or a number"
+        hint = " (quote yes/no/on/off/true/false to pass them as text)" if isinstance(value, bool) else ""
+        raise UsageError(f"{where}: expected {wanted}, got {type(value).__name__} {value!r}{hint}")
+    try:
+        return parser._get_values(action, texts if many else texts[:1])
+    except argparse.ArgumentError as exc:
+        raise UsageError(f"{where}: {exc.message}") from None
+
+
+def config_record(args: argparse.Namespace) -> dict[str, str] | None:
+    """``{"path", "sha256"}`` of the ``--config`` file the arguments came from (None without one)."""
+    from pathlib import Path
+
+    from expertcast.utils.provenance import sha256_file
+
+    path = getattr(args, CONFIG_DEST, None)
+    return None if path is None else {"path": str(Path(path).resolve()), "sha256": sha256_file(path)}
 
 
 # -- validated argument types ------------------------------------------------------------------------

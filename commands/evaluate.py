@@ -44,6 +44,7 @@ import numpy as np
 from expertcast.commands.common import (
     CommandParser,
     add_capacity_args,
+    add_config_arg,
     capacities_from_args,
     parse_and_run,
     positive_float,
@@ -77,6 +78,7 @@ def build_parser() -> CommandParser:
     ap.add_argument("--mmap-store", action="store_true",
                     help="memory-map the host expert store (written to OUT/experts.safetensors)")
     add_run_args(ap)
+    add_config_arg(ap)
     return ap
 
 

@@ -41,7 +41,9 @@ from typing import Any
 from expertcast.commands.common import (
     CommandParser,
     add_capacity_args,
+    add_config_arg,
     capacities_from_args,
+    config_record,
     nonneg_float,
     parse_and_run,
     parse_counts,
@@ -105,6 +107,7 @@ def build_parser() -> CommandParser:
     ap.add_argument("--out", default="runs/simulate", help="output folder")
     add_wandb_args(ap)
     ap.add_argument("--overwrite", action="store_true", help="discard this folder's earlier simulate output first")
+    add_config_arg(ap)
     return ap
 
 
@@ -484,8 +487,9 @@ def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, set
 
     out = od.path
     done = previous_records(out, settings, files)
+    config = {"config": config_record(args)} if args.config else {}  # the settings stay what the flags give
     atomic_write_json(od.file(SETTINGS_FILE), {"settings": settings, "settings_sha256": sha256_json(settings),
-                                               "policy_files": files, "train_overlap": overlaps})
+                                               "policy_files": files, "train_overlap": overlaps, **config})
     if done:
         print(f"resuming: {len(done)} finished runs with the same settings in {out}")
     finished = list(done.values())

@@ -25,7 +25,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from expertcast.commands.common import CommandParser, add_capacity_args, capacities_from_args, parse_and_run
+from expertcast.commands.common import (
+    CommandParser,
+    add_capacity_args,
+    add_config_arg,
+    capacities_from_args,
+    config_record,
+    parse_and_run,
+)
 from expertcast.commands.evaluate import add_run_args
 from expertcast.data.benchmarks import BENCHMARKS
 from expertcast.utils.errors import UsageError
@@ -45,6 +52,7 @@ def build_parser() -> CommandParser:
     ap.add_argument("--out", required=True, help="output folder (claimed; cells resume when their settings match)")
     ap.add_argument("--overwrite", action="store_true", help="remove this folder's earlier sweep output and start over")
     add_run_args(ap)
+    add_config_arg(ap)
     return ap
 
 
@@ -123,9 +131,10 @@ def _write_outputs(args: argparse.Namespace, out: Any, rows: list[dict[str, Any]
     table = [{k: r[k] for k in TABLE_COLUMNS} for r in rows]
     title = f"expertcast sweep: {args.model}, {args.pool} pool, batch {args.batch_size}, {args.max_new_tokens} new tokens"
     print_table(table, title=title + " (decode-only; % of full-load: median of paired passes, min-max)")
+    settings = {k: v for k, v in sorted(vars(args).items()) if k != "config"}  # what the flags would give
+    config = {"config": config_record(args)} if args.config else {}
     atomic_write_json(out.file("sweep.json"), {"model": args.model, "model_path": info["model_path"],
-                                               "settings": {k: v for k, v in sorted(vars(args).items())},
-                                               "rows": rows})
+                                               "settings": settings, **config, "rows": rows})
     write_csv(out.file("sweep.csv"), table)
     plot_sweep(rows, out.file("sweep.png"), title)
     if args.wandb:
