@@ -296,3 +296,17 @@ def test_resume_with_a_limit_that_cuts_a_batch_is_refused(tmp_path, capsys):
     fresh = json.loads((fresh_out / "summary.json").read_text())
     for k in ("samples", "correct", "accesses", "demand_misses", "proactive_loads", "decoded_tokens"):
         assert resumed[k] == fresh[k], k
+
+
+def test_config_file_values_and_flag_override_equal_the_command_line(tmp_path):
+    from expertcast.commands.evaluate import build_parser
+
+    cfg = tmp_path / "eval.yaml"
+    cfg.write_text("model: qwen3_moe-tiny\nbenchmark: arith\npolicy: lru\ncapacity: 0.5\nlimit: 4\n"
+                   "max-new-tokens: 16\nout: runs/a\n")
+    got = vars(build_parser().parse_args(["--config", str(cfg), "--limit", "2", "--policy", "lfu"]))
+    flags = vars(build_parser().parse_args(["--model", "qwen3_moe-tiny", "--benchmark", "arith", "--policy", "lfu",
+                                            "--capacity", "0.5", "--limit", "2", "--max-new-tokens", "16",
+                                            "--out", "runs/a"]))
+    assert got.pop("config") == str(cfg) and flags.pop("config") is None
+    assert got == flags

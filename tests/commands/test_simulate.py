@@ -260,3 +260,23 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path):
     assert _records(out) == _records(tmp_path / "clean")
     resumed = {r["key"]: r for r in json.loads((out / "simulate.json").read_text())}
     assert all(resumed[r["key"]] == r for r in saved)  # the killed run's records were reused as they were
+
+
+def test_config_file_values_and_flag_override_equal_the_command_line(tmp_path, capsys):
+    from expertcast.commands.simulate import SETTINGS_FILE, build_parser
+
+    cfg = tmp_path / "sim.yaml"
+    cfg.write_text("synthetic: zipf\nsynthetic-shape: 2,8,2,3,24\npolicies: lru,lfu\ncapacity: 0.25,0.5\n"
+                   "bandwidth_gbps: 10\nno_belady_fraction: true\n")
+    over = ["--capacity", "0.5", "--policies", "lru"]
+    flags = [*SMALL, "--capacity", "0.5", "--policies", "lru", "--bandwidth-gbps", "10", "--no-belady-fraction"]
+    got = vars(build_parser().parse_args(["--config", str(cfg), *over]))
+    want = vars(build_parser().parse_args(flags))
+    assert got.pop("config") == str(cfg) and want.pop("config") is None
+    assert got == want
+    # the same values from the file: the same settings (so the same resume key), the file recorded beside them
+    assert main(["--config", str(cfg), *over, "--out", str(tmp_path / "a")]) == 0
+    assert main([*flags, "--out", str(tmp_path / "b")]) == 0
+    a, b = (json.loads((tmp_path / d / SETTINGS_FILE).read_text()) for d in "ab")
+    assert a.pop("config")["path"] == str(cfg.resolve()) and "config" not in b
+    assert a == b

@@ -90,3 +90,17 @@ def test_sweep_resume_with_a_limit_that_cuts_a_batch_is_refused(tmp_path, data_d
     assert main([*base, "--out", str(out)]) == 2  # --limit 1 cuts the first batch (2 problems)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "counters cannot be split" in err[0], err
+
+
+def test_config_file_values_and_flag_override_equal_the_command_line(tmp_path):
+    from expertcast.commands.sweep import build_parser
+
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text("model: qwen3_moe-tiny\nbenchmarks: arith\npolicies: lru,lfu\ncapacity: 0.25,0.5\n"
+                   "max_new_tokens: 16\nno-progress: true\nout: runs/s\n")
+    got = vars(build_parser().parse_args(["--config", str(cfg), "--capacity", "0.5", "--out", "runs/t"]))
+    flags = vars(build_parser().parse_args(["--model", "qwen3_moe-tiny", "--benchmarks", "arith",
+                                            "--policies", "lru,lfu", "--capacity", "0.5", "--max-new-tokens", "16",
+                                            "--no-progress", "--out", "runs/t"]))
+    assert got.pop("config") == str(cfg) and flags.pop("config") is None
+    assert got == flags
