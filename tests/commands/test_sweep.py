@@ -64,6 +64,16 @@ def test_sweep_table_and_resume(tmp_path, data_dir, capsys, monkeypatch):
     assert o.count("speed: reusing") == 2 and o.count("0 to go") == 2
     assert {p: (p / SAMPLES).read_bytes() for p in (out / "cells").glob("*/*")} == samples
 
+    # the same values from a --config file: the same resume keys (cells re-read), the file recorded beside them
+    settings = json.loads((out / "sweep.json").read_text())["settings"]
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text("model: qwen3_moe-tiny\nbenchmarks: gsm8k,math500\npolicies: lru\ncapacity: 0.5\nlimit: 1\n"
+                   "max-new-tokens: 3\nno_progress: true\ndevice: cpu\nspeed_repeats: 1\n")
+    assert main(["--config", str(cfg), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("0 to go") == 2
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["settings"] == settings and saved["config"]["path"] == str(cfg.resolve())
+
     # a cell made with other settings is refused, naming the setting
     assert main([*with_opt("--max-new-tokens", "4"), "--out", str(out)]) == 2
     assert "max_new_tokens" in capsys.readouterr().err
