@@ -47,9 +47,11 @@ class CommandParser(argparse.ArgumentParser):
         converted and checked by its flag's own type and choices, required flags satisfied by the file, and
         every flag on the command line overriding the file."""
         argv = list(sys.argv[1:] if args is None else args)
-        path = _config_path(self, argv)
-        if path is None:
+        if not any(isinstance(a, _ConfigAction) for a in self._actions):
             return super().parse_known_args(argv, namespace)
+        path = _config_path(argv)
+        if path is None:
+            return self._config_read_as_given(super().parse_known_args(argv, namespace), path)
         values = read_config(self, path)
         relaxed = [a for a in self._actions if a.required and a.dest in values]
         saved = {a.dest: a.default for a in self._actions if a.dest in values}
@@ -57,11 +59,17 @@ class CommandParser(argparse.ArgumentParser):
             for a in relaxed:
                 a.required = False
             self.set_defaults(**values)
-            return super().parse_known_args(argv, namespace)
+            return self._config_read_as_given(super().parse_known_args(argv, namespace), path)
         finally:
             for a in relaxed:
                 a.required = True
             self.set_defaults(**saved)
+
+    def _config_read_as_given(self, parsed: Any, path: str | None) -> Any:
+        """``parsed``, unless argparse took a ``--config`` spelling other than the one read (an abbreviation)."""
+        if getattr(parsed[0], CONFIG_DEST, None) != path:
+            self.error("spell --config in full (--config FILE or --config=FILE)")
+        return parsed
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -109,17 +117,19 @@ def parse_and_run(parser: argparse.ArgumentParser, argv: list[str] | None, prog:
 CONFIG_DEST = "config"
 
 
+class _ConfigAction(argparse._StoreAction):
+    """The ``--config FILE`` of :func:`add_config_arg` (other commands' ``--config`` flags mean other files)."""
+
+
 def add_config_arg(p: argparse.ArgumentParser) -> None:
     """``--config FILE``: a YAML mapping of this parser's flags (read by :class:`CommandParser`)."""
-    p.add_argument("--config", dest=CONFIG_DEST, default=None, metavar="FILE",
+    p.add_argument("--config", dest=CONFIG_DEST, default=None, metavar="FILE", action=_ConfigAction,
                    help="YAML mapping of this command's flags (keys: dest names such as max_new_tokens, or "
                         "max-new-tokens; true/false for switches); flags given on the command line override it")
 
 
-def _config_path(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """The last ``--config FILE`` (or ``--config=FILE``) in ``argv`` when ``parser`` takes one."""
-    if not any(a.dest == CONFIG_DEST for a in parser._actions):
-        return None
+def _config_path(argv: list[str]) -> str | None:
+    """The last ``--config FILE`` (or ``--config=FILE``) in ``argv``."""
     path = None
     for i, tok in enumerate(argv):
         if tok == "--":

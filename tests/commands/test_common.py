@@ -76,3 +76,18 @@ def test_required_flags_from_the_file_and_still_required_without_it(tmp_path, ca
     with pytest.raises(SystemExit):  # the parser is left as built: the file's values are not kept
         parser.parse_args(["--out", "o"])
     assert "--model, --policies" in capsys.readouterr().err
+
+
+def test_an_abbreviated_config_flag_is_refused_not_ignored(tmp_path, capsys):
+    cfg = _yaml(tmp_path, "synthetic: zipf\n")
+    with pytest.raises(SystemExit):
+        simulate.build_parser().parse_args(["--conf", cfg])
+    assert "spell --config in full" in capsys.readouterr().err
+    assert simulate.build_parser().parse_args([f"--config={cfg}"]).synthetic == "zipf"
+
+
+def test_other_commands_config_flags_are_their_own_files():
+    from expertcast.commands import build_default
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs/tiny_default/default.yaml")
+    assert build_default.build_parser().parse_args(["--config", recipe]).config == recipe  # not read as flags
