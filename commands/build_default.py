@@ -1,9 +1,10 @@
-"""`expertcast build-default`: train (or load the cached) embedded default MoE model.
+"""`expertcast build-default`: rebuild the embedded default MoE model (into the cache) and compare it with the shipped one.
 
 The recipe of the job: read the YAML recipe (``configs/tiny_default/default.yaml``, the defaults of
 :class:`expertcast.models.tiny_default.TinyDefaultConfig`), build the model or reuse the cached build
-(:func:`~expertcast.models.tiny_default.ensure_default_model`, the same path every ``--model tiny-default``
-resolves through), print its report. The recipe fixes the optimizer steps, the seed and the torch thread
+(:func:`~expertcast.models.tiny_default.ensure_default_model`), print its report and whether its files are
+identical to the shipped model's (``models/shipped/tiny-default``, what ``--model tiny-default`` names);
+``--ship`` replaces the shipped files with the build. The recipe fixes the optimizer steps, the seed and the torch thread
 count, so every machine builds the same weights; the cache key covers the whole recipe, the sha256 of the
 data files and the code format (docs/design.md "Embedded default model").
 """
@@ -27,6 +28,9 @@ def build_parser() -> CommandParser:
     p.add_argument("--data-dir", default=None,
                    help=f"benchmark data folder; when omitted: ${DATA_DIR_ENV}, else ../shared/data beside the checkout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while training")
+    p.add_argument("--ship", action="store_true",
+                   help="copy the build into models/shipped/tiny-default (what `tiny-default` names), with the sha256 "
+                        "of every file in its report")
     p.epilog = f"The model is cached under ${CACHE_DIR_ENV} (default ~/.cache/expertcast)/tiny-default-v1/<key>."
     return p
 
@@ -41,9 +45,32 @@ def main(argv: list[str] | None = None) -> int:
         path = ensure_default_model(cfg, force=args.force, progress=not args.no_progress, data_root=args.data_dir)
         print(f"default model: {path}")
         print_report(load_report(path))
+        print(compare_with_shipped(path))
+        if args.ship:
+            from expertcast.models.tiny_default import ship_default_model
+
+            print(f"shipped: {ship_default_model(path)}")
         return 0
 
     return run_command(PROG, body)
+
+
+def compare_with_shipped(path) -> str:
+    """One line: is the build at ``path`` file-for-file the shipped model (sha256 of every shipped file)?"""
+    from expertcast.models.names import SHIPPED_DEFAULT_DIR, ModelNotFoundError, shipped_default_model
+    from expertcast.models.tiny_default import load_report
+    from expertcast.utils.provenance import sha256_file
+
+    try:
+        shipped = shipped_default_model()
+    except ModelNotFoundError as e:
+        return f"no verified shipped model to compare with ({e})"
+    listed = load_report(shipped)["shipped_files"]
+    differ = [n for n, want in sorted(listed.items())
+              if n != "train_loss.png" and (not (path / n).is_file() or sha256_file(path / n) != want["sha256"])]
+    if differ:
+        return f"this build differs from the shipped model at {SHIPPED_DEFAULT_DIR} in: {', '.join(differ)}"
+    return f"this build is identical to the shipped model at {SHIPPED_DEFAULT_DIR} (sha256 of every file but the plot)"
 
 
 def print_report(report: dict[str, Any]) -> None:

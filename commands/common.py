@@ -318,13 +318,6 @@ from expertcast.models.names import resolve_model as _resolve_model  # noqa: E40
 from expertcast.utils.devices import resolve_device  # noqa: E402,F401  (the one device resolver)
 
 
-def build_default_model() -> str:
-    """The embedded default model's directory, trained first when this recipe has no build yet."""
-    from expertcast.models.tiny_default import ensure_default_model
-
-    return str(ensure_default_model())
-
-
-resolve_model = functools.partial(_resolve_model, build_default=build_default_model, announce=True)
-"""``--model`` of every command: the one resolver (:func:`expertcast.models.names.resolve_model`), the
-embedded default built when named."""
+resolve_model = functools.partial(_resolve_model, announce=True)
+"""``--model`` of every command: the one resolver (:func:`expertcast.models.names.resolve_model`); the
+embedded default is the shipped, checksum-verified folder (never trained implicitly)."""

@@ -1,6 +1,6 @@
 """The one resolver of model names (docs/design.md, "Embedded default model"): what ``--model`` of every command, ``model:``
 of the router YAMLs and the tokenizer a cue set names resolve to (:func:`resolve_model`), and where the
-embedded default model's last build is (:func:`record_default_model`, :func:`default_model_path`).
+shipped embedded default model is (:func:`shipped_default_model`, which verifies its checksums).
 
 Light on purpose (no torch at import): the command layer imports it at start-up.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from expertcast.utils.errors import UsageError
@@ -18,11 +17,8 @@ from expertcast.utils.errors import UsageError
 EXPORT_FILE = "export.json"
 """The top-level JSON of a router-adaptation export (``expertcast.models.router_export.ADAPTATION_FILE``)."""
 DEFAULT_MODEL_NAMES = ("tiny-default", "default")
-"""Names of the embedded default model (trained once by ``expertcast build-default``, then cached):
-:func:`resolve_model` returns the directory of its last build; ``models/`` never builds it."""
-DEFAULT_MODEL_RECORD = "tiny-default.json"
-"""File under the cache folder naming the directory of the embedded default's last build
-(:func:`record_default_model`)."""
+"""Names of the embedded default model (built by ``expertcast build-default``, shipped in the repository):
+:func:`resolve_model` returns the shipped folder once verified; no name ever trains it."""
 
 
 class ModelNotFoundError(UsageError, FileNotFoundError):
@@ -43,46 +39,62 @@ def _looks_local(name: str) -> bool:
             or os.sep == "\\" and "\\" in name)
 
 
-def record_default_model(path: str | os.PathLike) -> None:
-    """Record ``path`` (a complete build of the embedded default) as what :data:`DEFAULT_MODEL_NAMES`
-    resolve to (the builder calls it whenever it returns a build)."""
-    from expertcast.utils.io import atomic_write_json
-    from expertcast.utils.paths import cache_dir
+SHIPPED_DEFAULT_DIR = Path(__file__).resolve().parent / "shipped" / "tiny-default"
+"""The embedded default model's files, committed in the repository (docs/design.md, "Embedded default
+model"): what :data:`DEFAULT_MODEL_NAMES` resolve to, after their checksums are verified."""
+SHIPPED_REPORT = "report.json"
+"""The build report in the shipped folder; its ``shipped_files`` maps every other file to its sha256 and size."""
+_VERIFIED: dict[tuple, Path] = {}
 
-    record = cache_dir() / DEFAULT_MODEL_RECORD
-    want = {"path": str(Path(path).resolve())}
+
+def shipped_default_model(folder: str | os.PathLike | None = None) -> Path:
+    """The shipped embedded default model's folder (``folder`` or :data:`SHIPPED_DEFAULT_DIR`), once every file
+    its report lists has the recorded size and sha256; a :class:`ModelNotFoundError` naming the file at fault
+    otherwise. Never builds anything: ``expertcast build-default`` rebuilds the model (into the cache)."""
+    from expertcast.utils.provenance import sha256_file
+
+    root = Path(folder) if folder is not None else SHIPPED_DEFAULT_DIR
+    report = root / SHIPPED_REPORT
     try:
-        if json.loads(record.read_text(encoding="utf-8")) == want:
-            return
-    except (OSError, ValueError):
-        pass
-    atomic_write_json(record, want)
-
-
-def default_model_path() -> Path:
-    """The directory of the embedded default's last build (:func:`record_default_model`); a
-    :class:`ModelNotFoundError` saying how to build it when there is none."""
-    from expertcast.utils.paths import cache_dir
-
-    record = cache_dir() / DEFAULT_MODEL_RECORD
-    try:
-        path = Path(json.loads(record.read_text(encoding="utf-8"))["path"])
+        listed = json.loads(report.read_text(encoding="utf-8"))["shipped_files"]
+        if not isinstance(listed, dict) or not listed:
+            raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
-        path = None
-    if path is None or not (path / "config.json").is_file():
-        raise ModelNotFoundError("the embedded default model (tiny-default) is not built in "
-                                 f"{cache_dir()}: run `expertcast build-default` (or name it as --model of a command)")
-    return path
+        raise ModelNotFoundError(f"the embedded default model is not shipped at {root} ({report} is missing or lists "
+                                 f"no files): restore it from the repository, or rebuild it with "
+                                 f"`expertcast build-default` and pass the printed folder as --model") from None
+    stamp = tuple(sorted((name, *_stat(root / name)) for name in listed))
+    if _VERIFIED.get((str(root), stamp)) is not None:
+        return root
+    for name, want in sorted(listed.items()):
+        f = root / name
+        size = _stat(f)[0]
+        if size != want.get("bytes"):
+            raise ModelNotFoundError(f"shipped default model: {f} has {size} bytes, its report records "
+                                     f"{want.get('bytes')} (corrupt or replaced file; restore it from the repository)")
+        got = sha256_file(f)
+        if got != want.get("sha256"):
+            raise ModelNotFoundError(f"shipped default model: {f} has sha256 {got[:16]}..., its report records "
+                                     f"{str(want.get('sha256'))[:16]}... (corrupt or replaced file; restore it from "
+                                     f"the repository)")
+    _VERIFIED[(str(root), stamp)] = root
+    return root
 
 
-def resolve_model(name: str | os.PathLike, *, build_default: Callable[[], str | os.PathLike] | None = None,
-                  announce: bool = False) -> str:
+def _stat(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return (-1, -1)
+    return (st.st_size, st.st_mtime_ns)
+
+
+def resolve_model(name: str | os.PathLike, *, announce: bool = False) -> str:
     """The one resolver of model names (``--model`` of every command, ``model:`` of the router YAMLs, the
     tokenizer a cue set names): returns what :func:`load_moe_model` loads.
 
-    * ``tiny-default`` / ``default``: the embedded default model's directory; ``build_default`` (the
-      command layer's builder, which trains it once and returns its cached build) when given, else its
-      last build (:func:`default_model_path`); ``announce`` says on stderr which directory it is;
+    * ``tiny-default`` / ``default``: the shipped embedded default model's folder, its checksums verified
+      (:func:`shipped_default_model`; nothing is ever trained here); ``announce`` says on stderr which folder;
     * a tiny preset name (``qwen3_moe-tiny``, ...) or a real-size preset: kept as is;
     * a local Hugging Face directory (must hold ``config.json``) or a router-adaptation export folder
       (``export.json``: ``model/`` merged, or a peft ``adapter/`` over its recorded base);
@@ -94,9 +106,9 @@ def resolve_model(name: str | os.PathLike, *, build_default: Callable[[], str | 
     if not name:
         raise ModelNotFoundError("--model is empty")
     if name in DEFAULT_MODEL_NAMES:
-        path = Path(build_default()) if build_default is not None else default_model_path()
+        path = shipped_default_model()
         if announce:
-            print(f"model: embedded default model at {path}", file=sys.stderr)
+            print(f"model: embedded default model at {path} (shipped, sha256 verified)", file=sys.stderr)
         return str(path)
     from expertcast.models.presets import is_preset, list_presets
 

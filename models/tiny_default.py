@@ -1,7 +1,10 @@
 """The embedded default model: a tiny Qwen3-MoE and its byte-level BPE tokenizer, trained here.
 
-``expertcast build-default [--force]`` (and :func:`ensure_default_model`, which every ``--model
-tiny-default`` resolves through) trains a small Qwen3-MoE on GSM8K train solutions (formatted as chat:
+The model is shipped in the repository (``models/shipped/tiny-default``, :func:`ship_default_model`); every
+``--model tiny-default`` resolves to those files once their checksums are verified
+(:func:`expertcast.models.names.shipped_default_model`) and never trains. ``expertcast build-default
+[--force]`` (:func:`ensure_default_model`) rebuilds it into the cache and says whether the rebuild is
+identical to the shipped files; ``--ship`` replaces them. The recipe trains a small Qwen3-MoE on GSM8K train solutions (formatted as chat:
 question -> answer), the long R1 chain-of-thought traces of ``cot/math153.jsonl`` (wrapped in
 ``<think>...</think>``) and the ``train`` split of the synthetic arithmetic task
 (:mod:`expertcast.data.arith`, prompted exactly as ``expertcast eval --benchmark arith`` prompts), so
@@ -27,8 +30,7 @@ with the same weights as an uninterrupted one.
 Plain PyTorch loop (no Lightning): AdamW, linear warm-up then cosine decay over ``max_steps``, and the
 load-balancing auxiliary loss of the config (``router_aux_loss_coef`` with ``output_router_logits``).
 
-A model library (not a command): resolving ``--model tiny-default`` builds the model on a cache miss, so
-the build sits beside the other model facts (docs/design.md "Embedded default model", "Layout"). The
+A model library (not a command): the build sits beside the other model facts (docs/design.md "Embedded default model", "Layout"). The
 ``expertcast build-default`` recipe (:mod:`expertcast.commands.build_default`) reads the YAML recipe,
 builds or reuses the model through :func:`ensure_default_model` and prints its report.
 """
@@ -172,6 +174,13 @@ class TinyDefaultConfig:
         if unknown:
             raise UsageError(f"{path}: unknown TinyDefaultConfig fields {unknown}")
         return cls(**d)
+
+    def recipe_hash(self) -> str:
+        """Hash of what the code trains, data files aside: every field, ``RECIPE_VERSION`` and the sha256 of
+        the generated arithmetic problems. The shipped model's report records it, and a test checks it
+        against the code's default recipe (a recipe change without a rebuild fails CI)."""
+        payload = {"recipe_version": RECIPE_VERSION, "config": self.to_dict(), "arith": arith_hash(self.arith_train)}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def key(self, data_files: dict[str, Path]) -> str:
         """Cache key: a hash of the whole recipe (every field: sizes, data limits, optimisation,
@@ -663,29 +672,24 @@ def _is_complete(path: Path) -> bool:
 
 def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = False, progress: bool = True,
                          data_root: str | os.PathLike | None = None, checkpoint_every_s: float = 60.0) -> Path:
-    """Path of the trained default model (a Hugging Face directory: config, safetensors weights,
-    tokenizer with chat template, ``report.json``). Trains it on the first call (or when ``force``),
-    reuses the cached one afterwards; records the build as what ``tiny-default`` resolves to
-    (:func:`expertcast.models.names.record_default_model`)."""
-    from expertcast.models.names import record_default_model
-
+    """Path of the built default model of recipe ``cfg`` in the cache (a Hugging Face directory: config,
+    safetensors weights, tokenizer with chat template, ``report.json``). Trains it on the first call (or
+    when ``force``), reuses the cached one afterwards. Only ``expertcast build-default`` calls it:
+    ``tiny-default`` names the shipped model (:func:`expertcast.models.names.shipped_default_model`)."""
     cfg = cfg or TinyDefaultConfig()
     files = _data_files(Path(data_root) if data_root else None)
     key = cfg.key(files)
     final = cache_dir() / DEFAULT_NAME / key
     if _is_complete(final) and not force:
-        record_default_model(final)
         return final
     waiting = f"build-default: another process is building {key}; waiting for it"
     with FileLock(final.parent / f"{key}.lock", on_wait=lambda: print(waiting)):
         if _is_complete(final) and not force:  # built by the process we waited for
-            record_default_model(final)
             return final
         if final.exists() and not _is_complete(final) and not force:
             raise UsageError(f"cached default model at {final} is incomplete (missing files); "
                              f"rebuild it with `expertcast build-default --force`")
         build_default_model(cfg, final, files=files, progress=progress, checkpoint_every_s=checkpoint_every_s)
-        record_default_model(final)
     return final
 
 
@@ -747,6 +751,7 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
         report = {
             "name": DEFAULT_NAME,
             "key": cfg.key(files),
+            "recipe_hash": cfg.recipe_hash(),
             "recipe": cfg.to_dict(),
             "recipe_version": RECIPE_VERSION,
             "data_files": {k: str(p) for k, p in files.items()},
@@ -808,6 +813,47 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
         torch.use_deterministic_algorithms(prev_deterministic)
 
 
+SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "train_loss.png")
+"""What a build ships (those of them it has): the model, its tokenizer, and the loss curve; plus ``report.json``."""
+
+
+def ship_default_model(build: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
+    """Copy the build in ``build`` into the shipped folder (``dest``, default
+    :data:`expertcast.models.names.SHIPPED_DEFAULT_DIR`), its report extended with ``shipped_files`` (the sha256
+    and size of every file copied); written beside ``dest`` and renamed into place."""
+    from expertcast.models.names import SHIPPED_DEFAULT_DIR
+
+    build = Path(build)
+    if not _is_complete(build):
+        raise UsageError(f"{build} is not a complete default-model build (config, weights, tokenizer, report)")
+    dest = Path(dest) if dest is not None else SHIPPED_DEFAULT_DIR
+    report = load_report(build)
+    if "recipe_hash" not in report:  # a build by code that predates the field: the hash of its recorded recipe
+        if report.get("recipe_version") != RECIPE_VERSION:
+            raise UsageError(f"{build} was built by recipe format {report.get('recipe_version')}, this code is "
+                             f"{RECIPE_VERSION}: rebuild it with `expertcast build-default --force`")
+        report["recipe_hash"] = TinyDefaultConfig(**report["recipe"]).recipe_hash()
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    listed = {}
+    for name in SHIPPED_FILES:
+        if (build / name).is_file():
+            shutil.copyfile(build / name, tmp / name)
+            listed[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
+    report["shipped_files"] = listed
+    atomic_write_json(tmp / REPORT_FILE, report)
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+    return dest
+
+
 def load_report(path: str | os.PathLike) -> dict[str, Any]:
     """The ``report.json`` of a built default model directory."""
     return json.loads((Path(path) / REPORT_FILE).read_text())
@@ -815,6 +861,7 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
 
 __all__ = [
     "TinyDefaultConfig", "ensure_default_model", "default_model_dir", "build_default_model", "load_report",
+    "ship_default_model", "SHIPPED_FILES",
     "routing_of", "model_config",
     "routing_stats", "heldout_perplexity", "heldout_arith_accuracy", "gsm8k_messages", "cot_messages",
     "arith_messages", "arith_train_problems", "arith_hash", "data_hashes",

@@ -68,14 +68,13 @@ class LoraSettings:
 
 def load_backbone(name: str, dtype: str = "float32", seed: int = 0):
     """(model, tokenizer, base identity) for ``name``: ``default``/``tiny-default``, a tiny preset, an HF
-    directory or a Hub id (:func:`expertcast.models.names.resolve_model`, the default built when named, then
+    directory or a Hub id (:func:`expertcast.models.names.resolve_model`: the shipped default when named, then
     :func:`expertcast.models.backbone.load_moe_model`); the identity is what an adapter export records
     (``name`` as given plus :func:`expertcast.models.backbone.model_identity`)."""
     from expertcast.models.backbone import load_moe_model, model_identity
     from expertcast.models.names import resolve_model
-    from expertcast.models.tiny_default import ensure_default_model
 
-    resolved = resolve_model(name, build_default=ensure_default_model)
+    resolved = resolve_model(name)
     model, tok = load_moe_model(resolved, dtype=dtype, seed=seed)
     return model, tok, {"name": str(name), **model_identity(resolved, init_seed=seed, model=model)}
 

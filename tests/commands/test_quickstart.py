@@ -37,19 +37,24 @@ def test_quickstart_runs_reuses_and_rekeys(tmp_path, capsys, data_dir):
     out = tmp_path / "qs"
     assert main([*ARGS, "--limit", "12", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert re.findall(r"=== \[(\d)/6\]", text) == ["1", "2", "3", "4", "5", "6"]
+    assert re.findall(r"=== \[(\d)/7\]", text) == ["1", "2", "3", "4", "5", "6", "7"]
     assert "trained 2 optimizer steps" in text
     sim = _only(out / "simulate")
     for name in ("simulate.json", "simulate.csv", "hit_vs_capacity.png"):
         assert (sim / name).is_file(), name
-    ev = json.loads((_only(out / "eval") / "summary.json").read_text())
-    assert {r["pool"] for r in json.loads((sim / "simulate.json").read_text())} == {ev["settings"]["pool"]}
+    evals = {p.name.split("-")[0]: json.loads((p / "summary.json").read_text()) for p in (out / "eval").iterdir()}
+    assert set(evals) == {"gsm8k", "arith"}
+    for ev in evals.values():
+        assert {r["pool"] for r in json.loads((sim / "simulate.json").read_text())} == {ev["settings"]["pool"]}
+    assert evals["arith"]["samples"] == 16 and evals["gsm8k"]["samples"] == 4
+    assert re.search(r"offloaded run on arith \(.*\): accuracy \d\.\d\d on 16 problems", text)
     _held_out_checked(out, 12)
-    assert "accuracy 0 is expected" in text and "what the numbers mean" in text and "AdjHit" in text
+    assert "accuracy near 0 is expected" in text and "what the numbers mean" in text and "AdjHit" in text
 
     assert main([*ARGS, "--limit", "12", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    for what in ("routing traces", "simulation", "forecaster", "forecast evaluation", "offloaded run"):
+    for what in ("routing traces", "simulation", "forecaster", "forecast evaluation", "offloaded run on gsm8k",
+                 "offloaded run on arith"):
         assert re.search(rf"reusing the {what} in \S+ \(same settings\)", text), what
 
     # a larger limit: new traces, a new forecaster, scored on its own held-out sequences only
@@ -59,3 +64,15 @@ def test_quickstart_runs_reuses_and_rekeys(tmp_path, capsys, data_dir):
     assert "reusing" not in text
     assert len(list((out / "forecaster").iterdir())) == 2 and len(list((out / "traces").iterdir())) == 2
     _held_out_checked(out, 16)
+
+
+def test_the_default_models_banner_says_where_it_came_from():
+    """The quickstart's model banner on the embedded default: shipped, verified, its recipe and build."""
+    from expertcast.commands.quickstart import _default_provenance
+    from expertcast.models.names import shipped_default_model
+    from expertcast.models.tiny_default import load_report
+
+    line = _default_provenance(shipped_default_model())
+    rep = load_report(shipped_default_model())
+    assert "shipped in the repository" in line and "sha256 of every file verified" in line
+    assert f"recipe {rep['recipe_hash']}" in line and "Nothing is trained here" in line

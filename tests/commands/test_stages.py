@@ -206,23 +206,17 @@ def test_bad_input_is_one_line_and_exit_2(setup, bad_files, argv, words, capsys)
 
 
 def test_calibrate_model_tiny_default_resolves_offline(setup, tmp_path, monkeypatch, capsys, data_dir):
-    """`--model tiny-default` goes through the one resolver: the cached default model's tokenizer, no Hub."""
-    from expertcast.models import tiny_default as td
+    """`--model tiny-default` goes through the one resolver: the shipped default model's tokenizer, no Hub."""
+    from expertcast.models.names import SHIPPED_DEFAULT_DIR
 
     root, model, traces, gold = setup
     monkeypatch.setenv("EXPERTCAST_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(data_dir))
-    # a reduced-recipe build where the default recipe's model is cached (training it takes minutes)
-    small = td.TinyDefaultConfig(vocab_size=300, num_layers=1, hidden_size=32, num_attention_heads=2,
-                                 num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, num_experts=8, top_k=2,
-                                 seq_len=64, max_steps=1, threads=1, gsm8k_train_limit=40, cot_limit=1,
-                                 eval_gsm8k_test=0, eval_cot=0)
-    td.build_default_model(small, td.default_model_dir(), progress=False)
     out = tmp_path / "cues.json"
     rc, err, _ = _run(["calibrate", "--traces", str(traces), "--model", "tiny-default", "--out", str(out),
                        "--min-stage-tokens", "4"], capsys)
     assert rc == 0, err
-    assert f"embedded default model at {td.default_model_dir()}" in err
+    assert f"embedded default model at {SHIPPED_DEFAULT_DIR}" in err
     cs = json.loads(out.read_text())
     assert cs["tokenizer"] == "tiny-default" and cs["cues"]
     # the cue set of a calibrate run replaces an earlier cue set, never a foreign file

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from expertcast.models.names import ModelNotFoundError, record_default_model, resolve_model
+from expertcast.models.names import SHIPPED_DEFAULT_DIR, ModelNotFoundError, resolve_model, shipped_default_model
 from expertcast.utils.errors import UsageError
 
 
@@ -24,14 +24,32 @@ def test_names_resolve_to_what_the_loader_loads(tmp_path):
     assert issubclass(ModelNotFoundError, UsageError) and issubclass(ModelNotFoundError, FileNotFoundError)
 
 
-def test_the_default_is_its_last_build_or_the_builder(tmp_path, monkeypatch, capsys):
+def test_the_default_is_the_shipped_model_verified_and_never_trained(tmp_path, monkeypatch, capsys):
+    """`tiny-default` names the files committed in models/shipped/tiny-default once every checksum in their
+    report matches; an empty cache builds nothing; a corrupt or missing file is one line naming it."""
+    import json
+    import shutil
+
     monkeypatch.setenv("EXPERTCAST_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(ModelNotFoundError, match="run `expertcast build-default`"):
-        resolve_model("tiny-default")
-    build = tmp_path / "build"
-    build.mkdir()
-    (build / "config.json").write_text("{}")
-    assert resolve_model("default", build_default=lambda: build, announce=True) == str(build)
-    assert "embedded default model at" in capsys.readouterr().err
-    record_default_model(build)
-    assert resolve_model("tiny-default") == str(build.resolve())
+    assert resolve_model("tiny-default", announce=True) == str(SHIPPED_DEFAULT_DIR)
+    assert "(shipped, sha256 verified)" in capsys.readouterr().err
+    assert resolve_model("default") == str(SHIPPED_DEFAULT_DIR)
+    assert not (tmp_path / "cache").exists()  # nothing was built or cached
+    listed = json.loads((SHIPPED_DEFAULT_DIR / "report.json").read_text())["shipped_files"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(listed)
+
+    copy = tmp_path / "shipped"
+    shutil.copytree(SHIPPED_DEFAULT_DIR, copy)
+    assert shipped_default_model(copy) == copy
+    cfg = (copy / "config.json").read_bytes()
+    (copy / "config.json").write_bytes(cfg.replace(b"4", b"5", 1))  # same size, other bytes
+    with pytest.raises(ModelNotFoundError, match=r"config.json has sha256 .* its report records"):
+        shipped_default_model(copy)
+    (copy / "config.json").write_bytes(cfg + b" ")
+    with pytest.raises(ModelNotFoundError, match=r"config.json has \d+ bytes, its report records"):
+        shipped_default_model(copy)
+    (copy / "config.json").write_bytes(cfg)
+    assert shipped_default_model(copy) == copy
+    (copy / "report.json").unlink()
+    with pytest.raises(ModelNotFoundError, match="is not shipped at .*expertcast build-default"):
+        shipped_default_model(copy)

@@ -258,3 +258,41 @@ def test_full_size_builds_in_two_processes_are_identical(tmp_path, data_dir):
         (w,) = (tmp_path / name).glob("tiny-default-v1/*/model.safetensors")
         digests.append(_sha(w.parent))
     assert digests[0] == digests[1]
+
+
+def test_shipped_report_recipe_hash_equals_the_codes_recipe(data_dir, monkeypatch):
+    """The shipped model was built by the recipe the code trains: a recipe (or RECIPE_VERSION, or arith
+    generator) change without a rebuild and `build-default --ship` fails here. With the benchmark data of the
+    build at hand, the full cache key (recipe + data sha256) matches too."""
+    from expertcast.models.names import shipped_default_model
+    from expertcast.utils.paths import REPO_ROOT
+
+    report = td.load_report(shipped_default_model())
+    code = td.TinyDefaultConfig.from_yaml(REPO_ROOT / "configs" / "tiny_default" / "default.yaml")
+    assert code == td.TinyDefaultConfig()  # the shipped YAML is the dataclass defaults
+    assert report["recipe_hash"] == code.recipe_hash()
+    assert report["recipe"] == code.to_dict() and report["recipe_version"] == td.RECIPE_VERSION
+    monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(data_dir))
+    assert report["data_sha256"] == td.data_hashes(td._data_files())
+    assert report["key"] == code.key(td._data_files())
+    assert report["steps"] == code.max_steps and report["heldout_arith_test"]["accuracy"] > 0.5
+
+
+def test_ship_copies_a_build_with_the_checksums_the_resolver_verifies(cache, tmp_path):
+    from expertcast.commands.build_default import compare_with_shipped
+    from expertcast.models.names import ModelNotFoundError, shipped_default_model
+
+    cfg = dataclasses.replace(TINY, max_steps=2, eval_gsm8k_test=0, eval_cot=0, eval_arith=0)
+    build = td.ensure_default_model(cfg, progress=False)
+    dest = td.ship_default_model(build, tmp_path / "shipped")
+    assert shipped_default_model(dest) == dest
+    rep = td.load_report(dest)
+    assert rep["recipe_hash"] == cfg.recipe_hash() and set(rep["shipped_files"]) >= {"model.safetensors", "config.json"}
+    for name, want in rep["shipped_files"].items():
+        assert _sha(dest, name) == want["sha256"] == _sha(build, name)
+    assert "differs from the shipped model" in compare_with_shipped(build)  # not the real default's weights
+    with pytest.raises(Exception, match="not a complete default-model build"):
+        td.ship_default_model(tmp_path / "nothing", tmp_path / "x")
+    (dest / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match="model.safetensors has 0 bytes"):
+        shipped_default_model(dest)
