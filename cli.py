@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "stages": ("expertcast.commands.stages", "SAEM stages: calibrate | stats | detect | eval"),
     "eval": ("expertcast.commands.evaluate", "offloaded inference on GSM8K / MATH-500"),
     "sweep": ("expertcast.commands.sweep", "offloaded eval over policies x capacities x benchmarks, one table"),
+    "lm-eval": ("expertcast.commands.lm_eval", "lm-evaluation-harness with the offloaded model (model expertcast)"),
 }
 
 

@@ -2,7 +2,8 @@
 
 models/ imports neither train/ nor inference/; data/ imports neither; inference/ does not import train/;
 train/ does not import inference/;
-inference/ and models/ import no lightning or wandb; only commands/ parses command lines (argparse).
+inference/ and models/ import no lightning or wandb; harness/ (the lm-eval adapter) imports neither nor train/;
+only commands/ parses command lines (argparse).
 Inside inference/: cache/ (the mechanism) imports nothing above models/, data/ and utils/; policies/ never
 imports sim/, runtime/ or commands/; sim/ and runtime/ never import each other.
 """
@@ -23,6 +24,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "inference": ("expertcast.train", "expertcast.commands", "lightning", "wandb"),
     "train": ("expertcast.inference", "expertcast.commands"),
     "utils": ("expertcast.train", "expertcast.inference", "expertcast.commands"),
+    "harness": ("expertcast.train", "lightning", "wandb"),
 }
 
 ROOMS: dict[str, tuple[str, ...]] = {

@@ -1,0 +1,329 @@
+"""lm-evaluation-harness model ``expertcast``: the harness's requests run through the offloading runtime
+(docs/design.md, "Harnesses").
+
+    lm_eval --model expertcast --model_args model=M,policy=lru,capacity=0.25 --tasks gsm8k
+
+(with lm-eval 0.4.13, which discovers no external models: ``expertcast lm-eval`` with the same arguments,
+:mod:`expertcast.commands.lm_eval`). The model is loaded straight to the host store
+(:func:`~expertcast.inference.runtime.loading.load_offloaded`) under the cache policy and capacity, as
+``expertcast eval`` loads it, and is checked the same way before it loads (policy and options, capacity
+against the model's shape, artefacts made for another model).
+
+* ``generate_until``: greedy decoding through :meth:`OffloadedModel.generate` in batches of ``batch_size``
+  (contexts grouped by their generation settings, longest first); ``until`` stops a sequence (transformers'
+  ``stop_strings``; the text is cut before the first stop sequence, as the harness expects), ``max_gen_toks``
+  bounds it. A row that stopped is padded with EOS, so the runtime stops routing it at the next step, as
+  after an EOS. Sampling (``do_sample=True`` or a temperature above 0) is refused.
+* ``loglikelihood`` / ``loglikelihood_rolling``: teacher-forced through the runtime's prefill (the prompt's
+  forward pass with every expert it routes to, resident or streamed), the full-sequence logits read from
+  that one forward. Prefill is uncounted, so these requests add nothing to the cache metrics.
+* the cache metrics of every decode step (hit, AdjHit, MB/token, tokens/s, TTFT, stall per token; decode-only,
+  as ``expertcast eval`` counts them) go into the harness's results JSON (``config.expertcast``, through
+  :meth:`ExpertcastLM.get_model_info`) and are printed as a table when the evaluation ends. No full-speed
+  baseline is measured here: ``pct_full`` is ``n/a`` (``expertcast eval`` measures it).
+
+Model arguments: ``model`` (any ``--model`` of ``expertcast eval``; default ``tiny-default``), ``policy``
+(``--policy``; options separated by ``;`` since the harness splits its arguments on commas, e.g.
+``policy=lrfu:lam=0.1``), ``capacity`` (a fraction of all experts) or ``slots``, ``pool``, ``dtype``,
+``decode_path``, ``link_gbps``, ``seed`` (a random-init preset), ``threads``, ``max_length`` and
+``max_gen_toks`` (default 256, the harness's), plus the harness's ``batch_size`` and ``device``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from expertcast.utils.errors import UsageError
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+MODEL_NAME = "expertcast"
+"""The harness's name of this model (``--model expertcast``)."""
+METRIC_COLUMNS = ("hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s", "stall_ms_per_token", "decoded_tokens",
+                  "late_prefetches", "cpu_exec", "pct_full")
+"""The cache and speed columns of the printed table (decode-only counters)."""
+PCT_FULL_NOTE = "no full-speed baseline is measured in the harness; expertcast eval measures it"
+GREEDY_KEYS = {"do_sample", "temperature", "until", "max_gen_toks"}
+"""Generation settings the adapter reads; any other (top_p, ...) is refused."""
+
+
+def _int_arg(name: str, value: Any, minimum: int = 1) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"--model_args {name}={value!r}: expected an integer") from None
+    if n < minimum or isinstance(value, float) and value != n:
+        raise UsageError(f"--model_args {name}={value!r}: expected an integer >= {minimum}")
+    return n
+
+
+@register_model(MODEL_NAME)
+class ExpertcastLM(TemplateLM):
+    """The harness's view of one offloaded model (see the module docstring for the arguments)."""
+
+    def __init__(self, model: str = "tiny-default", policy: str = "lru", capacity: float | None = None,
+                 slots: int | None = None, pool: str = "per-layer", device: str | None = None, dtype: str = "auto",
+                 batch_size: int | str | None = 1, max_batch_size: int | None = None, max_length: int | None = None,
+                 max_gen_toks: int = 256, seed: int = 0, link_gbps: float | None = None, decode_path: str = "eager",
+                 threads: int | None = None, **unknown: Any):
+        super().__init__()
+        if unknown:
+            raise UsageError(f"--model_args: unknown argument(s) {', '.join(sorted(unknown))} of model {MODEL_NAME} "
+                             f"(model, policy, capacity, slots, pool, dtype, decode_path, link_gbps, seed, threads, "
+                             f"max_length, max_gen_toks)")
+        if str(batch_size).startswith("auto"):
+            raise UsageError(f"--batch_size {batch_size}: model {MODEL_NAME} takes a fixed batch size (an integer)")
+        self._batch_size = _int_arg("batch_size", batch_size if batch_size is not None else 1)
+        self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks)
+        self._max_length_arg = None if max_length is None else _int_arg("max_length", max_length)
+        if threads is not None:
+            torch.set_num_threads(_int_arg("threads", threads))
+        self.settings = self._check(model, policy, capacity, slots, pool, device or "auto", dtype, seed, link_gbps,
+                                    decode_path)
+        self._load()
+
+    # -- set-up -----------------------------------------------------------------------------------------
+    def _check(self, model: str, policy: str, capacity: Any, slots: Any, pool: str, device: str, dtype: str,
+               seed: Any, link_gbps: Any, decode_path: str) -> dict[str, Any]:
+        """Every cheap check, before the model loads (as ``expertcast eval`` checks its flags)."""
+        from expertcast.commands.common import resolve_device, resolve_model
+        from expertcast.commands.evaluate import (
+            DTYPES,
+            build_policy,
+            check_capacity,
+            check_policy_fits,
+            fit_stage_policy,
+            model_shape,
+        )
+        from expertcast.inference.runtime.live_routers import is_router_policy, router_export_model
+
+        if (capacity is None) == (slots is None):
+            raise UsageError("--model_args: give capacity=F (a fraction of all experts) or slots=N, one of them")
+        cap = {"capacity": float(capacity)} if capacity is not None else {"slots": _int_arg("slots", slots)}
+        if pool not in ("per-layer", "shared"):
+            raise UsageError(f"--model_args pool={pool!r}: expected per-layer or shared")
+        if dtype not in DTYPES:
+            raise UsageError(f"--model_args dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+        if decode_path not in ("eager", "graph", "auto"):
+            raise UsageError(f"--model_args decode_path={decode_path!r}: expected eager, graph or auto")
+        spec = str(policy).replace(";", ",")
+        self._policy_spec = spec
+        self.policy, name, opts, files = build_policy(spec)
+        resolved, files = router_export_model(model, name) if is_router_policy(name) else (resolve_model(model), files)
+        shape = model_shape(resolved)
+        cache_config = check_capacity(cap, pool, shape)
+        check_policy_fits(self.policy, shape, model)
+        fit_stage_policy(self.policy, resolved)
+        return {"model": str(model), "model_path": resolved, "policy": spec, "policy_name": name,
+                "policy_options": {k: v for k, v in sorted(opts.items()) if k not in files}, "artefacts": files,
+                "capacity": cap, "pool": pool, "cache": cache_config.describe(), "device": resolve_device(device),
+                "dtype": dtype, "seed": int(seed), "link_gbps": None if link_gbps is None else float(link_gbps),
+                "decode_path": decode_path, "batch_size": self._batch_size, "greedy": True}
+
+    def _load(self) -> None:
+        from expertcast.inference.cache.expert_cache import Budget
+        from expertcast.inference.runtime.eval_run import eos_ids, pad_left
+        from expertcast.inference.runtime.live_routers import attach_live_routers
+        from expertcast.inference.runtime.loading import load_offloaded
+
+        s = self.settings
+        self.om, self.tok, report = load_offloaded(s["model_path"], self.policy, Budget.from_flags(s["capacity"]),
+                                                   device=s["device"], dtype=s["dtype"], pool=s["pool"],
+                                                   link_gbps=s["link_gbps"], seed=s["seed"],
+                                                   decode_path=s["decode_path"])
+        self.load_report = report.to_dict()
+        pad_left(self.tok)
+        attach_live_routers(self.policy, self.om.model, s["model"])
+        self.eos = eos_ids(self.om.model, self.tok)
+        if not self.eos:
+            raise UsageError(f"model {s['model']}: neither its generation config nor its tokenizer has an EOS token")
+        self.tokenizer = self.tok
+
+    # -- what the harness reads -------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_token_id if self.tok.eos_token_id is not None else self.eos[0]
+
+    @property
+    def max_length(self) -> int:
+        if self._max_length_arg is not None:
+            return self._max_length_arg
+        n = getattr(self.om.model.config, "max_position_embeddings", None)
+        return int(n) if n else 2048
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.om.device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tok.name_or_path or self.settings["model_path"]).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.tok.chat_template if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The tokenizer's chat template, as ``expertcast eval`` builds its chat prompts."""
+        if not self.tok.chat_template:
+            raise UsageError(f"model {self.settings['model']} has no chat template: drop --apply_chat_template")
+        return self.tok.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        return self.tok.encode(string, add_special_tokens=bool(add_special_tokens))
+
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    # -- generation -------------------------------------------------------------------------------------
+    def _gen_settings(self, gen_kwargs: dict[str, Any]) -> tuple[tuple[str, ...], int]:
+        """(stop sequences, max new tokens) of one request; sampling and unknown settings are refused."""
+        extra = sorted(set(gen_kwargs) - GREEDY_KEYS)
+        if extra:
+            raise UsageError(f"generation setting(s) {', '.join(extra)}: model {MODEL_NAME} decodes greedily and "
+                             f"reads only until and max_gen_toks")
+        if gen_kwargs.get("do_sample") or float(gen_kwargs.get("temperature") or 0.0) > 0.0:
+            raise UsageError(f"model {MODEL_NAME} decodes greedily: do_sample=True / temperature > 0 is not supported")
+        until = gen_kwargs.get("until")
+        until = [until] if isinstance(until, str) else list(until or [])
+        if not until:
+            until = [self.tok.decode([self.eot_token_id])]
+        return tuple(until), _int_arg("max_gen_toks", gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        groups: dict[tuple[tuple[str, ...], int], list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            groups[self._gen_settings(dict(req.args[1]))].append(i)
+        out: list[str | None] = [None] * len(requests)
+        bar = None
+        if not disable_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), desc=f"{MODEL_NAME} generate_until ({self.settings['cache']})")
+        for (until, max_new), idx in groups.items():
+            idx = sorted(idx, key=lambda i: -len(self.tok_encode(requests[i].args[0])))  # longest first: less padding
+            for b in range(0, len(idx), self.batch_size):
+                batch = idx[b:b + self.batch_size]
+                texts = self._generate([requests[i].args[0] for i in batch], until, max_new, batch)
+                for i, text in zip(batch, texts, strict=True):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                if bar is not None:
+                    bar.update(len(batch))
+        if bar is not None:
+            bar.close()
+        return [t if t is not None else "" for t in out]
+
+    def _generate(self, contexts: list[str], until: tuple[str, ...], max_new: int, ids: list[int]) -> list[str]:
+        from expertcast.inference.runtime.eval_run import generated
+
+        enc = self.tok(contexts, return_tensors="pt", padding=True, add_special_tokens=False)
+        keep = max(self.max_length - max_new, 1)
+        input_ids, mask = enc["input_ids"][:, -keep:], enc["attention_mask"][:, -keep:]  # left-padded: keep the end
+        res = self.om.generate(input_ids, mask, max_new_tokens=max_new, eos_token_id=self.eos,
+                               pad_token_id=self.eos[0], stop_strings=list(until), tokenizer=self.tok,
+                               seq_ids=[f"req{i}" for i in ids])
+        texts = []
+        for g in generated(res.sequences.cpu(), input_ids.shape[1], self.eos):
+            text = self.tok.decode(g, skip_special_tokens=True)
+            for stop in until:
+                if stop:
+                    text = text.split(stop, 1)[0]
+            texts.append(text)
+        return texts
+
+    # -- log-likelihood (teacher-forced through the runtime's prefill) ------------------------------------
+    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
+                              **kwargs: Any) -> list[tuple[float, bool]]:
+        out: list[tuple[float, bool]] = []
+        for b in range(0, len(requests), self.batch_size):
+            batch = requests[b:b + self.batch_size]
+            rows, conts = [], []
+            for _, ctx, cont in batch:
+                full = (ctx + cont)[-(self.max_length + 1):]  # the input is full[:-1]: at most max_length tokens
+                rows.append(full[:-1])
+                conts.append(cont[-(len(full) - 1):])  # the continuation tokens that have a position before them
+            for (key, _, _), res in zip(batch, self._score(rows, conts), strict=True):
+                out.append(res)
+                if key is not None:
+                    self.cache_hook.add_partial("loglikelihood", key, res)
+        return out
+
+    def _score(self, rows: list[list[int]], conts: list[list[int]]) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation), continuation is greedy) per row: one prefill through the runtime, its
+        logits kept for every position. The prefill adds no decode counts; its time is not decode time."""
+        P = max(len(r) for r in rows)
+        pad = self.eos[0]
+        ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows], dtype=torch.long)
+        mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+        captured: list[torch.Tensor] = []
+        hook = self.om.model.register_forward_hook(lambda _m, _a, o: captured.append(o.logits) if not captured else None)
+        decode_before = self.om.stats.decode_seconds
+        try:
+            self.om.generate(ids, mask, max_new_tokens=1, eos_token_id=self.eos, pad_token_id=pad, logits_to_keep=0)
+        finally:
+            hook.remove()
+        self.om.stats.decode_seconds = decode_before  # a 1-token generation has no decode step
+        logp = torch.log_softmax(captured[0].float().cpu(), dim=-1)
+        res = []
+        for i, cont in enumerate(conts):
+            n = len(cont)
+            lp = logp[i, P - n:P]
+            target = torch.tensor(cont, dtype=torch.long)
+            res.append((float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
+        return res
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        out = []
+        for req in requests:
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(req.args[0]), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1)]
+            total = sum(ll for ll, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows]))
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return out
+
+    # -- cache metrics beside the harness's accuracy --------------------------------------------------------
+    def cache_metrics(self) -> dict[str, Any]:
+        """The decode-only cache and speed metrics of every ``generate_until`` so far (``expertcast eval``'s
+        accounting), with the settings and the model's identity."""
+        from expertcast.models.backbone import model_identity
+
+        st = self.om.stats
+        m = st.metrics()
+        s = self.settings
+        return {
+            "hit": m["hit"], "adj_hit": m["adj_hit"], "mb_per_token": m["mb_per_token"],
+            "tokens_per_s": m["tokens_per_s"], "ttft_s": m["ttft_s"], "stall_ms_per_token": m["stall_ms_per_token"],
+            "decoded_tokens": int(st.decoded_tokens), "accesses": int(st.A), "demand_misses": int(st.D),
+            "proactive_loads": int(st.P), "late_prefetches": int(st.late.sum()), "cpu_exec": int(st.cpu.sum()),
+            "pct_full": "n/a", "pct_full_note": PCT_FULL_NOTE, "expert_bytes": int(self.om.layout.expert_bytes),
+            "accounting": "decode-only; prefill (and every loglikelihood request) uncounted",
+            "settings": s, "model_identity": model_identity(s["model_path"], init_seed=s["seed"]),
+            "memory": self.om.memory_report().to_dict(), "load": self.load_report,
+        }
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Called by the harness once the evaluation is done (its results JSON's ``config``): the cache
+        metrics, also printed as a table."""
+        from expertcast.utils.io import print_table
+
+        metrics = self.cache_metrics()
+        s = self.settings
+        print_table([{"policy": s["policy"], **s["capacity"], **{k: metrics[k] for k in METRIC_COLUMNS}}],
+                    title=f"expertcast cache metrics: {s['model']}, {s['cache']} ({metrics['accounting']})")
+        return {MODEL_NAME: metrics}
+
