@@ -80,7 +80,7 @@ def import_summary(meta, imp, out) -> str:
     decode = sum(s.num_tokens - s.prompt_len for s in seqs)
     extra = [] if meta.phase_known else ["phase unknown: every position counted as decode"]
     if meta.has_sources:
-        extra.append(f"{len({s.source for s in seqs})} sources")
+        extra.append(f"sources {sorted({s.source for s in seqs})}")
     if meta.moe_layers is not None:
         extra.append(f"MoE layers {meta.moe_layers}")
     return (f"imported {len(seqs)} sequences ({meta.source_format} layout, L={meta.num_layers}, E={meta.num_experts}, "

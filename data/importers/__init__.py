@@ -66,15 +66,19 @@ class ImportFormat:
     folder_ext: str | None = None
     """Extension of the per-sequence files when a folder is accepted (None: one file only)."""
     files: Callable[[Path], list[Path]] | None = None
+    inputs: tuple[str, ...] = ()
+    """The :class:`ImportOptions` fields this layout reads as input (the others, given, are checked against the
+    file)."""
 
 
 FORMATS: dict[str, ImportFormat] = {f.name: f for f in (
-    ImportFormat("jsonl", "expertcast's rows: one per (seq, token, layer)", _read_jsonl),
+    ImportFormat("jsonl", "expertcast's rows: one per (seq, token, layer)", _read_jsonl, inputs=("num_layers",)),
     ImportFormat("granite", "per-prompt expert-trace JSON (prefill/decode [T][L][K])", _read_granite),
     ImportFormat(vllm.NAME, "vLLM return-routed-experts: one request per line, [T, L, K]", vllm.read),
-    ImportFormat(sglang.NAME, "SGLang /generate responses, base64 meta_info.routed_experts", sglang.read),
+    ImportFormat(sglang.NAME, "SGLang /generate responses, base64 meta_info.routed_experts", sglang.read,
+                 inputs=("num_layers", "top_k")),
     ImportFormat(llamacpp.NAME, "llama.cpp moe-trace CSV (layer,expert or phase,token,layer,rank,expert)",
-                 llamacpp.read, folder_ext="csv"),
+                 llamacpp.read, folder_ext="csv", inputs=("top_k",)),
     ImportFormat(megatron.NAME, "Megatron-LM RouterTracer JSONL, one record per (step, layer, rank)", megatron.read),
     ImportFormat(moe_cache_lab.NAME, "moe-cache-lab routing-trace-v1 JSONL", moe_cache_lab.read, folder_ext="jsonl"),
     ImportFormat(moe_beyond.NAME, "MoE-Beyond per-prompt CSV (Layer ID,Batch Number,Token,Activated Expert IDs)",
@@ -182,10 +186,10 @@ def read_traces(path: str | os.PathLike, fmt: str = "auto", opts: ImportOptions 
     if path.is_dir() and spec.folder_ext is None:
         raise UsageError(f"{path} is a folder, but the {fmt} layout is read from one file")
     imp = spec.read(path, opts)
-    for flag, given, have in (("--num-experts", opts.num_experts, imp.num_experts),
-                              ("--num-layers", opts.num_layers, imp.num_layers),
-                              ("--top-k", opts.top_k, imp.top_k)):
-        if given is not None and given != have:
+    for flag, key, have in (("--num-experts", "num_experts", imp.num_experts),
+                            ("--num-layers", "num_layers", imp.num_layers), ("--top-k", "top_k", imp.top_k)):
+        given = getattr(opts, key)
+        if given is not None and key not in spec.inputs and given != have:
             raise UsageError(f"{flag} {given}, but {path} records {have} ({fmt} layout)")
     has = [s.source is not None for s in imp.sequences]
     if any(has) and not all(has):
