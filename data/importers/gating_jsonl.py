@@ -14,7 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from expertcast.data.importers.common import Imported, ImportOptions, RowCollector, id_field, num_experts_of, str_field
+from expertcast.data.importers.common import (
+    Imported,
+    ImportOptions,
+    RowCollector,
+    id_field,
+    num_experts_of,
+    str_field,
+)
 from expertcast.data.trace_import import INT16_MAX, INT32_MAX, ImportFormatError, _int_field
 from expertcast.utils.io import iter_jsonl
 from expertcast.utils.jsonfields import require_keys
@@ -34,7 +41,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
         where = f"{path}:{ln}"
         if not isinstance(r, dict):
             raise ImportFormatError(f"{where}: expected a JSON object")
-        require_keys(r, _KEYS, ImportFormatError, lambda m: f"{where}: missing field(s) {', '.join(m)}")
+        require_keys(r, _KEYS, ImportFormatError, lambda m, w=where: f"{w}: missing field(s) {', '.join(m)}")
         ds = str_field(r["dataset"], "dataset", where)
         sid = f"{ds}/{id_field(r['problem_id'], 'problem_id', where)}"
         col.add(where, sid, _int_field(r["token_idx"], "token_idx", where, 0, INT32_MAX),

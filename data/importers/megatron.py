@@ -43,7 +43,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
         where = f"{path}:{ln}"
         if not isinstance(r, dict):
             raise ImportFormatError(f"{where}: expected a JSON object")
-        require_keys(r, _KEYS, ImportFormatError, lambda m: f"{where}: missing field(s) {', '.join(m)}")
+        require_keys(r, _KEYS, ImportFormatError, lambda m, w=where: f"{w}: missing field(s) {', '.join(m)}")
         records += 1
         if r["block"] != "decoder":
             if r["block"] != "mtp":

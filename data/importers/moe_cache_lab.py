@@ -70,8 +70,8 @@ def _metadata(f: Path) -> dict:
         if not isinstance(m, dict) or m.get("record_type") != "metadata":
             raise ImportFormatError(f"{where}: the first record must be the metadata record")
         check_format(m, FORMAT, 1, ImportFormatError,
-                     wrong_format=lambda got: f"{where}: format must be {FORMAT!r}, got {got!r}",
-                     bad_version=lambda v: f"{where}: format_version {v} is not read here (only version 1)")
+                     wrong_format=lambda got, w=where: f"{w}: format must be {FORMAT!r}, got {got!r}",
+                     bad_version=lambda v, w=where: f"{w}: format_version {v} is not read here (only version 1)")
         unknown = sorted(set(m) - _META_FIELDS)
         if unknown:
             raise ImportFormatError(f"{where}: unknown metadata field(s) {', '.join(unknown)}")
@@ -105,7 +105,7 @@ def _events(f: Path, meta: dict, col: RowCollector) -> None:
         if unknown:
             raise ImportFormatError(f"{where}: unknown field(s) {', '.join(unknown)}")
         require_keys(r, ("phase", "token_position", "layer", "selected_experts"), ImportFormatError,
-                     lambda m: f"{where}: missing field(s) {', '.join(m)}")
+                     lambda m, w=where: f"{w}: missing field(s) {', '.join(m)}")
         phase = r["phase"]
         if phase not in ("prompt", "generated"):
             raise ImportFormatError(f"{where}: phase must be 'prompt' or 'generated', got {phase!r}")
