@@ -1,8 +1,9 @@
-"""expertcast traces import | stats: routing trace tools (library: ``expertcast.data.trace_import``,
+"""expertcast traces import | stats: routing trace tools (library: ``expertcast.data.importers``,
 ``expertcast.data.trace_stats``).
 
-    expertcast traces import FILE --out DIR [--format auto|jsonl|granite] [--num-experts E] [--expert-bytes N]
-                             [--model ID]
+    expertcast traces import FILE --out DIR [--format auto|jsonl|granite|vllm|sglang|llamacpp|megatron|
+                             moe-cache-lab|moe-beyond|gating-jsonl|hf-router-logits] [--num-experts E]
+                             [--num-layers L] [--top-k K] [--expert-bytes N] [--model ID]
     expertcast traces stats DIR [--json PATH] [--csv PATH] [--plot PNG] [--phase decode|prefill|both]
 """
 
@@ -18,22 +19,26 @@ PROG = "expertcast traces"
 
 
 def build_parser() -> CommandParser:
-    from expertcast.data.trace_import import IMPORT_FORMATS
+    from expertcast.data.importers import FORMATS
 
     p = CommandParser(prog=PROG, description="routing trace tools")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{import,stats}")
 
-    imp = sub.add_parser("import", help="routing traces made elsewhere (JSONL rows, granite JSON) -> trace set",
-                         description="Validate a file of routing traces made elsewhere and write it as a trace set.")
-    imp.add_argument("file", help="import file (layouts: docs/design.md, 'Routing traces')")
+    imp = sub.add_parser("import", help="routing traces recorded by another engine -> trace set",
+                         description="Validate routing traces recorded elsewhere (vLLM, SGLang, llama.cpp, Megatron-LM, "
+                                     "moe-cache-lab, MoE-Beyond, routing studies, transformers router logits) and "
+                                     "write them as a trace set. Layouts: docs/design.md, 'Trace importers'.")
+    imp.add_argument("file", help="import file (a folder of per-sequence files for llamacpp, moe-cache-lab, moe-beyond)")
     imp.add_argument("--out", required=True, help="output trace folder (new, empty, or a trace set with --overwrite)")
-    imp.add_argument("--format", choices=["auto", *IMPORT_FORMATS], default="auto",
-                     help="layout of FILE: jsonl (one row per sequence, token, layer), granite (per-prompt expert "
-                          "ids [T][L][K], as ../shared/data/traces/granite-3.0-1b-a400m), auto (detected)")
+    imp.add_argument("--format", choices=["auto", *FORMATS], default="auto",
+                     help="layout of FILE (auto: detected from its extension and first record or header); "
+                          + "; ".join(f"{f.name}: {f.summary}" for f in FORMATS.values()))
     imp.add_argument("--num-experts", type=positive_int, default=None,
-                     help="E: routed experts per layer (required for jsonl; granite: read from the file)")
+                     help="E: routed experts per layer (required where the file does not record it)")
     imp.add_argument("--num-layers", type=positive_int, default=None,
-                     help="L (jsonl: None = largest layer index + 1; granite: read from the file)")
+                     help="L: MoE layers (sglang: required; jsonl: None = largest layer index + 1; else checked)")
+    imp.add_argument("--top-k", type=positive_int, default=None,
+                     help="K: experts per token (sglang and llamacpp layer,expert: required; else checked)")
     imp.add_argument("--expert-bytes", type=nonneg_int, default=None,
                      help="bytes of one expert, for MB/token (default 0; granite-3.0-1b-a400m: its f16 expert size)")
     imp.add_argument("--model", default=None, help="model id the traces come from (None: the file's, else 'imported')")
@@ -52,54 +57,35 @@ def build_parser() -> CommandParser:
 
 
 def _import(a) -> int:
-    from expertcast.data.trace_import import detect_format, import_jsonl
+    from expertcast.data.importers import ImportOptions, import_traces
 
-    fmt = detect_format(a.file) if a.format == "auto" else a.format
-    if fmt == "granite":
-        return _import_granite(a)
-    if a.num_experts is None:
-        raise UsageError("--num-experts is required for the jsonl layout (its rows do not name E)")
+    opts = ImportOptions(a.num_experts, a.num_layers, a.top_k, a.model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        meta, counts = import_jsonl(a.file, a.out, a.num_experts, a.expert_bytes or 0, a.model, a.num_layers,
-                                    a.shard_size, overwrite=a.overwrite)
+        meta, imp = import_traces(a.file, a.out, a.format, opts, expert_bytes=a.expert_bytes,
+                                  shard_size=a.shard_size, overwrite=a.overwrite)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
-    print(f"imported {counts['sequences']} sequences ({counts['rows']} rows, L={meta.num_layers}, "
-          f"E={meta.num_experts}, K={meta.top_k}, {counts['decode_tokens']} decode tokens, dropped "
-          f"{counts['dropped_tokens']} incomplete tokens) -> {a.out}")
+    if a.expert_bytes is None and meta.expert_bytes:
+        print(f"expert bytes: {meta.expert_bytes} (one f16 expert of {meta.model_id}; --expert-bytes overrides)",
+              file=sys.stderr)
+    print(import_summary(meta, imp, a.out))
     return 0
 
 
-def _import_granite(a) -> int:
-    """``--format granite``: the per-prompt expert-trace JSON (one sequence per prompt; weights 1/K)."""
-    import dataclasses
-
-    from expertcast.data.trace_import import (
-        default_expert_bytes,
-        read_expert_trace_json,
-        write_expert_trace_set,
-    )
-
-    meta, seqs = read_expert_trace_json(a.file, a.model)  # read once, validated before --out is touched
-    for flag, given, have in (("--num-experts", a.num_experts, meta.num_experts),
-                              ("--num-layers", a.num_layers, meta.num_layers)):
-        if given is not None and given != have:
-            raise UsageError(f"{flag} {given}, but {a.file} records {have} (granite layout)")
-    expert_bytes = a.expert_bytes
-    if expert_bytes is None:
-        expert_bytes = default_expert_bytes(meta.model_id)
-        if expert_bytes:
-            print(f"expert bytes: {expert_bytes} (one f16 expert of {meta.model_id}; --expert-bytes overrides)",
-                  file=sys.stderr)
-    meta = dataclasses.replace(meta, expert_bytes=int(expert_bytes or 0))
-    write_expert_trace_set(a.file, a.out, meta, seqs, overwrite=a.overwrite, shard_size=a.shard_size)
-    n = len(seqs)
+def import_summary(meta, imp, out) -> str:
+    """The line ``traces import`` prints: sequences, layout, L/E/K, tokens, decode tokens, phase, notes."""
+    seqs = imp.sequences
     tokens = sum(s.num_tokens for s in seqs)
     decode = sum(s.num_tokens - s.prompt_len for s in seqs)
-    print(f"imported {n} sequences (granite layout, L={meta.num_layers}, E={meta.num_experts}, K={meta.top_k}, "
-          f"{tokens} tokens, {decode} decode tokens, router weights not recorded: 1/K) -> {a.out}")
-    return 0
+    extra = [] if meta.phase_known else ["phase unknown: every position counted as decode"]
+    if meta.has_sources:
+        extra.append(f"sources {sorted({s.source for s in seqs})}")
+    if meta.moe_layers is not None:
+        extra.append(f"MoE layers {meta.moe_layers}")
+    return (f"imported {len(seqs)} sequences ({meta.source_format} layout, L={meta.num_layers}, E={meta.num_experts}, "
+            f"K={meta.top_k}, {tokens} tokens, {decode} decode tokens"
+            + "".join(f", {x}" for x in [*imp.notes, *extra]) + f") -> {out}")
 
 
 def _stats(a) -> int:

@@ -40,6 +40,15 @@ class TraceMeta:
     generation: dict[str, Any] = field(default_factory=dict)
     """Generation settings (max_new_tokens, sampling, ...) or the source of imported completions."""
     has_router_probs: bool = False
+    source_format: str | None = None
+    """Layout an imported trace was read from (``expertcast traces import --format``); None: collected here."""
+    source_sha256: str | None = None
+    """sha256 of the imported file (of a folder: of its files' names and hashes); None: collected here."""
+    phase_known: bool = True
+    """False when the source does not say which positions were prefill: every position is then stored as decode
+    (``prompt_len`` 0) and consumers must say that prefill and decode could not be told apart."""
+    has_sources: bool = False
+    """Every sequence records its ``source`` (prompt set / dataset), for a fit/eval split by source."""
     format_version: int = TRACE_FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -67,7 +76,8 @@ class TraceSequence:
 
     Shapes: ``token_ids`` int32 [T]; ``expert_ids`` int16 [T, L, K] (router order);
     ``expert_weights`` float16 [T, L, K] (normalized top-K weights); ``router_probs`` float16
-    [T, L, E] or None. Positions ``< prompt_len`` are prefill, the rest decode.
+    [T, L, E] or None. Positions ``< prompt_len`` are prefill, the rest decode. ``source``: the prompt set or
+    dataset the sequence came from, when the trace records it.
     """
 
     seq_id: str
@@ -76,6 +86,7 @@ class TraceSequence:
     expert_ids: np.ndarray
     expert_weights: np.ndarray
     router_probs: np.ndarray | None = None
+    source: str | None = None
 
     def __post_init__(self) -> None:
         T = len(self.token_ids)

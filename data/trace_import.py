@@ -1,5 +1,6 @@
-"""Import routing traces made elsewhere (vLLM, llama.cpp hooks) from the JSONL format of docs/design.md,
-and expert traces in the per-prompt JSON layout of ``moe_expert_trace.json`` (:func:`read_expert_trace_json`).
+"""Import routing traces in expertcast's own JSONL rows (``--format jsonl``) and the per-prompt JSON layout of
+``moe_expert_trace.json`` (``--format granite``, :func:`read_expert_trace_json`); the validation helpers the
+other layouts' importers (:mod:`expertcast.data.importers`, whose registry lists every layout) share.
 
 One JSON object per (sequence, token, MoE layer)::
 
@@ -110,7 +111,7 @@ def _parse_row(r: Any, where: str, num_experts: int, num_layers: int | None, k: 
 def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int | None = None,
                       ) -> tuple[list[TraceSequence], dict[str, int]]:
     """Parse ``path`` into sequences; returns them and counts (rows, sequences, num_layers, top_k,
-    dropped_tokens, decode_tokens)."""
+    dropped_tokens, decode_tokens, phase_known: every row names its phase)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"import file {path} does not exist")
@@ -124,11 +125,13 @@ def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int
     max_layer = -1
     rows = 0
     no_weights = 0
+    phased = 0
     for ln, r in iter_jsonl(path, error=ImportFormatError):
         where = f"{path}:{ln}"
         sid, t, li, experts, weights, phase, token_id = _parse_row(r, where, num_experts, num_layers, K)
         K = len(experts)
         no_weights += weights is None
+        phased += "phase" in r
         tok = seqs.setdefault(sid, {}).setdefault(t, {})
         if li in tok:
             raise ImportFormatError(f"{where}: duplicate row for seq {sid!r} token {t} layer {li}")
@@ -163,7 +166,7 @@ def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int
         warnings.warn(f"{path}: every token is prefill; decode-only metrics (simulate, forecasters) will refuse "
                       f"these traces", stacklevel=2)
     return out, {"rows": rows, "sequences": len(out), "num_layers": L, "top_k": K, "dropped_tokens": dropped,
-                 "decode_tokens": decode}
+                 "decode_tokens": decode, "phase_known": phased == rows}
 
 
 def _sequence(path: Path, sid: str, toks: dict, complete: list[int], L: int, K: int) -> TraceSequence:
@@ -192,31 +195,14 @@ def _sequence(path: Path, sid: str, toks: dict, complete: list[int], L: int, K: 
 
 def import_jsonl(path: str | os.PathLike, out: str | os.PathLike, num_experts: int, expert_bytes: int = 0,
                  model_id: str | None = None, num_layers: int | None = None, shard_size: int = 256,
-                 overwrite: bool = False) -> tuple[TraceMeta, dict[str, Any]]:
-    """Read ``path`` and write the trace set ``out``; returns its meta and the import counts.
+                 overwrite: bool = False) -> TraceMeta:
+    """Read ``path`` and write the trace set ``out`` (:func:`expertcast.data.importers.import_traces`, format
+    ``jsonl``); returns its meta."""
+    from expertcast.data.importers import ImportOptions, import_traces
 
-    The file is validated before ``out`` is touched. ``out`` is claimed as a ``traces`` output folder;
-    one that already holds a trace set is refused unless ``overwrite`` (which removes only what
-    expertcast wrote there).
-    """
-    from expertcast.data.traces import OUTPUT_KIND, is_trace_dir, write_traces
-    from expertcast.utils.outdir import claim_output_dir
-    from expertcast.utils.provenance import sha256_file
-
-    if expert_bytes < 0:
-        raise UsageError(f"--expert-bytes must be >= 0, got {expert_bytes}")
-    seqs, counts = read_import_jsonl(path, num_experts, num_layers)
-    meta = TraceMeta(
-        model_id=model_id or "imported", num_layers=counts["num_layers"], num_experts=num_experts,
-        top_k=counts["top_k"], expert_bytes=int(expert_bytes), dataset=Path(path).name,
-        generation={"source": "import", "file": str(path)},
-    )
-    with claim_output_dir(out, OUTPUT_KIND, overwrite=overwrite) as od:
-        if is_trace_dir(od.path):
-            raise UsageError(f"{od.path} already holds a trace set (pass --overwrite to replace it)")
-        write_traces(od, meta, seqs, shard_size=shard_size,
-                     run={"import": str(Path(path).resolve()), "sha256": sha256_file(path)})
-    return meta, counts
+    meta, _ = import_traces(path, out, "jsonl", ImportOptions(num_experts, num_layers, model_id=model_id),
+                            expert_bytes=expert_bytes, shard_size=shard_size, overwrite=overwrite)
+    return meta
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,80 +275,16 @@ def read_expert_trace_json(path: str | os.PathLike, model_id: str | None = None,
 def import_expert_trace_json(path: str | os.PathLike, out: str | os.PathLike, expert_bytes: int = 0,
                              model_id: str | None = None, overwrite: bool = False, shard_size: int = 256,
                              ) -> tuple[TraceMeta, int]:
-    """Read ``path`` (:func:`read_expert_trace_json`) and write the trace set ``out`` (claimed like
-    :func:`import_jsonl`'s). Returns its meta and the number of sequences."""
-    if expert_bytes < 0:
-        raise UsageError(f"expert_bytes must be >= 0, got {expert_bytes}")
-    meta, seqs = read_expert_trace_json(path, model_id, expert_bytes)
-    write_expert_trace_set(path, out, meta, seqs, overwrite=overwrite, shard_size=shard_size)
-    return meta, len(seqs)
+    """Read ``path`` (:func:`read_expert_trace_json`) and write the trace set ``out``
+    (:func:`expertcast.data.importers.import_traces`, format ``granite``). Returns its meta and the number of
+    sequences."""
+    from expertcast.data.importers import ImportOptions, import_traces
 
-
-def write_expert_trace_set(path: str | os.PathLike, out: str | os.PathLike, meta: TraceMeta,
-                           seqs: list[TraceSequence], *, overwrite: bool = False, shard_size: int = 256) -> None:
-    """Write what :func:`read_expert_trace_json` read from ``path`` as the trace set ``out`` (claimed like
-    :func:`import_jsonl`'s; the run block names the file and its sha256)."""
-    from expertcast.data.traces import OUTPUT_KIND, is_trace_dir, write_traces
-    from expertcast.utils.outdir import claim_output_dir
-    from expertcast.utils.provenance import sha256_file
-
-    with claim_output_dir(out, OUTPUT_KIND, overwrite=overwrite) as od:
-        if is_trace_dir(od.path):
-            raise UsageError(f"{od.path} already holds a trace set (pass --overwrite to replace it)")
-        write_traces(od, meta, seqs, shard_size=shard_size,
-                     run={"import": str(Path(path).resolve()), "sha256": sha256_file(path), "format": "granite"})
+    meta, imp = import_traces(path, out, "granite", ImportOptions(model_id=model_id), expert_bytes=expert_bytes,
+                              shard_size=shard_size, overwrite=overwrite)
+    return meta, len(imp.sequences)
 
 
 def default_expert_bytes(model_id: str) -> int:
     """Bytes of one expert of a model whose size this module knows (granite-3.0-1b-a400m), else 0."""
     return GRANITE_1B_EXPERT_BYTES if str(model_id).lower().startswith("granite-3.0-1b-a400m") else 0
-
-
-# ----------------------------------------------------------------------------------------------
-# layout detection
-
-IMPORT_FORMATS = ("jsonl", "granite")
-"""Layouts ``expertcast traces import`` reads: ``jsonl`` (one row per (sequence, token, layer), the format at the
-top of this module) and ``granite`` (the per-prompt expert-trace JSON of :func:`read_expert_trace_json`)."""
-
-_JSONL_KEYS = ("seq", "token", "layer", "experts")
-_GRANITE_KEYS = ("num_layers", "num_experts", "top_k", "prompts")
-
-
-def detect_format(path: str | os.PathLike) -> str:
-    """The layout of ``path`` (one of :data:`IMPORT_FORMATS`), from its first JSON value: an object with
-    ``seq/token/layer/experts`` is ``jsonl``, one with ``num_layers/num_experts/top_k/prompts`` is ``granite``.
-    ImportFormatError naming what was found otherwise."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"import file {path} does not exist")
-    first = None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                first = line
-                break
-    if first is None:
-        raise ImportFormatError(f"{path} is empty: nothing to import")
-    try:
-        obj = json.loads(first)
-    except RecursionError:
-        raise ImportFormatError(f"{path}: unknown trace layout (JSON nested too deeply on its first line)") from None
-    except json.JSONDecodeError:
-        try:  # a pretty-printed single JSON document
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            obj = None
-        except RecursionError:
-            raise ImportFormatError(f"{path}: unknown trace layout (JSON nested too deeply)") from None
-    hint = f"layouts read: {', '.join(IMPORT_FORMATS)} (docs/design.md, 'Routing traces'); give --format to force one"
-    if not isinstance(obj, dict):
-        found = "no JSON object on its first line" if obj is None else f"a JSON {type(obj).__name__}"
-        raise ImportFormatError(f"{path}: unknown trace layout ({found}); {hint}")
-    if all(k in obj for k in _JSONL_KEYS):
-        return "jsonl"
-    if all(k in obj for k in _GRANITE_KEYS):
-        return "granite"
-    keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
-    raise ImportFormatError(f"{path}: unknown trace layout (an object with keys {keys}; jsonl rows have "
-                            f"{'/'.join(_JSONL_KEYS)}, granite files {'/'.join(_GRANITE_KEYS)}); {hint}")

@@ -18,7 +18,8 @@ mismatch is an error naming the file), a listed shard that is gone is redone, an
 but not yet listed (killed between the two steps) is removed and redone.
 
 Row schema: ``seq_id`` string, ``prompt_len`` int32, ``token_ids`` int32 [T], ``expert_ids`` int16
-[T, L, K], ``expert_weights`` float16 [T, L, K], optional ``router_probs`` float16 [T, L, E].
+[T, L, K], ``expert_weights`` float16 [T, L, K], optional ``router_probs`` float16 [T, L, E], optional ``source``
+string (the sequence's prompt set or dataset; present when the meta's ``has_sources``).
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def shard_name(index: int) -> str:
     return f"{SHARD_PREFIX}{index:05d}"
 
 
-def trace_features(num_layers: int, top_k: int, num_experts: int | None = None):
-    """`datasets.Features` of a trace row; ``num_experts`` given = with ``router_probs``."""
+def trace_features(num_layers: int, top_k: int, num_experts: int | None = None, with_source: bool = False):
+    """`datasets.Features` of a trace row; ``num_experts`` given = with ``router_probs``; ``with_source``: with
+    the ``source`` column."""
     from datasets import Array3D, Features, List, Value
 
     feats = {
@@ -71,6 +73,8 @@ def trace_features(num_layers: int, top_k: int, num_experts: int | None = None):
     }
     if num_experts is not None:
         feats["router_probs"] = Array3D(shape=(None, num_layers, num_experts), dtype="float16")
+    if with_source:
+        feats["source"] = Value("string")
     return Features(feats)
 
 
@@ -132,9 +136,11 @@ def _check_sequence(seq: TraceSequence, meta: TraceMeta) -> None:
             raise ValueError(f"sequence {seq.seq_id}: router_probs {got} but the trace needs [T, L={L}, E={E}]")
     elif seq.router_probs is not None:
         raise ValueError(f"sequence {seq.seq_id}: router_probs given but the trace meta has has_router_probs=False")
+    if meta.has_sources and not (isinstance(seq.source, str) and seq.source):
+        raise ValueError(f"sequence {seq.seq_id}: no source, but the trace meta has has_sources=True")
 
 
-def _row(seq: TraceSequence, with_probs: bool) -> dict[str, Any]:
+def _row(seq: TraceSequence, with_probs: bool, with_source: bool = False) -> dict[str, Any]:
     r = {
         "seq_id": str(seq.seq_id),
         "prompt_len": int(seq.prompt_len),
@@ -144,11 +150,14 @@ def _row(seq: TraceSequence, with_probs: bool) -> dict[str, Any]:
     }
     if with_probs:
         r["router_probs"] = np.asarray(seq.router_probs, dtype=np.float16)
+    if with_source:
+        r["source"] = seq.source
     return r
 
 
 def _meta_diff(a: TraceMeta, b: TraceMeta) -> list[str]:
-    keys = ("model_id", "num_layers", "num_experts", "top_k", "has_router_probs", "dataset", "split", "format_version")
+    keys = ("model_id", "num_layers", "num_experts", "top_k", "has_router_probs", "has_sources", "dataset", "split",
+            "format_version")
     da, db = a.to_dict(), b.to_dict()
     return [f"{k}: {da[k]!r} (saved) vs {db[k]!r} (now)" for k in keys if da[k] != db[k]]
 
@@ -167,7 +176,8 @@ class TraceWriter:
                  overwrite: bool = False):
         self.meta = meta
         self.run = settings_key(**(run or {}))
-        self.features = trace_features(meta.num_layers, meta.top_k, meta.num_experts if meta.has_router_probs else None)
+        self.features = trace_features(meta.num_layers, meta.top_k, meta.num_experts if meta.has_router_probs else None,
+                                       with_source=meta.has_sources)
         self._owns = not isinstance(out_dir, OutputDir)
         self.out = claim_output_dir(out_dir, OUTPUT_KIND, overwrite=overwrite) if self._owns else out_dir
         self.dir = self.out.path
@@ -301,7 +311,8 @@ class TraceWriter:
         if self.is_done(index):
             raise TraceFormatError(f"shard {final.name} is already finished in {self.dir}")
         info = DatasetInfo(description=_INFO_TAG + json.dumps(self.meta.to_dict()), features=self.features)
-        ds = Dataset.from_list([_row(s, self.meta.has_router_probs) for s in seqs], features=self.features, info=info)
+        ds = Dataset.from_list([_row(s, self.meta.has_router_probs, self.meta.has_sources) for s in seqs],
+                               features=self.features, info=info)
         self.out.track(final.name)
         (self.dir / _SCRATCH).mkdir(exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.dir / _SCRATCH, prefix=f"{final.name}-"))
@@ -441,6 +452,8 @@ def _load_shard(shard: Path, meta: TraceMeta, expected: dict[str, Any] | None = 
     needed = {"seq_id", "prompt_len", "token_ids", "expert_ids", "expert_weights"}
     if meta.has_router_probs:
         needed.add("router_probs")
+    if meta.has_sources:
+        needed.add("source")
     missing = needed - set(ds.column_names)
     if missing:
         raise TraceFormatError(f"shard {shard.name} of {shard.parent} lacks columns {sorted(missing)}")
@@ -470,6 +483,8 @@ def _decode_shard(ds, meta: TraceMeta) -> Iterator[TraceSequence]:
     cols = ["seq_id", "prompt_len", "token_ids", "expert_ids", "expert_weights"]
     if meta.has_router_probs:
         cols.append("router_probs")
+    if meta.has_sources:
+        cols.append("source")
     ds = ds.select_columns(cols).with_format("numpy")
     step = 256
     for start in range(0, len(ds), step):
@@ -482,6 +497,7 @@ def _decode_shard(ds, meta: TraceMeta) -> Iterator[TraceSequence]:
                 expert_ids=_as3d(b["expert_ids"][i], np.int16),
                 expert_weights=_as3d(b["expert_weights"][i], np.float16),
                 router_probs=_as3d(b["router_probs"][i], np.float16) if meta.has_router_probs else None,
+                source=str(b["source"][i]) if meta.has_sources else None,
             )
 
 

@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 from expertcast.data.trace_format import TraceMeta, TraceSequence
+from expertcast.data.trace_split import split_by_hash
 from expertcast.models.forecaster import ExpertForecaster
 from expertcast.models.forecaster_recall import RecallTable, evaluate, fit_baselines
-from expertcast.train.forecaster_data import split_sequences, training_subset
+from expertcast.train.forecaster_data import training_subset
 from expertcast.utils.provenance import check_overlap
 
 DATA_SIZES: tuple[int | None, ...] = (10, 50, None)
@@ -50,9 +51,9 @@ class ProtocolRow:
 
 def in_domain_split(seqs: Sequence[TraceSequence], eval_fraction: float = 0.25, seed: int = 0
                     ) -> tuple[list[TraceSequence], list[TraceSequence]]:
-    """(fit, evaluated) of one trace set, split by a hash of the sequence id (stable under --limit)."""
-    parts = split_sequences(seqs, seed=seed, val_fraction=eval_fraction)
-    return parts["train"], parts["val"]
+    """(fit, evaluated) of one trace set, split by a hash of the sequence id (stable under --limit;
+    :func:`expertcast.data.trace_split.split_by_hash`)."""
+    return split_by_hash(seqs, eval_fraction, seed)
 
 
 def protocol_rows(name: str, fit: Sequence[TraceSequence], evaluated: Sequence[TraceSequence],

@@ -1,0 +1,116 @@
+"""llama.cpp ``moe-trace`` CSV (``examples/moe-trace``, llama.cpp#28544: the scheduler eval callback reads every
+``ffn_moe_topk-<layer>`` tensor of a prompt evaluation and a greedy continuation).
+
+Two headers are accepted, one file per sequence (the file name's stem is its id; a folder of ``*.csv`` files is one
+sequence per file):
+
+* ``layer,expert`` (the upstream example): one row per routed activation in callback order, i.e. per ubatch, per
+  MoE layer, the rows of its tokens in order, each token's K experts in rank order. The file names no token, so
+  ``--top-k K`` is required: each layer's rows are cut into tokens of K rows (every layer must have the same
+  number of rows, a multiple of K). The prompt/continuation boundary is not recorded: phase unknown.
+* ``phase,token,layer,rank,expert`` (the fork that adds token and phase indices): ``phase`` is ``prefill`` or
+  ``decode``, ``token`` the zero-based position, ``rank`` the expert's place in the top-K. Phase known.
+
+``layer`` is the model's layer index (dense layers have no rows): the distinct values map in order to the trace's
+MoE layers and are recorded as ``moe_layers``. E is not recorded: ``--num-experts``. Weights are not recorded: 1/K.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from expertcast.data.importers.common import (
+    Imported,
+    ImportOptions,
+    RowCollector,
+    check_ids,
+    csv_int,
+    csv_rows,
+    files_of,
+    need,
+    num_experts_of,
+)
+from expertcast.data.trace_format import TraceSequence
+from expertcast.data.trace_import import INT16_MAX, ImportFormatError
+
+NAME = "llamacpp"
+UPSTREAM = ("layer", "expert")
+INDEXED = ("phase", "token", "layer", "rank", "expert")
+
+
+def sniff_header(cells: tuple[str, ...]) -> bool:
+    return cells in (UPSTREAM, INDEXED)
+
+
+def read(path: Path, opts: ImportOptions) -> Imported:
+    E = num_experts_of(opts, NAME)
+    files = files_of(path, "csv")
+    with open(files[0], encoding="utf-8") as f:
+        head = tuple(c.strip() for c in f.readline().strip().split(","))
+    if head == UPSTREAM:
+        return _read_upstream(files, E, need(opts.top_k, "--top-k", f"{NAME} (layer,expert)",
+                                             "its rows name no token: give the experts per token"), opts)
+    return _read_indexed(files, E, opts)
+
+
+def _read_indexed(files: list[Path], E: int, opts: ImportOptions) -> Imported:
+    col = RowCollector(E)
+    for f in files:
+        groups: dict[tuple[int, int], dict[int, tuple[int, str, str]]] = {}
+        for ln, (phase, tok, layer, rank, expert) in csv_rows(f, INDEXED):
+            where = f"{f}:{ln}"
+            if phase not in ("prefill", "decode"):
+                raise ImportFormatError(f"{where}: phase must be 'prefill' or 'decode', got {phase!r}")
+            key = (csv_int(tok, "token", where), csv_int(layer, "layer", where, 0, INT16_MAX))
+            r = csv_int(rank, "rank", where, 0, INT16_MAX)
+            g = groups.setdefault(key, {})
+            if r in g:
+                raise ImportFormatError(f"{where}: duplicate rank {r} for token {key[0]} layer {key[1]}")
+            g[r] = (csv_int(expert, "expert", where, 0, INT16_MAX), phase, where)
+        for (t, layer), g in groups.items():
+            ranks = sorted(g)
+            first = g[ranks[0]][2]
+            if ranks != list(range(len(ranks))):
+                raise ImportFormatError(f"{first}: token {t} layer {layer} has ranks {ranks}, expected 0..K-1")
+            phases = {v[1] for v in g.values()}
+            if len(phases) != 1:
+                raise ImportFormatError(f"{first}: token {t} layer {layer} has phases {sorted(phases)}")
+            col.add(first, f.stem, t, layer, [g[r][0] for r in ranks], phase=phases.pop())
+    seqs, L, layers = col.build(str(files[0] if len(files) == 1 else files[0].parent))
+    return Imported(seqs, L, E, int(col.K or 0), phase_known=True, model_id=opts.model_id,
+                    moe_layers=None if layers == list(range(L)) else layers, records=col.records)
+
+
+def _read_upstream(files: list[Path], E: int, K: int, opts: ImportOptions) -> Imported:
+    seqs = []
+    layers_all: list[int] | None = None
+    rows = 0
+    for f in files:
+        per: dict[int, list[int]] = {}
+        first: dict[int, str] = {}
+        for ln, (layer, expert) in csv_rows(f, UPSTREAM):
+            where = f"{f}:{ln}"
+            li = csv_int(layer, "layer", where, 0, INT16_MAX)
+            per.setdefault(li, []).append(csv_int(expert, "expert", where, 0, INT16_MAX))
+            first.setdefault(li, where)
+            rows += 1
+        if not per:
+            raise ImportFormatError(f"{f} holds no rows")
+        layers = sorted(per)
+        if layers_all is not None and layers != layers_all:
+            raise ImportFormatError(f"{f}: MoE layers {layers}, {files[0]} has {layers_all}")
+        layers_all = layers
+        n = {li: len(v) for li, v in per.items()}
+        if len(set(n.values())) != 1:
+            raise ImportFormatError(f"{f}: layers have different numbers of rows ({n}): a layer's tokens are missing")
+        count = n[layers[0]]
+        if count % K:
+            raise ImportFormatError(f"{f}: {count} rows per layer is not a multiple of --top-k {K}")
+        ids = np.stack([np.asarray(per[li], dtype=np.int64).reshape(-1, K) for li in layers], axis=1)
+        check_ids(ids, E, f"{f}")
+        seqs.append(TraceSequence(f.stem, np.full(len(ids), -1, dtype=np.int32), 0, ids.astype(np.int16),
+                                  np.full(ids.shape, 1.0 / K, dtype=np.float16)))
+    L = len(layers_all or [])
+    return Imported(seqs, L, E, K, phase_known=False, model_id=opts.model_id,
+                    moe_layers=None if layers_all == list(range(L)) else layers_all, records=rows)
