@@ -99,13 +99,13 @@ def demand_probability(probs: np.ndarray, skip: np.ndarray | None = None) -> np.
 
 def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None, pool_of: np.ndarray,
                          victims: Sequence[np.ndarray], now: int, compute_ms: np.ndarray, transfer_ms: float,
-                         backlog_ms: float = 0.0, max_per_layer: int = 1) -> list[PrefetchTask]:
+                         backlog: int = 0, max_per_layer: int = 1) -> list[PrefetchTask]:
     """The proactive loads worth issuing now: expected hit gain against the link's headroom per layer
     (docs/design.md, "Prefetch").
 
     The link is idle during each layer-execution's compute (its demand loads run before it, in the stall), so
-    layer-execution ``x`` offers ``compute_ms[x % L]`` of free link time; ``backlog_ms`` (transfers already queued)
-    takes the first of it. Candidates (the ``max_per_layer`` likeliest experts of each layer holding no slot), in
+    layer-execution ``x`` offers ``compute_ms[x % L]`` of free link time; the ``backlog`` transfers already queued
+    take the first of it. Candidates (the ``max_per_layer`` likeliest experts of each layer holding no slot), in
     deadline order, then most likely first, are placed one after another on the link (one transfer takes
     ``transfer_ms``). A transfer's part inside the free windows costs nothing; a part that reaches the start of
     execution ``x`` delays that layer's demand loads (probability ``rho_x``, :func:`demand_probability`) by as much:
@@ -124,7 +124,7 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
             eviction order (free slots first, as zeros); a pool runs out after n loads.
         now: the layer-execution that starts next (its compute window is the first).
         compute_ms: float [L] compute time of each layer; transfer_ms: one transfer's time.
-        backlog_ms: link time of transfers already queued or in flight.
+        backlog: transfers already queued or in flight (placed first, their delays sunk).
     Returns:
         the tasks in issue (EDF) order; ``confidence`` = gain - cost in ms.
     """
@@ -138,21 +138,22 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
     top = np.argsort(-q, axis=1, kind="stable")[:, :k]
     taken = [0] * len(victims)
     x, used = int(now), 0.0
+    last = int(deadlines.max()) if L else int(now)
 
-    def place(x: int, used: float, dur: float, sunk: bool = False) -> tuple[int, float, float]:
+    def place(x: int, used: float, dur: float) -> tuple[int, float, float]:
+        """Where a transfer of ``dur`` ms put on the link at (execution ``x``, ``used`` ms of its window) ends, and
+        its expected delay of demand loads (past the last deadline nothing is planned: the walk stops there)."""
         cost = 0.0
-        while dur > comp[x % L] - used + 1e-12:
+        while dur > comp[x % L] - used + 1e-12 and x <= last:
             dur -= max(comp[x % L] - used, 0.0)
             x, used = x + 1, 0.0
             r = rho[x % L]
             cost += r * dur
             dur *= 1.0 - r
-            if sunk and dur <= 1e-12:
-                break
         return x, used + dur, cost
 
-    if backlog_ms > 0:
-        x, used, _ = place(x, used, backlog_ms, sunk=True)
+    for _ in range(int(backlog)):
+        x, used, _ = place(x, used, transfer_ms)
     out: list[PrefetchTask] = []
     for layer in np.argsort(deadlines, kind="stable").tolist():
         d = int(deadlines[layer])

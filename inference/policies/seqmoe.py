@@ -677,7 +677,7 @@ class SeqMoEPolicy(Policy):
                 v = self.first_probs[cl[order], ce[order]]
             victims.append(np.concatenate([np.zeros(cache.free_count(pool)), v]))
         tms = self.transfer_ms()
-        backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight) * tms
+        backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight)
         return plan_within_headroom(self.first_probs, self.first_exec, skip, pool_of, victims,
                                     int(self.first_exec.min()), np.full(self.L, self.layer_compute_ms), tms,
                                     backlog, self.max_tasks)
