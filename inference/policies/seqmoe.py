@@ -14,7 +14,9 @@ elements. Then:
   :class:`~expertcast.inference.policies.prefetch.PrefetchScheduler` keeps the highest-confidence EDF-feasible
   set under the EMA transfer-time estimate and starts transfers in EDF order at every layer boundary;
   expired tasks are dropped. A task is issued only when a slot is free or its cache score beats the
-  resident it would evict.
+  resident it would evict. ``"headroom"`` (the default from 64 experts per layer, ``prefetch_rule="auto"``): expected
+  hit gain against the link's free time per layer, no floor (:func:`~expertcast.inference.policies.prefetch.
+  plan_within_headroom`, docs/design.md "Prefetch"); its plan is issued at the trigger.
 * Eviction (7.1): CacheScore(e) = sum_{j=1..c} gamma^(j-1) P(e active at its j-th next execution);
   the lowest-score Used slot is evicted (ties: least recently used). Executions that already happened
   since the forecast are skipped, so the nearest remaining one weighs 1.
