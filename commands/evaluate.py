@@ -58,7 +58,7 @@ from expertcast.utils.errors import ResumeMismatchError, UsageError
 PROG = "expertcast eval"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUMMARY_COLUMNS = ["samples", "accuracy", "hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s",
-                   "stall_ms_per_token", "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline"]
+                   "stall_ms_per_token", "proactive_per_token", "prefetch_precision", "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline"]
 BASELINES = ("auto", "full-load", "host", "none")
 SPEED = "speed.json"
 SAMPLES = "samples.jsonl"
@@ -577,12 +577,14 @@ def _batches(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Accuracy over samples; cache and speed metrics over the raw counters of their batches."""
-    from expertcast.inference.cache.counters import adj_hit_rate, hit_rate, mb_per_token
+    from expertcast.inference.cache.counters import adj_hit_rate, hit_rate, mb_per_token, prefetch_precision
 
     b = list(_batches(rows).values())
     A = sum(x["accesses"] for x in b)
     D = sum(x["demand_misses"] for x in b)
     P = sum(x["proactive_loads"] for x in b)
+    # batches recorded before the counter existed leave the precision unknown
+    U = sum(x["prefetches_used"] for x in b) if all("prefetches_used" in x for x in b) else None
     tok = sum(x["decoded_tokens"] for x in b)
     dec_s = sum(x["decode_seconds"] for x in b)
     eb = b[0]["expert_bytes"] if b else 0
@@ -604,6 +606,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "accesses": A,
         "demand_misses": D,
         "proactive_loads": P,
+        "proactive_per_token": P / max(tok, 1),
+        "prefetches_used": U,
+        "prefetch_precision": prefetch_precision(U, P) if U is not None else float("nan"),
         "late_prefetches": sum(x["late_prefetches"] for x in b),
         "cpu_exec": sum(x["cpu_exec"] for x in b),
         "per_layer_hit": [float(1 - d / a) if a else float("nan") for a, d in zip(per_acc, per_dem, strict=True)],

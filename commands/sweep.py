@@ -159,8 +159,8 @@ def _log_wandb(args: argparse.Namespace, table: list[dict[str, Any]], png: Any, 
 # -- cell folders, the table and its plot ----------------------------------------------------------
 CELLS = "cells"
 TABLE_COLUMNS = ["benchmark", "policy", "capacity", "samples", "accuracy", "hit", "adj_hit", "mb_per_token",
-                 "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "baseline", "cpu_exec",
-                 "stall_ms_per_token"]
+                 "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "baseline", "proactive_per_token",
+                 "prefetch_precision", "late_prefetches", "cpu_exec", "stall_ms_per_token"]
 SERIES_METRICS = ("accuracy", "hit", "adj_hit", "mb_per_token", "tokens_per_s", "pct_full", "stall_ms_per_token")
 """Table columns logged to W&B as per-capacity series (``--wandb``)."""
 

@@ -360,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                         "paired_full_tokens_per_s": pair.tokens_per_s, "hit": st.hit, "adj_hit": st.adj_hit,
                         "mb_per_token": st.mb_per_token, "stall_ms_per_token": m["stall_ms_per_token"],
                         "cpu_exec": m["cpu_exec"], "late": m["late_prefetches"], "repeat": g,
+                        "proactive_per_token": m["proactive_per_token"], "prefetch_precision": m["prefetch_precision"],
                         "decode_path": om.decode_path,
                     })
                     print(f"  [{g + 1}/{args.grid_repeats}] ratio={ratio} residency={res:.2f} {name:>7}: {rows[-1]['pct_full']:5.1f}% of full-load "
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     report(rows, title="(b) % of full-load tokens/s (decode, same routing, same run)",
            json_path=out / "residency.json", csv_path=out / "residency.csv",
            columns=["policy", "residency", "link_ratio", "tokens_per_s", "pct_full", "hit", "adj_hit", "mb_per_token",
-                    "stall_ms_per_token", "cpu_exec"])
+                    "proactive_per_token", "prefetch_precision", "late", "stall_ms_per_token", "cpu_exec"])
     if mem_rows:
         atomic_write_json(out / "memory.json", {"all_resident": mem_all.to_dict(), "lru_max_residency": mem_rows[0]})
         mr = mem_rows[0]

@@ -5,8 +5,8 @@
 expert size and the decoded tokens the per-token metrics need. The simulator's
 :class:`~expertcast.inference.sim.simulator.ReplayResult` and the runtime's
 :class:`~expertcast.inference.runtime.stats.RuntimeStats` are Counters with their own timing fields, so
-both compute Hit, AdjHit and MB per token here. A = accesses, D = demand misses (incl. temporary
-loads), P = proactive loads.
+both compute Hit, AdjHit, MB per token and the prefetch ratios here. A = accesses, D = demand misses (incl.
+temporary loads), P = proactive loads, U = proactive loads used before eviction (``prefetch_used``, a subset of P).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-COUNTER_NAMES = ("accesses", "hits", "late", "demand", "temp", "cpu", "proactive", "dropped")
-"""The per-layer counters, in the driver's order."""
+COUNTER_NAMES = ("accesses", "hits", "late", "demand", "temp", "cpu", "proactive", "dropped", "prefetch_used")
+"""The per-layer counters, in the driver's order. ``prefetch_used``: proactive loads of counted steps that an access
+used (on time, or late) before they were evicted, on the layer of the load."""
 
 
 def hit_rate(A: int, D: int) -> float:
@@ -29,6 +30,11 @@ def hit_rate(A: int, D: int) -> float:
 def adj_hit_rate(A: int, D: int, P: int) -> float:
     """AdjHit = (A − D)/(A + P) (NaN without accesses)."""
     return (A - D) / (A + P) if A else float("nan")
+
+
+def prefetch_precision(U: int, P: int) -> float:
+    """Precision = U/P: proactive loads used before eviction per proactive load (NaN without proactive loads)."""
+    return U / P if P else float("nan")
 
 
 def mb_per_token(D: int, P: int, expert_bytes: int, decoded_tokens: int) -> float:
@@ -51,6 +57,7 @@ class Counters:
     cpu: np.ndarray = None  # type: ignore[assignment]
     proactive: np.ndarray = None  # type: ignore[assignment]
     dropped: np.ndarray = None  # type: ignore[assignment]
+    prefetch_used: np.ndarray = None  # type: ignore[assignment]
     decoded_tokens: int = 0
     decode_steps: int = 0
 
@@ -76,6 +83,10 @@ class Counters:
         return int(self.proactive.sum())
 
     @property
+    def U(self) -> int:
+        return int(self.prefetch_used.sum())
+
+    @property
     def hit(self) -> float:
         """Hit = 1 − D/A."""
         return hit_rate(self.A, self.D)
@@ -89,6 +100,16 @@ class Counters:
     def resident_hit(self) -> float:
         """Resident hits / A (late prefetches and CPU-executed accesses are not resident hits)."""
         return int(self.hits.sum()) / self.A if self.A else float("nan")
+
+    @property
+    def proactive_per_token(self) -> float:
+        """P per decoded token."""
+        return self.P / max(self.decoded_tokens, 1)
+
+    @property
+    def prefetch_precision(self) -> float:
+        """U/P: the share of proactive loads an access used before they were evicted (NaN without any)."""
+        return prefetch_precision(self.U, self.P)
 
     @property
     def mb_per_token(self) -> float:
@@ -114,6 +135,9 @@ class Counters:
             "demand_misses": self.D,
             "temp_loads": int(self.temp.sum()),
             "proactive_loads": self.P,
+            "proactive_per_token": self.proactive_per_token,
+            "prefetches_used": self.U,
+            "prefetch_precision": self.prefetch_precision,
             "dropped_prefetches": int(self.dropped.sum()),
             "cpu_exec": int(self.cpu.sum()),
             "hit": self.hit,

@@ -30,7 +30,8 @@ Hook order (what :class:`Driver` calls; the numbers are the order within a layer
         4. serve the selection (the union of the active members' top-K in first-appearance order,
            with the tokens routed to each), expert by expert in that order:
            resident (Used/Compute) -> hit; Fetch -> late prefetch (transport.late, slot -> Compute);
-           the proactive flag of the slot is cleared. Then the non-resident ones, in that order:
+           the proactive flag of the slot is cleared (its first use: prefetch_used += 1 when the load
+           was issued on a counted step). Then the non-resident ones, in that order:
            action = policy.on_miss(t, l, e, n_tokens, cache):
              LOAD: acquire_slot (an Empty slot of the pool, else policy.choose_victim among the
                    evictable residents, the selection protected; policy.on_evict) -> slot Compute,
@@ -53,7 +54,7 @@ Hook order (what :class:`Driver` calls; the numbers are the order within a layer
         (this step if it has not run yet, else the next step); counted steps: proactive += 1.
 
 Counters are the per-layer int64 [L] arrays ``accesses, hits, late, demand, temp, cpu, proactive,
-dropped`` of a :class:`~expertcast.inference.cache.counters.Counters` (the runtime passes its stats), incremented on counted
+dropped, prefetch_used`` of a :class:`~expertcast.inference.cache.counters.Counters` (the runtime passes its stats), incremented on counted
 steps only (decode steps; a caller may say otherwise per step, e.g. a stream whose ``step_counted``
 was edited). Step 0 happens only for policies that override ``observe_routing``
 (:attr:`Driver.wants_routing`), and only when the caller passes the per-member routing (the
@@ -295,6 +296,8 @@ class Driver:
         self.info: StepInfo | None = None
         self.counted = False
         """The current step's accesses are counted (decode steps)."""
+        self._pf_counted = np.zeros(cache.num_slots, np.bool_)
+        """Per slot: its proactive load was issued on a counted step (its first use counts as ``prefetch_used``)."""
 
     # -- run / batch / step ------------------------------------------------------------------------
     def reset(self, future: Any = None) -> None:
@@ -311,6 +314,7 @@ class Driver:
         self.t = -1
         self.schedule = self.info = None
         self.counted = False
+        self._pf_counted[:] = False
         self.landings = []
 
     def begin_batch(self, members: Sequence[Any], schedule: BatchSchedule) -> None:
@@ -365,6 +369,8 @@ class Driver:
                     c.late[layer] += 1
             elif counted:
                 c.hits[layer] += 1
+            if cache.proactive[s] and self._pf_counted[s]:  # first use of a counted proactive load
+                c.prefetch_used[layer] += 1
             cache.proactive[s] = False
             plan[e] = (SLOT, s)
         if missing:
@@ -443,6 +449,7 @@ class Driver:
                     self.counters.dropped[pl] += 1
                 continue
             cache.assign(slot, pl, pe, FETCH, proactive=True)
+            self._pf_counted[slot] = counted
             policy.on_insert(pl, pe, True)
             later = pl > cur_layer or (pl == cur_layer and not after)
             self.transport.prefetch(slot, pl, pe, t, (t if later else t + 1) * L + pl)

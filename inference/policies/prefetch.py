@@ -88,6 +88,92 @@ def chance_level(num_experts: int, top_k: int) -> float:
     return float(top_k) / float(num_experts)
 
 
+def demand_probability(probs: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
+    """float [L]: P(a layer's next execution has at least one demand miss) = 1 - prod_e (1 - P(l, e)) over the
+    experts holding no slot (``skip`` False), treating the experts as independent."""
+    p = np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)
+    if skip is not None:
+        p = np.where(skip, 0.0, p)
+    return 1.0 - np.prod(1.0 - p, axis=1)
+
+
+def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None, pool_of: np.ndarray,
+                         victims: Sequence[np.ndarray], now: int, compute_ms: np.ndarray, transfer_ms: float,
+                         backlog: int = 0, max_per_layer: int = 1) -> list[PrefetchTask]:
+    """The proactive loads worth issuing now: expected hit gain against the link's headroom per layer
+    (docs/design.md, "Prefetch").
+
+    The link is idle during each layer-execution's compute (its demand loads run before it, in the stall), so
+    layer-execution ``x`` offers ``compute_ms[x % L]`` of free link time; the ``backlog`` transfers already queued
+    take the first of it. Candidates (the ``max_per_layer`` likeliest experts of each layer holding no slot), in
+    deadline order, then most likely first, are placed one after another on the link (one transfer takes
+    ``transfer_ms``). A transfer's part inside the free windows costs nothing; a part that reaches the start of
+    execution ``x`` delays that layer's demand loads (probability ``rho_x``, :func:`demand_probability`) by as much:
+    cost ``rho_x * remainder``, the rest, ``(1 - rho_x) * remainder``, taking the start of ``x``'s window. A load
+    is issued when it lands before its deadline's execution starts and its gain ``(q - v) * transfer_ms`` exceeds
+    its cost: ``q`` = P(needed at its deadline) (a loaded expert is not evicted before that), ``v`` = P(the resident
+    it displaces is needed at its own next execution) (0 with a free slot), a needed expert sparing one exposed
+    demand transfer. With no free window left every load costs ``rho * transfer_ms >= gain`` on a layer that
+    surely misses: none is issued on a saturated link.
+
+    Args:
+        probs: float [L, E] P(active) at each layer's next execution.
+        deadlines: int [L] layer-execution index of each layer's next execution (>= ``now``).
+        skip: bool [L, E] experts holding a slot (resident or in flight); None: none.
+        pool_of: int [L] the pool of each layer; victims: per pool, float [n] the ``v`` of the loads into it in
+            eviction order (free slots first, as zeros); a pool runs out after n loads.
+        now: the layer-execution that starts next (its compute window is the first).
+        compute_ms: float [L] compute time of each layer; transfer_ms: one transfer's time.
+        backlog: transfers already queued or in flight (placed first, their delays sunk).
+    Returns:
+        the tasks in issue (EDF) order; ``confidence`` = gain - cost in ms.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    L, E = probs.shape
+    deadlines = np.asarray(deadlines, dtype=np.int64)
+    comp = np.asarray(compute_ms, dtype=np.float64)
+    q = probs if skip is None else np.where(skip, -1.0, probs)
+    rho = demand_probability(probs, skip)
+    k = min(max_per_layer, E)
+    top = np.argsort(-q, axis=1, kind="stable")[:, :k]
+    taken = [0] * len(victims)
+    x, used = int(now), 0.0
+    last = int(deadlines.max()) if L else int(now)
+
+    def place(x: int, used: float, dur: float) -> tuple[int, float, float]:
+        """Where a transfer of ``dur`` ms put on the link at (execution ``x``, ``used`` ms of its window) ends, and
+        its expected delay of demand loads (past the last deadline nothing is planned: the walk stops there)."""
+        cost = 0.0
+        while dur > comp[x % L] - used + 1e-12 and x <= last:
+            dur -= max(comp[x % L] - used, 0.0)
+            x, used = x + 1, 0.0
+            r = rho[x % L]
+            cost += r * dur
+            dur *= 1.0 - r
+        return x, used + dur, cost
+
+    for _ in range(int(backlog)):
+        x, used, _ = place(x, used, transfer_ms)
+    out: list[PrefetchTask] = []
+    for layer in np.argsort(deadlines, kind="stable").tolist():
+        d = int(deadlines[layer])
+        vic = victims[int(pool_of[layer])]
+        for e in top[layer].tolist():
+            qe = float(q[layer, e])
+            if qe <= 0.0 or taken[pool_of[layer]] >= len(vic):
+                break
+            gain = (qe - float(vic[taken[pool_of[layer]]])) * transfer_ms
+            if gain <= 0.0:
+                break
+            nx, nused, cost = place(x, used, transfer_ms)
+            if nx >= d or gain <= cost:
+                continue
+            x, used = nx, nused
+            taken[pool_of[layer]] += 1
+            out.append(PrefetchTask(layer, int(e), gain - cost, float(d)))
+    return out
+
+
 def edf_feasible(deadlines: Sequence[float], now: float, tau: float, backlog: float = 0.0) -> bool:
     """Whether unit transfers of ``tau`` each, started after ``backlog`` transfers already queued, all land by their
     deadlines when served in EDF order starting at ``now``."""

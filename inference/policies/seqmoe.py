@@ -14,7 +14,9 @@ elements. Then:
   :class:`~expertcast.inference.policies.prefetch.PrefetchScheduler` keeps the highest-confidence EDF-feasible
   set under the EMA transfer-time estimate and starts transfers in EDF order at every layer boundary;
   expired tasks are dropped. A task is issued only when a slot is free or its cache score beats the
-  resident it would evict.
+  resident it would evict. ``"headroom"`` (the default from 64 experts per layer, ``prefetch_rule="auto"``): expected
+  hit gain against the link's free time per layer, no floor (:func:`~expertcast.inference.policies.prefetch.
+  plan_within_headroom`, docs/design.md "Prefetch"); its plan is issued at the trigger.
 * Eviction (7.1): CacheScore(e) = sum_{j=1..c} gamma^(j-1) P(e active at its j-th next execution);
   the lowest-score Used slot is evicted (ties: least recently used). Executions that already happened
   since the forecast are skipped, so the nearest remaining one weighs 1.
@@ -52,6 +54,7 @@ from expertcast.inference.policies.prefetch import (
     chance_level,
     expected_benefit,
     generate_tasks,
+    plan_within_headroom,
 )
 from expertcast.models.forecaster import (
     ExpertForecaster,
@@ -67,8 +70,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
 
 
-PREFETCH_RULES = ("benefit", "floor")
-"""How prefetch tasks are chosen: expected benefit over the displaced resident, or probability above a floor."""
+PREFETCH_RULES = ("headroom", "benefit", "floor")
+"""How prefetch tasks are chosen: expected hit gain against the link's headroom, expected benefit over the displaced
+resident, or probability above a floor."""
+WIDE_EXPERTS = 64
+"""``prefetch_rule=auto`` picks ``headroom`` from this many experts per layer on, ``floor`` below."""
 _DEVICE_HOOKS = ("begin_batch", "on_step", "before_layer", "on_miss", "choose_victim", "on_access", "after_layer",
                  "on_insert", "on_evict", "_scores", "_load_scores", "_trigger", "_forecast")
 """The hooks :meth:`SeqMoEPolicy.device_program` reproduces on the device."""
@@ -89,6 +95,8 @@ class ForecastOptions(PolicyOptions):
                                            "link and compute settings)", low=0.0, low_open=True)
     bandwidth_gbps: float = option(25.0, "host-device link GB/s used for the transfer-time estimate", low=0.0,
                                    low_open=True)
+    link_bytes_per_s: float | None = option(None, "measured link rate in bytes/s (overrides bandwidth_gbps)",
+                                            low=0.0, low_open=True)
     layer_compute_ms: float = option(0.15, "per-layer compute ms used for the transfer-time estimate", low=0.0,
                                      low_open=True)
     ema_alpha: float = option(0.2, "weight of the newest element in the recency average", low=0.0, high=1.0)
@@ -276,9 +284,11 @@ class SeqMoEPolicy(Policy):
         """SeqMoE: forecaster-driven prefetch and probabilistic-Belady eviction."""
 
         precompute: bool = option(True, "compute every forecast of a sequence up front (same results, faster)")
-        prefetch_rule: str = option("floor", "rank prefetches by probability above min_confidence, or by expected "
-                                    "benefit over the displaced resident (floor capped at chance K/E)",
-                                    choices=("floor", "benefit"))
+        prefetch_rule: str = option("auto", "headroom: expected hit gain against the link's free time per layer "
+                                    "(no floor); floor: probability above min_confidence; benefit: expected benefit "
+                                    "over the displaced resident (floor capped at chance K/E); auto: headroom from "
+                                    f"{WIDE_EXPERTS} experts per layer on, else floor",
+                                    choices=("auto", "headroom", "floor", "benefit"))
 
     name = "seqmoe"
 
@@ -293,10 +303,14 @@ class SeqMoEPolicy(Policy):
         self.max_tasks = int(o.max_tasks_per_layer or self.fc.top_k)
         self.min_confidence = float(o.min_confidence)
         # seqmoe-async's options have neither field: it ranks by the floor rule and forecasts online
-        self.prefetch_rule = getattr(o, "prefetch_rule", "floor")
+        self.rule_option = getattr(o, "prefetch_rule", "floor")
+        self.prefetch_rule = self.rule_option
+        """The rule in use (``auto`` resolved at :meth:`reset` from the cache's experts per layer)."""
         self.lookahead = float(o.lookahead)
         self.transfer_layers = o.transfer_layers
         self.bandwidth_gbps = float(o.bandwidth_gbps)
+        self.link_bytes_per_s = float(o.link_bytes_per_s) if getattr(o, "link_bytes_per_s", None) else \
+            self.bandwidth_gbps * 1e9
         self.layer_compute_ms = float(o.layer_compute_ms)
         self.ema_alpha = float(o.ema_alpha)
         self.precompute = bool(getattr(o, "precompute", False))
@@ -331,12 +345,16 @@ class SeqMoEPolicy(Policy):
         self.first_exec = np.full(L, -1, np.int64)
         self.first_probs = np.zeros((L, E))
         self.has_forecast = False
+        self.prefetch_rule = self.rule_option
+        if self.rule_option == "auto":
+            self.prefetch_rule = "headroom" if E >= WIDE_EXPERTS else "floor"
         tau = self.transfer_layers
         if tau is None:
-            ms = (config.expert_bytes or 1) / (self.bandwidth_gbps * 1e9) * 1e3
+            ms = (config.expert_bytes or 1) / self.link_bytes_per_s * 1e3
             tau = max(ms / max(self.layer_compute_ms, 1e-9), 1e-6)
         self.scheduler = PrefetchScheduler(TransferEstimator(float(tau), self.ema_alpha), self.lookahead)
         self._inflight: set[tuple[int, int]] = set()
+        self._planned: list[tuple[int, int]] = []
         self._prior: set[tuple[int, int]] = set()
         self._prior_x = -1
         self._now = (0, 0, 0)
@@ -607,7 +625,11 @@ class SeqMoEPolicy(Policy):
             return
         tasks = self._generate(cache, rule)
         self.scheduler.clear()
-        self.scheduler.submit(tasks)
+        self._planned = []
+        if (rule or self.prefetch_rule) == "headroom":  # placed on the link already: issued as planned
+            self._planned = [t.key for t in tasks]
+        else:
+            self.scheduler.submit(tasks)
         self.stats["tasks"] += len(tasks)
 
     def issue_after(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
@@ -629,12 +651,38 @@ class SeqMoEPolicy(Policy):
         :attr:`prefetch_rule`)."""
         rule = rule or self.prefetch_rule
         skip = self._in_cache_mask(cache)
+        if rule == "headroom":
+            return self._plan_headroom(cache, skip)
         deadlines = self.first_exec.astype(np.float64)
         if rule == "floor":
             return generate_tasks(self.first_probs, deadlines, skip, self.max_tasks, self.min_confidence)
         floor = min(self.min_confidence, chance_level(self.E, self.K))
         value = expected_benefit(self._load_scores(), self._displaced(cache))
         return generate_tasks(self.first_probs, deadlines, skip, self.max_tasks, floor, value=value)
+
+    def transfer_ms(self) -> float:
+        """One transfer's time in ms: the scheduler's estimate (layer-executions, seeded from the link rate and
+        updated from observed landings) times the per-layer compute time."""
+        return self.scheduler.estimator.tau * self.layer_compute_ms
+
+    def _plan_headroom(self, cache: ExpertCache, skip: np.ndarray) -> list:
+        """``prefetch_rule=headroom``: :func:`~expertcast.inference.policies.prefetch.plan_within_headroom` over the
+        newest forecast, victims in this policy's eviction order, the link's backlog = our transfers in flight."""
+        victims = []
+        pool_of = cache.config.pool_of_layer.astype(np.int64)
+        for pool in range(len(cache.config.pool_capacities)):
+            cands = cache.eviction_candidates(pool)
+            v = np.zeros(0)
+            if len(cands):
+                cl, ce = cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)
+                order = np.lexsort((self.last_use[cl, ce], self._scores(cl, ce)))
+                v = self.first_probs[cl[order], ce[order]]
+            victims.append(np.concatenate([np.zeros(cache.free_count(pool)), v]))
+        tms = self.transfer_ms()
+        backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight)
+        return plan_within_headroom(self.first_probs, self.first_exec, skip, pool_of, victims,
+                                    int(self.first_exec.min()), np.full(self.L, self.layer_compute_ms), tms,
+                                    backlog, self.max_tasks)
 
     def _displaced(self, cache: ExpertCache) -> np.ndarray:
         """float [L]: the score of the resident a load into each layer's pool would evict now (0 with a free slot)."""
@@ -666,6 +714,10 @@ class SeqMoEPolicy(Policy):
         self._prior_x = x
 
     def _issue(self, now: float, cache: ExpertCache) -> list[tuple[int, int]]:
+        if self._planned:  # the headroom rule's plan, issued at once in its (EDF) order
+            out, self._planned = self._planned, []
+            self.stats["issued"] += len(out)
+            return out
         sch = self.scheduler
         if not sch.tasks:
             return []

@@ -87,7 +87,7 @@ def run_batch(om: Any, tok: Any, batch: list[Any], *, benchmark: str, templated:
 def _counters(om: Any) -> dict[str, Any]:
     st = om.stats
     return {"accesses": st.accesses.copy(), "demand": st.demand.copy(), "proactive": st.proactive.copy(),
-            "late": st.late.copy(), "cpu": st.cpu.copy(), "decoded_tokens": st.decoded_tokens,
+            "prefetch_used": st.prefetch_used.copy(), "late": st.late.copy(), "cpu": st.cpu.copy(), "decoded_tokens": st.decoded_tokens,
             "decode_seconds": st.decode_seconds, "stall_seconds": st.stall_seconds}
 
 
@@ -102,6 +102,7 @@ def batch_stats(om: Any, before: dict[str, Any], res: Any, wall: float) -> dict[
     A, D, P = int(acc.sum()), int(dem.sum()), int(pro.sum())
     return {
         "accesses": A, "demand_misses": D, "proactive_loads": P,
+        "prefetches_used": int((st.prefetch_used - before["prefetch_used"]).sum()),
         "late_prefetches": int((st.late - before["late"]).sum()), "cpu_exec": int((st.cpu - before["cpu"]).sum()),
         "hit": hit_rate(A, D) if A else None, "adj_hit": adj_hit_rate(A, D, P) if A else None,
         "decoded_tokens": tok, "decode_seconds": dec_s, "tokens_per_s": tok / dec_s if dec_s > 0 else None,

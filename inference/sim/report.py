@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 TABLE_COLUMNS = ["policy", "pool", "capacity", "slots", "hit", "adj_hit", "mb_per_token", "belady_fraction",
-                 "demand_misses", "proactive_loads", "late_prefetches", "cpu_exec", "stall_ms_per_token",
-                 "pct_full_speed"]
+                 "demand_misses", "proactive_per_token", "prefetch_precision", "late_prefetches", "cpu_exec",
+                 "stall_ms_per_token", "pct_full_speed"]
 """Columns of the terminal table (every record field goes to the JSON and CSV)."""
 
 

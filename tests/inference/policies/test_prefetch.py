@@ -1,4 +1,5 @@
-"""Prefetch scheduling: EDF feasibility, optimality of the matroid greedy, expiry, EMA transfer estimate."""
+"""Prefetch scheduling: EDF feasibility, optimality of the matroid greedy, expiry, EMA transfer estimate, the
+headroom rule (hand-worked counts)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
     PrefetchTask,
     TransferEstimator,
+    demand_probability,
     edf_feasible,
     generate_tasks,
+    plan_within_headroom,
     select_feasible,
 )
 
@@ -84,3 +87,45 @@ def test_ema_tracks_link_rate():
     assert est.tau > 0.25
     with pytest.raises(ValueError):
         TransferEstimator(tau=0)
+
+
+# ---------------------------------------------------------------------------------------------- headroom rule
+# L=3, E=4; the next execution to start is x=1 (layer 1), so the deadlines are layer 1 -> 1, layer 2 -> 2,
+# layer 0 -> 3. Every layer computes 1 ms (the link's free window), a transfer takes 0.4 ms, slots are free.
+_Q = np.array([[0.9, 0.7, 0.2, 0.1],
+               [0.8, 0.6, 0.1, 0.0],
+               [0.5, 0.4, 0.3, 0.0]])
+_DL = np.array([3, 1, 2])
+
+
+def _plan(backlog=0, victims=None, compute=1.0, transfer=0.4):
+    vic = victims if victims is not None else [np.zeros(2)] * 3
+    return plan_within_headroom(_Q, _DL, None, np.arange(3), vic, now=1, compute_ms=np.full(3, compute),
+                                transfer_ms=transfer, backlog=backlog, max_per_layer=2)
+
+
+def test_demand_probability_is_one_minus_all_hit():
+    rho = demand_probability(_Q, np.array([[True, False, False, False]] * 3))
+    assert rho == pytest.approx([1 - 0.3 * 0.8 * 0.9, 1 - 0.4 * 0.9, 1 - 0.6 * 0.7])
+
+
+def test_headroom_rule_fills_the_free_windows_and_prices_the_spill():
+    tasks = _plan()
+    # layer 1 (deadline 1) starts now: nothing can land before it. Layer 2's two loads fit window 1 (0.8 of 1 ms):
+    # free, gain q * 0.4. Layer 0's first load spills 0.2 ms into the start of x=2, delaying its demand loads with
+    # rho_2 = 1 - 0.5*0.6*0.7 = 0.79: cost 0.158 < gain 0.36; the second fits window 2: free.
+    assert [(t.layer, t.expert, t.deadline) for t in tasks] == [(2, 0, 2), (2, 1, 2), (0, 0, 3), (0, 1, 3)]
+    assert [t.confidence for t in tasks] == pytest.approx([0.2, 0.16, 0.36 - 0.79 * 0.2, 0.28])
+
+
+def test_headroom_rule_issues_nothing_on_a_saturated_link():
+    assert _plan(backlog=8) == []  # 8 queued transfers keep the link busy into x=3: no window before any deadline
+    assert _plan(compute=0.0) == []  # no free window at all: every load delays a likely demand load by more than its gain
+    assert len(_plan(backlog=2)) == 2  # window 1 is taken: layer 2 (deadline 2) gets nothing, layer 0 two loads
+
+
+def test_headroom_rule_weighs_the_displaced_resident():
+    likely = [np.array([0.95, 0.95])] * 3  # full pools of residents more likely needed than any load
+    assert _plan(victims=likely) == []
+    one_free = [np.array([0.0])] * 3  # one free slot per layer, then nothing to evict
+    assert [(t.layer, t.expert) for t in _plan(victims=one_free)] == [(2, 0), (0, 0)]

@@ -140,3 +140,32 @@ def test_eviction_only_is_demand_only():
     rec = simulate((proc.meta(), seqs[:3]), [pol], [0.3], pool="shared", belady_fraction=False, progress=False)[0]
     assert rec["proactive_loads"] == 0 and rec["demand_misses"] > 0
     assert SlotState.FETCH == 2
+
+
+def _headroom_policy(E: int, **kw) -> tuple[SeqMoEPolicy, ExpertCache]:
+    """seqmoe with default options on L=2 (trigger layer 0), K=2, 4 free slots per layer, 1 MB experts, holding a
+    hand-built forecast made at step 0: experts 0 and 1 at 0.9 / 0.8 in every layer, the rest at 0.01."""
+    pol = SeqMoEPolicy(SeqMoEPolicy.Options(**kw), forecaster=_untrained(L=2, E=E, K=2, p=0))
+    cfg = CacheConfig(num_layers=2, num_experts=E, top_k=2, pool="per-layer", budget=Budget.slots(4),
+                      expert_bytes=1_000_000)
+    pol.reset(cfg)
+    F = np.full((pol.horizon, 2, E), 0.01)
+    F[:, :, 0], F[:, :, 1] = 0.9, 0.8
+    pol.install_scores(pol.forecast_scores(0, F))
+    return pol, ExpertCache(cfg)
+
+
+def test_headroom_rule_default_from_64_experts_prefetches_only_when_the_link_has_room():
+    assert _headroom_policy(8)[0].prefetch_rule == "floor"
+    # layer 1 runs next (x=1, its deadline: no time), layer 0 at x=2: layer 1's 0.15 ms of compute is the free link
+    fast, cache = _headroom_policy(64, link_bytes_per_s=1e11)  # 0.01 ms per transfer: both loads fit
+    assert fast.prefetch_rule == "headroom" and fast.transfer_ms() == pytest.approx(0.01)
+    fast.plan_prefetch(cache)
+    assert fast.issue_after(0, 0, cache) == [(0, 0), (0, 1)]
+    assert fast.issue_after(0, 1, cache) == []  # issued once
+    slow, cache = _headroom_policy(64, link_bytes_per_s=1e8)  # 10 ms per transfer: nothing lands before x=2
+    slow.plan_prefetch(cache)
+    assert slow.transfer_ms() == pytest.approx(10.0) and slow.issue_after(0, 0, cache) == []
+    floor, cache = _headroom_policy(64, link_bytes_per_s=1e8, prefetch_rule="floor")
+    floor.plan_prefetch(cache)
+    assert len(floor.scheduler.tasks) == 4  # both layers, the link not consulted

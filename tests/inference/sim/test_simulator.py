@@ -93,6 +93,28 @@ def test_hand_worked_timely_prefetch_overlaps_compute():
     ]
 
 
+def test_hand_worked_prefetch_counters_used_late_precision():
+    # L=1, 2 slots, top-1, prompt 1 (t0 uncounted). Accesses 0 | 1 3 1 5 0; prefetch 1 after t0 (uncounted),
+    # 3 after t1, 5 after t2, 6 after t4 (LRU victims).
+    # t0 miss 0 [0, .5], compute .5-1.5; prefetch 1 issued at 1.5, uncounted.
+    # t1 (1.5) 1 still queued: late (promoted [1.5, 2]); its load was not counted, so not a counted use. Prefetch 3
+    #    at 3 (evicts 0).
+    # t2 (3) 3 queued: late, used (promoted [3, 3.5]). Prefetch 5 at 4.5 (evicts 1).
+    # t3 (4.5) 1 gone: demand [4.5, 5], evicts 3 (5 is Fetch); 5 runs [5, 5.5].
+    # t4 (6) 5 landed: on-time hit, used. Prefetch 6 at 7 (evicts 1).
+    # t5 (7) 0: demand, evicts 5 (6 is Fetch); 6 lands unused.
+    meta, seq = trace([[0], [1], [3], [1], [5], [0]], prompt_len=1)
+    pol = ScriptedPrefetch({(0, 0): [(0, 1)], (1, 0): [(0, 3)], (2, 0): [(0, 5)], (4, 0): [(0, 6)]})
+    r = replay(build_stream(meta, [seq]), pol, CacheConfig(1, 8, 1, budget=Budget.slots(2),
+                                                           expert_bytes=meta.expert_bytes), COST)
+    m = r.metrics()
+    assert (m["accesses"], m["hits"], m["late_prefetches"], m["demand_misses"]) == (5, 1, 2, 2)
+    assert (m["proactive_loads"], m["prefetches_used"]) == (3, 2)
+    assert m["prefetch_precision"] == pytest.approx(2 / 3)
+    assert m["proactive_per_token"] == pytest.approx(3 / 5)
+    assert (m["hit"], m["adj_hit"], m["resident_hit"]) == pytest.approx((1 - 2 / 5, (5 - 2) / (5 + 3), 1 / 5))
+
+
 def test_cpu_execution_cost_and_counts():
     # batch of two sequences both routing layer 0 to expert 3 -> one access with 2 tokens, run on CPU:
     # cpu = 0.3 + 2 * 0.1 = 0.5 ms beside a 0.4 ms layer: 0.1 ms of stall. Not a demand miss.
