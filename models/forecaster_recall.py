@@ -34,6 +34,17 @@ import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import ExpertForecaster, activation_vector, trigger_offset, trigger_sequence
+from expertcast.models.forecaster_components import (
+    TRANSITION_ALPHA,
+    decay_of,
+    fit_frequency,
+    fit_transition,
+    recent_name,
+    recent_scores,
+    recent_update,
+    repeat_last_scores,
+    transition_scores,
+)
 
 # ----------------------------------------------------------------------------------------------
 # element tensors
@@ -87,12 +98,7 @@ class Baseline:
 
 
 def _frequency(train: Sequence[TraceSequence], L: int, E: int, p: int) -> torch.Tensor:
-    freq = torch.zeros(L, E, dtype=torch.float64)
-    for sq in train:
-        ids = torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64))
-        flat = ids.permute(1, 0, 2).reshape(L, -1)
-        freq.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))
-    return (freq / freq.sum(-1, keepdim=True).clamp_min(1)).float()
+    return fit_frequency(train, L, E)
 
 
 class FrequencyBaseline(Baseline):
@@ -113,10 +119,10 @@ class RepeatLastBaseline(Baseline):
     name = "repeat-last"
 
     def __init__(self, freq: torch.Tensor):
-        self.tie = 1e-3 * freq / freq.max().clamp_min(1e-9)
+        self.freq = freq
 
     def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
-        return (x + self.tie).unsqueeze(1).expand(-1, horizons, -1, -1)
+        return repeat_last_scores(x, self.freq).unsqueeze(1).expand(-1, horizons, -1, -1)
 
 
 class TransitionBaseline(Baseline):
@@ -125,67 +131,50 @@ class TransitionBaseline(Baseline):
 
     name = "transition"
 
-    def __init__(self, train: Sequence[TraceSequence], L: int, E: int, p: int, freq: torch.Tensor, alpha: float = 0.01):
-        counts = torch.full((L, E, E), alpha, dtype=torch.float64)
-        for sq in train:
-            ids = trigger_sequence(torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64)), p)  # [T', L, K]
-            if ids.shape[0] < 2:
-                continue
-            a, b = ids[:-1], ids[1:]  # [N, L, K]
-            K = a.shape[-1]
-            src = a.unsqueeze(-1).expand(-1, -1, K, K)  # [N, L, K, K]
-            dst = b.unsqueeze(-2).expand(-1, -1, K, K)
-            lidx = torch.arange(L).view(1, L, 1, 1).expand_as(src)
-            flat = (lidx * E * E + src * E + dst).reshape(-1)
-            counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
-        self.T = (counts / counts.sum(-1, keepdim=True)).float()  # [L, E, E]
-        self.tie = 1e-6 * freq
+    def __init__(self, train: Sequence[TraceSequence], L: int, E: int, p: int, freq: torch.Tensor,
+                 alpha: float = TRANSITION_ALPHA):
+        self.T = fit_transition(train, L, E, p, alpha)  # [L, E, E]
+        self.freq = freq
 
     def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
-        v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
-        out = []
-        for _ in range(horizons):
-            v = torch.einsum("ble,lef->blf", v, self.T)
-            out.append(v + self.tie)
-        return torch.stack(out, dim=1)
+        return transition_scores(x, self.T, self.freq, horizons)
 
 
 class RecentFrequencyBaseline(Baseline):
     """Per-layer expert frequency of the current sequence: an exponential moving average of its elements
-    (half-life ``half_life`` elements) plus ``prior`` x the training frequency, the same for every horizon."""
+    (half-life ``half_life`` elements) plus ``0.05 · (1 - d)`` x the training frequency, the same for every
+    horizon (:func:`~expertcast.models.forecaster_components.recent_scores`)."""
 
-    name = "recent-freq"
-
-    def __init__(self, freq: torch.Tensor, half_life: float = 16.0, prior: float = 0.05):
+    def __init__(self, freq: torch.Tensor, half_life: float = 16.0):
         self.freq = freq
-        self.decay = 0.5 ** (1.0 / half_life)
-        self.prior = prior
+        self.name = recent_name(half_life)
+        self.decay = decay_of(half_life)
         self.ema: torch.Tensor | None = None
 
     def reset(self, batch_size: int) -> None:
-        self.ema = torch.zeros(batch_size, *self.freq.shape)
+        self.ema = torch.zeros(batch_size, 1, *self.freq.shape)
 
     def observe(self, x: torch.Tensor) -> None:
         if self.ema is None or self.ema.shape[0] != x.shape[0]:
             self.reset(x.shape[0])
-        v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
-        self.ema.mul_(self.decay).add_(v, alpha=1 - self.decay)
+        recent_update(self.ema, x, self.decay)
 
     def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
         self.observe(x)
         assert self.ema is not None
-        score = self.ema + self.prior * (1 - self.decay) * self.freq
-        return score.unsqueeze(1).expand(-1, horizons, -1, -1)
+        return recent_scores(self.ema, self.freq, self.decay)[:, 0].unsqueeze(1).expand(-1, horizons, -1, -1)
 
 
-def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int) -> list[Baseline]:
-    """The three baselines of docs/design.md "Forecaster" plus the sequence's recent frequency, fitted on ``train``."""
+def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int,
+                  half_lives: Sequence[float] = (16.0,)) -> list[Baseline]:
+    """The three baselines of docs/design.md "Forecaster" plus the sequence's recent frequency at each of
+    ``half_lives``, fitted on ``train``."""
     if not train:
         raise ValueError("no training sequences to fit the baselines on")
     L, E = meta.num_layers, meta.num_experts
-    freq = _frequency(train, L, E, p)
-    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), TransitionBaseline(train, L, E, p, freq),
-            RecentFrequencyBaseline(freq)]
+    freq = fit_frequency(train, L, E)
+    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), TransitionBaseline(train, L, E, p, freq)] + \
+        [RecentFrequencyBaseline(freq, h) for h in half_lives]
 
 
 # ----------------------------------------------------------------------------------------------
