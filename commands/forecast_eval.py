@@ -1,4 +1,6 @@
-"""``expertcast forecast-eval``: recall@K of a forecaster export by horizon against four baselines.
+"""``expertcast forecast-eval``: recall@K of a forecaster export by horizon against the online baselines (recent-freq
+at the export's component half-lives too) and the reference MLP predictor (``--mlp-steps``, fitted like the
+baselines; its parameters, FLOPs per step and fit time go into ``recall_summary.json`` beside the forecaster's).
 
     expertcast forecast-eval --forecaster runs/forecaster/tiny/export --traces runs/traces/gsm8k
 
@@ -60,6 +62,9 @@ def build_parser() -> CommandParser:
     ap.add_argument("--horizons", type=positive_int, default=8, help="forecast steps ahead to score")
     ap.add_argument("--batch-size", type=positive_int, default=32, help="sequences per forecaster batch")
     ap.add_argument("--max-sequences", type=positive_int, default=None, help="evaluate at most N sequences")
+    ap.add_argument("--mlp-steps", type=int, default=300,
+                    help="training steps of the reference MLP predictor, fitted on the baselines' sequences (0: none)")
+    ap.add_argument("--mlp-hidden", type=positive_int, default=256, help="hidden width of the reference MLP")
     ap.add_argument("--device", default="cpu", help="device of the forecaster: cpu, cuda[:N] or auto")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (unset: torch's choice)")
     ap.add_argument("--out", default=None, help="output folder (unset: runs/forecast-eval/<export folder name>)")
@@ -142,7 +147,9 @@ def baseline_sequences(args, exp, seqs, trained: set[str] | None, evaluated_spli
 def run(args) -> int:
     import torch
     from expertcast.models.forecaster_export import load_forecaster, training_ids
-    from expertcast.models.forecaster_recall import evaluate, fit_baselines
+    import time
+
+    from expertcast.models.forecaster_recall import evaluate, fit_baselines, fit_mlp_reference
     from expertcast.utils.provenance import check_overlap
 
     device = resolve_device(args.device)
@@ -179,13 +186,25 @@ def run(args) -> int:
             write_traces(args.write_heldout, meta, evals, run={"source": "forecast-eval", "split": split,
                                                                "forecaster": str(args.forecaster)})
             print(f"wrote the {len(evals)} {split} sequences to {args.write_heldout}")
-        baselines = fit_baselines(train, meta, exp.config.p)
+        half_lives = sorted({16.0, *(exp.config.component_half_lives or [])})
+        baselines = fit_baselines(train, meta, exp.config.p, half_lives)
+        cost = {"forecaster": {"parameters": exp.model.num_parameters(), "step_flops": exp.model.step_flops()}}
+        if args.mlp_steps > 0:
+            t0 = time.perf_counter()
+            mlp = fit_mlp_reference(train, meta, exp.config.p, horizons=args.horizons, hidden=args.mlp_hidden,
+                                    steps=args.mlp_steps)
+            baselines.append(mlp)
+            cost[mlp.name] = {"parameters": mlp.num_parameters(), "step_flops": mlp.step_flops(),
+                              "fit_s": round(time.perf_counter() - t0, 2), "steps": args.mlp_steps}
+        for name, cst in cost.items():
+            print(f"{name}: {cst['parameters']:,} parameters, {cst['step_flops']:,} FLOPs per decode step"
+                  + (f", fitted in {cst['fit_s']} s" if "fit_s" in cst else ""))
         print(f"evaluating {len(evals)} sequences of {args.traces} (split: {split}; baselines fitted on {len(train)} "
               f"sequences of {train_src}), L={meta.num_layers} E={meta.num_experts} K={meta.top_k} "
               f"trigger layer p={exp.config.p}")
         tables = evaluate(exp.model, evals, meta, baselines, horizons=args.horizons, batch_size=args.batch_size,
                           device=device)
-        _write(out, args, exp, meta, split, evals, tables, overlap)
+        _write(out, args, exp, meta, split, evals, tables, overlap, cost)
     return 0
 
 
@@ -209,7 +228,7 @@ def overlap_note(overlap: dict[str, dict[str, Any]]) -> str | None:
     return "; ".join(parts) or None
 
 
-def _write(out, args, exp, meta, split, evals, tables, overlap) -> None:
+def _write(out, args, exp, meta, split, evals, tables, overlap, cost) -> None:
     from expertcast.utils.io import atomic_write_json, print_table, write_csv
 
     rows = summary_rows(tables)
@@ -223,7 +242,8 @@ def _write(out, args, exp, meta, split, evals, tables, overlap) -> None:
     write_csv(out.file("recall.csv"), long_rows(tables))
     atomic_write_json(out.file("recall_summary.json"), {
         "split": split, "traces": str(args.traces), "forecaster": str(args.forecaster),
-        "export_hash": exp.export_hash, "sequences": len(evals), "overlap": overlap, "rows": rows})
+        "export_hash": exp.export_hash, "sequences": len(evals), "overlap": overlap, "cost": cost,
+        "selection": exp.config.selection, "rows": rows})
     plot(tables, out.file("recall.png"), f"forecast recall by horizon ({meta.model_id}, {split})"
          + (f"; {note}" if note else ""))
     print(f"wrote {out.path / 'recall.csv'}, {out.path / 'recall_summary.json'}, {out.path / 'recall.png'}")

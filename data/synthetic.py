@@ -24,6 +24,9 @@ produced them). Selections are distinct top-K experts per (position, layer) in r
   the rest stay; the first token of a stage is the cue token. Stage lengths are geometric with mean
   ``mean_stage_len``.
 
+* :func:`baseline_optimal_traces`: traces on which repeat-last, recent-freq or transition in turn is the best
+  online predictor (for the forecaster's "never below the online statistics" check).
+
 Routing processes with a known structure, for checks of the forecaster (each samples sequences):
 
 * :class:`ModeMarkovProcess`: a hidden mode z_t follows a first-order Markov chain with transition matrix
@@ -227,6 +230,55 @@ def drifting_stage_traces(num_sequences: int = 4, num_tokens: int = 256, num_lay
         seqs.append(_seq(i, ids, w, prompt_len, rng, vocab, tokens=tokens))
         stages.append(st)
     return SyntheticTraces(meta, seqs, stage_ids=stages, cue_token=cue_token)
+
+
+BASELINE_OPTIMAL = ("repeat-last", "recent-freq", "transition")
+"""The online baselines :func:`baseline_optimal_traces` can make optimal."""
+
+
+def baseline_optimal_traces(kind: str, num_sequences: int = 40, num_tokens: int = 96, num_layers: int = 3,
+                            num_experts: int = 16, top_k: int = 2, prompt_len: int = 8, seed: int = 0
+                            ) -> SyntheticTraces:
+    """Traces on which the online baseline ``kind`` (one of :data:`BASELINE_OPTIMAL`) is the best predictor:
+
+    * ``repeat-last``: per layer, element t copies element t-1 (experts and weights) with probability 0.8, else a
+      fresh uniform selection: the last element is the best guess at every horizon;
+    * ``recent-freq``: per sequence and layer a hot set of 3K experts carrying 0.95 of the mass (shares 1/rank),
+      each element an independent draw: the sequence's own frequency estimates its favourites, the last element
+      is one noisy draw and the fit set's tables know nothing of this sequence's set;
+    * ``transition``: :func:`markov_traces` without self-transitions and with peaked rows shared by every
+      sequence: the fit set's transition table is the chain, repeating or averaging the past is not.
+    """
+    if kind not in BASELINE_OPTIMAL:
+        raise ValueError(f"kind must be one of {BASELINE_OPTIMAL}, got {kind!r}")
+    L, E, Kk = num_layers, num_experts, top_k
+    if kind == "transition":
+        tr = markov_traces(num_sequences, num_tokens, L, E, Kk, stay=0.0, concentration=0.05, prompt_len=prompt_len,
+                           seed=seed)
+        tr.meta.generation["kind"] = "baseline-optimal-transition"
+        return tr
+    rng = np.random.default_rng(seed)
+    meta = _meta(f"baseline-optimal-{kind}", L, E, Kk, QWEN3_30B_A3B_EXPERT_BYTES, {"seed": seed})
+    seqs = []
+    for i in range(num_sequences):
+        if kind == "recent-freq":
+            hot = 3 * Kk
+            if hot > E:
+                raise ValueError(f"recent-freq traces need E >= 3K, got E={E}, K={Kk}")
+            share = 0.95 / np.arange(1, hot + 1)
+            share *= 0.95 / share.sum()
+            logits = np.full((L, E), np.log(0.05 / (E - hot)))
+            for layer in range(L):
+                logits[layer, rng.choice(E, hot, replace=False)] = np.log(share)
+            ids, w = _topk_from_logits(np.broadcast_to(logits, (num_tokens, L, E)), Kk, rng)
+        else:
+            ids, w = _topk_from_logits(np.zeros((num_tokens, L, E)), Kk, rng)
+            copy = rng.random((num_tokens, L)) < 0.8
+            for t in range(1, num_tokens):
+                ids[t, copy[t]] = ids[t - 1, copy[t]]
+                w[t, copy[t]] = w[t - 1, copy[t]]
+        seqs.append(_seq(i, ids, w, prompt_len, rng, 1000))
+    return SyntheticTraces(meta, seqs)
 
 
 # ---------------------------------------------------------------------------------------------- routing processes

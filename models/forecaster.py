@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
+from expertcast.models.forecaster_components import COMPONENT_SCALE, ExactComponents
 from torch import nn
 
 BACKBONES = ("mamba2", "mamba")
@@ -88,6 +89,18 @@ class ForecasterConfig:
     learned_gate_half_life: float = 8.0
     """Half-life (elements) of the discount of D: short, so credit banked where the learned part helped (e.g. in
     the prompt) cannot hold the gate open for long once it starts to cost recall (e.g. in the decode)."""
+    component_half_lives: list[float] | None = None
+    """Half-lives of the recent-freq components (docs/design.md "Exact components"): with a list (may be empty),
+    the forecaster carries the online baselines repeat-last, frequency, transition and recent-freq at these
+    half-lives as exact components (:class:`~expertcast.models.forecaster_components.ExactComponents`) that
+    ``selection`` can pick. None: no components (every export before format 3)."""
+    selection: list[list[int]] | None = None
+    """Per direct head j and layer l, what issues the logits: -1 the learned part plus the online prior, c >= 0
+    component c (``component_names`` order), exactly. Chosen on held-out elements after training
+    (``select_components`` in the training code). None: -1 everywhere."""
+    head_rank: int = 0
+    """0: one dense output head d -> H_d·L·E. r > 0: factored per-layer heads, d -> H_d·L·r then a per-layer
+    [r, E] expert table (scales to wide L x E: d·H_d·L·r + L·r·E weights instead of d·H_d·L·E)."""
     residual_scale: list[float] | None = None
     """Per direct head j, the factor alpha_j in [0, 1] on the learned logits (logits = alpha_j · learned + online
     prior term). Fitted after training on held-out elements (:func:`fit_residual_scale` in the training code,
@@ -133,6 +146,19 @@ class ForecasterConfig:
             if len(rs) != self.direct_horizons or any(not 0 <= a <= 1 for a in rs):
                 raise ValueError(f"residual_scale must hold direct_horizons={self.direct_horizons} values in [0, 1], "
                                  f"got {rs}")
+        if self.component_half_lives is not None and (any(not h > 0 for h in self.component_half_lives)
+                                                       or len(set(self.component_half_lives))
+                                                       != len(self.component_half_lives)):
+            raise ValueError(f"component_half_lives must be distinct and > 0, got {self.component_half_lives}")
+        if self.selection is not None:
+            n = 3 + len(self.component_half_lives or []) if self.component_half_lives is not None else 0
+            sel = self.selection
+            if len(sel) != self.direct_horizons or any(len(r) != self.num_layers for r in sel) or \
+                    any(not -1 <= int(v) < n for r in sel for v in r):
+                raise ValueError(f"selection must be [direct_horizons={self.direct_horizons}][L={self.num_layers}] "
+                                 f"values in [-1, {n - 1}] (components: {n}), got {sel}")
+        if self.head_rank < 0:
+            raise ValueError(f"head_rank must be >= 0, got {self.head_rank}")
         if self.backbone not in BACKBONES:
             raise ValueError(f"unknown backbone {self.backbone!r}; choose one of {BACKBONES}")
         if self.backbone == "mamba2":
@@ -157,7 +183,17 @@ class ForecasterConfig:
         d["online_half_lives"] = [float(h) for h in d.get("online_half_lives") or []]
         if d.get("residual_scale") is not None:
             d["residual_scale"] = [float(a) for a in d["residual_scale"]]
+        if d.get("component_half_lives") is not None:
+            d["component_half_lives"] = [float(h) for h in d["component_half_lives"]]
+        if d.get("selection") is not None:
+            d["selection"] = [[int(v) for v in r] for r in d["selection"]]
         return cls(**d)
+
+
+def scaled_width(num_layers: int, num_experts: int) -> int:
+    """Backbone width for an L x E input: L·E / 8 rounded to a multiple of 64, within [64, 1024] (26 x 64 -> 192,
+    48 x 128 -> 768)."""
+    return int(min(1024, max(64, 64 * round(num_layers * num_experts / 8 / 64))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,7 +303,8 @@ class ForecasterState:
     (newest first), their discounted per-head scores [B, H_d, M+1] and the elements each row has seen [B, 1];
     then (with ``learned_gate_rate`` > 0) the top-K of the last H_d forecasts with and without the learned part
     [B, H_d, H_d, 2, L, K] (long, newest first), their discounted recall difference [B, H_d] and the elements
-    seen [B, 1]. None when neither is on.
+    seen [B, 1]. None when neither is on. ``components`` [B, M', L, E]: the moving averages of the exact recent-freq
+    components (:class:`~expertcast.models.forecaster_components.ExactComponents`), or None without components.
     ``steps`` counts the elements consumed.
 
     The object implements the part of transformers' linear-attention cache protocol that the Mamba
@@ -276,7 +313,8 @@ class ForecasterState:
     """
 
     def __init__(self, conv: list[torch.Tensor], ssm: list[torch.Tensor], steps: int = 0,
-                 online: torch.Tensor | None = None, hedge: list[torch.Tensor] | None = None):
+                 online: torch.Tensor | None = None, hedge: list[torch.Tensor] | None = None,
+                 components: torch.Tensor | None = None):
         if len(conv) != len(ssm):
             raise ValueError("conv and ssm state lists differ in length")
         if hedge is not None and online is None:
@@ -286,10 +324,13 @@ class ForecasterState:
         self.steps = steps
         self.online = online
         self.hedge = hedge
+        self.components = components
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every state tensor (batch first): conv, ssm, then the online statistics and hedge state when present."""
-        return self.conv + self.ssm + ([self.online] if self.online is not None else []) + list(self.hedge or [])
+        """Every state tensor (batch first): conv, ssm, then the online statistics, hedge state and components'
+        moving averages when present."""
+        return self.conv + self.ssm + ([self.online] if self.online is not None else []) + list(self.hedge or []) \
+            + ([self.components] if self.components is not None else [])
 
     # --- transformers cache protocol (Mamba2Mixer / MambaMixer) ---
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
@@ -322,9 +363,11 @@ class ForecasterState:
     def _like(self, tensors: list[torch.Tensor]) -> ForecasterState:
         """A state of the same layout holding ``tensors`` (in :meth:`tensors` order)."""
         n = len(self.conv)
-        online = tensors[2 * n] if self.online is not None else None
-        hedge = list(tensors[2 * n + 1:]) if self.hedge is not None else None
-        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online, hedge)
+        rest = list(tensors[2 * n:])
+        comp = rest.pop() if self.components is not None else None
+        online = rest[0] if self.online is not None else None
+        hedge = rest[1:] if self.hedge is not None else None
+        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online, hedge, comp)
 
     def clone(self) -> ForecasterState:
         return self._like([t.clone() for t in self.tensors()])
@@ -551,7 +594,14 @@ class ExpertForecaster(nn.Module):
                 bos_token_id=0, eos_token_id=0, use_cache=False,
             )
             self.backbone = MambaModel(bcfg)
-        self.head = nn.Linear(c.hidden_size, c.input_size * c.direct_horizons)
+        if c.head_rank:  # factored per-layer heads: d -> H_d·L·r, then a per-layer [r, E] table
+            self.head = nn.Linear(c.hidden_size, c.num_layers * c.head_rank * c.direct_horizons)
+            self.head_experts = nn.Parameter(torch.randn(c.num_layers, c.head_rank, c.num_experts) / c.head_rank ** 0.5)
+        else:
+            self.head = nn.Linear(c.hidden_size, c.input_size * c.direct_horizons)
+        self.components: ExactComponents | None = None
+        if c.component_half_lives is not None:
+            self.components = ExactComponents(c.num_layers, c.num_experts, c.component_half_lives)
         self.online: OnlinePrior | None = None
         if c.online_half_lives:
             self.online = OnlinePrior(c.online_half_lives, c.num_layers, c.num_experts, c.direct_horizons, c.top_k,
@@ -581,7 +631,8 @@ class ExpertForecaster(nn.Module):
             H = c.direct_horizons
             hedge += [torch.zeros(batch_size, H, H, 2, c.num_layers, c.top_k, dtype=torch.long, device=device),
                       torch.zeros(batch_size, H, device=device), torch.zeros(batch_size, 1, device=device)]
-        return ForecasterState(conv, ssm, online=online, hedge=hedge or None)
+        comp = self.components.init_state(batch_size, device) if self.components is not None else None
+        return ForecasterState(conv, ssm, online=online, hedge=hedge or None, components=comp)
 
     # --- compute ---
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
@@ -608,7 +659,26 @@ class ExpertForecaster(nn.Module):
         if gate:
             learned = learned * self._learned_gate(self._flat(x), learned, prior, state).unsqueeze(-1).unsqueeze(-1)
         logits = learned if prior is None else learned + prior
+        if self.components is not None:
+            logits = self._select(self._flat(x), logits, state)
         return logits if all_horizons else logits[:, :, 0]
+
+    def _select(self, x: torch.Tensor, logits: torch.Tensor, state: ForecasterState | None) -> torch.Tensor:
+        """Put the selected components' scores (times :data:`COMPONENT_SCALE`, exact) in place of the logits of the
+        (head, layer) pairs ``selection`` gives them; advances the components' state. x [B, T, L·E]."""
+        c = self.config
+        B, T, H = logits.shape[:3]
+        sel = torch.tensor(c.selection, dtype=torch.long, device=logits.device)[:H] if c.selection is not None \
+            else None
+        used = sorted({int(v) for v in sel.flatten().tolist() if v >= 0}) if sel is not None else []
+        if not used and state is None:
+            return logits
+        scores = self.components.scores(x.view(B, T, c.num_layers, c.num_experts), H, used,
+                                        state.components if state is not None else None)
+        for k, sc in scores.items():
+            logits = torch.where((sel == k).view(1, 1, H, c.num_layers, 1), sc.to(logits.dtype) * COMPONENT_SCALE,
+                                 logits)
+        return logits
 
     def _learned_gate(self, x: torch.Tensor, learned: torch.Tensor, prior: torch.Tensor,
                       state: ForecasterState | None) -> torch.Tensor:
@@ -654,9 +724,15 @@ class ExpertForecaster(nn.Module):
         out = self._backbone(self.in_proj(x), state)
         c = self.config
         heads = c.direct_horizons if all_horizons else 1
-        n = c.input_size * heads  # only the rows of the heads asked for
-        learned = nn.functional.linear(out, self.head.weight[:n], self.head.bias[:n]).view(
-            B, T, heads, c.num_layers, c.num_experts)
+        if c.head_rank:
+            n = c.num_layers * c.head_rank * heads
+            z = nn.functional.linear(out, self.head.weight[:n], self.head.bias[:n]).view(
+                B, T, heads, c.num_layers, c.head_rank)
+            learned = torch.einsum("bthlr,lre->bthle", z, self.head_experts)
+        else:
+            n = c.input_size * heads  # only the rows of the heads asked for
+            learned = nn.functional.linear(out, self.head.weight[:n], self.head.bias[:n]).view(
+                B, T, heads, c.num_layers, c.num_experts)
         prior = self.online(x, state, heads) if self.online is not None else None
         if state is not None:
             state.steps += T
@@ -733,7 +809,10 @@ class ExpertForecaster(nn.Module):
     def step_flops(self) -> int:
         """Approximate multiply-add FLOPs (2 per MAC) of one :meth:`step` at batch 1 (linear layers + SSM update)."""
         c = self.config
-        macs = c.input_size * c.hidden_size * (1 + c.direct_horizons)  # in_proj + head
+        macs = c.input_size * c.hidden_size  # in_proj
+        H = c.direct_horizons
+        macs += (c.hidden_size + c.num_experts) * c.num_layers * c.head_rank * H if c.head_rank else \
+            c.input_size * c.hidden_size * H  # head
         for block in self.backbone.layers:
             m = block.mixer
             for mod in m.modules():
@@ -748,6 +827,11 @@ class ExpertForecaster(nn.Module):
             macs += M * (c.input_size + 1) + c.direct_horizons * c.input_size * (M + 2)
             if self.online.rate > 0:  # top-K of the sources and their scores at every horizon
                 macs += M * c.input_size + c.direct_horizons * M * c.num_layers * c.top_k
+        if self.components is not None:  # moving averages; the transition table for the heads that select it
+            macs += 2 * len(self.components.half_lives) * c.input_size
+            sel = c.selection or []
+            trans_heads = max([j + 1 for j, row in enumerate(sel) if 2 in row] or [0])
+            macs += trans_heads * c.input_size * c.num_experts
         return 2 * macs
 
 

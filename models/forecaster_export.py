@@ -2,16 +2,20 @@
 
 Layout of an export directory::
 
-    forecaster.json          {"format": "expertcast-forecaster", "format_version": 2, "config": {...},
+    forecaster.json          {"format": "expertcast-forecaster", "format_version": 3, "config": {...},
                               "source": {model_id, num_layers, num_experts, top_k, ...},
-                              "weights": "forecaster.safetensors", "weights_sha256": "...", "extra": {...},
+                              "weights": "forecaster.safetensors", "weights_sha256": "...",
+                              "num_parameters": N, "step_flops": F, "extra": {...},
                               "training": {traces, trace_fingerprint, split, train_ids, val_ids, run_dir,
                                            config, ...}}
     forecaster.safetensors   the state dict of :class:`~expertcast.models.forecaster.ExpertForecaster`
     export_manifest.json     sha256 of both files above (:func:`expertcast.utils.provenance.write_export_manifest`)
 
 Format 2 added the online statistics (``config.online_half_lives`` and the ``online.mix`` / ``online.gate``
-tensors); a format-1 export still loads, as a forecaster without them.
+tensors); format 3 the exact components (``config.component_half_lives`` / ``selection`` / ``head_rank`` and the
+fitted ``components.freq`` / ``components.trans`` tables, docs/design.md "Exact components"). Earlier exports still
+load, as forecasters without them. ``step_flops``: FLOPs of one decode step at batch 1
+(:meth:`~expertcast.models.forecaster.ExpertForecaster.step_flops`).
 
 Loading needs neither Lightning nor pickle: JSON + safetensors only. The manifest is checked before
 anything is used, so an edited ``temperature`` or ``trigger_layer`` is refused like corrupted weights;
@@ -43,7 +47,7 @@ from expertcast.utils.provenance import (
 )
 
 EXPORT_FORMAT = "expertcast-forecaster"
-EXPORT_FORMAT_VERSION = 2
+EXPORT_FORMAT_VERSION = 3
 CONFIG_NAME = "forecaster.json"
 WEIGHTS_NAME = "forecaster.safetensors"
 
@@ -104,6 +108,7 @@ def save_forecaster(model: ExpertForecaster, path: str | os.PathLike, *, source:
         "weights": WEIGHTS_NAME,
         "weights_sha256": hashlib.sha256(blob).hexdigest(),
         "num_parameters": model.num_parameters(),
+        "step_flops": model.step_flops(),
         "extra": dict(extra or {}),
         **({"training": training} if training is not None else {}),
     })

@@ -34,6 +34,17 @@ import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import ExpertForecaster, activation_vector, trigger_offset, trigger_sequence
+from expertcast.models.forecaster_components import (
+    TRANSITION_ALPHA,
+    decay_of,
+    fit_frequency,
+    fit_transition,
+    recent_name,
+    recent_scores,
+    recent_update,
+    repeat_last_scores,
+    transition_scores,
+)
 
 # ----------------------------------------------------------------------------------------------
 # element tensors
@@ -87,12 +98,7 @@ class Baseline:
 
 
 def _frequency(train: Sequence[TraceSequence], L: int, E: int, p: int) -> torch.Tensor:
-    freq = torch.zeros(L, E, dtype=torch.float64)
-    for sq in train:
-        ids = torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64))
-        flat = ids.permute(1, 0, 2).reshape(L, -1)
-        freq.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))
-    return (freq / freq.sum(-1, keepdim=True).clamp_min(1)).float()
+    return fit_frequency(train, L, E)
 
 
 class FrequencyBaseline(Baseline):
@@ -113,10 +119,10 @@ class RepeatLastBaseline(Baseline):
     name = "repeat-last"
 
     def __init__(self, freq: torch.Tensor):
-        self.tie = 1e-3 * freq / freq.max().clamp_min(1e-9)
+        self.freq = freq
 
     def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
-        return (x + self.tie).unsqueeze(1).expand(-1, horizons, -1, -1)
+        return repeat_last_scores(x, self.freq).unsqueeze(1).expand(-1, horizons, -1, -1)
 
 
 class TransitionBaseline(Baseline):
@@ -125,67 +131,145 @@ class TransitionBaseline(Baseline):
 
     name = "transition"
 
-    def __init__(self, train: Sequence[TraceSequence], L: int, E: int, p: int, freq: torch.Tensor, alpha: float = 0.01):
-        counts = torch.full((L, E, E), alpha, dtype=torch.float64)
-        for sq in train:
-            ids = trigger_sequence(torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64)), p)  # [T', L, K]
-            if ids.shape[0] < 2:
-                continue
-            a, b = ids[:-1], ids[1:]  # [N, L, K]
-            K = a.shape[-1]
-            src = a.unsqueeze(-1).expand(-1, -1, K, K)  # [N, L, K, K]
-            dst = b.unsqueeze(-2).expand(-1, -1, K, K)
-            lidx = torch.arange(L).view(1, L, 1, 1).expand_as(src)
-            flat = (lidx * E * E + src * E + dst).reshape(-1)
-            counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
-        self.T = (counts / counts.sum(-1, keepdim=True)).float()  # [L, E, E]
-        self.tie = 1e-6 * freq
+    def __init__(self, train: Sequence[TraceSequence], L: int, E: int, p: int, freq: torch.Tensor,
+                 alpha: float = TRANSITION_ALPHA):
+        self.T = fit_transition(train, L, E, p, alpha)  # [L, E, E]
+        self.freq = freq
 
     def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
-        v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
-        out = []
-        for _ in range(horizons):
-            v = torch.einsum("ble,lef->blf", v, self.T)
-            out.append(v + self.tie)
-        return torch.stack(out, dim=1)
+        return transition_scores(x, self.T, self.freq, horizons)
 
 
 class RecentFrequencyBaseline(Baseline):
     """Per-layer expert frequency of the current sequence: an exponential moving average of its elements
-    (half-life ``half_life`` elements) plus ``prior`` x the training frequency, the same for every horizon."""
+    (half-life ``half_life`` elements) plus ``0.05 · (1 - d)`` x the training frequency, the same for every
+    horizon (:func:`~expertcast.models.forecaster_components.recent_scores`)."""
 
-    name = "recent-freq"
-
-    def __init__(self, freq: torch.Tensor, half_life: float = 16.0, prior: float = 0.05):
+    def __init__(self, freq: torch.Tensor, half_life: float = 16.0):
         self.freq = freq
-        self.decay = 0.5 ** (1.0 / half_life)
-        self.prior = prior
+        self.name = recent_name(half_life)
+        self.decay = decay_of(half_life)
         self.ema: torch.Tensor | None = None
 
     def reset(self, batch_size: int) -> None:
-        self.ema = torch.zeros(batch_size, *self.freq.shape)
+        self.ema = torch.zeros(batch_size, 1, *self.freq.shape)
 
     def observe(self, x: torch.Tensor) -> None:
         if self.ema is None or self.ema.shape[0] != x.shape[0]:
             self.reset(x.shape[0])
-        v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
-        self.ema.mul_(self.decay).add_(v, alpha=1 - self.decay)
+        recent_update(self.ema, x, self.decay)
 
     def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
         self.observe(x)
         assert self.ema is not None
-        score = self.ema + self.prior * (1 - self.decay) * self.freq
-        return score.unsqueeze(1).expand(-1, horizons, -1, -1)
+        return recent_scores(self.ema, self.freq, self.decay)[:, 0].unsqueeze(1).expand(-1, horizons, -1, -1)
 
 
-def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int) -> list[Baseline]:
-    """The three baselines of docs/design.md "Forecaster" plus the sequence's recent frequency, fitted on ``train``."""
+def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int,
+                  half_lives: Sequence[float] = (16.0,)) -> list[Baseline]:
+    """The three baselines of docs/design.md "Forecaster" plus the sequence's recent frequency at each of
+    ``half_lives``, fitted on ``train``."""
     if not train:
         raise ValueError("no training sequences to fit the baselines on")
     L, E = meta.num_layers, meta.num_experts
-    freq = _frequency(train, L, E, p)
-    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), TransitionBaseline(train, L, E, p, freq),
-            RecentFrequencyBaseline(freq)]
+    freq = fit_frequency(train, L, E)
+    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), TransitionBaseline(train, L, E, p, freq)] + \
+        [RecentFrequencyBaseline(freq, h) for h in half_lives]
+
+
+class MLPReference(Baseline):
+    """The reference MLP predictor (docs/design.md "MLP reference"): one hidden layer (ReLU) over the current
+    element and the sequence's recent frequency (half-life 16, :func:`recent_update`), [x_t ; e_t] (2·L·E) ->
+    H·L·E logits, one block per horizon 1..H (longer horizons repeat the last). Trained by
+    :func:`fit_mlp_reference`; no recurrence beyond the moving average, so it shows what width alone buys."""
+
+    name = "mlp-reference"
+
+    def __init__(self, net: torch.nn.Sequential, num_layers: int, num_experts: int, horizons: int):
+        self.net = net.eval()
+        self.L, self.E, self.H = num_layers, num_experts, horizons
+        self.decay = decay_of(16.0)
+        self.ema: torch.Tensor | None = None
+
+    def reset(self, batch_size: int) -> None:
+        self.ema = torch.zeros(batch_size, 1, self.L, self.E)
+
+    def observe(self, x: torch.Tensor) -> None:
+        if self.ema is None or self.ema.shape[0] != x.shape[0]:
+            self.reset(x.shape[0])
+        recent_update(self.ema, x, self.decay)
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
+        self.observe(x)
+        assert self.ema is not None
+        B = x.shape[0]
+        out = self.net(torch.cat([x.reshape(B, -1), self.ema.reshape(B, -1)], dim=-1)).view(B, self.H, self.L, self.E)
+        idx = torch.arange(horizons).clamp(max=self.H - 1)
+        return out[:, idx]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.net.parameters())
+
+    def step_flops(self) -> int:
+        """FLOPs of one prediction at batch 1 (2 per multiply-add)."""
+        return 2 * sum(m.in_features * m.out_features for m in self.net if isinstance(m, torch.nn.Linear))
+
+
+def _mlp_examples(seqs: Sequence[TraceSequence], L: int, E: int, p: int, horizons: int, max_examples: int,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Up to ``max_examples`` elements drawn evenly at random from the sequences: inputs [N, 2·L·E], target ids
+    [N, H, L, K] and a validity mask [N, H] (target inside the sequence)."""
+    rng = np.random.default_rng(seed)
+    total = sum(max(0, sq.num_tokens - trigger_offset(L, p) - 1) for sq in seqs)
+    keep = min(1.0, max_examples / max(total, 1))
+    xs, ts, vs = [], [], []
+    decay = decay_of(16.0)
+    for sq in seqs:
+        ids, w, lens, _ = element_arrays([sq], L, p)
+        n = int(lens[0])
+        if n < 2:
+            continue
+        x = activation_vector(ids[0, :n], w[0, :n], E)  # [n, L, E]
+        ema = torch.zeros(1, 1, L, E)
+        emas = []
+        for t in range(n):
+            emas.append(recent_update(ema, x[t:t + 1], decay)[0, 0].clone())
+        pos = np.flatnonzero(rng.random(n - 1) < keep)
+        if not len(pos):
+            continue
+        pos_t = torch.from_numpy(pos)
+        xs.append(torch.cat([x[pos_t].reshape(len(pos), -1), torch.stack(emas)[pos_t].reshape(len(pos), -1)], -1))
+        tgt = (pos_t.view(-1, 1) + torch.arange(1, horizons + 1).view(1, -1))
+        vs.append(tgt < n)
+        ts.append(ids[0, tgt.clamp(max=n - 1)])
+    if not xs:
+        raise ValueError("no sequence is long enough to train the MLP reference on")
+    return torch.cat(xs), torch.cat(ts), torch.cat(vs)
+
+
+def fit_mlp_reference(train: Sequence[TraceSequence], meta: TraceMeta, p: int, horizons: int = 8, hidden: int = 256,
+                      steps: int = 300, batch_size: int = 128, lr: float = 2e-3, max_examples: int = 16384,
+                      seed: int = 0) -> MLPReference:
+    """Train the :class:`MLPReference` on up to ``max_examples`` elements of ``train`` (Adam, ``steps`` steps):
+    per horizon and layer, the cross-entropy of softmax(logits) against the true top-K (each selected expert 1/K)."""
+    L, E, K = meta.num_layers, meta.num_experts, meta.top_k
+    x, tid, valid = _mlp_examples(train, L, E, p, horizons, max_examples, seed)
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(2 * L * E, hidden), torch.nn.ReLU(),
+                              torch.nn.Linear(hidden, horizons * L * E))
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    for _ in range(steps):
+        b = torch.randint(0, x.shape[0], (min(batch_size, x.shape[0]),), generator=g)
+        logp = torch.log_softmax(net(x[b]).view(-1, horizons, L, E), dim=-1)
+        nll = -logp.gather(-1, tid[b]).mean(dim=(-1, -2))  # [B, H]
+        v = valid[b].float()
+        loss = (nll * v).sum() / v.sum().clamp_min(1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return MLPReference(net, L, E, horizons)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ against the true targets, so training sees the compounding errors of multi-step 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from expertcast.models.forecaster import (
     ForecasterState,
     activation_probs,
     predictions_to_input,
+    scaled_width,
 )
 from expertcast.models.forecaster_export import save_forecaster
 
@@ -203,6 +205,90 @@ class ResidualScaleFit:
         return self.hits / self.count.unsqueeze(1)
 
 
+SELECT_MARGIN = 0.002
+"""The learned part issues a (head, layer) only when its held-out recall@K beats the best exact component's there by
+more than this (:func:`select_components`)."""
+
+
+@torch.no_grad()
+def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_out: Sequence[TraceSequence],
+                      meta: TraceMeta, refit: Sequence[TraceSequence] | None = None, margin: float = SELECT_MARGIN,
+                      grid: tuple[float, ...] = RESIDUAL_GRID, budget: int = 1 << 24) -> dict[str, Any]:
+    """Choose ``residual_scale`` and ``selection`` on held-out sequences (docs/design.md "Exact components").
+
+    The components' tables are fitted on ``fit``. Each held-out sequence is run from a zero state as a whole (as
+    forecast-eval runs it), scored on its decode targets per direct head j and layer l, for: the forecaster's own
+    logits (learned part x alpha + online prior, learned gate included) at every alpha of ``grid`` (1 alone
+    without online statistics), and every exact component. alpha_j is the best on head j over all layers (the
+    smallest on ties); layer l of head j keeps the learned part only where it beats the best component by more
+    than ``margin``, else issues that component (the first best on ties, in ``component_names`` order); a head
+    left with no learned layer gets alpha 0. Then the tables are refitted on ``refit`` (e.g. train + val: the
+    sequences forecast-eval fits its baselines on), so the components stay the baselines exactly.
+    Returns a report (held-out recall per head of the chosen logits, the learned part and each component)."""
+    from expertcast.train.forecaster_data import ForecastWindows
+
+    comps = net.components
+    if comps is None:
+        raise ValueError("select_components needs a forecaster with exact components (component_half_lives)")
+    c = net.config
+    was = net.training
+    net.eval()
+    dev = next(net.parameters()).device
+    H, L, K = c.direct_horizons, c.num_layers, c.top_k
+    comps.fit(fit, c.p)
+    alphas = tuple(sorted(grid)) if net.online is not None else (1.0,)
+    C = comps.num_components
+    hits = torch.zeros(H, len(alphas) + C, L, dtype=torch.float64)
+    count = torch.zeros(H, dtype=torch.float64)
+    saved = (c.residual_scale, c.selection)
+    T = max(s.num_tokens for s in held_out)
+    ds = ForecastWindows(held_out, meta, window=T, trigger_layer=c.trigger_layer)
+    bs = max(1, budget // max(1, T * H * c.input_size))
+    try:
+        for a in range(0, len(ds), bs):
+            items = [ds[i] for i in range(a, min(a + bs, len(ds)))]
+            batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+            x, tid, use = batch["inputs"].to(dev), batch["target_ids"], _scored(batch)
+            cands = []
+            c.selection = None
+            for alpha in alphas:
+                c.residual_scale = [alpha] * H
+                cands.append(net(x, all_horizons=True).float().cpu())
+            comp = comps.scores(x.float(), H, list(range(C)))
+            cands += [comp[k].cpu() for k in range(C)]
+            W = x.shape[1]
+            for j in range(H):
+                sel = use[:, j:]
+                if not bool(sel.any()):
+                    continue
+                for i, lg in enumerate(cands):
+                    hits[j, i] += recall_at(lg[:, : W - j, j][sel], tid[:, j:][sel], K).sum(0).double()
+                count[j] += int(sel.sum())
+    finally:
+        c.residual_scale, c.selection = saved
+        net.train(was)
+    if not bool((count > 0).all()):
+        raise ValueError("the held-out sequences hold no decode targets for every direct head")
+    rec = hits / count.view(H, 1, 1)  # [H, G + C, L]
+    G = len(alphas)
+    a_idx = rec[:, :G].mean(-1).argmax(1)  # first maximum: the smallest alpha
+    learned = rec[torch.arange(H), a_idx]  # [H, L]
+    best_c = rec[:, G:].argmax(1)  # [H, L]
+    best_r = rec[:, G:].max(1).values
+    keep = learned > best_r + margin
+    selection = torch.where(keep, torch.full_like(best_c, -1), best_c)
+    scale = [float(alphas[int(a_idx[j])]) if bool(keep[j].any()) else 0.0 for j in range(H)]
+    c.residual_scale = scale if net.online is not None else None
+    c.selection = selection.tolist()
+    chosen = torch.where(keep, learned, best_r).mean(-1)
+    if refit is not None:
+        comps.fit(refit, c.p)
+    return {"held_out_sequences": len(held_out), "margin": margin, "residual_scale": scale,
+            "learned_layers": [int(k) for k in keep.sum(1)],
+            "recall": {"chosen": chosen.tolist(), "learned": learned.mean(-1).tolist(),
+                       **{n: rec[:, G + k].mean(-1).tolist() for k, n in enumerate(comps.names)}}}
+
+
 @torch.no_grad()
 def calibrate_on_loader(net: ExpertForecaster, loader: Any, max_elements: int = 4096, residual: bool = False
                         ) -> float:
@@ -288,6 +374,11 @@ class ForecasterModule(pl.LightningModule):
             discount of :attr:`~expertcast.models.forecaster.ForecasterConfig.learned_gate_rate`; 0 = off).
         online_hedge_rate / online_hedge_half_life: per-sequence weighting of the online sources by their recall
             on the sequence so far (:class:`~expertcast.models.forecaster.OnlinePrior`; 0 = off).
+        component_half_lives: the online baselines as exact components, recent-freq at these half-lives (None:
+            none); at the end of the fit :func:`select_components` picks per head and layer the learned part or a
+            component on the validation split (margin ``select_margin``).
+        head_rank: factored per-layer output heads of this rank (0: one dense head).
+        hidden_size: 0 scales the width with L x E (:func:`~expertcast.models.forecaster.scaled_width`).
 
     Loss normalisation: every loss term is a mean over the valid targets of all data-parallel ranks (the
     per-rank sums divided by the all-reduced count over the world size, which DDP's gradient averaging turns
@@ -309,7 +400,9 @@ class ForecasterModule(pl.LightningModule):
                  online_half_lives: list[float] | None = None, prior_lr: float | None = 0.05,
                  fit_residual_scale: bool = True, online_hedge_rate: float = 0.0,
                  online_hedge_half_life: float = 64.0, prior_start: float | None = None,
-                 learned_gate_rate: float = 0.0, learned_gate_half_life: float = 8.0):
+                 learned_gate_rate: float = 0.0, learned_gate_half_life: float = 8.0,
+                 component_half_lives: list[float] | None = None, head_rank: int = 0,
+                 select_margin: float = SELECT_MARGIN):
         super().__init__()
         if sampling_rollout < 2:
             raise ValueError(f"sampling_rollout must be >= 2 (one true input, then the rollout), got {sampling_rollout}")
@@ -319,14 +412,18 @@ class ForecasterModule(pl.LightningModule):
         self._residual_fit: ResidualScaleFit | None = None
         self._residual_scale: list[float] | None = None
         """The residual scale chosen at the last validation; written into the network's config when fitting ends."""
+        self.selection_report: dict[str, Any] | None = None
+        """What :func:`select_components` measured at the end of the fit (written into the export)."""
         if shape:
             self._build(shape["num_layers"], shape["num_experts"], shape["top_k"], shape.get("trigger_layer"))
 
     # --- construction ---
     def _build(self, L: int, E: int, K: int, trigger_layer: int | None) -> None:
         h = self.hparams
+        comp = h.get("component_half_lives")
         cfg = ForecasterConfig(num_layers=L, num_experts=E, top_k=K, trigger_layer=trigger_layer, backbone=h.backbone,
-                               hidden_size=h.hidden_size, num_blocks=h.num_blocks, state_size=h.state_size,
+                               hidden_size=h.hidden_size or scaled_width(L, E), head_rank=int(h.get("head_rank", 0)),
+                               component_half_lives=None if comp is None else [float(v) for v in comp], num_blocks=h.num_blocks, state_size=h.state_size,
                                head_dim=h.head_dim, expand=h.expand, conv_kernel=h.conv_kernel, n_groups=h.n_groups,
                                chunk_size=h.chunk_size, direct_horizons=h.direct_horizons,
                                online_half_lives=[float(v) for v in h.online_half_lives or []],
@@ -488,9 +585,20 @@ class ForecasterModule(pl.LightningModule):
         return T
 
     def on_fit_end(self) -> None:
-        """The residual scale chosen at the last validation goes into the network's config (and the export)."""
+        """The residual scale chosen at the last validation goes into the network's config (and the export); with
+        exact components, :func:`select_components` then chooses it and the selection on the validation split
+        (the tables refitted on train + val), or, without one, fits the tables on the training split."""
         if self.net is not None and self._residual_scale is not None:
             self.net.config.residual_scale = list(self._residual_scale)
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.net is None or self.net.components is None or getattr(dm, "splits", None) is None:
+            return
+        train, val = dm.splits["train"], dm.splits.get("val") or []
+        if val:
+            self.selection_report = select_components(self.net, train, val, dm.meta, refit=train + val,
+                                                      margin=self.hparams.select_margin)
+        else:
+            self.net.components.fit(train, self.net.config.p)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -547,6 +655,8 @@ class ForecasterModule(pl.LightningModule):
         if self._trainer is not None:
             info["val_metrics"] = {k: float(v) for k, v in self.trainer.callback_metrics.items()
                                    if k.startswith("val/")}
+        if self.selection_report is not None:
+            info["selection"] = self.selection_report
         info.update(extra or {})
         return save_forecaster(self.net, path, source=self.hparams.source, extra=info, training=training)
 
@@ -591,6 +701,6 @@ def fit_forecaster(meta: TraceMeta, seqs: list[TraceSequence], *, epochs: int = 
     trainer.fit(module, dm)
     held_out = bool(dm.splits["val"])
     calibrate_on_loader(module.net, dm.val_dataloader() if held_out else dm.train_dataloader(),
-                        residual=held_out and module.hparams.fit_residual_scale)
+                        residual=held_out and module.hparams.fit_residual_scale and module.net.components is None)
     module.net.eval()
     return module, dm

@@ -1,0 +1,175 @@
+"""The online statistics as exact forecaster components (docs/design.md "Exact components").
+
+One implementation of each statistic, shared by the forecaster (:class:`ExactComponents`, a part of
+:class:`~expertcast.models.forecaster.ExpertForecaster`) and the baselines of ``expertcast forecast-eval``
+(:mod:`expertcast.models.forecaster_recall`), so that a forecaster whose gate selects a component issues the
+baseline's scores bit for bit (same float32 operations in the same order) and its top-K, ties included, is the
+baseline's:
+
+- ``repeat-last``: element i's weights, ties broken by the fit set's expert frequency (``1e-3 · freq / max``);
+- ``frequency``: the fit set's per-layer expert frequency;
+- ``transition``: the fit set's first-order per-layer transition table (add-0.01 smoothing), applied h times to
+  the current element's weights for horizon h, ``+ 1e-6 · freq`` for ties. "Online" for it means: the table is
+  fitted once on the fit sequences and stored in the export (``components.trans``), the per-sequence input is
+  the current element;
+- ``recent-freq`` at each half-life h (``recent-freq`` is h = 16, the others ``recent-freq-h{h}``): the
+  sequence's own moving average ``e_t = e_{t-1}·d + v_t·(1-d)``, ``d = 0.5^(1/h)``, from zero at the sequence's
+  start, scored ``e_t + (0.05·(1-d))·freq``.
+
+The fitted tables (``freq`` [L, E], ``trans`` [L, E, E]) are buffers of the export: a forecaster reproduces the
+baselines exactly when forecast-eval fits them on the same sequences (the export's train + val ids, its default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+RECENT_PRIOR = 0.05
+"""Weight of the fit-set frequency in the recent-freq score (times 1 - d)."""
+TRANSITION_ALPHA = 0.01
+"""Add-alpha smoothing of the transition counts."""
+COMPONENT_SCALE = 64.0
+"""A selected component's logits are this power of two times its scores: exact (no rounding), so its top-K is the
+component's, and a softmax over them is not flat."""
+
+
+def recent_name(half_life: float) -> str:
+    """Name of the recent-freq component / baseline at ``half_life`` (16 is the plain ``recent-freq``)."""
+    return "recent-freq" if float(half_life) == 16.0 else f"recent-freq-h{float(half_life):g}"
+
+
+def component_names(half_lives: Sequence[float]) -> list[str]:
+    """The components in their index order (the values of ``ForecasterConfig.selection``)."""
+    return ["repeat-last", "frequency", "transition"] + [recent_name(h) for h in half_lives]
+
+
+def decay_of(half_life: float) -> torch.Tensor:
+    """float32 [1] decay ``0.5^(1/h)`` of a half-life (h > 0)."""
+    return torch.tensor([0.5 ** (1.0 / float(half_life))], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- fitted tables
+def fit_frequency(seqs: Sequence, num_layers: int, num_experts: int) -> torch.Tensor:
+    """Per-layer expert frequency of the sequences' selections: float32 [L, E] (rows sum to 1)."""
+    freq = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+    for sq in seqs:
+        ids = torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64))
+        flat = ids.permute(1, 0, 2).reshape(num_layers, -1)
+        freq.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))
+    return (freq / freq.sum(-1, keepdim=True).clamp_min(1)).float()
+
+
+def fit_transition(seqs: Sequence, num_layers: int, num_experts: int, p: int,
+                   alpha: float = TRANSITION_ALPHA) -> torch.Tensor:
+    """First-order per-layer transition table over forecaster elements of trigger layer ``p``: float32 [L, E, E],
+    T_l[e, e'] = #(e in element i, e' in element i+1) + alpha, rows normalized."""
+    from expertcast.models.forecaster import trigger_sequence
+
+    L, E = num_layers, num_experts
+    counts = torch.full((L, E, E), alpha, dtype=torch.float64)
+    for sq in seqs:
+        ids = trigger_sequence(torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64)), p)  # [T', L, K]
+        if ids.shape[0] < 2:
+            continue
+        a, b = ids[:-1], ids[1:]
+        K = a.shape[-1]
+        src = a.unsqueeze(-1).expand(-1, -1, K, K)
+        dst = b.unsqueeze(-2).expand(-1, -1, K, K)
+        lidx = torch.arange(L).view(1, L, 1, 1).expand_as(src)
+        flat = (lidx * E * E + src * E + dst).reshape(-1)
+        counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+    return (counts / counts.sum(-1, keepdim=True)).float()
+
+
+# ---------------------------------------------------------------------------------------------- the statistics
+def repeat_last_scores(x: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """x [..., L, E] -> [..., L, E]: the current weights, ties broken by the fit-set frequency."""
+    return x + 1e-3 * freq / freq.max().clamp_min(1e-9)
+
+
+def transition_scores(x: torch.Tensor, trans: torch.Tensor, freq: torch.Tensor, horizons: int) -> torch.Tensor:
+    """x [N, L, E] -> [N, H, L, E]: the current weights pushed h = 1..H steps through the transition table."""
+    v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
+    tie = 1e-6 * freq
+    out = []
+    for _ in range(horizons):
+        v = torch.einsum("ble,lef->blf", v, trans)
+        out.append(v + tie)
+    return torch.stack(out, dim=1)
+
+
+def recent_update(ema: torch.Tensor, x: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """One element into the moving averages, in place: ema [N, M, L, E], x [N, L, E], decay [M] -> ema."""
+    v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
+    d = decay.view(1, -1, 1, 1)
+    return ema.mul_(d).add_(v.unsqueeze(1) * (1 - d))
+
+
+def recent_scores(ema: torch.Tensor, freq: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """ema [N, M, L, E] -> recent-freq scores [N, M, L, E]."""
+    return ema + (RECENT_PRIOR * (1 - decay)).view(1, -1, 1, 1) * freq
+
+
+# ---------------------------------------------------------------------------------------------- the module
+class ExactComponents(nn.Module):
+    """The components of a forecaster: fitted tables ``freq`` / ``trans`` (buffers, in the export) and the
+    recent-freq decays; the per-sequence moving averages live in ``ForecasterState.components``."""
+
+    def __init__(self, num_layers: int, num_experts: int, half_lives: Sequence[float]):
+        super().__init__()
+        self.L, self.E = num_layers, num_experts
+        self.half_lives = [float(h) for h in half_lives]
+        self.names = component_names(self.half_lives)
+        self.register_buffer("freq", torch.zeros(num_layers, num_experts))
+        self.register_buffer("trans", torch.zeros(num_layers, num_experts, num_experts))
+        d = torch.cat([decay_of(h) for h in self.half_lives]) if self.half_lives else torch.zeros(0)
+        self.register_buffer("decays", d, persistent=False)
+
+    @property
+    def num_components(self) -> int:
+        return len(self.names)
+
+    @torch.no_grad()
+    def fit(self, seqs: Sequence, p: int) -> None:
+        """Fit ``freq`` and ``trans`` on ``seqs`` (forecaster elements of trigger layer ``p``)."""
+        self.freq.copy_(fit_frequency(seqs, self.L, self.E))
+        self.trans.copy_(fit_transition(seqs, self.L, self.E, p))
+
+    def init_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
+        """Zero moving averages [B, M, L, E]."""
+        return torch.zeros(batch_size, len(self.half_lives), self.L, self.E, device=device)
+
+    @torch.no_grad()
+    def scores(self, x: torch.Tensor, heads: int, used: Sequence[int], ema: torch.Tensor | None = None
+               ) -> dict[int, torch.Tensor]:
+        """Scores of the components ``used`` (indices into :attr:`names`): x [B, T, L, E] -> {c: [B, T, heads, L, E]}.
+
+        ``ema`` [B, M, L, E] (the state's moving averages, advanced in place) or None (from zero). Elements go
+        through the moving averages one at a time, in order, as the recent-freq baseline takes them."""
+        B, T, L, E = x.shape
+        x = x.float()
+        out: dict[int, torch.Tensor] = {}
+        M = len(self.half_lives)
+        recent = [c for c in used if c >= 3]
+        if M and (ema is not None or recent):
+            e = ema if ema is not None else x.new_zeros(B, M, L, E)
+            hist = []
+            for t in range(T):
+                recent_update(e, x[:, t], self.decays)
+                if recent:
+                    hist.append(recent_scores(e, self.freq, self.decays))
+            if recent:
+                s = torch.stack(hist, dim=1)  # [B, T, M, L, E]
+                for c in recent:
+                    out[c] = s[:, :, c - 3].unsqueeze(2).expand(B, T, heads, L, E)
+        if 0 in used:
+            out[0] = repeat_last_scores(x, self.freq).unsqueeze(2).expand(B, T, heads, L, E)
+        if 1 in used:
+            out[1] = self.freq.expand(B, T, heads, L, E)
+        if 2 in used:
+            out[2] = transition_scores(x.reshape(B * T, L, E), self.trans, self.freq, heads).view(B, T, heads, L, E)
+        return out

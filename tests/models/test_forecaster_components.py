@@ -1,0 +1,92 @@
+"""The exact components of the forecaster against forecast-eval's online baselines (docs/design.md "Exact components")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from expertcast.data.synthetic import StickyRoutingProcess
+from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig, activation_vector
+from expertcast.models.forecaster_components import COMPONENT_SCALE, component_names
+from expertcast.models.forecaster_recall import element_arrays, evaluate, fit_baselines
+
+torch.set_num_threads(1)
+HALF_LIVES = [4.0, 16.0, 64.0]
+NAMES = component_names(HALF_LIVES)
+
+
+@pytest.fixture(scope="module")
+def traces():
+    proc = StickyRoutingProcess.realistic(num_layers=3, num_experts=16, top_k=2, seed=0)
+    seqs = proc.sample(14, 40, prompt_len=6, seed=1)
+    return proc.meta(), seqs[:8], seqs[8:]
+
+
+def _forecaster(meta, fit, selection) -> ExpertForecaster:
+    torch.manual_seed(0)
+    cfg = ForecasterConfig(num_layers=meta.num_layers, num_experts=meta.num_experts, top_k=meta.top_k, trigger_layer=1,
+                           hidden_size=32, head_dim=16, state_size=8, num_blocks=1, chunk_size=16, direct_horizons=4,
+                           online_half_lives=[0.0, 16.0], online_hedge_rate=1.0, learned_gate_rate=20.0,
+                           component_half_lives=HALF_LIVES, selection=selection)
+    m = ExpertForecaster(cfg).eval()
+    with torch.no_grad():
+        m.head.weight.normal_()  # a learned part that is not zero: the components must replace it exactly
+    m.components.fit(fit, cfg.p)
+    return m
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_component_reproduces_its_online_baseline_exactly(traces, name):
+    """A forecaster whose selection is component c issues the baseline's scores bit for bit (times a power of
+    two) at every direct horizon, step after step from a prompt warm-up: its top-K is the baseline's, ties
+    broken identically, and forecast-eval's recall table is the baseline's."""
+    meta, fit, ev = traces
+    c = NAMES.index(name)
+    m = _forecaster(meta, fit, [[c] * meta.num_layers for _ in range(4)])
+    base = next(b for b in fit_baselines(fit, meta, 1, HALF_LIVES) if b.name == name)
+    ids, w, lens, prompts = element_arrays(ev, meta.num_layers, 1)
+    B, T = ids.shape[:2]
+    x_all = activation_vector(ids, w, meta.num_experts)
+    state = m.init_state(B)
+    warm = int(prompts.min()) - 1
+    m(x_all[:, :warm], state)
+    base.reset(B)
+    for i in range(warm):
+        base.observe(x_all[:, i])
+    for i in range(warm, T - 1):
+        logits, _ = m.step(x_all[:, i], state, all_horizons=True)
+        pred = base.predict(x_all[:, i], 4)
+        assert torch.equal(logits, COMPONENT_SCALE * pred), (name, i)
+        assert torch.equal(logits.topk(meta.top_k, dim=-1).indices, pred.topk(meta.top_k, dim=-1).indices)
+    tables = evaluate(m, ev, meta, [base], horizons=4, progress=False)
+    assert np.array_equal(tables["forecaster"].hits_k, tables[name].hits_k)
+    assert np.array_equal(tables["forecaster"].hits_k3, tables[name].hits_k3)
+
+
+def test_selection_is_per_head_and_layer(traces):
+    """Layer 0 on repeat-last, layer 1 on transition, layer 2 on the learned part (head 1) / recent-freq
+    (heads 2..4): each layer's recall is that predictor's; the learned layer is the forecaster's own."""
+    meta, fit, ev = traces
+    rl, tr, rf = NAMES.index("repeat-last"), NAMES.index("transition"), NAMES.index("recent-freq")
+    sel = [[rl, tr, -1]] + [[rl, tr, rf] for _ in range(3)]
+    m = _forecaster(meta, fit, sel)
+    bases = fit_baselines(fit, meta, 1, HALF_LIVES)
+    t = evaluate(m, ev, meta, bases, horizons=4, progress=False)
+    f = t["forecaster"].recall_per_layer()
+    assert np.array_equal(f[:, 0], t["repeat-last"].recall_per_layer()[:, 0])
+    assert np.array_equal(f[:, 1], t["transition"].recall_per_layer()[:, 1])
+    assert np.array_equal(f[1:, 2], t["recent-freq"].recall_per_layer()[1:, 2])
+    m.config.selection = None  # the learned part everywhere: layer 2 at head 1 is the same as with the selection
+    assert np.array_equal(evaluate(m, ev, meta, (), horizons=1, progress=False)["forecaster"].hits_k[0, 2],
+                          t["forecaster"].hits_k[0, 2])
+
+
+def test_selection_and_component_half_lives_are_validated():
+    kw = dict(num_layers=2, num_experts=8, top_k=2, direct_horizons=2)
+    with pytest.raises(ValueError, match="selection"):
+        ForecasterConfig(**kw, component_half_lives=[16.0], selection=[[0, 4], [0, 0]])  # 4 components: 0..3
+    with pytest.raises(ValueError, match="selection"):
+        ForecasterConfig(**kw, selection=[[0, 0], [0, 0]])  # no components
+    with pytest.raises(ValueError, match="component_half_lives"):
+        ForecasterConfig(**kw, component_half_lives=[0.0])
+    ForecasterConfig(**kw, component_half_lives=[16.0], selection=[[-1, 3], [2, 1]])
