@@ -178,7 +178,7 @@ def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int,
 
 
 class MLPReference(Baseline):
-    """The reference MLP predictor (docs/design.md "MLP reference"): one hidden layer (ReLU) over the current
+    """The reference MLP predictor (docs/design.md "Exact components", MLP reference): one hidden layer (ReLU) over the current
     element and the sequence's recent frequency (half-life 16, :func:`recent_update`), [x_t ; e_t] (2·L·E) ->
     H·L·E logits, one block per horizon 1..H (longer horizons repeat the last). Trained by
     :func:`fit_mlp_reference`; no recurrence beyond the moving average, so it shows what width alone buys."""
