@@ -666,6 +666,17 @@ def default_model_dir(cfg: TinyDefaultConfig | None = None, data_root: str | os.
     return cache_dir() / DEFAULT_NAME / cfg.key(_data_files(Path(data_root) if data_root else None))
 
 
+def _replace_dir(tmp: Path, dest: Path) -> None:
+    """Put the finished folder ``tmp`` in place of ``dest`` (renames only; an old ``dest`` is removed after)."""
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+
+
 def _is_complete(path: Path) -> bool:
     return all((path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json", REPORT_FILE))
 
@@ -799,13 +810,7 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
         _plot_loss(state["loss_history"], tmp / "train_loss.png")
         report["total_time_s"] = time.perf_counter() - t_all
         atomic_write_json(tmp / REPORT_FILE, report)
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        _replace_dir(tmp, out_dir)
         shutil.rmtree(work, ignore_errors=True)
         return report
     finally:
@@ -844,13 +849,7 @@ def ship_default_model(build: str | os.PathLike, dest: str | os.PathLike | None 
             listed[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
     report["shipped_files"] = listed
     atomic_write_json(tmp / REPORT_FILE, report)
-    if dest.exists():
-        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
+    _replace_dir(tmp, dest)
     return dest
 
 
