@@ -473,6 +473,16 @@ class ModelSession:
         """The last :class:`~expertcast.inference.runtime.eval_run.FullLoadFit` (None before a full load was asked)."""
         self.load_report: dict[str, Any] | None = None
 
+    @classmethod
+    def adopt(cls, args: Any, resolved: str, device: str, om: Any, tok: Any,
+              load_report: dict[str, Any] | None) -> ModelSession:
+        """A session over an already loaded OffloadedModel ``om`` (its model and host store are reused; give
+        ``om`` back, :meth:`give_back`, before the next :meth:`offload`). ``args`` needs ``pool``,
+        ``link_gbps``, ``decode_path`` and ``model``."""
+        session = cls(args, resolved, device)
+        session.model, session.tok, session.store, session.load_report = om.model, tok, om.store, load_report
+        return session
+
     def offload(self, policy: Any, capacity: dict[str, Any], measure_latency: bool = False):
         """An OffloadedModel of the session's model (loaded on the first call; then the store is reused)."""
         from expertcast.inference.cache.expert_cache import Budget
@@ -747,24 +757,50 @@ def _baseline_kind(choice: str, session: ModelSession) -> tuple[str, dict[str, A
 def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs: list[Any], templated: bool,
                   eos: list[int], baseline: str, lat_model: Any) -> dict[str, Any]:
     """Interleaved passes over ``probs`` (batches of ``--batch-size``): the evaluated policy offloaded, a
-    fresh policy and an empty cache each pass, against ``baseline`` (see
-    :func:`paired_speed`)."""
-    from expertcast.inference.runtime.eval_run import (
-        FULL_LOAD,
-        HostExecutionPolicy,
-        decode_tokens,
-        encode_prompts,
-        full_load_generate,
-        generated,
-    )
+    fresh policy and an empty cache each pass, against ``baseline`` (see :func:`paired_speed_passes`)."""
+    from expertcast.inference.runtime.eval_run import encode_prompts
 
     tok, info = session.tok, cell["info"]
     encs = [encode_prompts(tok, probs[i:i + args.batch_size], args.benchmark, templated)
             for i in range(0, len(probs), args.batch_size)]
-    gen_kw = {"max_new_tokens": args.max_new_tokens, "eos_token_id": eos or None, "pad_token_id": tok.pad_token_id}
 
-    def offloaded(policy: Any, capacity: dict[str, Any], kind: str) -> SpeedRun:
-        om = session.offload(policy, capacity)
+    def make_policy() -> Any:
+        policy = build_policy(args.policy)[0]
+        fit_stage_policy(policy, info["model_path"])
+        if lat_model is not None and hasattr(policy, "use_latency"):
+            policy.use_latency(lat_model)  # the latency model measured at start-up
+        return policy
+
+    speed = paired_speed_passes(session, encs, make_policy, info["capacity"], int(cell["shape"][2]), baseline,
+                                args.speed_repeats, max_new_tokens=args.max_new_tokens, eos=eos)
+    speed["problems"] = [p.id for p in probs]
+    if not speed["tokens_match"]:
+        print(f"warning: the speed passes of {args.policy} and the {baseline} baseline generated different "
+              "tokens (numerics of the device and host kernels differ)")
+    return speed
+
+
+def paired_speed_passes(session: ModelSession, encs: list[dict[str, Any]], make_policy: Any,
+                        capacity: dict[str, Any], host_slots: int, baseline: str, repeats: int, *,
+                        max_new_tokens: int, eos: list[int]) -> dict[str, Any]:
+    """:func:`paired_speed` over the encoded batches ``encs`` (``input_ids``, ``attention_mask``): a fresh
+    ``make_policy()`` and an empty cache of ``capacity`` each offloaded pass, against ``baseline``
+    (:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD`: the plain model with every expert back in it;
+    else every routed expert executed on the host with ``host_slots`` slots: the model's top-K). Shared by ``expertcast eval`` and the
+    lm-evaluation-harness adapter."""
+    from expertcast.inference.runtime.eval_run import (
+        FULL_LOAD,
+        HostExecutionPolicy,
+        decode_tokens,
+        full_load_generate,
+        generated,
+    )
+
+    pad = session.tok.pad_token_id
+    gen_kw = {"max_new_tokens": max_new_tokens, "eos_token_id": eos or None, "pad_token_id": pad}
+
+    def offloaded(policy: Any, cap: dict[str, Any], kind: str) -> SpeedRun:
+        om = session.offload(policy, cap)
         try:
             seqs = []
             for enc in encs:
@@ -777,31 +813,22 @@ def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs:
         session.give_back(om, full=baseline == FULL_LOAD)
         return SpeedRun(kind, int(st.decoded_tokens), float(st.decode_seconds), seqs)
 
-    def run_policy() -> SpeedRun:
-        policy = build_policy(args.policy)[0]
-        fit_stage_policy(policy, info["model_path"])
-        if lat_model is not None and hasattr(policy, "use_latency"):
-            policy.use_latency(lat_model)  # the latency model measured at start-up
-        return offloaded(policy, info["capacity"], "offloaded")
-
     def run_full() -> SpeedRun:
         seqs, secs = [], 0.0
         for enc in encs:
-            out, dt = full_load_generate(session.model, enc, max_new_tokens=args.max_new_tokens, eos=eos,
-                                         pad_token_id=tok.pad_token_id)
+            out, dt = full_load_generate(session.model, enc, max_new_tokens=max_new_tokens, eos=eos,
+                                         pad_token_id=pad)
             seqs += generated(out, enc["input_ids"].shape[1], eos)
             secs += dt
         return SpeedRun(FULL_LOAD, decode_tokens(seqs), secs, seqs)
 
     def run_host() -> SpeedRun:
-        return offloaded(HostExecutionPolicy(), {"slots": cell["shape"][2]}, HostExecutionPolicy.name)
+        return offloaded(HostExecutionPolicy(), {"slots": host_slots}, HostExecutionPolicy.name)
 
-    speed = paired_speed(run_policy, run_full if baseline == FULL_LOAD else run_host, args.speed_repeats)
-    speed["problems"] = [p.id for p in probs]
-    if not speed["tokens_match"]:
-        print(f"warning: the speed passes of {args.policy} and the {baseline} baseline generated different "
-              "tokens (numerics of the device and host kernels differ)")
-    return speed
+    return paired_speed(lambda: offloaded(make_policy(), capacity, "offloaded"),
+                        run_full if baseline == FULL_LOAD else run_host, repeats)
+
+
 def _crossover_text(n: int) -> str:
     if n <= 0:
         return "never (the transfer is faster)"

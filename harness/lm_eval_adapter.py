@@ -19,14 +19,23 @@ against the model's shape, artefacts made for another model).
   that one forward. Prefill is uncounted, so these requests add nothing to the cache metrics.
 * the cache metrics of every decode step (hit, AdjHit, MB/token, tokens/s, TTFT, stall per token; decode-only,
   as ``expertcast eval`` counts them) go into the harness's results JSON (``config.expertcast``, through
-  :meth:`ExpertcastLM.get_model_info`) and are printed as a table when the evaluation ends. No full-speed
-  baseline is measured here: ``pct_full`` is ``n/a`` (``expertcast eval`` measures it).
+  :meth:`ExpertcastLM.get_model_info`) and are printed as a table when the evaluation ends.
+* % of full speed (``pct_full``): when the evaluation ends, ``expertcast eval``'s paired speed measurement
+  (:func:`~expertcast.commands.evaluate.paired_speed_passes`) runs on the first ``speed_samples`` contexts of
+  ``generate_until`` (default 2; 0 turns it off): baseline, then (offloaded, baseline) x ``speed_repeats``,
+  a fresh policy and an empty cache each offloaded pass, each against the mean of its two neighbouring
+  baseline passes. The baseline is ``baseline`` (``auto``, as ``eval --baseline auto``: the full-load model
+  when every expert fits back in it beside the host store, else every expert executed on the host, which
+  needs no second copy; ``full-load``, ``host`` or ``none``). The speed passes decode up to the first
+  context's ``max_gen_toks`` new tokens and stop at EOS only (not at the task's stop sequences), so both
+  sides decode the same tokens (``tokens_match``).
 
 Model arguments: ``model`` (any ``--model`` of ``expertcast eval``; default ``tiny-default``), ``policy``
 (``--policy``; options separated by ``;`` since the harness splits its arguments on commas, e.g.
 ``policy=lrfu:lam=0.1``), ``capacity`` (a fraction of all experts) or ``slots``, ``pool``, ``dtype``,
 ``decode_path``, ``link_gbps``, ``seed`` (a random-init preset), ``threads``, ``max_length`` and
-``max_gen_toks`` (default 256, the harness's), plus the harness's ``batch_size`` and ``device``.
+``max_gen_toks`` (default 256, the harness's), ``speed_samples``, ``speed_repeats`` and ``baseline`` (the speed
+measurement above), plus the harness's ``batch_size`` and ``device``.
 """
 
 from __future__ import annotations
@@ -43,9 +52,10 @@ from lm_eval.api.registry import register_model
 MODEL_NAME = "expertcast"
 """The harness's name of this model (``--model expertcast``)."""
 METRIC_COLUMNS = ("hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s", "stall_ms_per_token", "decoded_tokens",
-                  "late_prefetches", "cpu_exec", "pct_full")
+                  "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline")
 """The cache and speed columns of the printed table (decode-only counters)."""
-PCT_FULL_NOTE = "no full-speed baseline is measured in the harness; expertcast eval measures it"
+BASELINES = ("auto", "full-load", "host", "none")
+"""``baseline`` values of the speed measurement (``expertcast eval --baseline``)."""
 GREEDY_KEYS = {"do_sample", "temperature", "until", "max_gen_toks"}
 """Generation settings the adapter reads; any other (top_p, ...) is refused."""
 
@@ -68,17 +78,26 @@ class ExpertcastLM(TemplateLM):
                  slots: int | None = None, pool: str = "per-layer", device: str | None = None, dtype: str = "auto",
                  batch_size: int | str | None = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, seed: int = 0, link_gbps: float | None = None, decode_path: str = "eager",
-                 threads: int | None = None, **unknown: Any):
+                 threads: int | None = None, speed_samples: int = 2, speed_repeats: int = 3, baseline: str = "auto",
+                 **unknown: Any):
         super().__init__()
         if unknown:
             raise UsageError(f"--model_args: unknown argument(s) {', '.join(sorted(unknown))} of model {MODEL_NAME} "
                              f"(model, policy, capacity, slots, pool, dtype, decode_path, link_gbps, seed, threads, "
-                             f"max_length, max_gen_toks)")
+                             f"max_length, max_gen_toks, speed_samples, speed_repeats, baseline)")
         if str(batch_size).startswith("auto"):
             raise UsageError(f"--batch_size {batch_size}: model {MODEL_NAME} takes a fixed batch size (an integer)")
         self._batch_size = _int_arg("batch_size", batch_size if batch_size is not None else 1)
         self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks)
         self._max_length_arg = None if max_length is None else _int_arg("max_length", max_length)
+        self._speed_samples = _int_arg("speed_samples", speed_samples, minimum=0)
+        self._speed_repeats = _int_arg("speed_repeats", speed_repeats)
+        if baseline not in BASELINES:
+            raise UsageError(f"--model_args baseline={baseline!r}: expected one of {', '.join(BASELINES)}")
+        self._baseline = baseline
+        self._speed_contexts: list[tuple[list[int], int]] = []
+        """(prompt ids, max new tokens) of the first ``speed_samples`` generate_until contexts."""
+        self._model_info: dict[str, Any] | None = None
         if threads is not None:
             torch.set_num_threads(_int_arg("threads", threads))
         self.settings = self._check(model, policy, capacity, slots, pool, device or "auto", dtype, seed, link_gbps,
@@ -119,7 +138,7 @@ class ExpertcastLM(TemplateLM):
         fit_stage_policy(self.policy, resolved)
         return {"model": str(model), "model_path": resolved, "policy": spec, "policy_name": name,
                 "policy_options": {k: v for k, v in sorted(opts.items()) if k not in files}, "artefacts": files,
-                "capacity": cap, "pool": pool, "cache": cache_config.describe(), "device": resolve_device(device),
+                "capacity": cap, "pool": pool, "shape": list(shape), "cache": cache_config.describe(), "device": resolve_device(device),
                 "dtype": dtype, "seed": int(seed), "link_gbps": None if link_gbps is None else float(link_gbps),
                 "decode_path": decode_path, "batch_size": self._batch_size, "greedy": True}
 
@@ -230,6 +249,9 @@ class ExpertcastLM(TemplateLM):
         enc = self.tok(contexts, return_tensors="pt", padding=True, add_special_tokens=False)
         keep = max(self.max_length - max_new, 1)
         input_ids, mask = enc["input_ids"][:, -keep:], enc["attention_mask"][:, -keep:]  # left-padded: keep the end
+        for row, m in zip(input_ids.tolist(), mask.tolist(), strict=True):
+            if len(self._speed_contexts) < self._speed_samples:
+                self._speed_contexts.append(([t for t, k in zip(row, m, strict=True) if k], max_new))
         res = self.om.generate(input_ids, mask, max_new_tokens=max_new, eos_token_id=self.eos,
                                pad_token_id=self.eos[0], stop_strings=list(until), tokenizer=self.tok,
                                seq_ids=[f"req{i}" for i in ids])
@@ -310,20 +332,79 @@ class ExpertcastLM(TemplateLM):
             "tokens_per_s": m["tokens_per_s"], "ttft_s": m["ttft_s"], "stall_ms_per_token": m["stall_ms_per_token"],
             "decoded_tokens": int(st.decoded_tokens), "accesses": int(st.A), "demand_misses": int(st.D),
             "proactive_loads": int(st.P), "late_prefetches": int(st.late.sum()), "cpu_exec": int(st.cpu.sum()),
-            "pct_full": "n/a", "pct_full_note": PCT_FULL_NOTE, "expert_bytes": int(self.om.layout.expert_bytes),
+            "expert_bytes": int(self.om.layout.expert_bytes),
             "accounting": "decode-only; prefill (and every loglikelihood request) uncounted",
             "settings": s, "model_identity": model_identity(s["model_path"], init_seed=s["seed"]),
             "memory": self.om.memory_report().to_dict(), "load": self.load_report,
         }
 
+    def measure_speed(self) -> dict[str, Any] | None:
+        """The paired speed measurement on the recorded contexts (see the module docstring), or None when
+        it is off (``speed_samples=0``, ``baseline=none``) or no ``generate_until`` ran. The harness's
+        OffloadedModel is given back to it and a fresh one (fresh policy, empty cache) replaces it."""
+        from types import SimpleNamespace
+
+        from expertcast.commands.evaluate import ModelSession, _baseline_kind, build_policy, fit_stage_policy
+        from expertcast.commands.evaluate import paired_speed_passes
+
+        if self._baseline == "none" or not self._speed_contexts:
+            return None
+        s = self.settings
+        args = SimpleNamespace(pool=s["pool"], link_gbps=s["link_gbps"], decode_path=s["decode_path"], model=s["model"])
+        session = ModelSession.adopt(args, s["model_path"], s["device"], self.om, self.tok, self.load_report)
+        session.give_back(self.om, full=self._baseline in ("auto", "full-load"))
+        baseline, choice = _baseline_kind(self._baseline, session)
+        pad = self.tok.pad_token_id
+        encs = []
+        for b in range(0, len(self._speed_contexts), self.batch_size):
+            rows = [ids for ids, _ in self._speed_contexts[b:b + self.batch_size]]
+            P = max(len(r) for r in rows)
+            encs.append({"input_ids": torch.tensor([[pad] * (P - len(r)) + r for r in rows], dtype=torch.long),
+                         "attention_mask": torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows],
+                                                        dtype=torch.long)})
+
+        def make_policy() -> Any:
+            policy = build_policy(self._policy_spec)[0]
+            fit_stage_policy(policy, s["model_path"])
+            return policy
+
+        max_new = self._speed_contexts[0][1]
+        speed = paired_speed_passes(session, encs, make_policy, s["capacity"], int(s["shape"][2]),
+                                    baseline, self._speed_repeats, max_new_tokens=max_new, eos=self.eos)
+        speed["baseline_choice"] = choice
+        speed["speed_samples"] = len(self._speed_contexts)
+        speed["max_new_tokens"] = max_new
+        speed["stops"] = "EOS only (the task's stop sequences are not applied in the speed passes)"
+        from expertcast.inference.runtime.live_routers import attach_live_routers
+
+        self.policy = make_policy()
+        self.om = session.offload(self.policy, s["capacity"])
+        attach_live_routers(self.policy, self.om.model, s["model"])
+        return speed
+
     def get_model_info(self) -> dict[str, Any]:
         """Called by the harness once the evaluation is done (its results JSON's ``config``): the cache
-        metrics, also printed as a table."""
+        metrics of the harness's requests, then the paired speed measurement (% of full speed), printed as a
+        table. Measured once; later calls return the same record."""
         from expertcast.utils.io import print_table
 
+        if self._model_info is not None:
+            return self._model_info
         metrics = self.cache_metrics()
+        speed = self.measure_speed()
+        if speed is None:
+            metrics.update(pct_full="n/a", pct_full_min="n/a", pct_full_max="n/a", baseline="none",
+                           speed=None)
+        else:
+            metrics.update(pct_full=speed["pct_full"], pct_full_min=speed["pct_full_min"],
+                           pct_full_max=speed["pct_full_max"], baseline=speed["baseline"], speed=speed)
         s = self.settings
         print_table([{"policy": s["policy"], **s["capacity"], **{k: metrics[k] for k in METRIC_COLUMNS}}],
                     title=f"expertcast cache metrics: {s['model']}, {s['cache']} ({metrics['accounting']})")
-        return {MODEL_NAME: metrics}
-
+        if speed is not None:
+            print(f"speed: {speed['pct_full']:.1f}% of {speed['baseline']} tokens/s (median of "
+                  f"{speed['repeats']} paired passes, min-max {speed['pct_full_min']:.1f}-{speed['pct_full_max']:.1f}%; "
+                  f"{speed['tokens_per_s']:.1f} vs {speed['baseline_tokens_per_s']:.1f} tokens/s on "
+                  f"{speed['speed_samples']} contexts; tokens match: {speed['tokens_match']})")
+        self._model_info = {MODEL_NAME: metrics}
+        return self._model_info

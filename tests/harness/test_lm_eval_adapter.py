@@ -51,7 +51,13 @@ def test_gsm8k_from_local_files_reports_accuracy_and_cache_metrics(data_dir, mon
     assert m["accesses"] > 0 and m["decoded_tokens"] > 0 and 0 <= m["demand_misses"] <= m["accesses"]
     assert m["hit"] == pytest.approx(1 - m["demand_misses"] / m["accesses"])
     assert m["mb_per_token"] == pytest.approx(m["demand_misses"] * m["expert_bytes"] / 1e6 / m["decoded_tokens"])
-    assert m["pct_full"] == "n/a" and m["settings"]["policy"] == "lru" and m["settings"]["capacity"] == {"capacity": 0.5}
+    assert m["settings"]["policy"] == "lru" and m["settings"]["capacity"] == {"capacity": 0.5}
+    # % of full speed: the paired passes ran on the first 2 contexts, each offloaded pass between two baselines
+    sp = m["speed"]
+    assert sp["speed_samples"] == 2 and len(sp["offloaded_passes"]) == 3 and len(sp["baseline_passes"]) == 4
+    assert sp["baseline"] == m["baseline"] == "full-load" and sp["tokens_match"]
+    assert m["pct_full_min"] <= m["pct_full"] <= m["pct_full_max"] and m["pct_full"] > 0
+    assert all(p["decoded_tokens"] == sp["decoded_tokens"] > 0 for p in sp["offloaded_passes"] + sp["baseline_passes"])
 
 
 def test_generation_is_the_runtimes_and_honours_until_and_max_gen_toks(lm):
