@@ -28,6 +28,16 @@ class RuntimeStats(Counters):
     """Host time blocked waiting for transfers (demand loads and late prefetches) in decode."""
     ttft_seconds: list[float] = field(default_factory=list)
     """Time to first token of each generate() call."""
+    miss_free_steps: int = 0
+    """Decode steps none of whose accesses was a demand miss or a late prefetch."""
+
+    @property
+    def io_overlap(self) -> float:
+        """Share of the decode's read-busy time the compute did not wait for: 1 - stall / read busy (NaN
+        without reads)."""
+        if self.read_busy_seconds <= 0:
+            return float("nan")
+        return max(0.0, 1.0 - self.stall_seconds / self.read_busy_seconds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -44,6 +54,9 @@ class RuntimeStats(Counters):
             "warmup_s": self.warmup_seconds,
             "stall_ms_per_token": 1e3 * self.stall_seconds / max(self.decoded_tokens, 1),
             "transfer_mb": self.bytes_moved / 1e6,
+            **self.read_metrics(),
+            "miss_free_token_frac": self.miss_free_steps / max(self.decode_steps, 1),
+            "io_overlap": self.io_overlap,
         }
 
     def snapshot(self) -> dict:
