@@ -243,3 +243,34 @@ def test_cuda_disk_reads_equal_ram(tiny_store):
     for a, b in zip(got, ram, strict=True):
         assert torch.equal(a, b)
     assert st.reads == st.D + st.P > 0
+
+
+def test_checkpoint_streams_to_disk_store_token_identical(tmp_path):
+    """A saved checkpoint loads straight to the disk store (``load_offloaded(store="disk")``): greedy tokens
+    equal the full-load model's, the experts are not in host RAM, the report names the I/O mode, the
+    readers and the RSS bound, and every counted load is one read."""
+    from expertcast.inference.runtime.loading import RSS_MARGIN_BYTES, load_offloaded
+    from expertcast.models.backbone import load_moe_model, save_tiny
+
+    d = save_tiny("qwen3_moe-tiny", tmp_path / "ckpt", seed=1)
+    full, _ = load_moe_model(d)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, 500, (1, 9), generator=g)
+    am = torch.ones_like(ids)
+    ref = full.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    del full
+    with pytest.raises(UsageError, match="disk_path"):
+        load_offloaded(d, make_policy("lru"), 4, store="disk")
+    om, _, report = load_offloaded(d, make_policy("lru"), 4, store="disk", disk_path=tmp_path / "x.safetensors",
+                                   readers=3)
+    out = om.generate(ids, am, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out.sequences, ref)
+    st = om.stats
+    assert st.D > 0 and st.reads == st.D + st.P
+    r = report.to_dict()
+    assert r["store_kind"] == "disk" and r["readers"] == 3 and r["disk_io_mode"] in (DIRECT, BUFFERED)
+    assert r["rss_bound_bytes"] >= RSS_MARGIN_BYTES + report.plan.slot_bytes + report.plan.non_expert_bytes
+    mem = om.memory_report()
+    assert mem.host_expert_bytes == 0 and mem.store_kind == "disk"
+    assert mem.disk_store_bytes == om.L * om.E * om.store.stride >= report.plan.expert_bytes_total
+    om.close()
