@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--policies", nargs="+", default=list(d.policies))
     ap.add_argument("--budgets", nargs="+", type=float, default=list(d.budgets))
+    ap.add_argument("--model", default=None, help="benchmark this model (preset, tiny-default, local dir) instead of "
+                    "a random-weight Qwen3-MoE of --hidden/--experts/... shape")
     ap.add_argument("--traces", default=None, help="recorded traces of the model's shape (default: synthetic)")
     ap.add_argument("--forecaster", default=None, help="forecaster export: adds seqmoe")
     ap.add_argument("--baseline-model", default=None, help="all-in-RAM baseline model (a --layers subset)")
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         cfg = quick_config(a.out)
         cfg.policies = tuple(a.policies)
-        cfg.traces, cfg.forecaster = a.traces, a.forecaster
+        cfg.traces, cfg.forecaster, cfg.model = a.traces, a.forecaster, a.model
     else:
         cfg = BenchConfig(**{k: v for k, v in vars(a).items() if k != "quick"})
         cfg.policies, cfg.budgets = tuple(a.policies), tuple(a.budgets)

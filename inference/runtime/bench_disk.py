@@ -44,6 +44,9 @@ class BenchConfig:
 
     out: str
     """Output folder (JSON, CSV, PNG; the disk store file and the temporary bandwidth file live here)."""
+    model: str | None = None
+    """A model to benchmark (preset, ``tiny-default``, local directory; loaded in RAM, its experts then written to
+    the disk store) instead of the random-weight Qwen3-MoE of the shape below."""
     hidden: int = 256
     """Model hidden size (random-weight Qwen3-MoE of this shape)."""
     moe_intermediate: int = 128
@@ -266,13 +269,22 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, cfg.dtype)
+    if cfg.model:
+        from expertcast.models.backbone import load_moe_model
+
+        model, _ = load_moe_model(cfg.model, dtype=dtype)
+        c = model.config.get_text_config()
+        cfg.hidden, cfg.moe_intermediate = int(c.hidden_size), int(c.moe_intermediate_size)
+        cfg.experts, cfg.top_k = int(c.num_experts), int(c.num_experts_per_tok)
     mcfg = get_config("qwen3_moe-tiny", hidden_size=cfg.hidden, moe_intermediate_size=cfg.moe_intermediate,
                       intermediate_size=2 * cfg.moe_intermediate, num_experts=cfg.experts,
                       num_experts_per_tok=cfg.top_k, num_hidden_layers=cfg.layers, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=max(cfg.hidden // 4, 8))
-    model = build_from_config(mcfg, seed=cfg.seed, dtype=dtype)
+    if not cfg.model:
+        model = build_from_config(mcfg, seed=cfg.seed, dtype=dtype)
     refs = find_experts_modules(model)
     L, E, K = len(refs), cfg.experts, cfg.top_k
+    cfg.layers = L
     ram_store = HostExpertStore.from_model(model, refs=refs)
     xbytes = ram_store.expert_bytes
     disk_path = out / "experts.disk.safetensors"
@@ -292,10 +304,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     del ram_store
 
     # the baseline: the all-in-RAM model under the same forced routing
-    if cfg.baseline_model:
+    if cfg.baseline_model or cfg.model:
         from expertcast.models.backbone import load_moe_model
 
-        base_model, _ = load_moe_model(cfg.baseline_model, dtype=dtype)
+        base_model, _ = load_moe_model(cfg.baseline_model or cfg.model, dtype=dtype)
     else:
         base_model = build_from_config(copy.deepcopy(mcfg), seed=cfg.seed, dtype=dtype)  # own config: the runtime
         # sets the experts implementation on its model's config
@@ -344,7 +356,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     disk_path.unlink()  # the disk has room for one real-shape store at a time: build, measure, delete
     record = {
         "machine": asdict(mach),
-        "model": {"L": L, "E": E, "K": K, "hidden": cfg.hidden, "moe_intermediate": cfg.moe_intermediate,
+        "model": {"name": cfg.model or "random-weight qwen3_moe", "L": L, "E": E, "K": K, "hidden": cfg.hidden, "moe_intermediate": cfg.moe_intermediate,
                   "dtype": cfg.dtype, "expert_bytes": xbytes, "disk_store_bytes": L * E * stride},
         "rows": rows,
         "peak_rss_bytes": peak_rss_bytes(),
