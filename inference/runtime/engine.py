@@ -175,6 +175,10 @@ class OffloadedModel:
         model.set_experts_implementation(experts.register())
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         self._run: RunState | None = None
+        self._step_mark: int | None = None
+        """D + late at the start of the current counted decode step (miss-free step count)."""
+        self._io_busy0 = 0.0
+        """The transfer engine's busy seconds when the call's decode began."""
         if measure_latency:
             self.use_measured_latency()
         self.reset()
@@ -329,7 +333,7 @@ class OffloadedModel:
     def _close_step(self) -> None:
         """A decode step ended: count it as miss-free when none of its accesses was a demand miss or a late
         prefetch."""
-        mark, self._step_mark = getattr(self, "_step_mark", None), None
+        mark, self._step_mark = self._step_mark, None
         if mark is not None and mark == self.stats.D + int(self.stats.late.sum()):
             self.stats.miss_free_steps += 1
 
@@ -337,7 +341,7 @@ class OffloadedModel:
         """The call ends: close the prefill if no decode step ran, else log the last step."""
         self._close_step()
         if rs.prefill_done:
-            self.stats.read_busy_seconds += self._busy_now() - getattr(self, "_io_busy0", 0.0)
+            self.stats.read_busy_seconds += self._busy_now() - self._io_busy0
         if not rs.prefill_done:
             rs.close_prefill(no_decode=True)
             self._replay_prefill(rs)
