@@ -391,7 +391,7 @@ def _export_hash(path: str | None) -> str | None:
     return sha256_files(path)
 
 
-COLUMNS = ["policy", "budget", "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "hit",
+COLUMNS = ["policy", "budget", "capacity", "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "hit",
            "exposed_misses_per_token", "miss_free_token_frac", "read_mb_per_token", "read_gbps", "read_vs_disk",
            "io_overlap", "bound_tokens_per_s", "achieved_vs_bound", "reads", "loads"]
 
