@@ -77,9 +77,31 @@ def build_parser() -> CommandParser:
     ap.add_argument("--overwrite", action="store_true", help="remove this folder's earlier eval output and start over")
     ap.add_argument("--mmap-store", action="store_true",
                     help="memory-map the host expert store (written to OUT/experts.safetensors)")
+    add_store_args(ap)
     add_run_args(ap)
     add_config_arg(ap)
     return ap
+
+
+def add_store_args(ap: CommandParser) -> None:
+    """Where the experts live (docs/design.md, "Disk tier")."""
+    ap.add_argument("--store", choices=("ram", "disk"), default="ram",
+                    help="ram: the host expert store in RAM (or --mmap-store); disk: the experts in one file read with "
+                         "direct I/O by a reader pool, RAM holding only the slots")
+    ap.add_argument("--disk-path", default=None,
+                    help="--store disk: the expert file (default OUT/experts.disk.safetensors; put it on the disk to "
+                         "measure, not on tmpfs)")
+    ap.add_argument("--readers", type=positive_int, default=4, help="--store disk: reader threads of the reader pool")
+
+
+def check_store_args(a: Any) -> None:
+    if getattr(a, "store", "ram") == "disk":
+        if getattr(a, "mmap_store", False):
+            raise UsageError("--store disk and --mmap-store exclude each other (the disk store is its own file)")
+        if getattr(a, "link_gbps", None) is not None:
+            raise UsageError("--link-gbps emulates a link; --store disk reads the real disk (drop --link-gbps)")
+    elif getattr(a, "disk_path", None) is not None:
+        raise UsageError("--disk-path needs --store disk")
 
 
 def add_run_args(ap: CommandParser) -> None:
@@ -409,6 +431,7 @@ def prepare(args: Any) -> dict[str, Any]:
     caps = capacities_from_args(args, multiple=False)
     if not caps:
         raise UsageError("give --capacity (a fraction of all experts) or --slots (a slot count)")
+    check_store_args(args)
     device = resolve_device(args.device)
     policy, name, opts, files = build_policy(args.policy)
     from expertcast.inference.runtime.live_routers import is_router_policy, router_export_model
@@ -496,16 +519,21 @@ class ModelSession:
             from expertcast.inference.runtime.loading import load_offloaded
 
             mmap = str(Path(a.out) / "experts.safetensors") if a.mmap_store else None
+            kind = getattr(a, "store", "ram")
+            disk = (getattr(a, "disk_path", None) or str(Path(a.out) / "experts.disk.safetensors")) if kind == "disk" \
+                else None
             om, self.tok, report = load_offloaded(self.resolved, policy, cap, device=self.device, dtype=a.dtype,
                                                   pool=a.pool, link_gbps=a.link_gbps, mmap_path=mmap, seed=a.seed,
-                                                  decode_path=a.decode_path)
+                                                  decode_path=a.decode_path, store=kind, disk_path=disk,
+                                                  readers=getattr(a, "readers", 4))
             pad_left(self.tok)
             self.model, self.store, self.load_report = om.model, om.store, report.to_dict()
             if measure_latency:
                 om.use_measured_latency()
         else:
             om = OffloadedModel(self.model, policy, cap, pool=a.pool, device=self.device, link_gbps=a.link_gbps,
-                                store=self.store, measure_latency=measure_latency, decode_path=a.decode_path)
+                                store=self.store, measure_latency=measure_latency, decode_path=a.decode_path,
+                                readers=getattr(a, "readers", 4))
         self.full = False
         attach_live_routers(policy, om.model, a.model)  # router policies: the --model export's routers, live
         return om
@@ -890,6 +918,15 @@ def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict
         print(f"speed: {speed['pct_full']:.1f}% of {speed['baseline']} tokens/s (median of {speed['repeats']} paired "
               f"passes, min-max {speed['pct_full_min']:.1f}-{speed['pct_full_max']:.1f}%; {speed['tokens_per_s']:.1f} vs "
               f"{speed['baseline_tokens_per_s']:.1f} tokens/s on {len(speed['problems'])} problems)")
+    load = info.get("load") or {}
+    summary["rss"] = {"peak_rss_bytes": memory.get("process_peak_rss"), "bound_bytes": load.get("rss_bound_bytes"),
+                      "store": load.get("store_kind", "ram"), "disk_io_mode": load.get("disk_io_mode"),
+                      "readers": load.get("readers")}
+    if load.get("store_kind") == "disk":
+        rss = summary["rss"]
+        print(f"disk store ({rss['disk_io_mode']}, {rss['readers']} readers): peak RSS "
+              f"{(rss['peak_rss_bytes'] or 0) / 2**30:.2f} GiB, bound {rss['bound_bytes'] / 2**30:.2f} GiB (slots + "
+              "non-expert weights + one layer's rows + 1 GiB margin)")
     lat = info.get("latency_model")
     if lat:
         print(f"latency model (measured): transfer {lat['transfer_ms']:.3f} ms/expert, CPU {lat['cpu_expert_ms']:.3f} ms + "

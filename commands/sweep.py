@@ -33,7 +33,7 @@ from expertcast.commands.common import (
     config_record,
     parse_and_run,
 )
-from expertcast.commands.evaluate import add_run_args
+from expertcast.commands.evaluate import add_run_args, add_store_args
 from expertcast.data.benchmarks import BENCHMARKS
 from expertcast.utils.errors import UsageError
 
@@ -51,6 +51,7 @@ def build_parser() -> CommandParser:
     add_capacity_args(ap, multiple=True, default="0.15,0.25,0.35,0.45")
     ap.add_argument("--out", required=True, help="output folder (claimed; cells resume when their settings match)")
     ap.add_argument("--overwrite", action="store_true", help="remove this folder's earlier sweep output and start over")
+    add_store_args(ap)
     add_run_args(ap)
     add_config_arg(ap)
     return ap

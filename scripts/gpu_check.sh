@@ -8,7 +8,8 @@
 # Checks: gpu-extra (installs mamba-ssm/causal-conv1d from .whl/ or the index when missing), gpu-tests (every
 # `gpu`-marked test), forecaster-epoch (bf16 epoch with the mamba-ssm kernels asserted in use, and its step
 # time vs the PyTorch fallback), token-identity (offloaded greedy tokens on CUDA equal the full-load model's,
-# qwen3_moe-tiny and gpt_oss-tiny), bench (scripts/bench_runtime.py --device cuda on a random-weight
+# qwen3_moe-tiny and gpt_oss-tiny), disk-cuda (the disk store's reader pool feeding pinned bounce buffers and
+# device slots: forced-routing logits equal the pinned RAM store's, reads == counted loads), bench (scripts/bench_runtime.py --device cuda on a random-weight
 # Qwen3-30B-A3B-shaped model, --layers MoE layers, forced synthetic staged routing: % of full-load tokens/s at
 # 25% and 45% residency for lru, static and seqmoe, real pinned-memory transfers), peak-memory (the
 # benchmark's peak device memory vs its memory report), eval-graph (`expertcast eval --decode-path graph` on
@@ -94,6 +95,20 @@ if ! skipped token-identity; then
     rc=$?; summary=$(tail -n 1 "$OUT/token_identity.log")
     if [ $rc = 0 ] && ! grep -q skipped <<<"$summary"; then say PASS token-identity "qwen3_moe-tiny, gpt_oss-tiny: $summary"
     else say FAIL token-identity "$summary (see $OUT/token_identity.log)"; fi
+  fi
+fi
+
+# -- 3b. disk store on CUDA: disk -> pinned bounce buffers -> device slots (docs/design.md, "Disk tier") -----------
+if ! skipped disk-cuda; then
+  T=tests/inference/runtime/test_disk_store.py::test_cuda_disk_reads_equal_ram
+  if [ $DRY = 1 ]; then
+    n=$($PY -m pytest -q -p no:cacheprovider --collect-only "$T" 2>/dev/null | grep -c '::')
+    if [ "$n" = 1 ]; then say PASS disk-cuda "dry-run: $n case resolves ($T)"; else say FAIL disk-cuda "dry-run: $n cases"; fi
+  else
+    $PY -m pytest -q -p no:cacheprovider "$T" >"$OUT/disk_cuda.log" 2>&1
+    rc=$?; summary=$(tail -n 1 "$OUT/disk_cuda.log")
+    if [ $rc = 0 ] && ! grep -q skipped <<<"$summary"; then say PASS disk-cuda "reader pool on CUDA, logits equal the pinned RAM store's: $summary"
+    else say FAIL disk-cuda "$summary (see $OUT/disk_cuda.log)"; fi
   fi
 fi
 

@@ -60,6 +60,21 @@ class Counters:
     prefetch_used: np.ndarray = None  # type: ignore[assignment]
     decoded_tokens: int = 0
     decode_steps: int = 0
+    reads: int = 0
+    """Runtime: expert reads (copies into slots) submitted for counted loads; equals ``D + P`` (every demand,
+    temporary and proactive load the driver counts is one read)."""
+    read_demand: int = 0
+    """Of ``reads``: demand and temporary loads."""
+    read_prefetch: int = 0
+    """Of ``reads``: proactive loads."""
+    read_bytes: int = 0
+    """Bytes of ``reads``."""
+    read_seconds: float = 0.0
+    """Sum of the durations of ``reads`` (readers in parallel each count their own)."""
+    read_busy_seconds: float = 0.0
+    """Decode time during which at least one read was in progress (disk store's reader pool)."""
+    read_exposed: int = 0
+    """Counted loads the compute had to wait for (not finished when the expert's kernel was due): exposed misses."""
 
     def __post_init__(self) -> None:
         for name in COUNTER_NAMES:
@@ -120,6 +135,20 @@ class Counters:
     def bytes_moved(self) -> int:
         """Bytes copied host->device on counted steps (demand, temporary and proactive loads)."""
         return (self.D + self.P) * self.expert_bytes
+
+    def read_metrics(self) -> dict[str, int | float]:
+        """The I/O figures of a runtime run (zero in the simulator, which moves no bytes)."""
+        tok = max(self.decoded_tokens, 1)
+        return {
+            "reads": self.reads,
+            "read_demand": self.read_demand,
+            "read_prefetch": self.read_prefetch,
+            "read_mb_per_token": self.read_bytes / 1e6 / tok,
+            "read_seconds": self.read_seconds,
+            "read_busy_seconds": self.read_busy_seconds,
+            "read_gbps": self.read_bytes / 1e9 / self.read_busy_seconds if self.read_busy_seconds > 0 else float("nan"),
+            "exposed_misses_per_token": self.read_exposed / tok,
+        }
 
     @property
     def per_layer_hit(self) -> list[float]:

@@ -61,6 +61,7 @@ from expertcast.inference.runtime.store import (
     release_model_experts,
 )
 from expertcast.inference.runtime.transfer import TransferEngine, make_transfer_engine
+from expertcast.utils.errors import UsageError
 from torch import nn
 
 __all__ = ["OffloadedModel", "RuntimeStats", "MemoryReport", "GenerationResult", "LivePrompt",
@@ -103,7 +104,9 @@ class OffloadedModel:
                  device: torch.device | str | None = None, link_gbps: float | None = None,
                  mmap_path: str | None = None, num_temp_slots: int = 2, future: Any = None,
                  store: HostExpertStore | None = None, cpu_exec_ms: Any = None, cpu_parallel: bool = True,
-                 measure_latency: bool = False, decode_path: str = "eager"):
+                 measure_latency: bool = False, decode_path: str = "eager", readers: int = 4):
+        from expertcast.inference.runtime.disk_store import ReaderPoolEngine, is_disk_store
+
         self.model = model
         self.refs: list[MoELayerRef] = find_experts_modules(model)  # unsupported architecture -> error
         mod0 = self.refs[0].module
@@ -137,17 +140,25 @@ class OffloadedModel:
                              f"model has L={self.L}, E={self.E}")
         self.store = store
         self.layout = self.store.layout
+        disk = is_disk_store(store)
+        if disk and link_gbps is not None:
+            raise UsageError("link_gbps emulates a link; the disk store's reads are real (drop --link-gbps)")
+        if disk and decode_path == "graph":
+            raise UsageError("decode path 'graph' cannot run: its miss copies read host rows, the disk store has none")
         release_model_experts(self.refs, self.layout)
         model.to(self.device)
         self.cache = ExpertCache(self.cache_config)
-        self.decode_path, self.decode_path_reason = graph.choose_decode_path(decode_path, policy, self.device, link_gbps,
+        self.decode_path, self.decode_path_reason = graph.choose_decode_path("eager" if disk else decode_path, policy, self.device, link_gbps,
                                                                           self.store.is_pinned,
                                                                           modules=[r.module for r in self.refs],
                                                                           announce=True)
         if self.decode_path == "graph":
             num_temp_slots = max(num_temp_slots, graph.GraphDecoder.scratch_rows(self.K, getattr(policy, "max_tasks", 0)))
-        self.pool = SlotPool(self.layout, self.cache.num_slots, self.device, num_temp=num_temp_slots)
-        self.transfer: TransferEngine = make_transfer_engine(self.device, link_gbps)
+        self.pool = SlotPool(self.layout, self.cache.num_slots, self.device, num_temp=num_temp_slots,
+                             io_stride_bytes=store.stride if disk else None)
+        self.readers = int(readers) if disk else None
+        self.transfer: TransferEngine = (ReaderPoolEngine(store, readers, self.device) if disk
+                                         else make_transfer_engine(self.device, link_gbps))
         self.transport = RuntimeTransport(self.store, self.pool, self.transfer)
         self.stats = RuntimeStats(self.L, self.layout.expert_bytes)
         self.driver = Driver(policy, self.cache, self.transport, self.stats)
@@ -164,6 +175,10 @@ class OffloadedModel:
         model.set_experts_implementation(experts.register())
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         self._run: RunState | None = None
+        self._step_mark: int | None = None
+        """D + late at the start of the current counted decode step (miss-free step count)."""
+        self._io_busy0 = 0.0
+        """The transfer engine's busy seconds when the call's decode began."""
         if measure_latency:
             self.use_measured_latency()
         self.reset()
@@ -176,6 +191,7 @@ class OffloadedModel:
         self.transport.materialize(self.cache)
         self.stats = RuntimeStats(self.L, self.layout.expert_bytes)
         self.driver.counters = self.stats
+        self.transport.counters = self.stats
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -310,8 +326,22 @@ class OffloadedModel:
         self._run = rs
         return rs
 
+    def _busy_now(self) -> float:
+        busy = getattr(self.transfer, "busy_seconds", None)
+        return busy() if busy is not None else 0.0
+
+    def _close_step(self) -> None:
+        """A decode step ended: count it as miss-free when none of its accesses was a demand miss or a late
+        prefetch."""
+        mark, self._step_mark = self._step_mark, None
+        if mark is not None and mark == self.stats.D + int(self.stats.late.sum()):
+            self.stats.miss_free_steps += 1
+
     def _end_call(self, rs: RunState) -> None:
         """The call ends: close the prefill if no decode step ran, else log the last step."""
+        self._close_step()
+        if rs.prefill_done:
+            self.stats.read_busy_seconds += self._busy_now() - self._io_busy0
         if not rs.prefill_done:
             rs.close_prefill(no_decode=True)
             self._replay_prefill(rs)
@@ -339,7 +369,10 @@ class OffloadedModel:
         else:  # the previous decode step ends with the tokens this forward feeds
             self.driver.end_step(rs.fed_tokens(self.driver.info))
             rs.flush_decode_log()
+        self._close_step()
         info = self.driver.begin_step()
+        if self.driver.counted:
+            self._step_mark = self.stats.D + int(self.stats.late.sum())
         rs.start_step(info)
         if self.graph is not None and self.graph.active:
             self.graph.begin_step(info.t, rs.active, [int(info.positions[i]) for i in rs.active])
@@ -362,6 +395,7 @@ class OffloadedModel:
         finally:
             self.transport.physical = True
         self.transport.materialize(self.cache)
+        self._io_busy0 = self._busy_now()
         rs.warmup = time.perf_counter() - t0
         self.stats.warmup_seconds += rs.warmup
 
@@ -397,9 +431,13 @@ class OffloadedModel:
         grouping = experts.Grouping(idx, self.E)
         sel, cnt = grouping.selected, grouping.selected_counts
         routing = rs.member_routing(idx, w) if self.driver.wants_routing else None  # per member (forecaster input)
-        plan = self.driver.serve(layer, sel, cnt, routing)
-        y = self._compute(module, layer, h, idx, w, grouping, plan, count_stall=True)
-        self.driver.finish(layer, sel, cnt)
+        self.transport.count_reads = self.driver.counted  # every counted load is one counted read
+        try:
+            plan = self.driver.serve(layer, sel, cnt, routing)
+            y = self._compute(module, layer, h, idx, w, grouping, plan, count_stall=True)
+            self.driver.finish(layer, sel, cnt)
+        finally:
+            self.transport.count_reads = False
         return y
 
     def _prefill_layer(self, module, layer, h, idx, w) -> torch.Tensor:

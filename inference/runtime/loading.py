@@ -416,6 +416,15 @@ class LoadReport:
     source: str = "checkpoint"
     """``checkpoint`` (streamed from safetensors) or ``host`` (a tiny preset or an adapter export, built in
     host memory first)."""
+    store_kind: str = "ram"
+    disk_path: str | None = None
+    disk_io_mode: str | None = None
+    """``direct`` (O_DIRECT) or ``buffered+dontneed`` (the file system refused O_DIRECT)."""
+    readers: int | None = None
+    rss_bound_bytes: int | None = None
+    """Disk store: the stated host RSS bound, slots (CPU) + non-expert weights + one MoE layer's rows (the
+    writer's buffer) + :data:`RSS_MARGIN_BYTES`, whatever the size of the expert file. A model built in
+    host memory first (``source="host"``) held its experts in RAM once, beyond this bound."""
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "plan"}
@@ -423,6 +432,10 @@ class LoadReport:
         d["unused_checkpoint_keys"] = self.unused_checkpoint_keys[:20]
         d["num_unused_checkpoint_keys"] = len(self.unused_checkpoint_keys)
         return d
+
+
+RSS_MARGIN_BYTES = 1 << 30
+"""The disk store's stated host RSS margin (1 GiB): interpreter, torch, transformers, workspace, KV cache."""
 
 
 # --------------------------------------------------------------------------------------------- entry points
@@ -621,32 +634,58 @@ class OffloadOptions:
     expert takes (e.g. ``LatencyModel.cpu_ms``)."""
     decode_path: str = "eager"
     """``eager`` (the reference), ``graph`` or ``auto``: the decode step implementation."""
+    store_kind: str = "ram"
+    """``ram`` (the host store: host RAM, pinned on CUDA, or ``mmap_path``) or ``disk`` (the expert rows in the
+    file ``disk_path``, read with direct I/O by a reader pool; docs/design.md, "Disk tier")."""
+    disk_path: Path | None = None
+    """The disk store file (``store_kind="disk"``): written from the checkpoint, then read."""
+    readers: int = 4
+    """Reader threads of the disk store's reader pool."""
+    disk_io: str = "auto"
+    """Disk store I/O: ``auto`` (O_DIRECT where accepted, else buffered + DONTNEED), ``direct`` or ``buffered``."""
 
-    def build(self, model: nn.Module, store: HostExpertStore | None = None):
+    def build(self, model: nn.Module, store: Any = None):
         """The OffloadedModel over ``model`` (with the filled ``store``, or packing one from the model's
         experts into host memory or ``mmap_path``)."""
         from expertcast.inference.runtime.engine import OffloadedModel
 
+        if store is None and self.store_kind == "disk":
+            from expertcast.inference.runtime.disk_store import DiskExpertStore, write_disk_store
+            from expertcast.inference.runtime.store import _pack_layer
+
+            refs = find_experts_modules(model)
+            lay = layout_of(refs[0].module)
+            write_disk_store(self.disk_path, [r.name for r in refs], lay, lambda i, buf: _pack_layer(refs[i].module, lay, buf))
+            store = DiskExpertStore(self.disk_path, io=self.disk_io)
         return OffloadedModel(model, self.policy, self.capacity, pool=self.pool, device=self.device,
                               link_gbps=self.link_gbps, mmap_path=self.mmap_path, num_temp_slots=self.num_temp_slots,
                               future=self.future, store=store, cpu_exec_ms=self.cpu_exec_ms,
-                              decode_path=self.decode_path)
+                              decode_path=self.decode_path, readers=self.readers)
 
     def report(self, om: Any, plan: LoadPlan, t0: float, unused: list[str], source: str) -> LoadReport:
         """The :class:`LoadReport` of ``om``, loaded since ``t0`` (``time.perf_counter()``)."""
         dev = self.device
+        disk = self.store_kind == "disk"
+        bound = None
+        if disk:  # host RSS: slots (on the CPU) + non-expert weights + one layer's rows being written + margin
+            on_host = plan.slot_bytes + plan.non_expert_bytes if dev.type == "cpu" else 2 * om.transfer.readers * om.store.stride
+            bound = on_host + plan.num_experts * plan.expert_bytes + RSS_MARGIN_BYTES
         return LoadReport(plan=plan, load_seconds=time.perf_counter() - t0, store_pinned=om.store.is_pinned,
                           store_mmap=str(self.mmap_path) if self.mmap_path is not None else None,
                           unused_checkpoint_keys=unused, peak_rss_bytes=peak_rss_bytes(),
                           device_peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
-                          source=source)
+                          source=source, store_kind=self.store_kind,
+                          disk_path=str(self.disk_path) if disk else None,
+                          disk_io_mode=om.store.io_mode if disk else None, readers=self.readers if disk else None,
+                          rss_bound_bytes=bound)
 
 
 def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budget | float | int, *,
                    device: str | torch.device = "cpu", dtype: str | torch.dtype | None = "auto",
                    pool: str = "per-layer", link_gbps: float | None = None, mmap_path: str | os.PathLike | None = None,
                    num_temp_slots: int = 2, future: Any = None, cpu_exec_ms: Callable[[int], float] | None = None,
-                   seed: int = 0, revision: str | None = None, decode_path: str = "eager"):
+                   seed: int = 0, revision: str | None = None, decode_path: str = "eager", store: str = "ram",
+                   disk_path: str | os.PathLike | None = None, readers: int = 4, disk_io: str = "auto"):
     """(OffloadedModel, tokenizer, :class:`LoadReport`) of ``name_or_path`` loaded straight to the host store.
 
     Args:
@@ -659,6 +698,10 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
             number form: float = fraction of all L*E experts, int = slots); see :class:`OffloadOptions`.
         mmap_path: stream the packed experts into this store file and memory-map it (host RAM holds no
             copy beyond the page cache).
+        store, disk_path, readers, disk_io: ``store="disk"`` streams the packed experts into the disk store
+            file ``disk_path`` (4096-aligned rows) and reads them back with direct I/O through a pool of
+            ``readers`` threads (see :class:`OffloadOptions`); host RSS stays within
+            ``LoadReport.rss_bound_bytes`` whatever the file's size.
     Raises:
         UsageError: the slots do not fit the device, the experts do not fit the host, or the
             checkpoint does not match its config.
@@ -668,10 +711,16 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
 
     t0 = time.perf_counter()
     capacity = Budget.parse(capacity)
+    if store not in ("ram", "disk"):
+        raise UsageError(f"store must be 'ram' or 'disk', got {store!r}")
+    if store == "disk" and (disk_path is None or mmap_path is not None):
+        raise UsageError("store='disk' needs disk_path (the expert file) and no mmap_path")
     opts = OffloadOptions(policy, capacity, torch.device(device), pool=pool, link_gbps=link_gbps,
                           mmap_path=Path(mmap_path).expanduser() if mmap_path is not None else None,
                           num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms,
-                          decode_path=decode_path)
+                          decode_path=decode_path, store_kind=store,
+                          disk_path=Path(disk_path).expanduser() if disk_path is not None else None,
+                          readers=readers, disk_io=disk_io)
     name = str(name_or_path)
     adapter_export = is_export_dir(name) and export_model_dir(name) is None
     if (is_preset(name) and get_preset(name).size == "tiny") or adapter_export:
@@ -679,20 +728,27 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
     dev = opts.device
     model_dir, model, refs, layout, split, plan = _prepare(name_or_path, capacity, dev, dtype, pool,
                                                             num_temp_slots, revision)
-    plan.check_fits(mmap=opts.mmap_path is not None)
-    if opts.mmap_path is not None:
-        opts.mmap_path.parent.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(opts.mmap_path.parent).free
+    plan.check_fits(mmap=opts.mmap_path is not None or opts.store_kind == "disk")
+    file = opts.mmap_path if opts.mmap_path is not None else opts.disk_path
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(file.parent).free
         if plan.expert_bytes_total > free:
-            raise UsageError(f"the expert store file {opts.mmap_path} needs {_gb(plan.expert_bytes_total)}, its disk "
+            raise UsageError(f"the expert store file {file} needs {_gb(plan.expert_bytes_total)}, its disk "
                              f"has {_gb(free)} free")
     non_expert_entries, expert_entries, unused = split
     non_expert = _non_expert_tensors(model, refs, layout)
     reader = ShardReader()
     try:
         _load_non_expert(model, non_expert, non_expert_entries, reader, dev)
-        store = _fill_store(layout, refs, ExpertFiller(layout, reader, expert_entries), dev.type == "cuda",
-                            opts.mmap_path)
+        filler = ExpertFiller(layout, reader, expert_entries)
+        if opts.store_kind == "disk":
+            from expertcast.inference.runtime.disk_store import DiskExpertStore, write_disk_store
+
+            write_disk_store(opts.disk_path, [r.name for r in refs], layout, filler.fill)
+            store = DiskExpertStore(opts.disk_path, io=opts.disk_io)
+        else:
+            store = _fill_store(layout, refs, filler, dev.type == "cuda", opts.mmap_path)
     finally:
         reader.close()
     _release_experts(refs, layout, dev)

@@ -35,6 +35,10 @@ class RuntimeTransport(Transport):
         """slot -> copy not waited for yet."""
         self._fetching: dict[int, tuple[int, int]] = {}
         """slot -> (layer, expert) of proactive loads not landed yet (the cache's Fetch slots)."""
+        self.counters = None
+        """The run's Counters: its ``read_*`` fields count the copies submitted while ``count_reads``."""
+        self.count_reads = False
+        """On during counted (decode) layer-executions: each copy submitted is one of the driver's counted loads."""
 
     # -- driver notifications ----------------------------------------------------------------------
     def begin_layer(self, x: int) -> list[tuple[int, int]]:
@@ -61,8 +65,18 @@ class RuntimeTransport(Transport):
     # -- copies ------------------------------------------------------------------------------------
     def submit(self, slot: int, layer: int, expert: int, demand: bool) -> Transfer:
         """Copy expert (layer, expert) into ``slot`` (a resident or a temporary slot)."""
-        tr = self.engine.submit((layer, expert), self.store.row(layer, expert), self.pool.row(slot), slot,
+        c = self.counters if self.count_reads else None
+        self.engine.sink = c  # the engine adds the read's duration to c.read_seconds when it finishes
+        tr = self.engine.submit((layer, expert), self.store.row(layer, expert), self.pool.read_target(slot), slot,
                                 demand=demand)
+        self.engine.sink = None
+        if c is not None:
+            c.reads += 1
+            c.read_bytes += tr.nbytes
+            if demand:
+                c.read_demand += 1
+            else:
+                c.read_prefetch += 1
         self._holds[slot] = (layer, expert)
         self._inflight[slot] = tr
         return tr
@@ -74,6 +88,8 @@ class RuntimeTransport(Transport):
             return 0.0
         if not self.engine.done(tr):
             self.engine.promote(tr)  # a late prefetch still queued goes ahead of the other prefetches
+            if self.count_reads and self.counters is not None:
+                self.counters.read_exposed += 1
         return self.engine.wait(tr)
 
     def holds(self, slot: int, layer: int, expert: int) -> bool:

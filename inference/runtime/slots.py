@@ -21,7 +21,8 @@ class SlotPool:
         buffer: tensor [num_slots + num_temp, row_numel] on ``device``.
     """
 
-    def __init__(self, layout: ExpertLayout, num_slots: int, device: torch.device | str, num_temp: int = 2):
+    def __init__(self, layout: ExpertLayout, num_slots: int, device: torch.device | str, num_temp: int = 2,
+                 io_stride_bytes: int | None = None, io_align: int = 4096):
         if num_slots < 1:
             raise ValueError(f"slot pool needs at least one slot, got {num_slots}")
         if num_temp < 1:
@@ -30,15 +31,38 @@ class SlotPool:
         self.num_slots = int(num_slots)
         self.num_temp = int(num_temp)
         self.device = torch.device(device)
-        self.buffer = torch.zeros((self.num_slots + self.num_temp, layout.row_numel), dtype=layout.dtype,
-                                  device=self.device)
+        n = self.num_slots + self.num_temp
+        self.io_stride_bytes = None
+        if io_stride_bytes is not None and self.device.type == "cpu":
+            # disk store on the CPU: each slot starts on an io_align boundary and owns io_stride_bytes, so that
+            # a direct read lands straight in the slot (docs/design.md, "Disk tier")
+            itemsize = torch.empty((), dtype=layout.dtype).element_size()
+            if io_stride_bytes % io_align or io_stride_bytes < layout.row_numel * itemsize:
+                raise ValueError(f"slot stride {io_stride_bytes} must be a multiple of {io_align} holding a row")
+            raw = torch.zeros(n * io_stride_bytes + io_align, dtype=torch.uint8)
+            off = (-raw.data_ptr()) % io_align
+            self._io = raw[off:off + n * io_stride_bytes].view(n, io_stride_bytes)
+            self._raw = raw
+            self.buffer = self._io.view(layout.dtype)[:, :layout.row_numel]
+            self.io_stride_bytes = int(io_stride_bytes)
+        else:
+            self.buffer = torch.zeros((n, layout.row_numel), dtype=layout.dtype, device=self.device)
         self._views = [layout.views(self.buffer[i]) for i in range(self.buffer.shape[0])]
         self._next_temp = 0
 
     @property
     def nbytes(self) -> int:
         """Device bytes held by the pool (resident + temporary slots)."""
+        if self.io_stride_bytes is not None:
+            return self._raw.numel()
         return self.buffer.numel() * self.buffer.element_size()
+
+    def read_target(self, slot: int) -> torch.Tensor:
+        """Where a disk read into ``slot`` goes: the slot's whole aligned ``io_stride_bytes`` (uint8) when the
+        pool was laid out for direct reads, else its packed row."""
+        if self.io_stride_bytes is not None:
+            return self._io[slot]
+        return self.buffer[slot]
 
     def row(self, slot: int) -> torch.Tensor:
         """Packed row [row_numel] of ``slot`` (a view)."""

@@ -28,6 +28,16 @@ class RuntimeStats(Counters):
     """Host time blocked waiting for transfers (demand loads and late prefetches) in decode."""
     ttft_seconds: list[float] = field(default_factory=list)
     """Time to first token of each generate() call."""
+    miss_free_steps: int = 0
+    """Decode steps none of whose accesses was a demand miss or a late prefetch."""
+
+    @property
+    def io_overlap(self) -> float:
+        """Share of the decode's read-busy time the compute did not wait for: 1 - stall / read busy (NaN
+        without reads)."""
+        if self.read_busy_seconds <= 0:
+            return float("nan")
+        return max(0.0, 1.0 - self.stall_seconds / self.read_busy_seconds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -44,6 +54,9 @@ class RuntimeStats(Counters):
             "warmup_s": self.warmup_seconds,
             "stall_ms_per_token": 1e3 * self.stall_seconds / max(self.decoded_tokens, 1),
             "transfer_mb": self.bytes_moved / 1e6,
+            **self.read_metrics(),
+            "miss_free_token_frac": self.miss_free_steps / max(self.decode_steps, 1),
+            "io_overlap": self.io_overlap,
         }
 
     def snapshot(self) -> dict:
@@ -85,6 +98,10 @@ class MemoryReport:
     """Bytes of routed-expert parameters still held by the model's modules (must be 0)."""
     device_peak_allocated: int | None = None
     """torch.cuda.max_memory_allocated on CUDA (None on CPU)."""
+    store_kind: str = "ram"
+    """``ram`` (host store) or ``disk`` (the experts in a disk store file: none in host RAM)."""
+    disk_store_bytes: int = 0
+    """Disk store: bytes of the packed (4096-padded) rows in its file."""
     process_peak_rss: int | None = None
     """:func:`~expertcast.inference.runtime.loading.peak_rss_bytes` when measured: the process's resident-set
     high-water mark in bytes since it started (``VmHWM``), so it includes everything the process held
@@ -115,7 +132,9 @@ class MemoryReport:
             if b.device.type == om.device.type:
                 non_expert += b.numel() * b.element_size()
         peak = torch.cuda.max_memory_allocated(om.device) if om.device.type == "cuda" else None
-        return cls(host_expert_bytes=om.store.nbytes, host_mmap=om.store.mmap_path is not None,
+        disk = getattr(om, "readers", None) is not None
+        return cls(host_expert_bytes=0 if disk else om.store.nbytes, store_kind="disk" if disk else "ram",
+                   disk_store_bytes=om.store.nbytes if disk else 0, host_mmap=om.store.mmap_path is not None,
                    host_pinned=om.store.is_pinned, device_non_expert_bytes=non_expert,
                    device_slot_bytes=om.pool.nbytes, device_workspace_bytes=om.workspace.nbytes,
                    num_slots=om.cache.num_slots, num_temp_slots=om.pool.num_temp, expert_bytes=om.layout.expert_bytes,

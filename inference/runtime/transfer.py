@@ -34,6 +34,17 @@ class Transfer:
     finished: float | None = None
     event: object | None = None
     """threading.Event (CPU) or torch.cuda.Event (CUDA)."""
+    demand: bool = False
+    """Submitted as (or promoted to) a demand load."""
+    started: float | None = None
+    """When a reader began the read (:class:`~.disk_store.ReaderPoolEngine`)."""
+    prev: Transfer | None = None
+    """An unfinished earlier transfer into the same slot that this one waits for."""
+    after_compute: object | None = None
+    """CUDA: the compute event the copy waits for (the slot's previous expert may still be in use)."""
+    cuda_event: object | None = None
+    sink: object | None = None
+    """Counters whose ``read_seconds`` the read's duration is added to (counted decode loads)."""
 
 
 class TransferEngine:
@@ -41,6 +52,8 @@ class TransferEngine:
 
     bytes_moved: int = 0
     transfers: int = 0
+    sink: object | None = None
+    """Counters given to the transfers submitted while set (their read time is added to ``read_seconds``)."""
 
     def submit(self, key: tuple[int, int], src: torch.Tensor, dst: torch.Tensor, slot: int,
                demand: bool = False) -> Transfer:
@@ -96,7 +109,8 @@ class ThreadTransferEngine(TransferEngine):
     def submit(self, key, src, dst, slot, demand: bool = False) -> Transfer:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        tr = Transfer(key=key, slot=slot, nbytes=src.numel() * src.element_size(), event=threading.Event())
+        tr = Transfer(key=key, slot=slot, nbytes=src.numel() * src.element_size(), event=threading.Event(),
+                      demand=demand, sink=self.sink)
         with self._cv:
             if demand:  # after the transfer on the wire and earlier demands, ahead of queued prefetches
                 self._queue.insert(self._demand_queued, (tr, src, dst))
@@ -119,8 +133,9 @@ class ThreadTransferEngine(TransferEngine):
                 tr, src, dst = self._queue.popleft()
                 self._demand_queued = max(self._demand_queued - 1, 0)
                 self._busy = True
+            tr.started = time.perf_counter()
             try:
-                start = max(time.perf_counter(), self._link_free_at)
+                start = max(tr.started, self._link_free_at)
                 with torch.no_grad():
                     dst.copy_(src)
                 if self.bandwidth is not None:
@@ -132,6 +147,9 @@ class ThreadTransferEngine(TransferEngine):
             except BaseException as e:  # surfaced to the compute thread in wait()
                 self._error = e
             tr.finished = time.perf_counter()
+            if tr.sink is not None:
+                with self._cv:
+                    tr.sink.read_seconds += tr.finished - tr.started
             tr.event.set()
             with self._cv:
                 self._busy = False

@@ -310,3 +310,22 @@ def test_config_file_values_and_flag_override_equal_the_command_line(tmp_path):
                                             "--out", "runs/a"]))
     assert got.pop("config") == str(cfg) and flags.pop("config") is None
     assert got == flags
+
+
+def test_disk_store_eval_equals_ram_and_reports_rss(finished, tmp_path, capsys, data_dir):
+    """``--store disk``: the same completions as the RAM store's run, the expert file in OUT by default, the I/O
+    mode, the readers and the peak RSS against its bound in summary.json and on stdout; contradictory flags
+    refused with one line."""
+    out = tmp_path / "disk"
+    assert main([*BASE, "--store", "disk", "--readers", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert stable(read_samples(out / SAMPLES)) == stable(read_samples(finished / SAMPLES))
+    assert (out / "experts.disk.safetensors").is_file()
+    rss = json.loads((out / "summary.json").read_text())["rss"]
+    assert rss["store"] == "disk" and rss["readers"] == 2 and rss["disk_io_mode"] in ("direct", "buffered+dontneed")
+    assert rss["peak_rss_bytes"] > 0 and rss["bound_bytes"] > 0 and "peak RSS" in printed
+    for extra, msg in ((["--store", "disk", "--mmap-store"], "exclude each other"),
+                       (["--store", "disk", *SLOW_LINK], "--link-gbps"),
+                       (["--disk-path", str(tmp_path / "x")], "needs --store disk")):
+        rc, err = run([*BASE, *extra, "--out", str(tmp_path / "bad")], capsys)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and msg in err, err

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = ["gpu-extra", "gpu-tests", "forecaster-epoch", "token-identity", "bench", "peak-memory", "eval-graph",
+CHECKS = ["gpu-extra", "gpu-tests", "forecaster-epoch", "token-identity", "disk-cuda", "bench", "peak-memory", "eval-graph",
           "router-fsdp2"]
 
 
@@ -22,7 +22,7 @@ def test_gpu_check_dry_run_passes_every_step_on_cpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert [ln.split()[1] for ln in lines] == CHECKS + ["graph"]
     assert all(ln.startswith("PASS ") for ln in lines[:-1]) and lines[-1].startswith("SKIP graph")
-    assert "mamba path torch" in lines[2] and "seqmoe@45%" in lines[4]
+    assert "mamba path torch" in lines[2] and "seqmoe@45%" in lines[5]
     assert (tmp_path / "bench" / "residency.json").is_file() and (tmp_path / "bench" / "memory.json").is_file()
 
 

@@ -1,0 +1,53 @@
+"""``scripts/bench_disk.py --quick``: one run writes the machine figures, one row per policy x budget and the
+JSON / CSV / PNG, internally consistent (reads == counted loads, the bound below the all-in-RAM speed, the
+ratios what their parts say); no speed thresholds."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_disk_script", ROOT / "scripts" / "bench_disk.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_run_outputs_are_consistent(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        assert _script().main(["--quick", "--out", str(tmp_path), "--policies", "lru", "static"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rec = json.loads((tmp_path / "bench_disk.json").read_text())
+    m = rec["machine"]
+    assert m["disk_gbps"] > 0 and m["ram_copy_gbps"] > 0 and m["gemm_gflops_64"] > 0 and m["expert_ms_1"] > 0
+    assert m["disk_io_mode"] in ("direct", "buffered+dontneed") and m["gemm_kernel"]
+    assert m["disk_block_bytes"] % 4096 == 0 and m["disk_queue_depth"] == 2
+    rows = rec["rows"]
+    assert [(r["policy"], r["budget"]) for r in rows] == [(p, b) for b in (0.25, 0.45) for p in ("lru", "static")]
+    xb = rec["model"]["expert_bytes"]
+    for r in rows:
+        assert r["reads"] == r["loads"] > 0, r
+        assert r["pct_full_min"] <= r["pct_full"] <= r["pct_full_max"]
+        assert r["bound_tokens_per_s"] <= r["full_tokens_per_s"] * (1 + 1e-9)
+        assert math.isclose(r["achieved_vs_bound"], r["tokens_per_s"] / r["bound_tokens_per_s"], rel_tol=1e-9)
+        assert math.isclose(r["read_mb_per_token"], r["reads"] * xb / 1e6 / r["decoded_tokens"], rel_tol=1e-9)
+        assert 0 <= r["hit"] <= 1 and 0 <= r["miss_free_token_frac"] <= 1
+        assert math.isnan(r["io_overlap"]) or 0 <= r["io_overlap"] <= 1
+    with open(tmp_path / "bench_disk.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert (tmp_path / "bench_disk.png").stat().st_size > 0
+    prov = rec["provenance"]
+    assert prov["settings"]["readers"] == 2 and prov["routing_fingerprint"] and prov["code_version"]
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {"bench_disk.json", "bench_disk.csv", "bench_disk.png"}, left  # temp file and store deleted
