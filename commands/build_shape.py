@@ -1,5 +1,5 @@
 """``expertcast build-shape``: write a random-weight checkpoint of a real MoE configuration (docs/design.md,
-"Real shapes"; library: :func:`expertcast.models.real_shapes.build_shape`).
+"Real shapes"; library: :func:`expertcast.inference.runtime.real_shapes.build_shape`).
 
 The model is never held in RAM: the skeleton lives on the meta device, each tensor is generated (seeded by
 its name) and streamed into safetensors shards with ``model.safetensors.index.json``, config.json,
@@ -59,7 +59,7 @@ def _count(n: int) -> str:
 
 
 def run(args: Any) -> int:
-    from expertcast.models.real_shapes import build_shape
+    from expertcast.inference.runtime.real_shapes import build_shape
 
     if not args.shard_gb > 0:
         raise UsageError(f"--shard-gb {args.shard_gb}: must be positive")

@@ -172,7 +172,7 @@ def replay(args: Any) -> int:
     from expertcast.inference.runtime.forced import map_trace_to_model
     from expertcast.inference.runtime.loading import load_offloaded, peak_rss_bytes
     from expertcast.inference.sim.simulator import build_stream
-    from expertcast.models.real_shapes import read_provenance
+    from expertcast.inference.runtime.real_shapes import read_provenance
     from expertcast.utils.io import atomic_write_json, report
     from expertcast.data.trace_format import sequences_fingerprint
     from expertcast.utils.provenance import code_version

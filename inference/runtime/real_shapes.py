@@ -1,7 +1,8 @@
 """Random-weight checkpoints of real MoE configurations, written without holding the model in RAM
 (docs/design.md, "Real shapes").
 
-A *shape* is a registered preset (:mod:`expertcast.models.presets`; the real ones are written from the
+It lives beside the loader it writes for (its keys are checked with the loader's own mapping). A *shape* is
+a registered preset (:mod:`expertcast.models.presets`; the real ones are written from the
 released ``config.json`` values: ``deepseek-v2-lite``, ``qwen3-30b-a3b``, ...). :func:`build_shape` writes a
 Hugging Face model folder of that configuration with random weights:
 
