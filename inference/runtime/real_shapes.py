@@ -340,6 +340,10 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return out
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
 def _free_bytes(path: Path) -> int:
     p = path
     while not p.exists():
@@ -387,8 +391,8 @@ def build_shape(shape: str, out: str | os.PathLike, *, layers: int | None = None
     total = plan.total_bytes + sum(len(_header(s)) + 8 for s in shards)
     free = _free_bytes(out.parent)
     if total + DISK_MARGIN_BYTES > free:
-        raise UsageError(f"not enough disk space for shape {shape!r}: the checkpoint needs {total / 1e9:.2f} GB "
-                         f"(+{DISK_MARGIN_BYTES / 2**20:.0f} MiB margin), {out.parent} has {free / 1e9:.2f} GB free")
+        raise UsageError(f"not enough disk space for shape {shape!r}: the checkpoint needs {_size(total)} "
+                         f"(+{DISK_MARGIN_BYTES / 2**20:.0f} MiB margin), {out.parent} has {_size(free)} free")
     spec = MoESpec.from_config(config, dtype=td, model_id=str(out))
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
