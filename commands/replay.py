@@ -167,14 +167,14 @@ def _store_kwargs(args: Any) -> dict[str, Any]:
 # -- run ---------------------------------------------------------------------------------------------------
 def replay(args: Any) -> int:
     import torch
+    from expertcast.data.trace_format import sequences_fingerprint
     from expertcast.inference.cache.expert_cache import Budget
     from expertcast.inference.runtime.engine import OffloadedModel
     from expertcast.inference.runtime.forced import map_trace_to_model
     from expertcast.inference.runtime.loading import load_offloaded, peak_rss_bytes
-    from expertcast.inference.sim.simulator import build_stream
     from expertcast.inference.runtime.real_shapes import read_provenance
+    from expertcast.inference.sim.simulator import build_stream
     from expertcast.utils.io import atomic_write_json, report
-    from expertcast.data.trace_format import sequences_fingerprint
     from expertcast.utils.provenance import code_version
 
     if args.threads:

@@ -196,7 +196,7 @@ def map_trace_to_model(meta: TraceMeta, sequences: Sequence[TraceSequence], num_
     if Kt < K:
         raise ValueError(f"{where}: the trace selects {Kt} experts per token, the model computes {K}")
     layers = "identity" if Lt == L else ("cycled" if Lt < L else "first")
-    layer_of = tuple(range(L)) if Lt >= L else tuple(l % Lt for l in range(L))
+    layer_of = tuple(range(L)) if Lt >= L else tuple(i % Lt for i in range(L))
     out: list[TraceSequence] = []
     added = absent = 0
     li = np.asarray(layer_of)
