@@ -39,6 +39,8 @@ PROG = "expertcast replay"
 SYNTHETIC = ("random", "zipf", "markov")
 COLUMNS = ["policy", "capacity", "store", "sequences", "decoded_tokens", "tokens_per_s", "hit", "demand_misses",
            "misses_per_token", "late_prefetches", "mb_per_token", "stall_ms_per_token", "load_s", "peak_rss_gb"]
+READ_COLUMNS = ["read_mb_per_token", "read_gbps", "exposed_misses_per_token"]
+"""The disk store's read counters, shown with ``--store disk`` where the runtime reports them."""
 
 
 def build_parser() -> CommandParser:
@@ -245,9 +247,10 @@ def replay(args: Any) -> int:
                          "misses_per_token": m["demand_misses"] / n, "late_prefetches": m["late_prefetches"],
                          "mb_per_token": m["mb_per_token"], "stall_ms_per_token": m["stall_ms_per_token"],
                          "load_s": load_s, "peak_rss_gb": peak_rss_bytes() / 1e9, "slots": om.cache.num_slots,
-                         "metrics": m})
+                         **{k: v for k, v in m.items() if k in READ_COLUMNS}, "metrics": m})
+    cols = COLUMNS + [c for c in READ_COLUMNS if args.store == "disk" and any(c in r for r in rows)]
     report(rows, title=f"forced-routing replay on {Path(resolved).name} ({args.store} store, {args.device})",
-           csv_path=args.csv, columns=COLUMNS)
+           csv_path=args.csv, columns=cols)
     if args.json:
         atomic_write_json(args.json, {
             "rows": rows, "model": resolved, "model_build": built, "spec": spec.to_dict(),
