@@ -187,10 +187,6 @@ def replay(args: Any) -> int:
     meta, seqs, source = load_replay_traces(args, L, E, K)
     if args.max_sequences:
         seqs = seqs[: args.max_sequences]
-    try:
-        meta, seqs, mapping = map_trace_to_model(meta, seqs, L, E, K, truncate_layers=args.truncate_trace)
-    except ValueError as e:
-        raise UsageError(f"--traces: {e}") from None
     if args.tokens is not None:
         from dataclasses import replace
 
@@ -199,6 +195,10 @@ def replay(args: Any) -> int:
                         expert_weights=s.expert_weights[:s.prompt_len + args.tokens],
                         router_probs=None if s.router_probs is None else s.router_probs[:s.prompt_len + args.tokens])
                 for s in seqs]
+    try:
+        meta, seqs, mapping = map_trace_to_model(meta, seqs, L, E, K, truncate_layers=args.truncate_trace)
+    except ValueError as e:
+        raise UsageError(f"--traces: {e}") from None
     from expertcast.data.traces import require_decode_tokens
 
     require_decode_tokens(meta, seqs, source)
