@@ -39,7 +39,7 @@ PROG = "expertcast replay"
 SYNTHETIC = ("random", "zipf", "markov")
 COLUMNS = ["policy", "capacity", "store", "sequences", "decoded_tokens", "tokens_per_s", "hit", "demand_misses",
            "misses_per_token", "late_prefetches", "mb_per_token", "stall_ms_per_token", "load_s", "peak_rss_gb"]
-READ_COLUMNS = ["read_mb_per_token", "read_gbps", "exposed_misses_per_token"]
+READ_COLUMNS = ["read_mb_per_token", "read_gbps", "exposed_misses_per_token", "rss_bound_gb"]
 """The disk store's read counters, shown with ``--store disk`` where the runtime reports them."""
 
 
@@ -217,7 +217,7 @@ def replay(args: Any) -> int:
     print("replay: greedy tokens are not reported (forced routing: the trace decides every layer's experts)")
 
     rows: list[dict[str, Any]] = []
-    model = store = None
+    model = store = load = None
     for cap in caps:
         budget = Budget.from_flags(cap)
         for pspec_text in policies:
@@ -232,7 +232,7 @@ def replay(args: Any) -> int:
                 else:
                     om = OffloadedModel(model, policy, budget, pool=args.pool, device=args.device, future=future,
                                         store=store)
-                    load_s = time.perf_counter() - t0
+                    load_s = time.perf_counter() - t0  # the store of the first load is reused
             except ValueError as e:
                 raise UsageError(f"--policy {pspec_text} at {budget.tag}: {' '.join(str(e).split())}") from None
             try:
@@ -248,12 +248,15 @@ def replay(args: Any) -> int:
                          "mb_per_token": m["mb_per_token"], "stall_ms_per_token": m["stall_ms_per_token"],
                          "load_s": load_s, "peak_rss_gb": peak_rss_bytes() / 1e9, "slots": om.cache.num_slots,
                          **{k: v for k, v in m.items() if k in READ_COLUMNS}, "metrics": m})
+            bound = getattr(load, "rss_bound_bytes", None)  # the disk store's stated host RSS bound
+            if bound is not None:
+                rows[-1]["rss_bound_gb"] = bound / 1e9
     cols = COLUMNS + [c for c in READ_COLUMNS if args.store == "disk" and any(c in r for r in rows)]
     report(rows, title=f"forced-routing replay on {Path(resolved).name} ({args.store} store, {args.device})",
            csv_path=args.csv, columns=cols)
     if args.json:
         atomic_write_json(args.json, {
-            "rows": rows, "model": resolved, "model_build": built, "spec": spec.to_dict(),
+            "rows": rows, "load": load.to_dict() if load is not None else None, "model": resolved, "model_build": built, "spec": spec.to_dict(),
             "traces": source, "trace_model": meta.model_id, "trace_fingerprint": sequences_fingerprint(seqs),
             "mapping": mapping.to_dict(), "settings": {k: v for k, v in vars(args).items()},
             "code": code_version()})

@@ -56,3 +56,24 @@ def test_synthetic_traces_take_the_model_shape(capsys):
               "--slots", "4", "--threads", "1"])
     text = capsys.readouterr().out
     assert rc == 0 and "trace layer l -> MoE layer l (L=4)" in text and "K=4 as recorded" in text
+
+
+def test_disk_store_replays_the_same_routing_as_ram(tmp_path, capsys):
+    """Where the runtime has the disk store (``load_offloaded(store="disk")``), the same replay through it counts
+    the same misses as through RAM, and every miss is read from the file."""
+    import inspect
+
+    from expertcast.inference.runtime.loading import load_offloaded
+
+    if "store" not in inspect.signature(load_offloaded).parameters:
+        pytest.skip("this expertcast has no disk store")
+    args = ["replay", "--model", "qwen3_moe-tiny", "--synthetic", "markov", "--synthetic-size", "2,16",
+            "--capacity", "0.25", "--threads", "1"]
+    assert cli([*args, "--json", str(tmp_path / "ram.json")]) == 0
+    assert cli([*args, "--store", "disk", "--disk-path", str(tmp_path / "e.store"), "--json",
+                str(tmp_path / "disk.json")]) == 0
+    capsys.readouterr()
+    ram = json.loads((tmp_path / "ram.json").read_text())["rows"][0]
+    disk = json.loads((tmp_path / "disk.json").read_text())["rows"][0]
+    assert disk["demand_misses"] == ram["demand_misses"] > 0 and disk["hit"] == ram["hit"]
+    assert disk["read_mb_per_token"] == disk["mb_per_token"] and disk["rss_bound_gb"] > 0
