@@ -226,3 +226,27 @@ def test_overwrite_replaces_an_earlier_build(tmp_path):
     assert json.loads((tmp_path / "m" / real_shapes.PROVENANCE_FILE).read_text())["seed"] == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary folder left behind
     assert np.isclose(b.checkpoint_bytes, a.checkpoint_bytes)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-tiny", "qwen2_moe-tiny", "mixtral-tiny", "olmoe-tiny", "deepseek_v2-tiny",
+                                  "deepseek_v3-tiny", "gpt_oss-tiny"])
+def test_every_family_builds_a_checkpoint_both_loaders_read_alike(name, tmp_path):
+    """A build of every family's tiny preset: per-expert keys where transformers fuses them on load (fused for
+    GPT-OSS), no key the model lacks, and transformers' from_pretrained and the offloading loader decode the
+    same greedy tokens from it."""
+    from expertcast.inference.policies import make_policy
+    from expertcast.inference.runtime.loading import load_offloaded
+    from expertcast.models.backbone import load_moe_model
+
+    build_shape(name, tmp_path / name, dtype="float32", seed=4)
+    full, _ = load_moe_model(str(tmp_path / name), dtype="auto", device="cpu")
+    ids = torch.randint(5, 400, (1, 7), generator=torch.Generator().manual_seed(0))
+    ref = full.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    K = full.config.num_experts_per_tok
+    del full
+    om, _, rep = load_offloaded(str(tmp_path / name), make_policy("lru"), K)  # K slots per layer: demand loads
+    out = om.generate(ids, max_new_tokens=5, eos_token_id=None, pad_token_id=0)
+    om.close()
+    assert rep.plan.checkpoint_layout == ("fused" if name == "gpt_oss-tiny" else "per-expert")
+    assert rep.unused_checkpoint_keys == [] and om.stats.D > 0
+    assert torch.equal(out.sequences, ref)
