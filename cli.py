@@ -24,6 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("expertcast.commands.evaluate", "offloaded inference on GSM8K / MATH-500"),
     "sweep": ("expertcast.commands.sweep", "offloaded eval over policies x capacities x benchmarks, one table"),
     "lm-eval": ("expertcast.commands.lm_eval", "lm-evaluation-harness with the offloaded model (model expertcast)"),
+    "build-shape": ("expertcast.commands.build_shape", "write a random-weight checkpoint of a real MoE configuration"),
+    "replay": ("expertcast.commands.replay", "forced-routing replay of a trace through the offloaded runtime"),
 }
 
 

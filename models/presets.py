@@ -2,7 +2,7 @@
 
 Torchtitan-style registry: every supported family has a ``<family>-tiny`` preset (hidden 64, 2-4
 layers, 8-16 experts; builds in well under a second on CPU) for tests and quick experiments, and the
-real configurations (``qwen3-30b-a3b``, ``mixtral-8x7b``, ``olmoe-1b-7b``) are written out from their
+real configurations (``qwen3-30b-a3b``, ``mixtral-8x7b``, ``olmoe-1b-7b``, ``deepseek-v2-lite``) are written out from their
 published ``config.json`` values, so that sizes (:class:`expertcast.models.spec.MoESpec`) and
 cost models can be computed with no download.
 
@@ -119,6 +119,16 @@ register(Preset(
     ),
 ))
 register(Preset(
+    name="deepseek_v2-tiny", model_type="deepseek_v2", size="tiny",
+    description="DeepSeek-V2 debug size: 3 layers (first dense), 16 routed experts, top-4, 2 shared, MLA without q LoRA",
+    config=_tiny_common(
+        num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=16,
+        n_shared_experts=2, num_experts_per_tok=4, first_k_dense_replace=1, topk_method="greedy", n_group=1,
+        topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, head_dim=_DROP,
+    ),
+))
+register(Preset(
     name="gpt_oss-tiny", model_type="gpt_oss", size="tiny",
     description="GPT-OSS debug size: 2 layers (sliding + full attention), 8 experts top-2, expert biases",
     config=_tiny_common(
@@ -163,6 +173,25 @@ register(Preset(
         norm_topk_prob=False, max_position_embeddings=4096, rms_norm_eps=1e-5, hidden_act="silu",
         clip_qkv=None, router_aux_loss_coef=0.01, tie_word_embeddings=False, pad_token_id=1,
         eos_token_id=50279, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        dtype="bfloat16",
+    ),
+))
+
+register(Preset(
+    name="deepseek-v2-lite", model_type="deepseek_v2", size="real", hub_id="deepseek-ai/DeepSeek-V2-Lite",
+    description="DeepSeek-V2-Lite: 27 layers (first dense), 26 MoE layers, 64 routed experts + 2 shared, top-6, "
+                "MLA attention, 17.3 MB per expert (bf16)",
+    config=dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", n_group=1,
+        topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
+        bos_token_id=100000, eos_token_id=100001,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 4096},
         dtype="bfloat16",
     ),
 ))

@@ -20,6 +20,7 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeConfig",
     "mixtral": "MixtralConfig",
     "olmoe": "OlmoeConfig",
+    "deepseek_v2": "DeepseekV2Config",
     "deepseek_v3": "DeepseekV3Config",
     "gpt_oss": "GptOssConfig",
 }
@@ -73,6 +74,10 @@ def moe_layer_indices(config: Any) -> list[int]:
         step = int(getattr(config, "decoder_sparse_step", 1) or 1)
         ne = int(config.num_experts)
         return [i for i in range(n) if i not in dense and ne > 0 and (i + 1) % step == 0]
+    if mt == "deepseek_v2":
+        # DeepseekV2DecoderLayer: dense MLP for layer_idx < first_k_dense_replace, MoE after (no moe_layer_freq).
+        k = int(getattr(config, "first_k_dense_replace", 0) or 0)
+        return list(range(k, n))
     if mt == "deepseek_v3":
         # DeepseekV3DecoderLayer: dense MLP for layer_idx < first_k_dense_replace, MoE after.
         freq = int(getattr(config, "moe_layer_freq", 1) or 1)
@@ -98,7 +103,7 @@ def _num_experts(config: Any) -> int:
 
 def _expert_intermediate(config: Any) -> int:
     mt = config.model_type
-    if mt in ("qwen3_moe", "qwen2_moe", "deepseek_v3"):
+    if mt in ("qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"):
         return int(config.moe_intermediate_size)
     return int(config.intermediate_size)  # mixtral, olmoe, gpt_oss
 
@@ -107,7 +112,7 @@ def _shared_experts(config: Any) -> int:
     mt = config.model_type
     if mt == "qwen2_moe":
         return 1 if int(getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0 else 0
-    if mt == "deepseek_v3":
+    if mt in ("deepseek_v2", "deepseek_v3"):
         return int(getattr(config, "n_shared_experts", 0) or 0)
     return 0
 
@@ -128,7 +133,7 @@ class MoESpec:
     model_id: str
     """Hub id, local path or preset name the spec was read from."""
     family: str
-    """transformers ``model_type`` (``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``, ``deepseek_v3``,
+    """transformers ``model_type`` (``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``, ``deepseek_v2``, ``deepseek_v3``,
     ``gpt_oss``)."""
     moe_layers: list[int]
     """Decoder-layer index of each MoE layer, ascending (trace layer l is decoder layer moe_layers[l])."""
@@ -139,7 +144,7 @@ class MoESpec:
     top_k: int
     """K: routed experts selected per token per MoE layer."""
     num_shared_experts: int
-    """Always-active shared experts per MoE layer (Qwen2-MoE: 1; DeepSeek-V3: n_shared_experts; else 0)."""
+    """Always-active shared experts per MoE layer (Qwen2-MoE: 1; DeepSeek-V2/V3: n_shared_experts; else 0)."""
     hidden_size: int
     expert_intermediate_size: int
     """Intermediate size of one routed expert's MLP."""

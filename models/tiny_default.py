@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.utils.errors import UsageError
-from expertcast.utils.io import atomic_write_json, read_jsonl
+from expertcast.utils.io import atomic_write_json, read_jsonl, replace_dir
 from expertcast.utils.locks import FileLock
 from expertcast.utils.paths import DATA_DIR_ENV, cache_dir, data_dir
 from expertcast.utils.provenance import sha256_file
@@ -666,17 +666,6 @@ def default_model_dir(cfg: TinyDefaultConfig | None = None, data_root: str | os.
     return cache_dir() / DEFAULT_NAME / cfg.key(_data_files(Path(data_root) if data_root else None))
 
 
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    """Put the finished folder ``tmp`` in place of ``dest`` (renames only; an old ``dest`` is removed after)."""
-    if dest.exists():
-        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
-
-
 def _is_complete(path: Path) -> bool:
     return all((path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json", REPORT_FILE))
 
@@ -810,7 +799,7 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
         _plot_loss(state["loss_history"], tmp / "train_loss.png")
         report["total_time_s"] = time.perf_counter() - t_all
         atomic_write_json(tmp / REPORT_FILE, report)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
         shutil.rmtree(work, ignore_errors=True)
         return report
     finally:
@@ -849,7 +838,7 @@ def ship_default_model(build: str | os.PathLike, dest: str | os.PathLike | None 
             listed[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
     report["shipped_files"] = listed
     atomic_write_json(tmp / REPORT_FILE, report)
-    _replace_dir(tmp, dest)
+    replace_dir(tmp, dest)
     return dest
 
 

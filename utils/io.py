@@ -40,6 +40,21 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Put the finished folder ``tmp`` in place of ``dest`` (renames only; an old ``dest`` is removed after), so
+    readers see either the old folder or the whole new one."""
+    import shutil
+
+    tmp, dest = Path(tmp), Path(dest)
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 

@@ -251,3 +251,27 @@ def verify_named_export(root: str | os.PathLike, what: str, error: type[Exceptio
         return verify_export_manifest(root)
     except UsageError as e:
         raise error(f"{what} is corrupt or was modified: {e}") from None
+
+
+def code_version() -> dict[str, Any]:
+    """The code that wrote an output: expertcast's version and :data:`CODE_FORMAT`, the git commit of the
+    package folder when it is a checkout (``dirty``: uncommitted changes to tracked files), and the torch /
+    transformers versions when they are importable."""
+    import subprocess
+
+    from expertcast import __version__
+
+    out: dict[str, Any] = {"expertcast": __version__, "code_format": CODE_FORMAT, "git_commit": None, "git_dirty": None}
+    root = Path(__file__).resolve().parents[1]
+    try:
+        run = dict(cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], **run).stdout.strip() or None
+        out["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "-uno"], **run).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for mod in ("torch", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            out[mod] = None
+    return out

@@ -8,7 +8,8 @@
 - :mod:`.run_state`: book-keeping of one generate()/replay() call (schedule, phases, fed tokens, recorded routing)
 - :mod:`.stats`: :class:`RuntimeStats` (decode counters, timings) and :class:`MemoryReport`
 - :mod:`.engine`: :class:`OffloadedModel` (generate, forced-routing replay, stats, memory report)
-- :mod:`.forced`: forced routing for the full-load baseline of the benchmarks
+- :mod:`.forced`: forced routing for the full-load baseline of the benchmarks; any trace laid onto a model's shape
+- :mod:`.real_shapes`: random-weight checkpoints of real configurations, written shard by shard (``build-shape``)
 
     >>> from expertcast.inference.runtime import OffloadedModel
     >>> om = OffloadedModel(model, make_policy("lru"), 0.25)         # 25% of the experts resident

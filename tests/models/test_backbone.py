@@ -18,7 +18,8 @@ torch.set_num_threads(1)
 
 
 def test_supported_families():
-    assert supported_families() == ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
+    assert supported_families() == ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
+                                    "gpt_oss"]
 
 
 def test_preset_loads_with_a_working_tokenizer():

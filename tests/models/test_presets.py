@@ -15,6 +15,7 @@ FAMILY_OF_TINY = {
     "qwen2_moe-tiny": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "mixtral-tiny": ("mixtral", "MixtralForCausalLM"),
     "olmoe-tiny": ("olmoe", "OlmoeForCausalLM"),
+    "deepseek_v2-tiny": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "deepseek_v3-tiny": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "gpt_oss-tiny": ("gpt_oss", "GptOssForCausalLM"),
 }
@@ -22,7 +23,7 @@ FAMILY_OF_TINY = {
 
 def test_every_family_has_a_tiny_preset():
     assert sorted(list_presets("tiny")) == sorted(FAMILY_OF_TINY)
-    assert {"qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b"} <= set(list_presets("real"))
+    assert {"qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "deepseek-v2-lite"} <= set(list_presets("real"))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_OF_TINY))

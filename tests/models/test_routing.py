@@ -8,7 +8,8 @@ import torch
 from expertcast.models.presets import build_tiny
 from expertcast.models.routing import RoutingRecorder, capture_routing, find_routers, record_routing
 
-FAMILIES = ["qwen3_moe-tiny", "qwen2_moe-tiny", "mixtral-tiny", "olmoe-tiny", "deepseek_v3-tiny", "gpt_oss-tiny"]
+FAMILIES = ["qwen3_moe-tiny", "qwen2_moe-tiny", "mixtral-tiny", "olmoe-tiny", "deepseek_v2-tiny", "deepseek_v3-tiny",
+            "gpt_oss-tiny"]
 
 
 @pytest.fixture(autouse=True)

@@ -57,6 +57,7 @@ FAMILIES = {  # README table -> tiny preset
     "qwen2_moe": "qwen2_moe-tiny",
     "mixtral": "mixtral-tiny",
     "olmoe": "olmoe-tiny",
+    "deepseek_v2": "deepseek_v2-tiny",
     "deepseek_v3": "deepseek_v3-tiny",
     "gpt_oss": "gpt_oss-tiny",
 }
@@ -105,7 +106,7 @@ def test_family_offloads_from_checkpoint_token_identical(family, tmp_path):
     assert report.plan.checkpoint_layout == expected_layout
     assert report.unused_checkpoint_keys == []
     names = {n for n, _ in om.model.named_parameters()}
-    if family in ("qwen2_moe", "deepseek_v3"):
+    if family in ("qwen2_moe", "deepseek_v2", "deepseek_v3"):
         shared = [n for n in names if "shared_expert" in n]
         assert shared, "shared experts are resident parameters"
         for n in shared:
