@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.models.forecaster import ExpertForecaster, activation_vector, trigger_offset, trigger_sequence
+from expertcast.models.forecaster import ExpertForecaster, activation_vector, ema_scan, trigger_offset, trigger_sequence
 from expertcast.models.forecaster_components import (
     TRANSITION_ALPHA,
     decay_of,
@@ -231,15 +231,14 @@ def _mlp_examples(seqs: Sequence[TraceSequence], L: int, E: int, p: int, horizon
         if n < 2:
             continue
         x = activation_vector(ids[0, :n], w[0, :n], E)  # [n, L, E]
-        ema = torch.zeros(1, 1, L, E)
-        emas = []
-        for t in range(n):
-            emas.append(recent_update(ema, x[t:t + 1], decay)[0, 0].clone())
+        # the moving average after each element, as recent_update computes it one element at a time
+        v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
+        emas = ema_scan(v.reshape(1, n, L * E), decay.view(1))[0, :, 0].view(n, L, E)
         pos = np.flatnonzero(rng.random(n - 1) < keep)
         if not len(pos):
             continue
         pos_t = torch.from_numpy(pos)
-        xs.append(torch.cat([x[pos_t].reshape(len(pos), -1), torch.stack(emas)[pos_t].reshape(len(pos), -1)], -1))
+        xs.append(torch.cat([x[pos_t].reshape(len(pos), -1), emas[pos_t].reshape(len(pos), -1)], -1))
         tgt = (pos_t.view(-1, 1) + torch.arange(1, horizons + 1).view(1, -1))
         vs.append(tgt < n)
         ts.append(ids[0, tgt.clamp(max=n - 1)])
