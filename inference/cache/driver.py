@@ -54,7 +54,9 @@ Hook order (what :class:`Driver` calls; the numbers are the order within a layer
         (this step if it has not run yet, else the next step); counted steps: proactive += 1.
 
 Counters are the per-layer int64 [L] arrays ``accesses, hits, late, demand, temp, cpu, proactive,
-dropped, prefetch_used`` of a :class:`~expertcast.inference.cache.counters.Counters` (the runtime passes its stats), incremented on counted
+dropped, prefetch_used`` of a :class:`~expertcast.inference.cache.counters.Counters` (the runtime passes its stats), with its
+tallies ``evictions`` [L] (a resident replaced by ``acquire_slot``, on the layer of the load) and ``step_demand`` /
+``step_late`` (one entry per counted step, opened at :meth:`Driver.begin_step`), incremented on counted
 steps only (decode steps; a caller may say otherwise per step, e.g. a stream whose ``step_counted``
 was edited). Step 0 happens only for policies that override ``observe_routing``
 (:attr:`Driver.wants_routing`), and only when the caller passes the per-member routing (the
