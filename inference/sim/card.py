@@ -395,8 +395,10 @@ def make_card(meta: TraceMeta, seqs: Sequence[TraceSequence], settings: CardSett
     return {"header": header, "cache": rows, "recall": recall, "recall_cost": costs}
 
 
-CACHE_COLUMNS = ("pool", "capacity", "policy", "hit", "gap_closed", "misses_per_token", "exposed_per_token",
-                 "no_miss_share", "evictions_per_token", "late_prefetches", "prefetches_used")
+CACHE_COLUMNS = {"pool": "pool", "capacity": "capacity", "policy": "policy", "hit": "hit", "gap_closed": "gap closed",
+                 "misses_per_token": "miss/tok", "exposed_per_token": "exposed/tok", "no_miss_share": "no-miss tok",
+                 "evictions_per_token": "evict/tok", "late_prefetches": "late", "prefetches_used": "pf used"}
+"""The terminal table's columns (row key -> header)."""
 
 
 def header_lines(card: dict[str, Any]) -> list[str]:
@@ -423,7 +425,8 @@ def print_card(card: dict[str, Any]) -> None:
 
     for line in header_lines(card):
         print(line)
-    print_table(card["cache"], title="hit vs capacity, per token, LRU->Belady gap closed", columns=CACHE_COLUMNS)
+    shown = [{head: r[key] for key, head in CACHE_COLUMNS.items()} for r in card["cache"]]
+    print_table(shown, title="hit vs capacity, per token, LRU->Belady gap closed", columns=list(CACHE_COLUMNS.values()))
     print_table(card["recall"], title="recall@K by horizon (decode targets)",
                 columns=["predictor", *[k for k in card["recall"][0] if k.startswith("R@K h")], "targets h1"])
 

@@ -71,7 +71,7 @@ def test_card_on_granite(granite, tmp_path, capsys):
     assert traces_main(["card", str(granite), "--out", str(out), "--capacity", "0.25,0.45",
                         "--lifecycle", "persistent"]) == 0
     printed = capsys.readouterr().out
-    assert "lifecycle: persistent" in printed and "granite" in printed and "no_miss_share" in printed
+    assert "lifecycle: persistent" in printed and "granite" in printed and "no-miss tok" in printed
     card = json.loads((out / "card.json").read_text())
     h = card["header"]
     assert h["source_format"] == "granite" and h["shape"] == {"L": 24, "E": 32, "K": 8} and h["sequences"] == 3
