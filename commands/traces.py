@@ -5,6 +5,14 @@
                              moe-cache-lab|moe-beyond|gating-jsonl|hf-router-logits] [--num-experts E]
                              [--num-layers L] [--top-k K] [--expert-bytes N] [--model ID]
     expertcast traces stats DIR [--json PATH] [--csv PATH] [--plot PNG] [--phase decode|prefill|both]
+    expertcast traces card TRACES --out DIR [--fit-traces FIT] [--forecaster EXPORT] [--lifecycle cold|persistent]
+                           [--count-prefill] [--capacity 0.10,0.25,0.45] [--pools per-layer,shared]
+                           [--bandwidth-gbps G] [--layer-compute-ms MS] [--expert-bytes N] [--mlp-steps N]
+
+``card``: the protocol card (library: ``expertcast.inference.sim.card``; docs/design.md, "Protocol card"): hit vs
+capacity for lru, lfu, lrfu, fifo, static (fitted on FIT), belady-k, belady (+ seqmoe, hybrid with EXPORT), recall@K
+by horizon, misses / exposed misses per token and the share of tokens without a miss, the LRU->Belady gap closed;
+``DIR/card.json``, ``card.csv``, ``card.png``. Evaluated ids shared with FIT or the export's training ids are refused.
 """
 
 from __future__ import annotations
@@ -12,7 +20,15 @@ from __future__ import annotations
 import sys
 import warnings
 
-from expertcast.commands.common import CommandParser, nonneg_int, positive_int, run_command
+from expertcast.commands.common import (
+    CommandParser,
+    nonneg_float,
+    nonneg_int,
+    parse_fractions,
+    positive_float,
+    positive_int,
+    run_command,
+)
 from expertcast.utils.errors import UsageError
 
 PROG = "expertcast traces"
@@ -22,7 +38,7 @@ def build_parser() -> CommandParser:
     from expertcast.data.importers import FORMATS
 
     p = CommandParser(prog=PROG, description="routing trace tools")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{import,stats}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{import,stats,card}")
 
     imp = sub.add_parser("import", help="routing traces recorded by another engine -> trace set",
                          description="Validate routing traces recorded elsewhere (vLLM, SGLang, llama.cpp, Megatron-LM, "
@@ -53,6 +69,34 @@ def build_parser() -> CommandParser:
     st.add_argument("--json", default=None, help="write the rows as JSON here")
     st.add_argument("--csv", default=None, help="write the rows as CSV here")
     st.add_argument("--plot", default=None, help="write a PNG heatmap of expert frequencies here")
+
+    cd = sub.add_parser("card", help="the protocol card: policies, oracles and predictors on one trace set",
+                        description="Hit vs capacity (per-layer and shared pools) for lru, lfu, lrfu, fifo, static, "
+                                    "belady-k, belady (+ seqmoe, hybrid), recall@K by horizon, per-token misses, "
+                                    "exposed misses and tokens without a miss, and the LRU->Belady gap each policy "
+                                    "closes. docs/design.md, 'Protocol card'.")
+    cd.add_argument("traces", help="trace folder to evaluate (`expertcast collect` or `traces import`)")
+    cd.add_argument("--out", required=True, help="output folder (card.json, card.csv, card.png)")
+    cd.add_argument("--fit-traces", default=None,
+                    help="trace folder static and the fitted baselines are fitted on (no sequence id shared with "
+                         "TRACES); unset: static is skipped, the baselines use no fitted prior")
+    cd.add_argument("--forecaster", default=None,
+                    help="forecaster export: adds seqmoe and hybrid and the forecaster's recall (TRACES must hold "
+                         "none of its training ids)")
+    cd.add_argument("--lifecycle", choices=["cold", "persistent"], default="cold",
+                    help="cold: cache reset for every sequence; persistent: one cache across the sequences")
+    cd.add_argument("--count-prefill", action="store_true",
+                    help="count the prompt positions too (default: decode only; prefill replayed uncounted)")
+    cd.add_argument("--capacity", default="0.10,0.25,0.45", help="comma list of fractions of all L*E experts")
+    cd.add_argument("--pools", default="per-layer,shared", help="comma list of pools: per-layer, shared")
+    cd.add_argument("--bandwidth-gbps", type=positive_float, default=25.0, help="link model: host-device GB/s")
+    cd.add_argument("--layer-compute-ms", type=nonneg_float, default=0.15,
+                    help="link model: compute ms of one MoE layer-execution")
+    cd.add_argument("--expert-bytes", type=positive_int, default=None,
+                    help="link model: bytes per expert (unset: the traces', else the Qwen3-30B-A3B expert)")
+    cd.add_argument("--mlp-steps", type=nonneg_int, default=0,
+                    help="training steps of the MLP reference predictor, fitted on --fit-traces (0: none)")
+    cd.add_argument("--overwrite", action="store_true", help="replace an earlier card in --out")
     return p
 
 
@@ -119,6 +163,60 @@ def _stats(a) -> int:
     return 0
 
 
+def _read(path: str, flag: str):
+    from expertcast.data.traces import load_traces, require_decode_tokens
+    from expertcast.inference.cache.options import check_file
+
+    check_file("traces", path, f"{flag} {path}")
+    meta, seqs = load_traces(path)
+    require_decode_tokens(meta, seqs, path)
+    return meta, seqs
+
+
+def _card(a) -> int:
+    from pathlib import Path
+
+    from expertcast.inference.cache.cost_model import CostConfig
+    from expertcast.inference.sim.card import POOLS, CardSettings, make_card, print_card, write_card
+    from expertcast.utils.outdir import claim_output_dir
+
+    pools = tuple(p.strip() for p in a.pools.split(",") if p.strip())
+    if not pools or any(p not in POOLS for p in pools):
+        raise UsageError(f"--pools: expected a comma list of {', '.join(POOLS)}, got {a.pools!r}")
+    meta, seqs = _read(a.traces, "TRACES")
+    fit = None
+    if a.fit_traces:
+        fmeta, fit = _read(a.fit_traces, "--fit-traces")
+        try:
+            fmeta.check_compatible(meta.num_layers, meta.num_experts, meta.top_k, what=f"trace set {a.traces}")
+        except ValueError as e:
+            raise UsageError(f"--fit-traces {a.fit_traces}: {e}") from None
+    if a.forecaster:
+        from expertcast.models.forecaster_export import load_forecaster
+
+        exp = load_forecaster(a.forecaster)
+        try:
+            exp.check_compatible(meta.num_layers, meta.num_experts, meta.top_k, what=f"trace set {a.traces}")
+        except ValueError as e:
+            raise UsageError(f"--forecaster {a.forecaster}: {e}") from None
+    settings = CardSettings(capacities=tuple(parse_fractions(a.capacity)), pools=pools, lifecycle=a.lifecycle,
+                            count_prefill=a.count_prefill, mlp_steps=a.mlp_steps,
+                            cost=CostConfig(bandwidth_gbps=a.bandwidth_gbps, layer_compute_ms=a.layer_compute_ms,
+                                            expert_bytes=a.expert_bytes))
+    sources = {"traces": str(Path(a.traces).resolve()),
+               "fit_traces": str(Path(a.fit_traces).resolve()) if a.fit_traces else None}
+    try:
+        card = make_card(meta, seqs, settings, fit=fit, forecaster=a.forecaster, sources=sources, progress=True)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    with claim_output_dir(a.out, "traces-card", overwrite=a.overwrite) as out:
+        paths = write_card(card, out)
+    print_card(card)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(f"{PROG} {args.cmd}", lambda: _import(args) if args.cmd == "import" else _stats(args))
+    body = {"import": _import, "stats": _stats, "card": _card}[args.cmd]
+    return run_command(f"{PROG} {args.cmd}", lambda: body(args))

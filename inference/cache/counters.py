@@ -7,12 +7,17 @@ expert size and the decoded tokens the per-token metrics need. The simulator's
 :class:`~expertcast.inference.runtime.stats.RuntimeStats` are Counters with their own timing fields, so
 both compute Hit, AdjHit, MB per token and the prefetch ratios here. A = accesses, D = demand misses (incl.
 temporary loads), P = proactive loads, U = proactive loads used before eviction (``prefetch_used``, a subset of P).
+
+Beside them, the tallies the protocol card reads (:mod:`expertcast.inference.sim.card`): ``evictions`` per layer
+[L] (residents replaced to make room, on the layer of the load that needed the slot) and, per counted step in
+order, ``step_demand`` (its demand misses) and ``step_late`` (its late prefetches). The driver and the simulator's
+engines fill them; the graph decode path leaves them empty (they are not among :data:`COUNTER_NAMES`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -75,11 +80,33 @@ class Counters:
     """Decode time during which at least one read was in progress (disk store's reader pool)."""
     read_exposed: int = 0
     """Counted loads the compute had to wait for (not finished when the expert's kernel was due): exposed misses."""
+    evictions: np.ndarray = None  # type: ignore[assignment]
+    """int64 [L]: residents evicted on counted steps, on the layer of the load that took their slot."""
+    step_demand: list[int] = field(default_factory=list)
+    """Demand misses of each counted step, in order (batch 1: of each decoded token)."""
+    step_late: list[int] = field(default_factory=list)
+    """Late prefetches of each counted step, in order."""
 
     def __post_init__(self) -> None:
         for name in COUNTER_NAMES:
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(self.num_layers, np.int64))
+        if self.evictions is None:
+            self.evictions = np.zeros(self.num_layers, np.int64)
+
+    def open_step(self) -> None:
+        """A counted step begins: its per-step tallies start at 0."""
+        self.step_demand.append(0)
+        self.step_late.append(0)
+
+    @property
+    def steps_without_miss(self) -> int:
+        """Counted steps with neither a demand miss nor a late prefetch (nothing waited for)."""
+        d = np.asarray(self.step_demand, np.int64)
+        late = np.asarray(self.step_late, np.int64)
+        if len(late) != len(d):  # engines without prefetch fill step_demand only
+            late = np.zeros_like(d)
+        return int(((d == 0) & (late == 0)).sum())
 
     def counts(self) -> dict[str, Any]:
         """The fields of :class:`Counters` (not those of a subclass), e.g. to build a subclass from them."""

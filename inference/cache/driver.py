@@ -54,7 +54,9 @@ Hook order (what :class:`Driver` calls; the numbers are the order within a layer
         (this step if it has not run yet, else the next step); counted steps: proactive += 1.
 
 Counters are the per-layer int64 [L] arrays ``accesses, hits, late, demand, temp, cpu, proactive,
-dropped, prefetch_used`` of a :class:`~expertcast.inference.cache.counters.Counters` (the runtime passes its stats), incremented on counted
+dropped, prefetch_used`` of a :class:`~expertcast.inference.cache.counters.Counters` (the runtime passes its stats), with its
+tallies ``evictions`` [L] (a resident replaced by ``acquire_slot``, on the layer of the load) and ``step_demand`` /
+``step_late`` (one entry per counted step, opened at :meth:`Driver.begin_step`), incremented on counted
 steps only (decode steps; a caller may say otherwise per step, e.g. a stream whose ``step_counted``
 was edited). Step 0 happens only for policies that override ``observe_routing``
 (:attr:`Driver.wants_routing`), and only when the caller passes the per-member routing (the
@@ -333,6 +335,8 @@ class Driver:
         self._local += 1
         self.info = StepInfo(self.t, self._local, self.schedule, self.schedule.positions(self._local))
         self.counted = not self.info.prefill if counted is None else bool(counted)
+        if self.counted:
+            self.counters.open_step()
         self.policy.on_step(self.t, self.info)
         return self.info
 
@@ -367,6 +371,7 @@ class Driver:
                 cache.set_state(s, COMPUTE)
                 if counted:
                     c.late[layer] += 1
+                    c.step_late[-1] += 1
             elif counted:
                 c.hits[layer] += 1
             if cache.proactive[s] and self._pf_counted[s]:  # first use of a counted proactive load
@@ -386,7 +391,7 @@ class Driver:
         action = MissAction(policy.on_miss(t, layer, e, n_tokens, cache))
         slot = -1
         if action == MissAction.LOAD:
-            slot = acquire_slot(cache, policy, t, layer, cache.pool_of(layer), sel)
+            slot = self._acquire(layer, sel, counted)
             if slot < 0:
                 action = MissAction.TEMP  # every slot holds a selected or in-flight expert
         if action == MissAction.CPU:
@@ -396,6 +401,7 @@ class Driver:
             return (CPU,)
         if counted:
             c.demand[layer] += 1
+            c.step_demand[-1] += 1
         if action == MissAction.LOAD:
             cache.assign(slot, layer, e, COMPUTE)
             policy.on_insert(layer, e, False)
@@ -425,6 +431,16 @@ class Driver:
         return plan
 
     # -- internals ---------------------------------------------------------------------------------
+    def _acquire(self, layer: int, sel: np.ndarray | None, counted: bool) -> int:
+        """:func:`acquire_slot` for an expert of ``layer`` (``sel`` protected for a demand load); a resident
+        evicted for it on a counted step is tallied on ``layer``."""
+        pool = self.cache.pool_of(layer)
+        full = self.cache.free_count(pool) == 0
+        slot = acquire_slot(self.cache, self.policy, self.t, layer, pool, sel)
+        if full and slot >= 0 and counted:
+            self.counters.evictions[layer] += 1
+        return slot
+
     def _land(self, x: int) -> None:
         cache = self.cache
         for layer, expert in self.transport.begin_layer(x):
@@ -443,7 +459,7 @@ class Driver:
                 raise ValueError(f"{policy.name} asked to prefetch ({pl}, {pe}) outside L={L}, E={E}")
             if cache.contains(pl, pe):
                 continue
-            slot = acquire_slot(cache, policy, t, pl, cache.pool_of(pl))
+            slot = self._acquire(pl, None, counted)
             if slot < 0:
                 if counted:
                     self.counters.dropped[pl] += 1

@@ -123,7 +123,7 @@ def lrfu_log_crf(log_crf_old, last_old, now, lam, has_history):
 @njit(cache=True)
 def replay_kernel(experts, exec_ptr, step_counted, num_layers, num_experts, pool_of_layer, pool_cap,
                   kind, lam, horizon, perfect_history, next_use,
-                  out_acc, out_hit, out_miss, out_temp, out_resident):
+                  out_acc, out_hit, out_miss, out_temp, out_resident, out_evict, out_step_miss):
     """Replay the stream with one classic policy or oracle; fill per-layer counters.
 
     Args:
@@ -139,6 +139,8 @@ def replay_kernel(experts, exec_ptr, step_counted, num_layers, num_experts, pool
         out_acc, out_hit, out_miss, out_temp: int64 [L] counted accesses, hits, demand misses (incl.
             temporary-slot loads), temporary-slot loads.
         out_resident: int8 [L*E] final residency (1 = resident).
+        out_evict: int64 [L] counted evictions (on the layer of the miss that took the slot).
+        out_step_miss: int64 [X // L] demand misses of each step (counted or not).
     """
     L = num_layers
     E = num_experts
@@ -222,6 +224,7 @@ def replay_kernel(experts, exec_ptr, step_counted, num_layers, num_experts, pool
                 else:
                     if counted:
                         out_miss[layer] += 1
+                    out_step_miss[x // L] += 1
                     if occ[p] < pool_cap[p]:
                         s = occ[p]
                         occ[p] = s + 1
@@ -249,6 +252,8 @@ def replay_kernel(experts, exec_ptr, step_counted, num_layers, num_experts, pool
                                 _touch_history(kind, it, clock, lam, count, logc, last, hist)
                             continue
                         s = slot[victim]
+                        if counted:
+                            out_evict[layer] += 1
                         res[victim] = 0
                         slot[victim] = -1
                         if not perfect_history:

@@ -175,7 +175,6 @@ class OffloadedModel:
         model.set_experts_implementation(experts.register())
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         self._run: RunState | None = None
-        self._step_mark: int | None = None
         """D + late at the start of the current counted decode step (miss-free step count)."""
         self._io_busy0 = 0.0
         """The transfer engine's busy seconds when the call's decode began."""
@@ -330,16 +329,8 @@ class OffloadedModel:
         busy = getattr(self.transfer, "busy_seconds", None)
         return busy() if busy is not None else 0.0
 
-    def _close_step(self) -> None:
-        """A decode step ended: count it as miss-free when none of its accesses was a demand miss or a late
-        prefetch."""
-        mark, self._step_mark = self._step_mark, None
-        if mark is not None and mark == self.stats.D + int(self.stats.late.sum()):
-            self.stats.miss_free_steps += 1
-
     def _end_call(self, rs: RunState) -> None:
         """The call ends: close the prefill if no decode step ran, else log the last step."""
-        self._close_step()
         if rs.prefill_done:
             self.stats.read_busy_seconds += self._busy_now() - self._io_busy0
         if not rs.prefill_done:
@@ -369,10 +360,7 @@ class OffloadedModel:
         else:  # the previous decode step ends with the tokens this forward feeds
             self.driver.end_step(rs.fed_tokens(self.driver.info))
             rs.flush_decode_log()
-        self._close_step()
         info = self.driver.begin_step()
-        if self.driver.counted:
-            self._step_mark = self.stats.D + int(self.stats.late.sum())
         rs.start_step(info)
         if self.graph is not None and self.graph.active:
             self.graph.begin_step(info.t, rs.active, [int(info.positions[i]) for i in rs.active])

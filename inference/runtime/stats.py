@@ -28,8 +28,6 @@ class RuntimeStats(Counters):
     """Host time blocked waiting for transfers (demand loads and late prefetches) in decode."""
     ttft_seconds: list[float] = field(default_factory=list)
     """Time to first token of each generate() call."""
-    miss_free_steps: int = 0
-    """Decode steps none of whose accesses was a demand miss or a late prefetch."""
 
     @property
     def io_overlap(self) -> float:
@@ -55,7 +53,7 @@ class RuntimeStats(Counters):
             "stall_ms_per_token": 1e3 * self.stall_seconds / max(self.decoded_tokens, 1),
             "transfer_mb": self.bytes_moved / 1e6,
             **self.read_metrics(),
-            "miss_free_token_frac": self.miss_free_steps / max(self.decode_steps, 1),
+            "miss_free_token_frac": self.steps_without_miss / max(len(self.step_demand), 1),
             "io_overlap": self.io_overlap,
         }
 

@@ -308,19 +308,21 @@ def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
     z = lambda: np.zeros(L, np.int64)  # noqa: E731
     acc, hit, miss, temp = z(), z(), z(), z()
     resident = np.zeros(L * E, np.int8)
+    evict, step_miss = z(), np.zeros(stream.num_steps, np.int64)
     t0 = time.perf_counter()
     kernels.replay_kernel(stream.experts, stream.exec_ptr, stream.step_counted, L, E, config.pool_of_layer,
                     config.pool_capacities, params["kind"], float(params["lam"]), int(params["horizon"]),
-                    bool(params["perfect_history"]), nxt, acc, hit, miss, temp, resident)
+                    bool(params["perfect_history"]), nxt, acc, hit, miss, temp, resident, evict, step_miss)
     seconds = time.perf_counter() - t0
     compute = cost.compute_ms(L)
     n_steps = int(stream.step_counted.sum())
     compute_total = float(compute.sum()) * n_steps
     stall = float(miss.sum()) * cost.transfer_ms(xbytes)  # demand transfers only, each exposed
     res = {(int(i) // E, int(i) % E) for i in np.flatnonzero(resident)}
+    step_demand = step_miss[stream.step_counted].tolist()
     return ReplayResult(L, xbytes, accesses=acc, hits=hit, demand=miss, temp=temp, decoded_tokens=stream.decoded_tokens,
-                        decode_steps=n_steps, stall_ms=stall, compute_ms=compute_total, engine="kernel",
-                        seconds=seconds, resident=res)
+                        decode_steps=n_steps, evictions=evict, step_demand=step_demand, step_late=[0] * n_steps,
+                        stall_ms=stall, compute_ms=compute_total, engine="kernel", seconds=seconds, resident=res)
 
 
 def replay_ceiling(stream: AccessStream, config: CacheConfig, cost: CostConfig | None = None) -> ReplayResult:
@@ -367,7 +369,8 @@ def replay_static(stream: AccessStream, policy, config: CacheConfig, cost: CostC
     compute = cost.compute_ms(L)
     n_steps = int(stream.step_counted.sum())
     compute_total = float(compute.sum()) * n_steps
-    base = Counters(L, xbytes, accesses=acc, hits=hit, decoded_tokens=stream.decoded_tokens, decode_steps=n_steps)
+    base = Counters(L, xbytes, accesses=acc, hits=hit, decoded_tokens=stream.decoded_tokens, decode_steps=n_steps,
+                    step_late=[0] * n_steps)
     if policy.miss == "cpu":
         cpu_cost = np.where(is_hit, 0.0, cost.cpu_expert_ms + stream.counts * cost.cpu_token_ms)
         cum = np.concatenate([[0.0], np.cumsum(cpu_cost)])
@@ -375,7 +378,11 @@ def replay_static(stream: AccessStream, policy, config: CacheConfig, cost: CostC
         over = np.maximum(per_exec - np.tile(compute, stream.num_steps), 0.0)
         stall = float(over[counted_exec].sum())
         base.cpu = miss
+        base.step_demand = [0] * n_steps
     else:
+        step_of_acc = np.repeat(np.arange(n_exec) // L, sizes)
+        per_step = np.bincount(step_of_acc[counted_acc & ~is_hit], minlength=stream.num_steps)
+        base.step_demand = per_step[stream.step_counted].astype(np.int64).tolist()
         stall = float(miss.sum()) * cost.transfer_ms(xbytes)
         base.demand, base.temp = miss, miss.copy()
     return ReplayResult(**base.counts(), stall_ms=stall, compute_ms=compute_total, engine="static",

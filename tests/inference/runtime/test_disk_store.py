@@ -214,7 +214,7 @@ def test_forced_routing_disk_equals_ram(tiny_store, name):
     assert st.read_bytes == st.reads * om.layout.expert_bytes
     assert om.transfer.direct_reads >= st.reads  # straight into the aligned slots on the CPU
     assert st.read_seconds > 0 and st.read_busy_seconds > 0 and 0 <= st.read_exposed <= st.reads
-    assert 0 <= st.miss_free_steps <= st.decode_steps
+    assert 0 <= st.steps_without_miss <= len(st.step_demand) <= st.decode_steps
     disk.close()
 
 
