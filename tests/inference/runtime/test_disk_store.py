@@ -187,7 +187,8 @@ def _logits_of(om, seqs):
 def test_forced_routing_disk_equals_ram(tiny_store, name):
     """Forced-routing replay through the disk store (capacity 0.25, 2 readers) gives exactly the logits of
     the all-in-RAM run (every expert resident in RAM slots) and of the RAM store at the same capacity, with
-    the same counters as the RAM store; every counted load is one read (reads == D + P, split by kind)."""
+    the same counters as the RAM store (seqmoe: the same accesses; its prefetch admissions depend on when its
+    transfers land); every counted load is one read (reads == D + P, split by kind)."""
     _, path = tiny_store
     model = build_tiny("qwen3_moe-tiny", seed=0, dtype=torch.bfloat16)
     L, E, K = 4, 16, 4
@@ -206,7 +207,11 @@ def test_forced_routing_disk_equals_ram(tiny_store, name):
     assert len(got) == len(full) == len(ram)
     for a, b, c in zip(got, full, ram, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
-    for k in ("accesses", "hits", "demand", "temp", "late", "proactive"):
+    # a demand-only policy decides from the routing alone: the same counters on both stores. seqmoe's
+    # admissions read which of its own transfers have landed (docs/design.md, "Prefetch"), a real-time fact
+    # that differs between a disk read and a RAM copy: only the routing-given counts are equal there
+    same = ("accesses",) if name == "seqmoe" else ("accesses", "hits", "demand", "temp", "late", "proactive")
+    for k in same:
         assert np.array_equal(getattr(st, k), getattr(ram_st, k)), k
     assert st.D > 0
     assert st.reads == st.D + st.P and ram_st.reads == ram_st.D + ram_st.P
