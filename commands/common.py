@@ -317,7 +317,6 @@ from expertcast.models.names import DEFAULT_MODEL_NAMES  # noqa: E402,F401
 from expertcast.models.names import resolve_model as _resolve_model  # noqa: E402
 from expertcast.utils.devices import resolve_device  # noqa: E402,F401  (the one device resolver)
 
-
 resolve_model = functools.partial(_resolve_model, announce=True)
 """``--model`` of every command: the one resolver (:func:`expertcast.models.names.resolve_model`); the
 embedded default is the shipped, checksum-verified folder (never trained implicitly)."""

@@ -145,10 +145,10 @@ def baseline_sequences(args, exp, seqs, trained: set[str] | None, evaluated_spli
 
 
 def run(args) -> int:
-    import torch
-    from expertcast.models.forecaster_export import load_forecaster, training_ids
     import time
 
+    import torch
+    from expertcast.models.forecaster_export import load_forecaster, training_ids
     from expertcast.models.forecaster_recall import evaluate, fit_baselines, fit_mlp_reference
     from expertcast.utils.provenance import check_overlap
 

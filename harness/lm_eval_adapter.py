@@ -40,7 +40,6 @@ measurement above), plus the harness's ``batch_size`` and ``device``.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from typing import Any
 
@@ -344,8 +343,13 @@ class ExpertcastLM(TemplateLM):
         OffloadedModel is given back to it and a fresh one (fresh policy, empty cache) replaces it."""
         from types import SimpleNamespace
 
-        from expertcast.commands.evaluate import ModelSession, _baseline_kind, build_policy, fit_stage_policy
-        from expertcast.commands.evaluate import paired_speed_passes
+        from expertcast.commands.evaluate import (
+            ModelSession,
+            _baseline_kind,
+            build_policy,
+            fit_stage_policy,
+            paired_speed_passes,
+        )
 
         if self._baseline == "none" or not self._speed_contexts:
             return None

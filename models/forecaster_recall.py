@@ -33,7 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.models.forecaster import ExpertForecaster, activation_vector, ema_scan, trigger_offset, trigger_sequence
+from expertcast.models.forecaster import (
+    ExpertForecaster,
+    activation_vector,
+    ema_scan,
+    trigger_offset,
+    trigger_sequence,
+)
 from expertcast.models.forecaster_components import (
     TRANSITION_ALPHA,
     decay_of,
@@ -252,7 +258,7 @@ def fit_mlp_reference(train: Sequence[TraceSequence], meta: TraceMeta, p: int, h
                       seed: int = 0) -> MLPReference:
     """Train the :class:`MLPReference` on up to ``max_examples`` elements of ``train`` (Adam, ``steps`` steps):
     per horizon and layer, the cross-entropy of softmax(logits) against the true top-K (each selected expert 1/K)."""
-    L, E, K = meta.num_layers, meta.num_experts, meta.top_k
+    L, E = meta.num_layers, meta.num_experts
     x, tid, valid = _mlp_examples(train, L, E, p, horizons, max_examples, seed)
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)

@@ -25,26 +25,6 @@ CODE_FORMAT = 1
 """Bumped when a change in expertcast alters the numbers a resumable job writes for the same settings."""
 
 
-def code_version() -> dict[str, Any]:
-    """What code wrote an output: the package version, :data:`CODE_FORMAT` and, in a git checkout, the commit
-    (``+dirty`` with uncommitted changes to tracked files; None outside a checkout or without git)."""
-    import subprocess
-
-    from expertcast import __version__
-
-    root = Path(__file__).resolve().parent.parent
-    commit = None
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            commit = head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"expertcast": __version__, "code_format": CODE_FORMAT, "git_commit": commit}
-
-
 # -- hashes -----------------------------------------------------------------------------------------
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.inference.runtime.disk_store import ALIGN, BUFFERED, DIRECT, aligned_empty, round_up
+from expertcast.utils.provenance import code_version
 
 CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 
@@ -249,15 +250,6 @@ def _fingerprint(seqs) -> str:
     return trace_fingerprint([s.seq_id for s in seqs], [np.asarray(s.expert_ids).tobytes() for s in seqs])
 
 
-def _code_version() -> str:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Measure everything (see the module docstring); write ``bench_disk.json``, ``bench_disk.csv``,
     ``bench_disk.png`` under ``cfg.out``; return the JSON record."""
@@ -376,7 +368,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "bound_definition": "1 / max(reads/token x expert bytes / disk GB/s, 1 / all-in-RAM tokens/s): the policy's "
                             "own loads at the measured disk bandwidth with full I/O-compute overlap",
         "provenance": {"settings": asdict(cfg), "routing": source, "routing_fingerprint": _fingerprint(seqs),
-                       "code_version": _code_version(), "torch": torch.__version__, "python": sys.version.split()[0],
+                       "code_version": code_version(), "torch": torch.__version__, "python": sys.version.split()[0],
                        "forecaster_hash": _export_hash(cfg.forecaster), "host": platform.node()},
     }
     _write(out, record)

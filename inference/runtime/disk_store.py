@@ -42,7 +42,7 @@ from expertcast.inference.runtime.store import (
     ExpertLayout,
     _read_safetensors_header,
 )
-from expertcast.inference.runtime.transfer import Transfer, TransferEngine
+from expertcast.inference.runtime.transfer import Transfer, TransferEngine, WorkerWaits
 from expertcast.utils.errors import UsageError
 from torch import nn
 
@@ -293,7 +293,7 @@ class DiskExpertStore:
 
 
 # --------------------------------------------------------------------------------------------- reader pool
-class ReaderPoolEngine(TransferEngine):
+class ReaderPoolEngine(WorkerWaits, TransferEngine):
     """Reads expert rows from a :class:`DiskExpertStore` into slots with ``readers`` threads.
 
     Queue: demand reads first (in submission order), then prefetches; :meth:`promote` moves a queued
@@ -301,6 +301,8 @@ class ReaderPoolEngine(TransferEngine):
     waits for it (enqueued when it finishes; a demand inherits its predecessor's promotion), so two reads
     never race on one slot. ``busy_seconds`` is the time at least one read was in progress.
     """
+
+    failure = "expert read failed"
 
     def __init__(self, store: DiskExpertStore, readers: int = 4, device: torch.device | str = "cpu"):
         if readers < 1:
@@ -433,22 +435,6 @@ class ReaderPoolEngine(TransferEngine):
         tr.cuda_event = ev
 
     # -- waiting ------------------------------------------------------------------------------------
-    def done(self, tr: Transfer) -> bool:
-        return tr.event.is_set()
-
-    def wait(self, tr: Transfer) -> float:
-        if tr.event.is_set():
-            self._raise_pending()
-            return 0.0
-        t0 = time.perf_counter()
-        tr.event.wait()
-        self._raise_pending()
-        return time.perf_counter() - t0
-
-    def _raise_pending(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"expert read failed: {err}") from err
 
     def mark_compute(self) -> None:
         if self.device.type == "cuda":

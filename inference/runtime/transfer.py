@@ -80,7 +80,32 @@ class TransferEngine:
         """Stop background resources."""
 
 
-class ThreadTransferEngine(TransferEngine):
+class WorkerWaits:
+    """``done``/``wait`` of an engine whose worker threads set each transfer's ``event`` and park the first
+    error in ``self._error`` (raised, once, by the next wait): the thread engine and the disk reader pool."""
+
+    _error: BaseException | None = None
+    failure = "expert transfer failed"
+
+    def done(self, tr: Transfer) -> bool:
+        return tr.event.is_set()
+
+    def wait(self, tr: Transfer) -> float:
+        if tr.event.is_set():
+            self._raise_pending()
+            return 0.0
+        t0 = time.perf_counter()
+        tr.event.wait()
+        self._raise_pending()
+        return time.perf_counter() - t0
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"{self.failure}: {err}") from err
+
+
+class ThreadTransferEngine(WorkerWaits, TransferEngine):
     """CPU engine: a background thread copies rows into slots, optionally throttled to a bandwidth.
 
     Args:
@@ -165,22 +190,6 @@ class ThreadTransferEngine(TransferEngine):
                         self._demand_queued += 1
                     return
 
-    def done(self, tr: Transfer) -> bool:
-        return tr.event.is_set()
-
-    def wait(self, tr: Transfer) -> float:
-        if tr.event.is_set():
-            self._raise_pending()
-            return 0.0
-        t0 = time.perf_counter()
-        tr.event.wait()
-        self._raise_pending()
-        return time.perf_counter() - t0
-
-    def _raise_pending(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"expert transfer failed: {err}") from err
 
     def synchronize(self) -> None:
         with self._cv:

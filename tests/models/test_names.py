@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from expertcast.models.names import SHIPPED_DEFAULT_DIR, ModelNotFoundError, resolve_model, shipped_default_model
+from expertcast.models.names import (
+    SHIPPED_DEFAULT_DIR,
+    ModelNotFoundError,
+    resolve_model,
+    shipped_default_model,
+)
 from expertcast.utils.errors import UsageError
 
 
