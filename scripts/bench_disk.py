@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     for b in cfg.budgets:
         if not 0 < b <= 1:
             raise SystemExit(f"--budgets: {b} is not a fraction in (0, 1]")
-    run_bench(cfg)
+    from expertcast.inference.sim.simulator import build_stream
+
+    run_bench(cfg, stream=build_stream)  # oracles (belady) read the replayed access stream
     return 0
 
 

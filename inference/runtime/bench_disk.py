@@ -261,7 +261,7 @@ def _traces(cfg: BenchConfig, L: int, E: int, K: int, expert_bytes: int):
     return syn.meta, list(syn.sequences), "synthetic zipf routing"
 
 
-def _policy(name: str, cfg: BenchConfig, meta, seqs, link_bytes_per_s: float, layer_ms: float):
+def _policy(name: str, cfg: BenchConfig, meta, seqs, link_bytes_per_s: float, layer_ms: float, stream=None):
     """(policy, future): ``static`` calibrated in-sample on the replayed routing, ``seqmoe`` told the measured
     disk rate and per-layer compute (its deadlines), an oracle (``belady``: the protect-rule plan) given the
     replayed access stream."""
@@ -274,9 +274,10 @@ def _policy(name: str, cfg: BenchConfig, meta, seqs, link_bytes_per_s: float, la
                            layer_compute_ms=max(layer_ms, 1e-3)), None
     future = None
     if "future" in policy_spec(name).needs:
-        from expertcast.inference.sim.simulator import build_stream
-
-        future = build_stream(meta, seqs, 1)
+        if stream is None:
+            raise ValueError(f"{name} is an oracle: run_bench needs stream= (e.g. simulator.build_stream) to give it "
+                             f"the replayed access stream")
+        future = stream(meta, seqs, 1)
     return make_policy(name), future
 
 
@@ -388,7 +389,7 @@ def _row(name, budget, cap, st, om, xbytes, disk_gbps, full_s, extra):
             "late_prefetches": int(st.late.sum()), "decoded_tokens": st.decoded_tokens, **extra}
 
 
-def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, disk_gbps, L):
+def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, disk_gbps, L, stream=None):
     """Per budget and policy: ``cfg.repeats`` policy passes through ``disk``, each between two passes of the
     all-in-RAM ``base`` (the paired % of full speed: median, min-max)."""
     def baseline() -> float:
@@ -402,7 +403,7 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
             ratios, speeds, stats = [], [], []
             for _ in range(cfg.repeats):
                 try:
-                    pol, fut = _policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 / b_prev / L)
+                    pol, fut = _policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 / b_prev / L, stream)
                     om = OffloadedModel_(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
                 except ValueError as e:
                     skipped[name] = " ".join(str(e).split())
@@ -430,9 +431,10 @@ def OffloadedModel_(*args, **kwargs):  # noqa: N802 (the runtime, imported late)
     return OffloadedModel(*args, **kwargs)
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     """Measure everything (see the module docstring); write ``bench_disk.json``, ``bench_disk.csv``,
-    ``bench_disk.png`` under ``cfg.out``; return the JSON record."""
+    ``bench_disk.png`` under ``cfg.out``; return the JSON record. ``stream``: ``(meta, sequences, batch) ->
+    AccessStream`` for oracle policies (``simulator.build_stream``; this room does not import the simulator)."""
     import gc
 
     from expertcast.inference.policies import make_policy
@@ -532,7 +534,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         sub_path = out / "subset.disk.safetensors"
         sub_model, sub_disk, _ = _load_streamed(cfg.baseline_model, cfg, sub_path, min(cfg.budgets))
         sub_rows, skipped = _paired_grid(cfg, sub_model, sub_disk, base, meta_b, seqs_b, policies, K, E, xbytes,
-                                         disk_gbps, L_b)
+                                         disk_gbps, L_b, stream)
         base_s = 1.0 / float(np.median([base.replay(seqs_b).tokens_per_s for _ in range(3)]))
         full_s = scaled_full_seconds(base_s, head_s, n_dec_sub, n_dec_full)
         sub_disk.close()
@@ -550,7 +552,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 runs = []
                 for _ in range(cfg.full_repeats):
                     try:
-                        pol, fut = _policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 * full_s / L)
+                        pol, fut = _policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 * full_s / L, stream)
                         om = OffloadedModel(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
                     except ValueError as e:
                         skipped[f"{name} (full depth)"] = " ".join(str(e).split())
@@ -582,7 +584,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                          f"t_subset = {1e3 * base_s:.2f} ms -> {1e3 * full_s:.1f} ms/token")
     else:
         disk = disk or DiskExpertStore(disk_path)
-        rows, skipped = _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, disk_gbps, L)
+        rows, skipped = _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, disk_gbps, L, stream)
         base.close()
         baseline_note = "the runtime with every expert resident in RAM slots (same kernels), paired passes"
     disk.close()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from expertcast.inference.runtime.bench_disk import BenchConfig, check_subset, run_bench, scaled_full_seconds, trim_sequence
 from expertcast.inference.runtime.real_shapes import build_shape
+from expertcast.inference.sim.simulator import build_stream
 
 DS_SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, vocab_size=512, kv_lora_rank=16,
                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, num_attention_heads=4, num_key_value_heads=4,
@@ -56,7 +57,7 @@ def test_streamed_model_with_subset_baseline(builds, tmp_path):
                       policies=("lru", "belady"), budgets=(0.25, 0.45), repeats=2, sequences=1, tokens=6, prompt=3,
                       disk_mb=4, readers=2, dtype="bfloat16")
     try:
-        rec = run_bench(cfg)
+        rec = run_bench(cfg, stream=build_stream)
     finally:
         torch.set_num_threads(threads)
     assert rec["model"]["L"] == 3 and rec["model"]["decoder_layers"] == 4
