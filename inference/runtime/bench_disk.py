@@ -374,12 +374,12 @@ def _load_streamed(path: str, cfg: BenchConfig, disk_path: Path, capacity: float
     return om.model, om.store, load
 
 
-def _row(name, budget, cap, st, om, xbytes, disk_gbps, full_s, extra):
+def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, extra):
     tok = max(st.decoded_tokens, 1)
     io_s = st.reads / tok * xbytes / (disk_gbps * 1e9)
     bound = 1.0 / max(io_s, full_s)
     m = st.metrics()
-    return {"policy": name, "budget": float(budget), "capacity": cap, "slots": om.cache.num_slots,
+    return {"policy": name, "budget": float(budget), "capacity": cap, "slots": slots,
             "tokens_per_s": st.tokens_per_s, "hit": st.hit,
             "exposed_misses_per_token": m["exposed_misses_per_token"],
             "miss_free_token_frac": m["miss_free_token_frac"], "read_mb_per_token": m["read_mb_per_token"],
@@ -413,16 +413,30 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
                 b_next = baseline()
                 speeds.append(st.tokens_per_s)
                 ratios.append(st.tokens_per_s / (0.5 * (b_prev + b_next)))
-                stats.append((st, om, 0.5 * (b_prev + b_next)))
+                stats.append((st, om.cache.num_slots, 0.5 * (b_prev + b_next)))
+                del om  # its slots go before the next pass allocates its own
                 b_prev = b_next
             if not stats:
                 continue
             i_med = int(np.argsort(speeds)[len(speeds) // 2])
-            st, om, b = stats[i_med]
-            rows.append(_row(name, budget, cap, st, om, xbytes, disk_gbps, 1.0 / b, {
+            st, slots, b = stats[i_med]
+            rows.append(_row(name, budget, cap, st, slots, xbytes, disk_gbps, 1.0 / b, {
                 "pct_full": 100 * float(np.median(ratios)), "pct_full_min": 100 * min(ratios),
                 "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b}))
     return rows, skipped
+
+
+def _release_memory() -> None:
+    """Collect, and hand freed heap back to the OS (glibc ``malloc_trim``), so that the next cell's slots do not
+    stack on the last one's in the RSS."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def OffloadedModel_(*args, **kwargs):  # noqa: N802 (the runtime, imported late)
@@ -541,8 +555,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
         sub_path.unlink()
         del sub_model, sub_disk
         base.close()
-        del base, base_model
-        gc.collect()
+        del base, base_model, plain
+        _release_memory()
         rows = []
         sub_by = {(r["policy"], r["budget"]): r for r in sub_rows}
         non_expert = _non_expert_bytes(model)
@@ -560,16 +574,16 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     reset_peak_rss()
                     st = om.replay(seqs)
                     om.close()
-                    runs.append((st, om, peak_rss_bytes()))
-                    del om
-                    gc.collect()
+                    runs.append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes()))
+                    del om, pol, fut  # the slots go before the next cell allocates its own
+                    _release_memory()
                 if not runs:
                     continue
                 i_med = int(np.argsort([r[0].tokens_per_s for r in runs])[len(runs) // 2])
-                st, om, rss = runs[i_med]
+                st, slots, pool_bytes, rss = runs[i_med]
                 sub = sub_by.get((name, float(budget)), {})
-                bound_b = om.pool.nbytes + non_expert + RSS_MARGIN_BYTES
-                rows.append(_row(name, budget, cap, st, om, xbytes, disk_gbps, full_s, {
+                bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
+                rows.append(_row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, {
                     "pct_full": sub.get("pct_full", float("nan")), "pct_full_min": sub.get("pct_full_min", float("nan")),
                     "pct_full_max": sub.get("pct_full_max", float("nan")),
                     "pct_full_scaled": 100 * st.tokens_per_s * full_s, "full_tokens_per_s": 1.0 / full_s,
