@@ -426,6 +426,14 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
     return rows, skipped
 
 
+def _partial(out: Path, rows: list, sub_rows: list) -> None:
+    """The rows so far (``bench_disk.partial.json``, removed when the run completes): a long real-shape run
+    that dies keeps what it measured."""
+    from expertcast.utils.io import atomic_write_json
+
+    atomic_write_json(out / "bench_disk.partial.json", {"rows": rows, "subset_rows": sub_rows})
+
+
 def _release_memory() -> None:
     """Collect, and hand freed heap back to the OS (glibc ``malloc_trim``), so that the next cell's slots do not
     stack on the last one's in the RSS."""
@@ -551,6 +559,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                                          disk_gbps, L_b, stream)
         base_s = 1.0 / float(np.median([base.replay(seqs_b).tokens_per_s for _ in range(3)]))
         full_s = scaled_full_seconds(base_s, head_s, n_dec_sub, n_dec_full)
+        _partial(out, [], sub_rows)
         sub_disk.close()
         sub_path.unlink()
         del sub_model, sub_disk
@@ -591,6 +600,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     "sub_achieved_vs_bound": sub.get("achieved_vs_bound", float("nan")),
                     "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9}))
                 rss_bound[f"{name}@{budget}"] = bound_b
+                _partial(out, rows, sub_rows)
         baseline_note = (f"{subset_note}; % of full speed (pct_full) is paired on the subset: its policy passes "
                          f"through its own disk store, each between two all-in-RAM passes of it; the full-depth "
                          f"all-in-RAM speed is scaled: t_full = t_head + (t_subset - t_head) x {n_dec_full}/"
@@ -625,6 +635,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                        "scheduling": _sched()},
     }
     _write(out, record)
+    (out / "bench_disk.partial.json").unlink(missing_ok=True)
     return record
 
 
