@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=d.out)
     ap.add_argument("--quick", action="store_true", help="a tiny shape that runs in seconds")
     for name in ("hidden", "moe_intermediate", "experts", "top_k", "layers", "readers", "repeats", "sequences",
-                 "tokens", "prompt", "disk_mb", "threads", "seed"):
+                 "tokens", "prompt", "disk_mb", "threads", "seed", "full_repeats"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--policies", nargs="+", default=list(d.policies))
@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
                     "a random-weight Qwen3-MoE of --hidden/--experts/... shape")
     ap.add_argument("--traces", default=None, help="recorded traces of the model's shape (default: synthetic)")
     ap.add_argument("--forecaster", default=None, help="forecaster export: adds seqmoe")
-    ap.add_argument("--baseline-model", default=None, help="all-in-RAM baseline model (a --layers subset)")
+    ap.add_argument("--baseline-model", default=None,
+                    help="a build-shape --layers N subset of --model (same shape and seed) when the model's experts "
+                         "do not fit RAM: every policy also runs on it, paired against its all-in-RAM run")
+    ap.add_argument("--seq-ids", nargs="+", default=[], help="replay these sequences of --traces (e.g. held-out ids "
+                    "of the forecaster's export)")
     a = ap.parse_args(argv)
     if a.quick:
         cfg = quick_config(a.out)
@@ -44,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg.traces, cfg.forecaster, cfg.model = a.traces, a.forecaster, a.model
     else:
         cfg = BenchConfig(**{k: v for k, v in vars(a).items() if k != "quick"})
-        cfg.policies, cfg.budgets = tuple(a.policies), tuple(a.budgets)
+        cfg.policies, cfg.budgets, cfg.seq_ids = tuple(a.policies), tuple(a.budgets), tuple(a.seq_ids)
     for b in cfg.budgets:
         if not 0 < b <= 1:
             raise SystemExit(f"--budgets: {b} is not a fraction in (0, 1]")
-    run_bench(cfg)
+    from expertcast.inference.sim.simulator import build_stream
+
+    run_bench(cfg, stream=build_stream)  # oracles (belady) read the replayed access stream
     return 0
 
 

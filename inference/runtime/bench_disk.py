@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from expertcast.inference.runtime.disk_store import ALIGN, BUFFERED, DIRECT, aligned_empty, round_up
+from expertcast.inference.runtime.loading import RSS_MARGIN_BYTES
 from expertcast.utils.provenance import code_version
 
 CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
@@ -73,8 +74,14 @@ class BenchConfig:
     forecaster: str | None = None
     """Forecaster export: adds the seqmoe policy."""
     baseline_model: str | None = None
-    """A model (e.g. a ``--layers`` subset) whose all-in-RAM forced replay is the baseline, when the benchmark
-    model's experts do not fit RAM (default: the benchmark model itself, in RAM)."""
+    """A ``build-shape --layers N`` subset of ``model`` (same shape and seed: its layers are the first N of the
+    model, weight for weight) for when the model's experts do not fit RAM: every policy also runs on the subset,
+    in paired passes against the subset's all-in-RAM run (the like-for-like % of full speed), and the model's
+    all-in-RAM speed is scaled from the subset's (:func:`scaled_full_seconds`)."""
+    seq_ids: tuple[str, ...] = ()
+    """Replay these sequences of ``traces`` (default: the first ``sequences``)."""
+    full_repeats: int = 1
+    """Passes per cell of the full-depth model when a ``baseline_model`` subset carries the paired %."""
     disk_mb: int = 256
     """Size of the temporary file of the disk bandwidth measurement."""
     threads: int = 1
@@ -217,31 +224,96 @@ def gemm_rate(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden:
 
 
 # --------------------------------------------------------------------------------------------- the replay grid
+def trim_sequence(s, prompt: int, tokens: int):
+    """``s`` cut to its last ``prompt`` prompt positions and its first ``tokens`` decode positions (the prefill
+    of a long prompt would read most of a real-shape store before the measured decode)."""
+    from expertcast.data.trace_format import TraceSequence
+
+    a = max(s.prompt_len - prompt, 0)
+    b = min(s.num_tokens, s.prompt_len + tokens)
+    return TraceSequence(s.seq_id, s.token_ids[a:b], s.prompt_len - a, s.expert_ids[a:b], s.expert_weights[a:b],
+                         None if s.router_probs is None else s.router_probs[a:b])
+
+
 def _traces(cfg: BenchConfig, L: int, E: int, K: int, expert_bytes: int):
+    """(meta, sequences, source) at the model's L/E/K (recorded traces laid on by
+    :func:`~.forced.map_trace_to_model`), each cut to ``cfg.prompt`` prompt and ``cfg.tokens`` decode positions."""
     if cfg.traces:
         from expertcast.data.traces import load_traces
+        from expertcast.inference.runtime.forced import map_trace_to_model
 
         meta, seqs = load_traces(cfg.traces)
-        meta.check_compatible(L, E, K, what="benchmark model")
-        seqs = [s for s in seqs if s.num_tokens - s.prompt_len >= 4][: cfg.sequences]
+        if cfg.seq_ids:
+            by_id = {s.seq_id: s for s in seqs}
+            missing = [i for i in cfg.seq_ids if i not in by_id]
+            if missing:
+                raise ValueError(f"{cfg.traces}: no sequence {missing[0]!r}")
+            seqs = [by_id[i] for i in cfg.seq_ids]
+        seqs = [s for s in seqs if s.num_tokens - s.prompt_len >= 4][: len(cfg.seq_ids) or cfg.sequences]
         if not seqs:
             raise ValueError(f"{cfg.traces}: no sequence with at least 4 decoded positions")
-        return seqs, f"recorded traces {cfg.traces}"
+        seqs = [trim_sequence(s, cfg.prompt, cfg.tokens) for s in seqs]
+        meta, seqs, mapping = map_trace_to_model(meta, seqs, L, E, K)
+        return meta, seqs, f"recorded traces {cfg.traces} ({'; '.join(mapping.lines())})"
     from expertcast.data.synthetic import zipf_traces
 
     syn = zipf_traces(num_sequences=cfg.sequences, num_tokens=cfg.prompt + cfg.tokens, num_layers=L, num_experts=E,
-                      top_k=K, seed=cfg.seed)
-    return syn.sequences, "synthetic zipf routing"
+                      top_k=K, prompt_len=cfg.prompt, seed=cfg.seed)
+    return syn.meta, list(syn.sequences), "synthetic zipf routing"
 
 
-def _policy(name: str, cfg: BenchConfig, seqs):
-    from expertcast.inference.policies import make_policy
+def _policy(name: str, cfg: BenchConfig, meta, seqs, link_bytes_per_s: float, layer_ms: float, stream=None):
+    """(policy, future): ``static`` calibrated in-sample on the replayed routing, ``seqmoe`` told the measured
+    disk rate and per-layer compute (its deadlines), an oracle (``belady``: the protect-rule plan) given the
+    replayed access stream."""
+    from expertcast.inference.policies import make_policy, policy_spec
 
     if name == "static":
-        return make_policy("static", calibration=seqs)
+        return make_policy("static", calibration=seqs), None
     if name == "seqmoe":
-        return make_policy("seqmoe", forecaster=cfg.forecaster)
-    return make_policy(name)
+        return make_policy("seqmoe", forecaster=cfg.forecaster, link_bytes_per_s=link_bytes_per_s,
+                           layer_compute_ms=max(layer_ms, 1e-3)), None
+    future = None
+    if "future" in policy_spec(name).needs:
+        if stream is None:
+            raise ValueError(f"{name} is an oracle: run_bench needs stream= (e.g. simulator.build_stream) to give it "
+                             f"the replayed access stream")
+        future = stream(meta, seqs, 1)
+    return make_policy(name), future
+
+
+def head_seconds(model: torch.nn.Module, reps: int = 20) -> float:
+    """Seconds of the per-token work outside the decoder layers (final norm + LM head on one position, median),
+    the part of a decode step that does not grow with depth."""
+    h = model.get_input_embeddings().weight
+    x = torch.randn(1, 1, h.shape[1]).to(h.dtype)
+    head = model.get_output_embeddings()
+    norm = getattr(getattr(model, "model", model), "norm", None)
+    times = []
+    with torch.no_grad():
+        for _ in range(reps + 3):
+            t0 = time.perf_counter()
+            y = norm(x) if norm is not None else x
+            head(y).argmax(-1)
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times[3:]))
+
+
+def scaled_full_seconds(sub_seconds: float, head_s: float, sub_layers: int, full_layers: int) -> float:
+    """Per-token seconds of the full-depth model all in RAM, from its ``sub_layers``-layer subset's:
+    ``head + (subset - head) x full_layers / sub_layers`` (decoder layers cost alike: attention + the MLP a token
+    computes, a dense layer's MLP about the weight of a MoE layer's active experts)."""
+    return head_s + max(sub_seconds - head_s, 0.0) * full_layers / max(sub_layers, 1)
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's RSS high-water mark (``/proc/self/clear_refs`` 5), so that ``VmHWM`` then reads the
+    peak of what follows; False where the kernel refuses."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def _fingerprint(seqs) -> str:
@@ -250,12 +322,138 @@ def _fingerprint(seqs) -> str:
     return trace_fingerprint([s.seq_id for s in seqs], [np.asarray(s.expert_ids).tobytes() for s in seqs])
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+def _non_expert_bytes(model: torch.nn.Module) -> int:
+    seen: set[int] = set()
+    n = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen or t.device.type == "meta":
+            continue
+        seen.add(id(t))
+        n += t.numel() * t.element_size()
+    return n
+
+
+def check_subset(model_dir: str, subset_dir: str) -> str:
+    """A line saying why ``subset_dir``'s layers are the first layers of ``model_dir``, weight for weight (both
+    ``build-shape`` outputs of one shape, seed, dtype and overrides; each tensor is seeded by its name,
+    :func:`~.real_shapes.tensor_values`); ValueError (one line) when they are not."""
+    from expertcast.inference.runtime.real_shapes import read_provenance
+
+    a, b = read_provenance(model_dir), read_provenance(subset_dir)
+    if a is None or b is None:
+        raise ValueError(f"--baseline-model {subset_dir}: both it and --model must be build-shape outputs "
+                         f"(build_shape.json) so that the subset's weights are the model's first layers")
+    for k in ("shape", "seed", "dtype", "overrides"):
+        if a.get(k) != b.get(k):
+            raise ValueError(f"--baseline-model {subset_dir}: {k} {b.get(k)!r} differs from the model's {a.get(k)!r}")
+    la = a["config"]["num_hidden_layers"]
+    lb = b["config"]["num_hidden_layers"]
+    if lb >= la:
+        raise ValueError(f"--baseline-model {subset_dir}: {lb} layers is not a subset of the model's {la}")
+    return (f"subset: build-shape {b['shape']} --layers {lb} seed {b['seed']} (the model's first {lb} of {la} "
+            f"decoder layers; every tensor seeded by its name: identical weights)")
+
+
+def _load_streamed(path: str, cfg: BenchConfig, disk_path: Path, capacity: float):
+    """(model with experts on the meta device, DiskExpertStore, LoadReport): ``path`` streamed to the disk store,
+    never materialised."""
+    from expertcast.inference.policies import make_policy
+    from expertcast.inference.runtime.loading import load_offloaded
+
+    om, _, load = load_offloaded(path, make_policy("lru"), capacity, dtype=cfg.dtype, store="disk",
+                                 disk_path=disk_path, readers=cfg.readers)
+    om.close()
+    return om.model, om.store, load
+
+
+def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, extra):
+    tok = max(st.decoded_tokens, 1)
+    io_s = st.reads / tok * xbytes / (disk_gbps * 1e9)
+    bound = 1.0 / max(io_s, full_s)
+    m = st.metrics()
+    return {"policy": name, "budget": float(budget), "capacity": cap, "slots": slots,
+            "tokens_per_s": st.tokens_per_s, "hit": st.hit,
+            "exposed_misses_per_token": m["exposed_misses_per_token"],
+            "miss_free_token_frac": m["miss_free_token_frac"], "read_mb_per_token": m["read_mb_per_token"],
+            "read_gbps": m["read_gbps"], "read_vs_disk": m["read_gbps"] / disk_gbps, "io_overlap": m["io_overlap"],
+            "reads_per_token": st.reads / tok, "bound_tokens_per_s": bound,
+            "achieved_vs_bound": st.tokens_per_s / bound, "reads": st.reads, "loads": st.D + st.P,
+            "late_prefetches": int(st.late.sum()), "decoded_tokens": st.decoded_tokens, **extra}
+
+
+def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, disk_gbps, L, stream=None):
+    """Per budget and policy: ``cfg.repeats`` policy passes through ``disk``, each between two passes of the
+    all-in-RAM ``base`` (the paired % of full speed: median, min-max)."""
+    def baseline() -> float:
+        return base.replay(seqs).tokens_per_s
+
+    rows, skipped = [], {}
+    for budget in cfg.budgets:
+        cap = max(float(budget), K / E + 1e-9)
+        for name in policies:
+            b_prev = baseline()
+            ratios, speeds, stats = [], [], []
+            for _ in range(cfg.repeats):
+                try:
+                    pol, fut = _policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 / b_prev / L, stream)
+                    om = OffloadedModel_(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
+                except ValueError as e:
+                    skipped[name] = " ".join(str(e).split())
+                    break
+                st = om.replay(seqs)
+                om.close()
+                b_next = baseline()
+                speeds.append(st.tokens_per_s)
+                ratios.append(st.tokens_per_s / (0.5 * (b_prev + b_next)))
+                stats.append((st, om.cache.num_slots, 0.5 * (b_prev + b_next)))
+                del om  # its slots go before the next pass allocates its own
+                b_prev = b_next
+            if not stats:
+                continue
+            i_med = int(np.argsort(speeds)[len(speeds) // 2])
+            st, slots, b = stats[i_med]
+            rows.append(_row(name, budget, cap, st, slots, xbytes, disk_gbps, 1.0 / b, {
+                "pct_full": 100 * float(np.median(ratios)), "pct_full_min": 100 * min(ratios),
+                "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b}))
+    return rows, skipped
+
+
+def _partial(out: Path, rows: list, sub_rows: list) -> None:
+    """The rows so far (``bench_disk.partial.json``, removed when the run completes): a long real-shape run
+    that dies keeps what it measured."""
+    from expertcast.utils.io import atomic_write_json
+
+    atomic_write_json(out / "bench_disk.partial.json", {"rows": rows, "subset_rows": sub_rows})
+
+
+def _release_memory() -> None:
+    """Collect, and hand freed heap back to the OS (glibc ``malloc_trim``), so that the next cell's slots do not
+    stack on the last one's in the RSS."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def OffloadedModel_(*args, **kwargs):  # noqa: N802 (the runtime, imported late)
+    from expertcast.inference.runtime.engine import OffloadedModel
+
+    return OffloadedModel(*args, **kwargs)
+
+
+def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     """Measure everything (see the module docstring); write ``bench_disk.json``, ``bench_disk.csv``,
-    ``bench_disk.png`` under ``cfg.out``; return the JSON record."""
+    ``bench_disk.png`` under ``cfg.out``; return the JSON record. ``stream``: ``(meta, sequences, batch) ->
+    AccessStream`` for oracle policies (``simulator.build_stream``; this room does not import the simulator)."""
+
+    from expertcast.inference.policies import make_policy
     from expertcast.inference.runtime.disk_store import DiskExpertStore, write_disk_store_from
     from expertcast.inference.runtime.engine import OffloadedModel
-    from expertcast.inference.runtime.forced import FullLoadReplayer
+    from expertcast.inference.runtime.forced import FullLoadReplayer, map_trace_to_model
     from expertcast.inference.runtime.loading import peak_rss_bytes
     from expertcast.inference.runtime.store import HostExpertStore, find_experts_modules
     from expertcast.models.presets import build_from_config, get_config
@@ -264,115 +462,181 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, cfg.dtype)
-    if cfg.model:
-        from expertcast.models.backbone import load_moe_model
-
-        model, _ = load_moe_model(cfg.model, dtype=dtype)
+    disk_path = out / "experts.disk.safetensors"
+    streamed = bool(cfg.model) and Path(cfg.model).is_dir()
+    subset_note = check_subset(cfg.model, cfg.baseline_model) if (streamed and cfg.baseline_model) else None
+    load_report = None
+    mcfg = None
+    if streamed:  # a checkpoint folder: streamed to the disk store, never materialised
+        model, disk, load_report = _load_streamed(cfg.model, cfg, disk_path, min(cfg.budgets))
         c = model.config.get_text_config()
+        refs = find_experts_modules(model)
         cfg.hidden, cfg.moe_intermediate = int(c.hidden_size), int(c.moe_intermediate_size)
-        cfg.experts, cfg.top_k = int(c.num_experts), int(c.num_experts_per_tok)
-    mcfg = get_config("qwen3_moe-tiny", hidden_size=cfg.hidden, moe_intermediate_size=cfg.moe_intermediate,
-                      intermediate_size=2 * cfg.moe_intermediate, num_experts=cfg.experts,
-                      num_experts_per_tok=cfg.top_k, num_hidden_layers=cfg.layers, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=max(cfg.hidden // 4, 8))
-    if not cfg.model:
-        model = build_from_config(mcfg, seed=cfg.seed, dtype=dtype)
-    refs = find_experts_modules(model)
+        cfg.experts = disk.num_experts
+        cfg.top_k = int(getattr(c, "num_experts_per_tok", None) or c.top_k)
+        xbytes = disk.expert_bytes
+        w0 = disk.views(0, 0)
+    else:
+        if cfg.model:
+            from expertcast.models.backbone import load_moe_model
+
+            model, _ = load_moe_model(cfg.model, dtype=dtype)
+            c = model.config.get_text_config()
+            cfg.hidden, cfg.moe_intermediate = int(c.hidden_size), int(c.moe_intermediate_size)
+            cfg.experts, cfg.top_k = int(c.num_experts), int(c.num_experts_per_tok)
+        else:
+            mcfg = get_config("qwen3_moe-tiny", hidden_size=cfg.hidden, moe_intermediate_size=cfg.moe_intermediate,
+                              intermediate_size=2 * cfg.moe_intermediate, num_experts=cfg.experts,
+                              num_experts_per_tok=cfg.top_k, num_hidden_layers=cfg.layers, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=max(cfg.hidden // 4, 8))
+            model = build_from_config(mcfg, seed=cfg.seed, dtype=dtype)
+        refs = find_experts_modules(model)
+        ram_store = HostExpertStore.from_model(model, refs=refs)
+        xbytes = ram_store.expert_bytes
+        write_disk_store_from(ram_store, disk_path, [r.name for r in refs])
+        w0 = ram_store.views(0, 0)
+        disk = None
     L, E, K = len(refs), cfg.experts, cfg.top_k
     cfg.layers = L
-    ram_store = HostExpertStore.from_model(model, refs=refs)
-    xbytes = ram_store.expert_bytes
-    disk_path = out / "experts.disk.safetensors"
-    write_disk_store_from(ram_store, disk_path, [r.name for r in refs])
-    seqs, source = _traces(cfg, L, E, K, xbytes)
+    meta, seqs, source = _traces(cfg, L, E, K, xbytes)
 
     # (i)-(iii): the machine
     stride = round_up(xbytes, ALIGN)
     disk_gbps, disk_mode = disk_bandwidth(out, cfg.disk_mb, stride, cfg.readers, cfg.seed)
     ram_gbps = ram_bandwidth()
-    w0 = ram_store.views(0, 0)
     g1, ms1 = gemm_rate(refs[0].module, w0, cfg.hidden, 1)
     g64, _ = gemm_rate(refs[0].module, w0, cfg.hidden, 64)
     cpu_model, flags = cpu_info()
     kernel = gemm_kernel(cfg.hidden, cfg.moe_intermediate, cfg.dtype, cfg.threads)
     mach = MachineFigures(disk_gbps, disk_mode, stride, cfg.readers, ram_gbps, g1, g64, ms1, kernel, flags, cpu_model)
-    del ram_store
+    del w0
+    if not streamed:
+        del ram_store
+    policies = list(cfg.policies) + (["seqmoe"] if cfg.forecaster and "seqmoe" not in cfg.policies else [])
 
-    # the baseline: the all-in-RAM model under the same forced routing
-    if cfg.baseline_model or cfg.model:
-        from expertcast.models.backbone import load_moe_model
+    # the baseline: the all-in-RAM model under the same forced routing (the subset's when the model does not fit)
+    from expertcast.models.backbone import load_moe_model
 
-        base_model, _ = load_moe_model(cfg.baseline_model or cfg.model, dtype=dtype)
+    if cfg.baseline_model:
+        base_model, _ = load_moe_model(cfg.baseline_model, dtype=dtype)
+    elif cfg.model:
+        base_model, _ = load_moe_model(cfg.model, dtype=dtype)
     else:
         base_model = build_from_config(copy.deepcopy(mcfg), seed=cfg.seed, dtype=dtype)  # own config: the runtime
         # sets the experts implementation on its model's config
+    L_b = len(find_experts_modules(base_model))
+    meta_b, seqs_b = meta, seqs
+    if L_b < L:
+        meta_b, seqs_b, _ = map_trace_to_model(meta, seqs, L_b, E, K, truncate_layers=True)
     plain = FullLoadReplayer(base_model)  # the plain model (transformers' experts kernel), reported once
-    plain.replay(seqs, max_decode=cfg.tokens)
-    plain_tps = plain.replay(seqs, max_decode=cfg.tokens).tokens_per_s
+    plain.replay(seqs_b)
+    plain_tps = plain.replay(seqs_b).tokens_per_s
     base_model = plain.close()
-    # the baseline: the runtime with every expert resident in RAM slots (the same kernels as the disk runs, so the
-    # ratio is the cost of the disk), warmed so that every routed expert is in its slot
-    from expertcast.inference.policies import make_policy
-
+    n_dec_full = int(model.config.get_text_config().num_hidden_layers)
+    n_dec_sub = int(base_model.config.get_text_config().num_hidden_layers)
+    head_s = head_seconds(base_model)
+    # the runtime with every expert resident in RAM slots (the same kernels as the disk runs, so the ratio is the
+    # cost of the disk), warmed so that every routed expert is in its slot
     base = OffloadedModel(base_model, make_policy("lru"), 1.0)
-    base.replay(seqs, max_decode=cfg.tokens)
+    base.replay(seqs_b)
 
-    def baseline() -> float:
-        return base.replay(seqs, max_decode=cfg.tokens).tokens_per_s
-
-    policies = list(cfg.policies) + (["seqmoe"] if cfg.forecaster and "seqmoe" not in cfg.policies else [])
-    rows = []
-    disk = DiskExpertStore(disk_path)
-    for budget in cfg.budgets:
-        cap = max(float(budget), K / E + 1e-9)
-        for name in policies:
-            b_prev = baseline()
-            ratios, speeds, stats = [], [], []
-            for _ in range(cfg.repeats):
-                om = OffloadedModel(model, _policy(name, cfg, seqs), cap, store=disk, readers=cfg.readers)
-                st = om.replay(seqs, max_decode=cfg.tokens)
-                om.close()
-                b_next = baseline()
-                speeds.append(st.tokens_per_s)
-                ratios.append(st.tokens_per_s / (0.5 * (b_prev + b_next)))
-                stats.append((st, 0.5 * (b_prev + b_next)))
-                b_prev = b_next
-            i_med = int(np.argsort(speeds)[len(speeds) // 2])
-            st, b = stats[i_med]
-            tok = max(st.decoded_tokens, 1)
-            io_s = st.reads / tok * xbytes / (disk_gbps * 1e9)
-            bound = 1.0 / max(io_s, 1.0 / b)
-            m = st.metrics()
-            rows.append({
-                "policy": name, "budget": float(budget), "capacity": cap, "tokens_per_s": st.tokens_per_s,
-                "pct_full": 100 * float(np.median(ratios)), "pct_full_min": 100 * min(ratios),
-                "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b, "hit": st.hit,
-                "exposed_misses_per_token": m["exposed_misses_per_token"],
-                "miss_free_token_frac": m["miss_free_token_frac"], "read_mb_per_token": m["read_mb_per_token"],
-                "read_gbps": m["read_gbps"], "read_vs_disk": m["read_gbps"] / disk_gbps, "io_overlap": m["io_overlap"],
-                "bound_tokens_per_s": bound, "achieved_vs_bound": st.tokens_per_s / bound,
-                "reads": st.reads, "loads": st.D + st.P, "late_prefetches": int(st.late.sum()),
-                "decoded_tokens": st.decoded_tokens,
-            })
+    skipped: dict[str, str] = {}
+    sub_rows: list[dict[str, Any]] = []
+    rss_bound = {}
+    if subset_note:  # every policy also on the subset, paired against the subset's all-in-RAM run
+        sub_path = out / "subset.disk.safetensors"
+        sub_model, sub_disk, _ = _load_streamed(cfg.baseline_model, cfg, sub_path, min(cfg.budgets))
+        sub_rows, skipped = _paired_grid(cfg, sub_model, sub_disk, base, meta_b, seqs_b, policies, K, E, xbytes,
+                                         disk_gbps, L_b, stream)
+        base_s = 1.0 / float(np.median([base.replay(seqs_b).tokens_per_s for _ in range(3)]))
+        full_s = scaled_full_seconds(base_s, head_s, n_dec_sub, n_dec_full)
+        _partial(out, [], sub_rows)
+        sub_disk.close()
+        sub_path.unlink()
+        del sub_model, sub_disk
+        base.close()
+        del base, base_model, plain
+        _release_memory()
+        rows = []
+        sub_by = {(r["policy"], r["budget"]): r for r in sub_rows}
+        non_expert = _non_expert_bytes(model)
+        for budget in cfg.budgets:
+            cap = max(float(budget), K / E + 1e-9)
+            for name in policies:
+                runs = []
+                for _ in range(cfg.full_repeats):
+                    try:
+                        pol, fut = _policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 * full_s / L, stream)
+                        om = OffloadedModel(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
+                    except ValueError as e:
+                        skipped[f"{name} (full depth)"] = " ".join(str(e).split())
+                        break
+                    reset_peak_rss()
+                    st = om.replay(seqs)
+                    om.close()
+                    runs.append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes()))
+                    del om, pol, fut  # the slots go before the next cell allocates its own
+                    _release_memory()
+                if not runs:
+                    continue
+                i_med = int(np.argsort([r[0].tokens_per_s for r in runs])[len(runs) // 2])
+                st, slots, pool_bytes, rss = runs[i_med]
+                sub = sub_by.get((name, float(budget)), {})
+                bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
+                rows.append(_row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, {
+                    "pct_full": sub.get("pct_full", float("nan")), "pct_full_min": sub.get("pct_full_min", float("nan")),
+                    "pct_full_max": sub.get("pct_full_max", float("nan")),
+                    "pct_full_scaled": 100 * st.tokens_per_s * full_s, "full_tokens_per_s": 1.0 / full_s,
+                    "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
+                    "sub_achieved_vs_bound": sub.get("achieved_vs_bound", float("nan")),
+                    "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9}))
+                rss_bound[f"{name}@{budget}"] = bound_b
+                _partial(out, rows, sub_rows)
+        baseline_note = (f"{subset_note}; % of full speed (pct_full) is paired on the subset: its policy passes "
+                         f"through its own disk store, each between two all-in-RAM passes of it; the full-depth "
+                         f"all-in-RAM speed is scaled: t_full = t_head + (t_subset - t_head) x {n_dec_full}/"
+                         f"{n_dec_sub} decoder layers, t_head = {1e3 * head_s:.2f} ms (final norm + LM head), "
+                         f"t_subset = {1e3 * base_s:.2f} ms -> {1e3 * full_s:.1f} ms/token")
+    else:
+        disk = disk or DiskExpertStore(disk_path)
+        rows, skipped = _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, disk_gbps, L, stream)
+        base.close()
+        baseline_note = "the runtime with every expert resident in RAM slots (same kernels), paired passes"
     disk.close()
-    base.close()
     disk_path.unlink()  # the disk has room for one real-shape store at a time: build, measure, delete
     record = {
         "machine": asdict(mach),
-        "model": {"name": cfg.model or "random-weight qwen3_moe", "L": L, "E": E, "K": K, "hidden": cfg.hidden, "moe_intermediate": cfg.moe_intermediate,
-                  "dtype": cfg.dtype, "expert_bytes": xbytes, "disk_store_bytes": L * E * stride},
+        "model": {"name": cfg.model or "random-weight qwen3_moe", "L": L, "E": E, "K": K, "hidden": cfg.hidden,
+                  "moe_intermediate": cfg.moe_intermediate, "dtype": cfg.dtype, "expert_bytes": xbytes,
+                  "disk_store_bytes": L * E * stride, "decoder_layers": n_dec_full},
         "rows": rows,
+        "subset_rows": sub_rows,
+        "skipped": skipped,
         "plain_model_tokens_per_s": plain_tps,
-        "baseline": "the runtime with every expert resident in RAM slots (same kernels), paired passes",
+        "baseline": baseline_note,
         "peak_rss_bytes": peak_rss_bytes(),
-        "bound_definition": "1 / max(reads/token x expert bytes / disk GB/s, 1 / all-in-RAM tokens/s): the policy's "
-                            "own loads at the measured disk bandwidth with full I/O-compute overlap",
+        "load": load_report.to_dict() if load_report is not None else None,
+        "bound_definition": "1 / max(reads/token x expert bytes / disk GB/s, all-in-RAM s/token): the policy's "
+                            "own loads at the measured disk bandwidth (reader pool's queue depth) with full "
+                            "I/O-compute overlap",
         "provenance": {"settings": asdict(cfg), "routing": source, "routing_fingerprint": _fingerprint(seqs),
-                       "code_version": code_version(), "torch": torch.__version__, "python": sys.version.split()[0],
-                       "forecaster_hash": _export_hash(cfg.forecaster), "host": platform.node()},
+                       "sequences": [s.seq_id for s in seqs], "code_version": code_version(),
+                       "torch": torch.__version__, "python": sys.version.split()[0],
+                       "forecaster_hash": _export_hash(cfg.forecaster), "host": platform.node(),
+                       "scheduling": _sched()},
     }
     _write(out, record)
+    (out / "bench_disk.partial.json").unlink(missing_ok=True)
     return record
+
+
+def _sched() -> str:
+    try:
+        pol = os.sched_getscheduler(0)
+        return {os.SCHED_OTHER: "SCHED_OTHER", os.SCHED_RR: "SCHED_RR", os.SCHED_FIFO: "SCHED_FIFO"}.get(pol, str(pol)) \
+            + f" priority {os.sched_getparam(0).sched_priority}"
+    except (AttributeError, OSError):
+        return "unknown"
 
 
 def _export_hash(path: str | None) -> str | None:
@@ -383,9 +647,10 @@ def _export_hash(path: str | None) -> str | None:
     return sha256_files(path)
 
 
-COLUMNS = ["policy", "budget", "capacity", "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "hit",
-           "exposed_misses_per_token", "miss_free_token_frac", "read_mb_per_token", "read_gbps", "read_vs_disk",
-           "io_overlap", "bound_tokens_per_s", "achieved_vs_bound", "reads", "loads"]
+COLUMNS = ["policy", "budget", "slots", "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "pct_full_scaled",
+           "sub_tokens_per_s", "hit", "reads_per_token", "exposed_misses_per_token", "miss_free_token_frac",
+           "read_mb_per_token", "read_gbps", "read_vs_disk", "io_overlap", "late_prefetches", "bound_tokens_per_s",
+           "achieved_vs_bound", "sub_achieved_vs_bound", "peak_rss_gb", "rss_bound_gb"]
 
 
 def _write(out: Path, record: dict[str, Any]) -> None:
@@ -398,7 +663,15 @@ def _write(out: Path, record: dict[str, Any]) -> None:
           f"CPU {m['cpu_model']} flags {','.join(m['cpu_flags']) or 'none of ' + ','.join(CPU_FLAGS)}")
     print(f"all-in-RAM baseline: {record['baseline']}; the plain model's forced replay: "
           f"{record['plain_model_tokens_per_s']:.1f} tokens/s")
-    print_table(record["rows"], title="disk tier: forced-routing replay through the disk store", columns=COLUMNS)
+    print(f"routing: {record['provenance']['routing']}; sequences {record['provenance']['sequences']}; "
+          f"scheduling {record['provenance']['scheduling']}")
+    print(f"bound: {record['bound_definition']}")
+    for k, v in record.get("skipped", {}).items():
+        print(f"not run: {k}: {v}")
+    cols = [c for c in COLUMNS if any(c in r for r in record["rows"])]
+    md = record["model"]
+    print_table(record["rows"], title=f"disk tier: forced-routing replay through the disk store ({md['name']}, "
+                f"L={md['L']} E={md['E']} K={md['K']}, {md['expert_bytes'] / 1e6:.2f} MB/expert)", columns=cols, floatfmt="{:.3g}")
     atomic_write_json(out / "bench_disk.json", record)
     write_csv(out / "bench_disk.csv", record["rows"])
     import matplotlib

@@ -209,6 +209,9 @@ class OffloadedModel:
             self._cpu_pool.shutdown(wait=True)
             self._cpu_pool = None
         self._hook.remove()
+        for r in self.refs:  # unbind: a closed runtime (its slots, its store buffers) must not live on in the model
+            if getattr(r.module, experts.RUNTIME_ATTR, None) is self:
+                setattr(r.module, experts.RUNTIME_ATTR, None)
 
     def restore(self) -> nn.Module:
         """Give the model its fused expert weights back (full load) and detach the runtime."""

@@ -263,3 +263,18 @@ def test_forced_routing_replay_matches_simulator():
         assert st.D == sim.D and st.A == sim.A and st.hits.sum() == sim.hits.sum()
         assert np.array_equal(st.demand, sim.demand)
         model = om.restore()
+
+
+def test_a_closed_runtime_is_not_kept_alive_by_the_model(qwen):
+    """close() unbinds the experts modules, so a closed runtime's slots are freed before the next one over the
+    same model allocates its own (the disk benchmark's cells: else two pools live at once)."""
+    import gc
+    import weakref
+
+    om = OffloadedModel(qwen, make_policy("lru"), 0.5)
+    om.close()
+    ref = weakref.ref(om)
+    del om
+    gc.collect()
+    assert ref() is None
+    assert all(getattr(r.module, "_expertcast_runtime") is None for r in find_experts_modules(qwen))
