@@ -123,3 +123,35 @@ def run_router_eval(capsys) -> Callable[[list[str]], tuple[int, list[str]]]:
         return rc, capsys.readouterr().err.strip().splitlines()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def write_tiled_checkpoint() -> Callable[..., None]:
+    """``write(d, **sizes)``: ``save_pretrained`` (model + byte-level tokenizer) of a random-weight qwen3_moe-tiny of
+    ``sizes``, one random block tiled into every matrix (norms 1): writing a GB of normal samples would dominate a
+    test's time."""
+
+    def write(d: Path, **sizes) -> None:
+        import torch
+        from expertcast.inference.runtime.loading import build_skeleton
+        from expertcast.models.presets import get_config
+        from expertcast.models.tokenizer import byte_level_tokenizer
+
+        model = build_skeleton(get_config("qwen3_moe-tiny", **sizes), torch.float32)
+        model.to_empty(device="cpu")
+        block = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)) * 0.05
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                flat = p.view(-1)
+                if p.ndim == 1:
+                    flat.fill_(1.0)  # norms
+                    continue
+                done, start = 0, (i * 7919) % 4096
+                while done < flat.numel():
+                    n = min(flat.numel() - done, block.numel() - start)
+                    flat[done:done + n].copy_(block[start:start + n])
+                    done, start = done + n, 0
+        model.save_pretrained(d)
+        byte_level_tokenizer(model_max_length=512).save_pretrained(d)
+
+    return write

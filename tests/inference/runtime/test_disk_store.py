@@ -298,7 +298,7 @@ print("RESULT " + json.dumps({"before": before, "after": peak_rss_bytes(), "repo
 
 
 @pytest.mark.slow
-def test_disk_store_load_holds_no_copy_of_the_experts(tmp_path):
+def test_disk_store_load_holds_no_copy_of_the_experts(tmp_path, write_tiled_checkpoint):
     """A checkpoint with 0.8 GB of experts streamed to the disk store in a fresh process: from after the imports
     (and a meta skeleton built once), its peak RSS grows by at most non-expert weights + slots + one MoE layer's
     rows + 150 MB while loading and decoding (far below the experts' size: no copy of them was ever in RAM, nor
@@ -306,30 +306,9 @@ def test_disk_store_load_holds_no_copy_of_the_experts(tmp_path):
     import subprocess
     import sys
 
-    from expertcast.inference.runtime.loading import build_skeleton
-    from expertcast.models.presets import get_config
-    from expertcast.models.tokenizer import byte_level_tokenizer
-
-    cfg = get_config("qwen3_moe-tiny", hidden_size=256, moe_intermediate_size=512, intermediate_size=1024,
-                     num_experts=32, num_experts_per_tok=4, num_hidden_layers=16)
-    model = build_skeleton(cfg, torch.float32)
-    model.to_empty(device="cpu")
-    block = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)) * 0.05
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            flat = p.view(-1)
-            if p.ndim == 1:
-                flat.fill_(1.0)
-                continue
-            done, start = 0, (i * 7919) % 4096
-            while done < flat.numel():
-                n = min(flat.numel() - done, block.numel() - start)
-                flat[done:done + n].copy_(block[start:start + n])
-                done, start = done + n, 0
     d = tmp_path / "ckpt"
-    model.save_pretrained(d)
-    byte_level_tokenizer(model_max_length=512).save_pretrained(d)
-    del model
+    write_tiled_checkpoint(d, hidden_size=256, moe_intermediate_size=512, intermediate_size=1024, num_experts=32,
+                           num_experts_per_tok=4, num_hidden_layers=16)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(d), str(tmp_path / "x.safetensors")], env=env,
                        capture_output=True, text=True, timeout=600)

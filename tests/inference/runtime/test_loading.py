@@ -38,13 +38,11 @@ import pytest
 import torch
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.loading import (
-    build_skeleton,
     checkpoint_tensors,
     load_offloaded,
     plan_offload,
 )
 from expertcast.models.backbone import load_moe_model, save_tiny
-from expertcast.models.presets import get_config
 from expertcast.models.tokenizer import byte_level_tokenizer
 from expertcast.utils.errors import UsageError
 from safetensors.torch import save_file
@@ -205,7 +203,6 @@ def test_tiny_preset_name_is_built_in_host_memory_then_offloaded():
 def test_tied_embeddings_checkpoint(tmp_path):
     """save_pretrained omits a tied lm_head: the loader ties it to the loaded embeddings."""
     from expertcast.models.presets import build_tiny
-    from expertcast.models.tokenizer import byte_level_tokenizer
 
     d = tmp_path / "tied"
     build_tiny("olmoe-tiny", seed=6, tie_word_embeddings=True).save_pretrained(d)
@@ -278,28 +275,6 @@ def test_peak_rss_is_the_process_own_not_an_exec_parents():
     assert 0 < r["load"] <= r["memory"] < parent_peak, r  # both reports give the child's own high-water mark
 
 
-def _write_big_checkpoint(d: Path) -> None:
-    """save_pretrained of a random-weight model of BIG's sizes (a random block tiled into every
-    matrix: writing 1.1 GB of normal samples would dominate the test's time)."""
-    model = build_skeleton(get_config("qwen3_moe-tiny", **BIG), torch.float32)
-    model.to_empty(device="cpu")
-    block = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)) * 0.05
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            flat = p.view(-1)
-            if p.ndim == 1:
-                flat.fill_(1.0)  # norms
-                continue
-            start = (i * 7919) % 4096
-            done = 0
-            while done < flat.numel():
-                n = min(flat.numel() - done, block.numel() - start)
-                flat[done:done + n].copy_(block[start:start + n])
-                done, start = done + n, 0
-    model.save_pretrained(d)
-    byte_level_tokenizer(model_max_length=512).save_pretrained(d)
-
-
 def _run_children(model_dir: Path, runs: list[list[str]]) -> list[dict]:
     """Run the CHILD script once per argument list, concurrently; their parsed RESULT lines."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -315,10 +290,10 @@ def _run_children(model_dir: Path, runs: list[list[str]]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def big_checkpoint():
+def big_checkpoint(write_tiled_checkpoint):
     d = Path(tempfile.mkdtemp(prefix="expertcast-big-", dir="/tmp" if Path("/tmp").is_dir() else None))
     try:
-        _write_big_checkpoint(d)
+        write_tiled_checkpoint(d, **BIG)
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
