@@ -277,4 +277,4 @@ def test_a_closed_runtime_is_not_kept_alive_by_the_model(qwen):
     del om
     gc.collect()
     assert ref() is None
-    assert all(getattr(r.module, "_expertcast_runtime") is None for r in find_experts_modules(qwen))
+    assert all(r.module._expertcast_runtime is None for r in find_experts_modules(qwen))
