@@ -121,6 +121,13 @@ def load_replay_traces(args: Any, L: int, E: int, K: int):
     return meta, seqs, str(Path(args.traces).resolve())
 
 
+def _given(spec: str) -> set[str]:
+    """The option names ``--policy spec`` sets itself."""
+    from expertcast.inference.policies import parse_policy_options
+
+    return set(parse_policy_options(spec).given)
+
+
 def make_policy_for(spec: str, meta: Any, seqs: list, pool_future: Any):
     """The policy of ``--policy spec``: an oracle gets the replayed trace's access stream, ``static`` (without a
     calibration of its own) its selection counts (in-sample)."""
@@ -235,6 +242,13 @@ def replay(args: Any) -> int:
                     load_s = time.perf_counter() - t0  # the store of the first load is reused
             except ValueError as e:
                 raise UsageError(f"--policy {pspec_text} at {budget.tag}: {' '.join(str(e).split())}") from None
+            link = None
+            if store_kw and not {"link_bytes_per_s", "layer_compute_ms"} & _given(pspec_text):
+                link = om.use_measured_link()  # seqmoe's deadlines from this disk and this compute, not a default
+                if link is not None:
+                    print(f"replay: {name}: link measured on the disk store: {link['bytes_per_s'] / 1e9:.2f} GB/s "
+                          f"({link['reads']} reads at queue depth {link['queue_depth']}), "
+                          f"{link['layer_compute_ms']:.3f} ms of expert compute per layer")
             try:
                 st = om.replay(seqs)
             finally:
@@ -247,7 +261,8 @@ def replay(args: Any) -> int:
                          "misses_per_token": m["demand_misses"] / n, "late_prefetches": m["late_prefetches"],
                          "mb_per_token": m["mb_per_token"], "stall_ms_per_token": m["stall_ms_per_token"],
                          "load_s": load_s, "peak_rss_gb": peak_rss_bytes() / 1e9, "slots": om.cache.num_slots,
-                         **{k: v for k, v in m.items() if k in READ_COLUMNS}, "metrics": m})
+                         **{k: v for k, v in m.items() if k in READ_COLUMNS}, "metrics": m,
+                         **({"link_measured": link} if link is not None else {})})
             bound = getattr(load, "rss_bound_bytes", None)  # the disk store's stated host RSS bound
             if bound is not None:
                 rows[-1]["rss_bound_gb"] = bound / 1e9

@@ -1,4 +1,4 @@
-"""expertcast traces import | stats: routing trace tools (library: ``expertcast.data.importers``,
+"""expertcast traces import | stats | card | synth: routing trace tools (library: ``expertcast.data.importers``,
 ``expertcast.data.trace_stats``).
 
     expertcast traces import FILE --out DIR [--format auto|jsonl|granite|vllm|sglang|llamacpp|megatron|
@@ -8,6 +8,13 @@
     expertcast traces card TRACES --out DIR [--fit-traces FIT] [--forecaster EXPORT] [--lifecycle cold|persistent]
                            [--count-prefill] [--capacity 0.10,0.25,0.45] [--pools per-layer,shared]
                            [--bandwidth-gbps G] [--layer-compute-ms MS] [--expert-bytes N] [--mlp-steps N]
+
+    expertcast traces synth --out DIR --shape L,E,K [--sequences N] [--tokens T] [--prompt P] [--seed S]
+                            [--process-seed S] [--stay F] [--concentration F] [--skew F] [--expert-bytes N]
+
+``synth``: real-like routing (``data.synthetic.StickyRoutingProcess``: near-uniform in aggregate, locally sticky,
+per-sequence favourites; docs/design.md, "Generalisation protocol") written as a trace set, so that a wide trace
+(26 x 64, 48 x 128) is one reproducible command; the settings go into the trace set's run record.
 
 ``card``: the protocol card (library: ``expertcast.inference.sim.card``; docs/design.md, "Protocol card"): hit vs
 capacity for lru, lfu, lrfu, fifo, static (fitted on FIT), belady-k, belady (+ seqmoe, hybrid with EXPORT), recall@K
@@ -38,7 +45,7 @@ def build_parser() -> CommandParser:
     from expertcast.data.importers import FORMATS
 
     p = CommandParser(prog=PROG, description="routing trace tools")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{import,stats,card}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{import,stats,card,synth}")
 
     imp = sub.add_parser("import", help="routing traces recorded by another engine -> trace set",
                          description="Validate routing traces recorded elsewhere (vLLM, SGLang, llama.cpp, Megatron-LM, "
@@ -97,7 +104,52 @@ def build_parser() -> CommandParser:
     cd.add_argument("--mlp-steps", type=nonneg_int, default=0,
                     help="training steps of the MLP reference predictor, fitted on --fit-traces (0: none)")
     cd.add_argument("--overwrite", action="store_true", help="replace an earlier card in --out")
+    sy = sub.add_parser("synth", help="real-like synthetic routing (sticky, per-sequence favourites) -> trace set",
+                        description="Sample StickyRoutingProcess.realistic routing (entropy ~0.99, step overlap ~0.27 at "
+                                    "top-6 of 64) and write it as a trace set. docs/design.md, 'Generalisation protocol'.")
+    sy.add_argument("--out", required=True, help="output trace folder (new, empty, or a trace set with --overwrite)")
+    sy.add_argument("--shape", required=True, help="L,E,K: layers, experts per layer, experts per token")
+    sy.add_argument("--sequences", type=positive_int, default=650, help="sequences to sample")
+    sy.add_argument("--tokens", type=positive_int, default=128, help="positions per sequence (prompt included)")
+    sy.add_argument("--prompt", type=nonneg_int, default=16, help="prompt positions per sequence (prefill)")
+    sy.add_argument("--process-seed", type=nonneg_int, default=0, help="seed of the process (global popularity)")
+    sy.add_argument("--seed", type=nonneg_int, default=1, help="seed of the sampled sequences (ids stickyLxE-SEED-i)")
+    sy.add_argument("--stay", type=nonneg_float, default=0.13, help="mean probability an expert stays at the next step")
+    sy.add_argument("--concentration", type=positive_float, default=1.0,
+                    help="Dirichlet concentration of each sequence's favourites (lower: sharper favourites)")
+    sy.add_argument("--skew", type=nonneg_float, default=0.25, help="log-normal skew of the global popularity")
+    sy.add_argument("--expert-bytes", type=nonneg_int, default=1 << 20, help="bytes of one expert, for MB/token")
+    sy.add_argument("--shard-size", type=positive_int, default=256, help="sequences per shard")
+    sy.add_argument("--overwrite", action="store_true",
+                    help="replace a trace set expertcast wrote in --out (foreign files are never deleted)")
     return p
+
+
+def _synth(a) -> int:
+    from dataclasses import replace
+
+    from expertcast.data.synthetic import StickyRoutingProcess
+    from expertcast.data.traces import write_traces
+
+    try:
+        L, E, K = (int(x) for x in a.shape.split(","))
+    except ValueError:
+        raise UsageError(f"--shape: expected L,E,K (three integers), got {a.shape!r}") from None
+    if min(L, E, K) < 1 or K > E:
+        raise UsageError(f"--shape {a.shape}: need L, E, K >= 1 and K <= E")
+    if a.prompt >= a.tokens:
+        raise UsageError(f"--prompt {a.prompt} leaves no decode position in --tokens {a.tokens}")
+    proc = StickyRoutingProcess.realistic(L, E, K, skew=a.skew, stay=a.stay, concentration=a.concentration,
+                                          seed=a.process_seed)
+    seqs = proc.sample(a.sequences, a.tokens, prompt_len=a.prompt, seed=a.seed, prefix=f"sticky{L}x{E}")
+    meta = replace(proc.meta(), expert_bytes=a.expert_bytes)
+    settings = {k: getattr(a, k) for k in ("shape", "sequences", "tokens", "prompt", "process_seed", "seed", "stay",
+                                           "concentration", "skew", "expert_bytes")}
+    out = write_traces(a.out, meta, seqs, shard_size=a.shard_size,
+                       run={"command": "traces synth", "process": "StickyRoutingProcess.realistic", **settings},
+                       overwrite=a.overwrite)
+    print(f"wrote {len(seqs)} sequences (L={L}, E={E}, K={K}, {a.tokens} positions, {a.prompt} prompt) -> {out}")
+    return 0
 
 
 def _import(a) -> int:
@@ -218,5 +270,5 @@ def _card(a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    body = {"import": _import, "stats": _stats, "card": _card}[args.cmd]
+    body = {"import": _import, "stats": _stats, "card": _card, "synth": _synth}[args.cmd]
     return run_command(f"{PROG} {args.cmd}", lambda: body(args))

@@ -98,6 +98,12 @@ class ForecasterConfig:
     """Per direct head j and layer l, what issues the logits: -1 the learned part plus the online prior, c >= 0
     component c (``component_names`` order), exactly. Chosen on held-out elements after training
     (``select_components`` in the training code). None: -1 everywhere."""
+    head_temperatures: list[float] | None = None
+    """Per direct head j, the temperature of head j's probabilities (:meth:`ExpertForecaster.probs`; forecasts
+    beyond the direct heads use the last), fitted on held-out targets j elements ahead after the component selection
+    (``select_components`` in the training code), so that the probabilities match the logits the export issues: a
+    selected component's logits are scaled scores, whose sharpness has nothing to do with the learned part's
+    (docs/design.md, "Exact components"). None: ``temperature`` for every head."""
     head_rank: int = 0
     """0: one dense output head d -> H_d·L·E. r > 0: factored per-layer heads, d -> H_d·L·r then a per-layer
     [r, E] expert table (scales to wide L x E: d·H_d·L·r + L·r·E weights instead of d·H_d·L·E)."""
@@ -141,6 +147,10 @@ class ForecasterConfig:
             raise ValueError(f"learned_gate_half_life must be > 0, got {self.learned_gate_half_life}")
         if self.learned_gate_rate < 0 or (self.learned_gate_rate > 0 and not self.online_half_lives):
             raise ValueError(f"learned_gate_rate must be >= 0 and needs online statistics, got {self.learned_gate_rate}")
+        if self.head_temperatures is not None and (len(self.head_temperatures) != self.direct_horizons or any(
+                not float(t) > 0 for t in self.head_temperatures)):
+            raise ValueError(f"head_temperatures must hold direct_horizons={self.direct_horizons} positive values, "
+                             f"got {self.head_temperatures}")
         if self.residual_scale is not None:
             rs = self.residual_scale
             if len(rs) != self.direct_horizons or any(not 0 <= a <= 1 for a in rs):
@@ -800,8 +810,16 @@ class ExpertForecaster(nn.Module):
         return torch.stack(out, dim=1)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Calibrated per-expert selection probabilities [..., L, E] from logits (see :func:`activation_probs`)."""
-        return activation_probs(logits, self.config.top_k, self.config.temperature)
+        """Calibrated per-expert selection probabilities [..., H, L, E] from logits [..., H, L, E] (the horizon
+        axis third from last, as :meth:`rollout` and ``forward(all_horizons=True)`` give them; see
+        :func:`activation_probs`): horizon h at the temperature of direct head min(h, H_d - 1) when
+        ``head_temperatures`` is set, else at ``temperature``."""
+        c = self.config
+        if not c.head_temperatures or logits.dim() < 3:
+            return activation_probs(logits, c.top_k, c.temperature)
+        H, ts = logits.shape[-3], c.head_temperatures
+        T = torch.tensor([float(ts[min(h, len(ts) - 1)]) for h in range(H)], device=logits.device).view(H, 1, 1)
+        return activation_probs(logits, c.top_k, T)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=d.out)
     ap.add_argument("--quick", action="store_true", help="a tiny shape that runs in seconds")
     for name in ("hidden", "moe_intermediate", "experts", "top_k", "layers", "readers", "repeats", "sequences",
-                 "tokens", "prompt", "disk_mb", "threads", "seed", "full_repeats"):
+                 "tokens", "prompt", "disk_mb", "threads", "seed", "full_repeats", "calib_sequences"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--policies", nargs="+", default=list(d.policies))

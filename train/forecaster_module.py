@@ -281,12 +281,62 @@ def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_
     c.residual_scale = scale if net.online is not None else None
     c.selection = selection.tolist()
     chosen = torch.where(keep, learned, best_r).mean(-1)
+    # the probabilities must match the logits now issued (a selected component's are scaled scores): per-head
+    # temperatures on the same held-out targets, the tables still fitted on ``fit`` only
+    temps = fit_head_temperatures(net, ds, bs, dev)
+    c.head_temperatures = temps
     if refit is not None:
         comps.fit(refit, c.p)
     return {"held_out_sequences": len(held_out), "margin": margin, "residual_scale": scale,
+            "head_temperatures": temps,
             "learned_layers": [int(k) for k in keep.sum(1)],
             "recall": {"chosen": chosen.tolist(), "learned": learned.mean(-1).tolist(),
                        **{n: rec[:, G + k].mean(-1).tolist() for k, n in enumerate(comps.names)}}}
+
+
+HEAD_CALIBRATION_ELEMENTS = 2048
+"""Held-out decode targets per direct head that :func:`fit_head_temperatures` fits each temperature on."""
+
+
+@torch.no_grad()
+def fit_head_temperatures(net: ExpertForecaster, ds: Any, bs: int, dev: Any,
+                          max_elements: int = HEAD_CALIBRATION_ELEMENTS) -> list[float]:
+    """Per direct head j, the temperature of :func:`fit_temperature` for the logits the network issues now (its
+    selection and residual scale applied) against the targets j elements later, on up to ``max_elements`` decode
+    targets of the held-out windows ``ds`` (batches of ``bs``)."""
+    c = net.config
+    H = c.direct_horizons
+    was = net.training
+    net.eval()
+    logits: list[list[torch.Tensor]] = [[] for _ in range(H)]
+    ids: list[list[torch.Tensor]] = [[] for _ in range(H)]
+    n = [0] * H
+    try:
+        for a in range(0, len(ds), bs):
+            if min(n) >= max_elements:
+                break
+            items = [ds[i] for i in range(a, min(a + bs, len(ds)))]
+            batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+            x, tid, use = batch["inputs"].to(dev), batch["target_ids"], _scored(batch)
+            lg = net(x, all_horizons=True).float().cpu()  # [B, T, H, L, E]
+            W = x.shape[1]
+            for j in range(H):
+                sel = use[:, j:]
+                if n[j] >= max_elements or not bool(sel.any()):
+                    continue
+                logits[j].append(lg[:, : W - j, j][sel])
+                ids[j].append(tid[:, j:][sel])
+                n[j] += int(sel.sum())
+    finally:
+        net.train(was)
+    out = []
+    for j in range(H):
+        if not logits[j]:
+            out.append(float(c.temperature))
+            continue
+        T, _ = fit_temperature(torch.cat(logits[j])[:max_elements], torch.cat(ids[j])[:max_elements], c.top_k)
+        out.append(T)
+    return out
 
 
 @torch.no_grad()

@@ -86,6 +86,10 @@ class Counters:
     """Demand misses of each counted step, in order (batch 1: of each decoded token)."""
     step_late: list[int] = field(default_factory=list)
     """Late prefetches of each counted step, in order."""
+    layer_execs: list[tuple[int, int, int]] = field(default_factory=list)
+    """Runtime (eager path): ``(layer, experts computed, demand misses)`` of each counted layer-execution, in
+    order: what the dependency-aware bound of the disk benchmark needs (a layer's demand reads overlap only
+    that layer's compute; docs/design.md, "Compute order"). Empty in the simulator."""
 
     def __post_init__(self) -> None:
         for name in COUNTER_NAMES:

@@ -154,6 +154,8 @@ class OffloadedModel:
                                                                           announce=True)
         if self.decode_path == "graph":
             num_temp_slots = max(num_temp_slots, graph.GraphDecoder.scratch_rows(self.K, getattr(policy, "max_tasks", 0)))
+        if disk:  # a layer's temporary-slot reads (static's misses) fill the reader pool (docs/design.md, "Compute order")
+            num_temp_slots = max(num_temp_slots, int(readers))
         self.pool = SlotPool(self.layout, self.cache.num_slots, self.device, num_temp=num_temp_slots,
                              io_stride_bytes=store.stride if disk else None)
         self.readers = int(readers) if disk else None
@@ -424,7 +426,10 @@ class OffloadedModel:
         routing = rs.member_routing(idx, w) if self.driver.wants_routing else None  # per member (forecaster input)
         self.transport.count_reads = self.driver.counted  # every counted load is one counted read
         try:
+            d0 = int(self.stats.demand[layer])
             plan = self.driver.serve(layer, sel, cnt, routing)
+            if self.driver.counted:
+                self.stats.layer_execs.append((layer, len(sel), int(self.stats.demand[layer]) - d0))
             y = self._compute(module, layer, h, idx, w, grouping, plan, count_stall=True)
             self.driver.finish(layer, sel, cnt)
         finally:
@@ -441,21 +446,43 @@ class OffloadedModel:
         return self._compute(module, layer, h, idx, w, grouping, plan, count_stall=False)
 
     def _compute(self, module, layer, h, idx, w, grouping, plan, count_stall: bool) -> torch.Tensor:
+        """The layer's expert compute in landing order (docs/design.md, "Compute order"): every expert whose
+        bytes are there first, then the others as their reads land; it blocks only when nothing is ready."""
         tp, pool = self.transport, self.pool
         temps = [e for e in grouping.active if plan[e][0] == TEMP]
         temp_slot: dict[int, int] = {}
+        free_temps = list(range(pool.num_slots, pool.num_slots + pool.num_temp))
         nxt = 0
         stall = 0.0
         cpu_start = 0.0
 
-        def feed() -> None:  # keep up to num_temp temporary transfers in flight, in compute order
+        def feed() -> None:  # keep up to num_temp temporary reads in flight (all of them are demand reads)
             nonlocal nxt
-            while nxt < len(temps) and len(temp_slot) < pool.num_temp:
+            while nxt < len(temps) and free_temps:
                 e = temps[nxt]
-                s = tp.temp_slot()
+                s = free_temps.pop(0)  # a temporary slot whose expert was computed (compute order != read order)
                 tp.submit(s, layer, e, demand=True)
                 temp_slot[e] = s
                 nxt += 1
+
+        def slot_of(e: int) -> int | None:
+            kind = plan[e][0]
+            return plan[e][1] if kind == SLOT else temp_slot.get(e) if kind == TEMP else None
+
+        def next_expert(todo: list[int]) -> int:
+            nonlocal stall
+            while True:
+                best, best_at = None, None
+                for e in todo:
+                    s = slot_of(e)
+                    if s is None and plan[e][0] == TEMP:
+                        continue  # its read is not submitted yet (no temporary slot free)
+                    at = float("-inf") if s is None else tp.landed_at(s)
+                    if at is not None and (best_at is None or at < best_at):
+                        best, best_at = e, at
+                if best is not None:
+                    return best
+                stall += tp.wait_any([s for s in map(slot_of, todo) if s is not None])
 
         def before(e: int) -> None:
             nonlocal stall, cpu_start
@@ -477,7 +504,7 @@ class OffloadedModel:
                     stall += left
             if plan[e][0] == TEMP:
                 tp.mark_compute()  # the temporary slot may be overwritten after this kernel
-                del temp_slot[e]
+                free_temps.append(temp_slot.pop(e))
                 feed()
 
         def weights_of(e: int):
@@ -490,7 +517,7 @@ class OffloadedModel:
                                      cpu_weights_of=lambda e: self.store.views(layer, e), cpu_experts=cpu,
                                      before_expert=before, after_expert=after,
                                      cpu_async=self._cpu_submitter(module, layer, waited) if cpu and self.cpu_parallel
-                                     else None)
+                                     else None, next_expert=next_expert)
         tp.mark_compute()
         if count_stall:
             self.stats.stall_seconds += stall + waited[0]
@@ -529,6 +556,54 @@ class OffloadedModel:
             if left > 0:
                 time.sleep(left)
         return out
+
+    def measure_link(self, reads: int | None = None, repeats: int = 5) -> dict[str, float]:
+        """The disk store's link as this machine gives it, for a prefetcher's deadlines (docs/design.md, "Compute
+        order"): ``bytes_per_s``, ``reads`` distinct expert rows read through the reader pool into scratch buffers
+        (all in flight at once: the pool's queue depth), and ``layer_compute_ms``, the K experts of one token
+        computed from a slot (median of ``repeats``; the layer's expert compute, attention not included, so the
+        estimate errs towards prefetching earlier). Disk store only; the slots are not touched."""
+        from expertcast.inference.runtime.disk_store import aligned_empty, is_disk_store
+
+        if not is_disk_store(self.store):
+            raise UsageError("measure_link reads the disk store; a RAM store's link is a memory copy")
+        n = max(int(reads or 2 * (self.readers or 1)), 1)
+        keys = [(i // self.E % self.L, i % self.E) for i in range(0, n * 7, 7)][:n]  # spread over the file
+        bufs = [aligned_empty(self.store.stride) for _ in keys]
+        self.transfer.synchronize()
+        t0 = time.perf_counter()
+        trs = [self.transfer.submit(k, self.store.row(*k), b, -1 - i, demand=True) for i, (k, b) in
+               enumerate(zip(keys, bufs, strict=True))]
+        for tr in trs:
+            self.transfer.wait(tr)
+        read_s = time.perf_counter() - t0
+        mod = self.refs[0].module
+        w = self.pool.views(self.pool.num_slots)  # a temporary slot: compute time does not depend on its bytes
+        cfg = self.model.config
+        H = int(getattr(cfg, "get_text_config", lambda: cfg)().hidden_size)
+        x = torch.randn(1, H).to(self.layout.dtype).to(self.device)
+        times = []
+        for _ in range(repeats + 1):
+            t1 = time.perf_counter()
+            for _ in range(self.K):
+                experts.expert_forward(mod, x, w)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - t1)
+        return {"bytes_per_s": n * self.layout.expert_bytes / read_s, "reads": n, "queue_depth": self.readers or 1,
+                "layer_compute_ms": 1e3 * float(np.median(times[1:]))}
+
+    def use_measured_link(self) -> dict[str, float] | None:
+        """Give a policy with a link estimate (``link_bytes_per_s`` and ``layer_compute_ms``, e.g. seqmoe) the
+        figures :meth:`measure_link` measures now, then :meth:`reset` (the policy derives its transfer time in
+        layers from them). Returns the figures (None: the policy has no such estimate)."""
+        if not (hasattr(self.policy, "link_bytes_per_s") and hasattr(self.policy, "layer_compute_ms")):
+            return None
+        fig = self.measure_link()
+        self.policy.link_bytes_per_s = fig["bytes_per_s"]
+        self.policy.layer_compute_ms = max(fig["layer_compute_ms"], 1e-3)
+        self.reset()
+        return fig
 
     def use_measured_latency(self) -> None:
         """Give a policy that decides CPU execution vs transfer (``use_latency``) the latency model measured

@@ -88,7 +88,7 @@ class Grouping:
         perm: int64 tensor [T*K] on the compute device: flattened index of each sorted row (by expert,
             stable).
         counts: list [E] rows routed to each expert.
-        active: experts with at least one row, ascending (the compute order).
+        active: experts with at least one row, ascending (the row order of the repacked workspace).
         selected / selected_counts: the union in first-appearance order and the tokens routed to each
             (the policy's ``selected`` and ``counts``).
     """
@@ -128,6 +128,7 @@ def grouped_expert_compute(
     before_expert: Callable[[int], None] | None = None,
     after_expert: Callable[[int], None] | None = None,
     cpu_async: Callable[[int, torch.Tensor], Callable[[], torch.Tensor]] | None = None,
+    next_expert: Callable[[list[int]], int] | None = None,
 ) -> torch.Tensor:
     """Mixture output of the routed experts with weights supplied per expert.
 
@@ -142,6 +143,10 @@ def grouped_expert_compute(
             repacked rows [n, H] (on the CPU) before any device expert runs; returns a function that
             gives the rows' output [n, H] (waiting for the host thread), collected after the device
             experts. ``before_expert``/``after_expert`` are not called for these experts.
+        next_expert: the compute order: called with the experts still to compute (ascending) and returns
+            the one to compute next (the runtime: an expert whose bytes are there, else the first read to
+            land; docs/design.md, "Compute order"). None: ascending expert id. Each expert writes only its
+            own rows and the combine below runs in a fixed order, so the output does not depend on it.
     Returns:
         [T, H] in ``hidden_states.dtype``.
     """
@@ -162,13 +167,14 @@ def grouped_expert_compute(
             if e in cpu_experts:
                 s0, s1 = offsets[i], offsets[i + 1]
                 pending[e] = (s0, s1, cpu_async(e, x[s0:s1].to("cpu")))
-    start = 0
-    for e in active:
-        n = cnt[e]
-        end = start + n
-        if e in pending:
-            start = end
-            continue
+    span = {e: (offsets[i], offsets[i + 1]) for i, e in enumerate(active)}
+    todo = [e for e in active if e not in pending]
+    while todo:
+        e = todo.pop(0) if next_expert is None else next_expert(todo)
+        if next_expert is not None:
+            todo.remove(e)
+        start, end = span[e]
+        n = end - start
         if before_expert is not None:
             before_expert(e)
         if e in cpu_experts:
@@ -186,7 +192,6 @@ def grouped_expert_compute(
             _expert_mlp(module, x[start:end], w, y[start:end], gu)
         if after_expert is not None:
             after_expert(e)
-        start = end
     for s0, s1, result in pending.values():
         y[s0:s1].copy_(result(), non_blocking=False)
     if getattr(module, "has_post_expert_norm", False):

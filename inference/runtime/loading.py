@@ -715,6 +715,8 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
         raise UsageError(f"store must be 'ram' or 'disk', got {store!r}")
     if store == "disk" and (disk_path is None or mmap_path is not None):
         raise UsageError("store='disk' needs disk_path (the expert file) and no mmap_path")
+    if store == "disk":  # temporary-slot reads fill the reader pool's depth (docs/design.md, "Compute order")
+        num_temp_slots = max(int(num_temp_slots), int(readers))
     opts = OffloadOptions(policy, capacity, torch.device(device), pool=pool, link_gbps=link_gbps,
                           mmap_path=Path(mmap_path).expanduser() if mmap_path is not None else None,
                           num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms,

@@ -13,6 +13,8 @@ resident set.
 
 from __future__ import annotations
 
+import time
+
 from expertcast.inference.cache.driver import Transport
 from expertcast.inference.cache.expert_cache import ExpertCache
 from expertcast.inference.runtime.slots import SlotPool
@@ -56,7 +58,10 @@ class RuntimeTransport(Transport):
             self.submit(slot, layer, expert, demand=False)
 
     def late(self, slot: int, layer: int, expert: int, t: int) -> None:
-        self._fetching.pop(slot, None)  # waited for (and promoted) before the expert's kernel
+        self._fetching.pop(slot, None)  # waited for before the expert's kernel
+        tr = self._inflight.get(slot)
+        if tr is not None and self.physical and not self.engine.done(tr):
+            self.engine.promote(tr)  # needed by this layer: ahead of the queued prefetches, now (not at its wait)
 
     def demand(self, slot: int, layer: int, expert: int, t: int) -> None:
         if slot >= 0 and self.physical:  # temporary slots are streamed by the compute
@@ -91,6 +96,30 @@ class RuntimeTransport(Transport):
             if self.count_reads and self.counters is not None:
                 self.counters.read_exposed += 1
         return self.engine.wait(tr)
+
+    def landed_at(self, slot: int) -> float | None:
+        """When the copy into ``slot`` landed (-inf: no copy pending, the bytes were there), or None while it
+        is still in flight: the compute order of a layer (docs/design.md, "Compute order")."""
+        tr = self._inflight.get(slot)
+        if tr is None:
+            return float("-inf")
+        if not self.engine.done(tr):
+            return None
+        return tr.finished if tr.finished is not None else time.perf_counter()
+
+    def wait_any(self, slots: list[int]) -> float:
+        """Block until one of the copies into ``slots`` lands (nothing else the layer needs is there); counts
+        one exposed read. Returns the host seconds blocked."""
+        trs = [self._inflight[s] for s in slots if s in self._inflight]
+        if not trs:
+            return 0.0
+        for tr in trs:
+            if not self.engine.done(tr):
+                self.engine.promote(tr)
+        blocked = self.engine.wait_any(trs)
+        if blocked > 0 and self.count_reads and self.counters is not None:
+            self.counters.read_exposed += 1
+        return blocked
 
     def holds(self, slot: int, layer: int, expert: int) -> bool:
         """``slot``'s bytes are those of (layer, expert) (or will be once its copy lands)."""

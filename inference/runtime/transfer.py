@@ -70,6 +70,16 @@ class TransferEngine:
         """Make the compute path wait for ``tr``; returns the host seconds spent blocked."""
         raise NotImplementedError
 
+    def wait_any(self, trs: list[Transfer]) -> float:
+        """Block until at least one of ``trs`` is done (the compute then takes the first that landed);
+        returns the host seconds spent blocked. This default polls :meth:`done`."""
+        if any(self.done(tr) for tr in trs):
+            return 0.0
+        t0 = time.perf_counter()
+        while not any(self.done(tr) for tr in trs):
+            time.sleep(1e-4)
+        return time.perf_counter() - t0
+
     def mark_compute(self) -> None:
         """Called after a layer's expert kernels were issued (orders later slot overwrites)."""
 
@@ -96,6 +106,19 @@ class WorkerWaits:
             return 0.0
         t0 = time.perf_counter()
         tr.event.wait()
+        self._raise_pending()
+        return time.perf_counter() - t0
+
+    def wait_any(self, trs: list[Transfer]) -> float:
+        """Block on the engine's condition (its workers notify it after setting each transfer's event)
+        until one of ``trs`` is done."""
+        if any(tr.event.is_set() for tr in trs):
+            self._raise_pending()
+            return 0.0
+        t0 = time.perf_counter()
+        with self._cv:
+            while not any(tr.event.is_set() for tr in trs):
+                self._cv.wait()
         self._raise_pending()
         return time.perf_counter() - t0
 

@@ -110,3 +110,35 @@ def test_granite_flags_must_agree_with_the_file(granite, tmp_path, capsys):
     assert traces_main(["import", "--format", "jsonl", str(granite), "--out", str(tmp_path / "j"),
                         "--num-experts", "32"]) == 2
     assert f"{granite}:1: missing field(s) seq, token, layer, experts" in capsys.readouterr().err
+
+
+def test_synth_writes_a_reproducible_sticky_trace_set_with_its_settings(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    argv = ["synth", "--shape", "3,16,2", "--sequences", "5", "--tokens", "12", "--prompt", "4", "--seed", "3"]
+    assert traces_main([*argv, "--out", str(a)]) == 0
+    assert traces_main([*argv, "--out", str(b)]) == 0
+    meta, seqs = load_traces(a)
+    assert (meta.num_layers, meta.num_experts, meta.top_k) == (3, 16, 2)
+    assert [s.seq_id for s in seqs] == [f"sticky3x16-3-{i}" for i in range(5)]
+    assert all(s.num_tokens == 12 and s.prompt_len == 4 for s in seqs)
+    for s in seqs:  # K distinct experts per position and layer
+        assert all(len(set(row)) == 2 for row in s.expert_ids.reshape(-1, 2).tolist())
+    _, again = load_traces(b)
+    assert all(np.array_equal(x.expert_ids, y.expert_ids) for x, y in zip(seqs, again, strict=True))
+    run = read_manifest(a)["run"]
+    assert run["command"] == "traces synth" and run["shape"] == "3,16,2" and run["seed"] == 3
+    _, other = load_traces(tmp_path / "c") if traces_main([*argv[:-1], "4", "--out", str(tmp_path / "c")]) == 0 \
+        else (None, None)
+    assert not all(np.array_equal(x.expert_ids, y.expert_ids) for x, y in zip(seqs, other, strict=True))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "3,16"], "expected L,E,K"),
+    (["--shape", "3,4,5"], "K <= E"),
+    (["--shape", "3,16,2", "--tokens", "4", "--prompt", "4"], "leaves no decode position"),
+])
+def test_synth_refuses_bad_settings_in_one_line(tmp_path, capsys, argv, message):
+    assert traces_main(["synth", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "x").exists()

@@ -41,6 +41,15 @@ def test_quick_run_outputs_are_consistent(tmp_path):
         assert r["pct_full_min"] <= r["pct_full"] <= r["pct_full_max"]
         assert r["bound_tokens_per_s"] <= r["full_tokens_per_s"] * (1 + 1e-9)
         assert math.isclose(r["achieved_vs_bound"], r["tokens_per_s"] / r["bound_tokens_per_s"], rel_tol=1e-9)
+        # the dependency-aware bound is never above the full-overlap one at its read rate (the faster of the disk
+        # measurement and the run's own reads)
+        rate = max(m["disk_gbps"], r["read_gbps"]) * 1e9
+        full_overlap = 1 / max(r["reads_per_token"] * xb / rate, 1 / r["full_tokens_per_s"])
+        assert r["dep_bound_tokens_per_s"] <= full_overlap * (1 + 1e-9)
+        if r["read_gbps"] <= m["disk_gbps"]:
+            assert r["dep_bound_tokens_per_s"] <= r["bound_tokens_per_s"] * (1 + 1e-9)
+        assert math.isclose(r["achieved_vs_dep_bound"], r["tokens_per_s"] / r["dep_bound_tokens_per_s"], rel_tol=1e-9)
+        assert r["start"] == ("warm" if r["policy"] == "static" else "cold")
         assert math.isclose(r["read_mb_per_token"], r["reads"] * xb / 1e6 / r["decoded_tokens"], rel_tol=1e-9)
         assert 0 <= r["hit"] <= 1 and 0 <= r["miss_free_token_frac"] <= 1
         assert math.isnan(r["io_overlap"]) or 0 <= r["io_overlap"] <= 1
@@ -49,5 +58,7 @@ def test_quick_run_outputs_are_consistent(tmp_path):
     assert (tmp_path / "bench_disk.png").stat().st_size > 0
     prov = rec["provenance"]
     assert prov["settings"]["readers"] == 2 and prov["routing_fingerprint"] and prov["code_version"]
+    assert prov["static_calibration"] and not set(prov["static_calibration"]) & set(prov["sequences"])  # held out
+    assert rec["dep_bound_definition"].startswith("dependency-aware bound")
     left = {p.name for p in tmp_path.iterdir()}
     assert left == {"bench_disk.json", "bench_disk.csv", "bench_disk.png"}, left  # temp file and store deleted

@@ -469,3 +469,44 @@ def test_select_components_keeps_the_learned_part_only_where_it_beats_every_comp
     assert report["learned_layers"] == [1]
     assert report["recall"]["learned"][0] > max(report["recall"][n][0] for n in component_names([16.0])) - 1e-9
     assert torch.equal(net.components.freq, fit_frequency(seqs, 2, 8))
+
+
+def test_selected_components_get_their_own_per_head_temperatures():
+    """After the selection the export issues a component's scaled scores on some heads: each direct head's
+    probability temperature is refitted on held-out targets for the logits it now issues, so that its calibration
+    (binary cross-entropy of the inclusion probabilities) is at least as good as the one temperature fitted before
+    the selection on the learned logits, on every head; ``probs`` applies head j's temperature to horizon j."""
+    import torch.nn.functional as F
+    from expertcast.models.forecaster import activation_probs
+    from expertcast.train.forecaster_data import ForecastWindows
+    from expertcast.train.forecaster_module import fit_temperature
+
+    proc = StickyRoutingProcess.realistic(num_layers=3, num_experts=16, top_k=2, seed=0)
+    seqs = proc.sample(40, 40, prompt_len=4, seed=1)
+    train, val = seqs[:20], seqs[20:]
+    module, _ = fit_forecaster(proc.meta(), train, val_sequences=val, max_steps=10, batch_size=8, direct_horizons=4,
+                               online_half_lives=[0.0, 16.0], prior_start=16.0, component_half_lives=HALF_LIVES)
+    net, c = module.net, module.net.config
+    temps = c.head_temperatures
+    assert temps is not None and len(temps) == 4 and module.selection_report["head_temperatures"] == temps
+    assert len(set(temps)) > 1, temps  # the heads issue differently sharp logits
+    net.components.fit(train, c.p)  # the tables the temperatures were fitted with (held-out val)
+    ds = ForecastWindows(val, proc.meta(), window=40, trigger_layer=c.trigger_layer)
+    items = [ds[i] for i in range(len(ds))]
+    batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    with torch.no_grad():
+        lg = net(batch["inputs"], all_horizons=True).float()
+    use = batch["mask"] & batch["decode"]
+    W = lg.shape[1]
+    for j, T in enumerate(temps):
+        sel = use[:, j:]
+        logits, tid = lg[:, : W - j, j][sel][:2048], batch["target_ids"][:, j:][sel][:2048]
+        member = torch.zeros_like(logits).scatter_(-1, tid, 1.0)
+
+        def bce(t, lg_j=logits, m=member):
+            return float(F.binary_cross_entropy(activation_probs(lg_j, 2, t).clamp(1e-6, 1 - 1e-6), m))
+        assert fit_temperature(logits, tid, 2)[0] == pytest.approx(T)
+        assert bce(T) <= bce(c.temperature) + 1e-9, (j, T, c.temperature)
+    p = net.probs(lg[:1, :1, :].squeeze(1))  # [1, H, L, E]: horizon j at head j's temperature
+    for j, T in enumerate(temps):
+        assert torch.allclose(p[0, j], activation_probs(lg[0, 0, j], 2, T))

@@ -11,7 +11,9 @@ import pytest
 import torch
 from expertcast.inference.runtime.bench_disk import (
     BenchConfig,
+    check_held_out,
     check_subset,
+    dependency_bound_seconds,
     run_bench,
     scaled_full_seconds,
     trim_sequence,
@@ -81,7 +83,7 @@ def test_streamed_model_with_subset_baseline(builds, tmp_path):
     belady = {r["budget"]: r["hit"] for r in rec["rows"] if r["policy"] == "belady"}
     lru = {r["budget"]: r["hit"] for r in rec["rows"] if r["policy"] == "lru"}
     assert all(belady[b] >= lru[b] for b in belady)  # the protect-rule plan is the demand-only ceiling
-    assert "t_full = t_head" in rec["baseline"] and "3/2" not in rec["baseline"] and "4/2" in rec["baseline"]
+    assert "t_full = t_subset x ((1 - f) + f x 4/2" in rec["baseline"] and "3/2" not in rec["baseline"]
     left = {p.name for p in (tmp_path / "o").iterdir()}
     assert left == {"bench_disk.json", "bench_disk.csv", "bench_disk.png"}, left  # both stores deleted
     assert json.loads((tmp_path / "o" / "bench_disk.json").read_text())["provenance"]["sequences"]
@@ -95,4 +97,54 @@ def test_trim_and_scale():
                       np.full((T, L, K), 0.5, np.float16), None)
     t = trim_sequence(s, 3, 4)
     assert t.prompt_len == 3 and list(t.token_ids) == list(range(7, 14)) and t.expert_ids.shape == (7, L, K)
-    assert scaled_full_seconds(0.010, 0.002, 2, 6) == pytest.approx(0.002 + 0.008 * 3)
+    assert scaled_full_seconds(0.010, 0.8, 2, 6) == pytest.approx(0.002 + 0.008 * 3)
+
+
+def test_dependency_bound_by_hand():
+    """A demand miss overlaps only its own layer's compute: two layer-executions of 4 experts (c = 1 ms each), one
+    with 3 demand misses of 10 ms reads at the pool's bandwidth (last lands at 30 ms, + 1 ms compute, against the
+    4 ms the all-in-RAM run spends there), one without; the full-overlap bound would only see 30 ms of reads."""
+    from expertcast.inference.runtime.stats import RuntimeStats
+
+    st = RuntimeStats(2, 1000)
+    st.decoded_tokens, st.reads, st.layer_execs = 1, 3, [(0, 4, 3), (1, 4, 0)]
+    t = dependency_bound_seconds(st, 1000, 1000 / 0.010, 0.001, 0.020)
+    assert t == pytest.approx(0.020 + (0.030 + 0.001 - 0.004))
+    assert 1 / t < 1 / max(0.020, 0.030)  # below the full-overlap bound
+    st.layer_execs = [(0, 4, 0), (1, 4, 0)]  # no demand miss: reads (prefetches) overlap any compute
+    assert dependency_bound_seconds(st, 1000, 1000 / 0.010, 0.001, 0.020) == pytest.approx(0.030)
+
+
+def test_static_calibration_must_be_held_out():
+    from expertcast.data.synthetic import zipf_traces
+
+    seqs = list(zipf_traces(num_sequences=3, num_tokens=12, num_layers=2, num_experts=8, top_k=2).sequences)
+    check_held_out(seqs[2:], seqs[:2])
+    with pytest.raises(ValueError, match="overlaps the replayed"):
+        check_held_out(seqs[1:], seqs[:2])
+    with pytest.raises(ValueError, match="no held-out sequence"):
+        check_held_out([], seqs)
+
+
+def test_layer_share_times_the_decoder_layers_of_decode_steps_only(builds):
+    """The share of a decode step inside the decoder layers, measured by hooks on the layers that are removed
+    afterwards, is a proper fraction (the embedding, final norm, LM head and the driver's work lie outside)."""
+    from expertcast.data.synthetic import zipf_traces
+    from expertcast.inference.policies import make_policy
+    from expertcast.inference.runtime.bench_disk import decoder_layers, layer_share
+    from expertcast.inference.runtime.engine import OffloadedModel
+    from transformers import AutoModelForCausalLM
+
+    d, _, _ = builds
+    model = AutoModelForCausalLM.from_pretrained(str(d / "full"), dtype=torch.float32)
+    layers = decoder_layers(model)
+    assert len(layers) == 4
+    E, K = model.config.n_routed_experts, model.config.num_experts_per_tok
+    syn = zipf_traces(num_sequences=1, num_tokens=12, num_layers=3, num_experts=E, top_k=K, prompt_len=4, seed=0)
+    om = OffloadedModel(model, make_policy("lru"), 1.0)
+    try:
+        s_tok, share = layer_share(om, list(syn.sequences), repeats=2)
+    finally:
+        om.close()
+    assert s_tok > 0 and 0.0 < share < 1.0
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in layers)  # hooks removed

@@ -159,6 +159,73 @@ def test_demand_reads_jump_the_queue(tiny_store):
     eng.close()
 
 
+class _GradedStore(DiskExpertStore):
+    """A disk store whose reads take longer the lower the expert id (an injected slow file): reads in flight
+    together land in descending id order, the reverse of the id order."""
+
+    def __init__(self, path, base_s: float = 0.03, step_s: float = 0.006):
+        super().__init__(path)
+        self.base_s, self.step_s = base_s, step_s
+
+    def _pread(self, mv, offset):
+        e = ((offset - self.data_start) // self.stride) % self.num_experts
+        time.sleep(self.base_s + self.step_s * (self.num_experts - 1 - e))
+        return super()._pread(mv, offset)
+
+
+def test_layer_computes_resident_experts_first_and_misses_in_landing_order(tiny_store):
+    """Forced-routing replay through a slow disk (reads of low expert ids take longest, 4 readers: a layer's
+    demand reads are all in flight at once): in every decode layer with a miss, each expert whose bytes were
+    there computes before the layer's first demand read lands, and the missed experts compute in the order
+    their reads landed (by the readers' and the compute's timestamps). A layer that computes in expert-id
+    order (a resident expert waiting behind a missing one) fails. Outputs stay those of the in-RAM run."""
+    _, path = tiny_store
+    model = build_tiny("qwen3_moe-tiny", seed=0, dtype=torch.bfloat16)
+    seqs = zipf_traces(num_sequences=1, num_tokens=14, num_layers=4, num_experts=16, top_k=4, seed=5).sequences
+    om = OffloadedModel(model, make_policy("lru"), 1.0)
+    _, full = _logits_of(om, seqs)
+    model = om.restore()
+    disk = _GradedStore(path)
+    om = OffloadedModel(model, make_policy("lru"), 0.5, store=disk, readers=4)
+    assert om.pool.num_temp >= 4  # temporary-slot reads (static's misses) can fill the reader pool too
+    log: list[tuple] = []  # ("read", layer, expert, Transfer) at submit, ("compute", t, layer, expert) at the kernel
+    submit, views = om.transport.submit, om.pool.views
+
+    def logged_submit(slot, layer, expert, demand):
+        tr = submit(slot, layer, expert, demand)
+        if om.transport.count_reads and demand:
+            log.append(("read", layer, expert, tr))
+        return tr
+
+    def logged_views(slot):
+        log.append(("compute", time.perf_counter(), *om.transport._holds[slot]))
+        return views(slot)
+
+    om.transport.submit, om.pool.views = logged_submit, logged_views
+    st, got = _logits_of(om, seqs)
+    om.close()
+    disk.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, full, strict=True)) and len(got) == len(full)
+    groups: list[dict] = []  # one per layer-execution: its demand reads and its computes, in log order
+    for ev in log:
+        if ev[0] == "read" and (not groups or groups[-1]["computes"]):
+            groups.append({"reads": {}, "computes": []})
+        if ev[0] == "read":
+            groups[-1]["reads"][ev[2]] = ev[3]
+        elif groups and groups[-1]["reads"] and ev[2] == next(iter(groups[-1]["reads"].values())).key[0]:
+            groups[-1]["computes"].append((ev[1], ev[3]))
+    checked = 0
+    for g in groups:
+        reads, computes = g["reads"], g["computes"]
+        first_landing = min(tr.finished for tr in reads.values())
+        resident = [t for t, e in computes if e not in reads]
+        assert all(t < first_landing for t in resident), (computes, reads)
+        missed = [e for _, e in computes if e in reads]
+        assert missed == sorted(reads, key=lambda e: reads[e].finished), (missed, reads)
+        checked += bool(resident) and len(missed) >= 2
+    assert st.D > 0 and checked >= 3, (st.D, checked)
+
+
 def _policy(name, model, seqs):
     if name == "static":
         return make_policy("static", calibration=seqs)
@@ -221,6 +288,30 @@ def test_forced_routing_disk_equals_ram(tiny_store, name):
     assert st.read_seconds > 0 and st.read_busy_seconds > 0 and 0 <= st.read_exposed <= st.reads
     assert 0 <= st.steps_without_miss <= len(st.step_demand) <= st.decode_steps
     disk.close()
+
+
+def test_seqmoe_link_estimate_comes_from_the_measured_disk(tiny_store):
+    """On the disk store seqmoe's transfer-time estimate is the measured one (reader pool reads, the layer's
+    expert compute), not its 25 GB/s / 0.15 ms defaults; a RAM store refuses the measurement."""
+    _, path = tiny_store
+    model = build_tiny("qwen3_moe-tiny", seed=0, dtype=torch.bfloat16)
+    seqs = zipf_traces(num_sequences=1, num_tokens=12, num_layers=4, num_experts=16, top_k=4, seed=1).sequences
+    pol = _policy("seqmoe", model, seqs)
+    disk = _GradedStore(path, base_s=0.01, step_s=0.0)  # each read takes >= 10 ms: far from 25 GB/s
+    om = OffloadedModel(model, pol, 0.5, store=disk, readers=2)
+    default_tau = pol.scheduler.estimator.tau
+    fig = om.use_measured_link()
+    model = om.restore()
+    disk.close()
+    assert fig["reads"] == 4 and fig["queue_depth"] == 2 and fig["layer_compute_ms"] > 0
+    assert fig["bytes_per_s"] < 2 * om.layout.expert_bytes / 0.01  # two readers, >= 10 ms a read
+    assert pol.link_bytes_per_s == fig["bytes_per_s"] and pol.layer_compute_ms == max(fig["layer_compute_ms"], 1e-3)
+    want = om.layout.expert_bytes / fig["bytes_per_s"] * 1e3 / pol.layer_compute_ms
+    assert pol.scheduler.estimator.tau == pytest.approx(want) and pol.scheduler.estimator.tau > default_tau
+    om = OffloadedModel(model, _policy("seqmoe", model, seqs), 0.5)
+    with pytest.raises(UsageError, match="disk store"):
+        om.measure_link()
+    om.close()
 
 
 def test_disk_store_refuses_link_emulation_and_graph(tiny_store):
