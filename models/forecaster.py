@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-from expertcast.models.forecaster_components import COMPONENT_SCALE, ExactComponents
+from expertcast.models.forecaster_components import COMPONENT_SCALE, ExactComponents, num_components
 from torch import nn
 
 BACKBONES = ("mamba2", "mamba")
@@ -90,9 +90,9 @@ class ForecasterConfig:
     """Half-life (elements) of the discount of D: short, so credit banked where the learned part helped (e.g. in
     the prompt) cannot hold the gate open for long once it starts to cost recall (e.g. in the decode)."""
     component_half_lives: list[float] | None = None
-    """Half-lives of the recent-freq components (docs/design.md "Exact components"): with a list (may be empty),
-    the forecaster carries the online baselines repeat-last, frequency, transition and recent-freq at these
-    half-lives as exact components (:class:`~expertcast.models.forecaster_components.ExactComponents`) that
+    """Half-lives of the recent-freq and recent-count components (docs/design.md "Exact components"): with a list
+    (may be empty), the forecaster carries the online baselines repeat-last, frequency, transition, then
+    recent-freq and recent-count at these half-lives as exact components (:class:`~expertcast.models.forecaster_components.ExactComponents`) that
     ``selection`` can pick. None: no components (every export before format 3)."""
     selection: list[list[int]] | None = None
     """Per direct head j and layer l, what issues the logits: -1 the learned part plus the online prior, c >= 0
@@ -161,7 +161,7 @@ class ForecasterConfig:
                                                        != len(self.component_half_lives)):
             raise ValueError(f"component_half_lives must be distinct and > 0, got {self.component_half_lives}")
         if self.selection is not None:
-            n = 3 + len(self.component_half_lives or []) if self.component_half_lives is not None else 0
+            n = num_components(self.component_half_lives) if self.component_half_lives is not None else 0
             sel = self.selection
             if len(sel) != self.direct_horizons or any(len(r) != self.num_layers for r in sel) or \
                     any(not -1 <= int(v) < n for r in sel for v in r):
@@ -846,7 +846,7 @@ class ExpertForecaster(nn.Module):
             if self.online.rate > 0:  # top-K of the sources and their scores at every horizon
                 macs += M * c.input_size + c.direct_horizons * M * c.num_layers * c.top_k
         if self.components is not None:  # moving averages; the transition table for the heads that select it
-            macs += 2 * len(self.components.half_lives) * c.input_size
+            macs += 4 * len(self.components.half_lives) * c.input_size
             sel = c.selection or []
             trans_heads = max([j + 1 for j, row in enumerate(sel) if 2 in row] or [0])
             macs += trans_heads * c.input_size * c.num_experts

@@ -14,7 +14,11 @@ baseline's:
   the current element;
 - ``recent-freq`` at each half-life h (``recent-freq`` is h = 16, the others ``recent-freq-h{h}``): the
   sequence's own moving average ``e_t = e_{t-1}·d + v_t·(1-d)``, ``d = 0.5^(1/h)``, from zero at the sequence's
-  start, scored ``e_t + (0.05·(1-d))·freq``.
+  start, scored ``e_t + (0.05·(1-d))·freq``, ``v_t`` the element's router weights (normalized);
+- ``recent-count`` at each half-life h (``recent-count`` is h = 16, the others ``recent-count-h{h}``): the same
+  moving average of the element's *membership* (1/K for each selected expert, router weights ignored): what the
+  cache needs, and the LFU key as h grows (a sequence's favourites are selected with weights that vary; the
+  weighted average mixes that noise into the ranking).
 
 The fitted tables (``freq`` [L, E], ``trans`` [L, E, E]) are buffers of the export: a forecaster reproduces the
 baselines exactly when forecast-eval fits them on the same sequences (the export's train + val ids, its default).
@@ -42,9 +46,21 @@ def recent_name(half_life: float) -> str:
     return "recent-freq" if float(half_life) == 16.0 else f"recent-freq-h{float(half_life):g}"
 
 
+def count_name(half_life: float) -> str:
+    """Name of the recent-count component / baseline at ``half_life`` (16 is the plain ``recent-count``)."""
+    return "recent-count" if float(half_life) == 16.0 else f"recent-count-h{float(half_life):g}"
+
+
 def component_names(half_lives: Sequence[float]) -> list[str]:
-    """The components in their index order (the values of ``ForecasterConfig.selection``)."""
-    return ["repeat-last", "frequency", "transition"] + [recent_name(h) for h in half_lives]
+    """The components in their index order (the values of ``ForecasterConfig.selection``): the three fitted /
+    last-element ones, recent-freq at each half-life, then recent-count at each half-life."""
+    return (["repeat-last", "frequency", "transition"] + [recent_name(h) for h in half_lives]
+            + [count_name(h) for h in half_lives])
+
+
+def num_components(half_lives: Sequence[float]) -> int:
+    """len(component_names(half_lives))."""
+    return 3 + 2 * len(half_lives)
 
 
 def decay_of(half_life: float) -> torch.Tensor:
@@ -102,11 +118,21 @@ def transition_scores(x: torch.Tensor, trans: torch.Tensor, freq: torch.Tensor, 
     return torch.stack(out, dim=1)
 
 
-def recent_update(ema: torch.Tensor, x: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    """One element into the moving averages, in place: ema [N, M, L, E], x [N, L, E], decay [M] -> ema."""
-    v = x / x.sum(-1, keepdim=True).clamp_min(1e-9)
+def membership(x: torch.Tensor) -> torch.Tensor:
+    """x [..., L, E] (an element's weights) -> [..., L, E]: 1/n for each of the n selected experts (weight > 0)."""
+    m = (x > 0).to(x.dtype)
+    return m / m.sum(-1, keepdim=True).clamp_min(1)
+
+
+def recent_update(ema: torch.Tensor, x: torch.Tensor, decay: torch.Tensor, counts: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """One element into the moving averages, in place: ema [N, M, L, E], x [N, L, E], decay [M] -> ema.
+    ``counts`` bool [M]: the averages of the element's membership (recent-count) instead of its weights."""
+    v = (x / x.sum(-1, keepdim=True).clamp_min(1e-9)).unsqueeze(1)
+    if counts is not None and bool(counts.any()):
+        v = torch.where(counts.view(1, -1, 1, 1), membership(x).unsqueeze(1), v)
     d = decay.view(1, -1, 1, 1)
-    return ema.mul_(d).add_(v.unsqueeze(1) * (1 - d))
+    return ema.mul_(d).add_(v * (1 - d))
 
 
 def recent_scores(ema: torch.Tensor, freq: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
@@ -126,8 +152,11 @@ class ExactComponents(nn.Module):
         self.names = component_names(self.half_lives)
         self.register_buffer("freq", torch.zeros(num_layers, num_experts))
         self.register_buffer("trans", torch.zeros(num_layers, num_experts, num_experts))
-        d = torch.cat([decay_of(h) for h in self.half_lives]) if self.half_lives else torch.zeros(0)
+        # the moving averages: recent-freq at each half-life, then recent-count at each (names 3 .. 3 + 2M - 1)
+        d = torch.cat([decay_of(h) for h in self.half_lives] * 2) if self.half_lives else torch.zeros(0)
         self.register_buffer("decays", d, persistent=False)
+        M = len(self.half_lives)
+        self.register_buffer("counts", torch.arange(2 * M) >= M, persistent=False)
 
     @property
     def num_components(self) -> int:
@@ -140,8 +169,8 @@ class ExactComponents(nn.Module):
         self.trans.copy_(fit_transition(seqs, self.L, self.E, p))
 
     def init_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
-        """Zero moving averages [B, M, L, E]."""
-        return torch.zeros(batch_size, len(self.half_lives), self.L, self.E, device=device)
+        """Zero moving averages [B, 2M, L, E] (recent-freq, then recent-count, at each half-life)."""
+        return torch.zeros(batch_size, 2 * len(self.half_lives), self.L, self.E, device=device)
 
     @torch.no_grad()
     def scores(self, x: torch.Tensor, heads: int, used: Sequence[int], ema: torch.Tensor | None = None
@@ -153,13 +182,13 @@ class ExactComponents(nn.Module):
         B, T, L, E = x.shape
         x = x.float()
         out: dict[int, torch.Tensor] = {}
-        M = len(self.half_lives)
+        M = 2 * len(self.half_lives)
         recent = [c for c in used if c >= 3]
         if M and (ema is not None or recent):
             e = ema if ema is not None else x.new_zeros(B, M, L, E)
             hist = []
             for t in range(T):
-                recent_update(e, x[:, t], self.decays)
+                recent_update(e, x[:, t], self.decays, self.counts)
                 if recent:
                     hist.append(recent_scores(e, self.freq, self.decays))
             if recent:

@@ -45,6 +45,7 @@ from expertcast.models.forecaster_components import (
     decay_of,
     fit_frequency,
     fit_transition,
+    count_name,
     recent_name,
     recent_scores,
     recent_update,
@@ -149,12 +150,14 @@ class TransitionBaseline(Baseline):
 class RecentFrequencyBaseline(Baseline):
     """Per-layer expert frequency of the current sequence: an exponential moving average of its elements
     (half-life ``half_life`` elements) plus ``0.05 · (1 - d)`` x the training frequency, the same for every
-    horizon (:func:`~expertcast.models.forecaster_components.recent_scores`)."""
+    horizon (:func:`~expertcast.models.forecaster_components.recent_scores`). ``count``: the average of the
+    elements' membership (recent-count: each selected expert 1/K, weights ignored) instead of their weights."""
 
-    def __init__(self, freq: torch.Tensor, half_life: float = 16.0):
+    def __init__(self, freq: torch.Tensor, half_life: float = 16.0, count: bool = False):
         self.freq = freq
-        self.name = recent_name(half_life)
+        self.name = count_name(half_life) if count else recent_name(half_life)
         self.decay = decay_of(half_life)
+        self.counts = torch.tensor([bool(count)])
         self.ema: torch.Tensor | None = None
 
     def reset(self, batch_size: int) -> None:
@@ -163,7 +166,7 @@ class RecentFrequencyBaseline(Baseline):
     def observe(self, x: torch.Tensor) -> None:
         if self.ema is None or self.ema.shape[0] != x.shape[0]:
             self.reset(x.shape[0])
-        recent_update(self.ema, x, self.decay)
+        recent_update(self.ema, x, self.decay, self.counts)
 
     def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
         self.observe(x)
@@ -173,14 +176,15 @@ class RecentFrequencyBaseline(Baseline):
 
 def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int,
                   half_lives: Sequence[float] = (16.0,)) -> list[Baseline]:
-    """The three baselines of docs/design.md "Forecaster" plus the sequence's recent frequency at each of
-    ``half_lives``, fitted on ``train``."""
+    """The three baselines of docs/design.md "Forecaster" plus the sequence's recent frequency (weights) and
+    recent count (membership) at each of ``half_lives``, fitted on ``train``."""
     if not train:
         raise ValueError("no training sequences to fit the baselines on")
     L, E = meta.num_layers, meta.num_experts
     freq = fit_frequency(train, L, E)
     return [RepeatLastBaseline(freq), FrequencyBaseline(freq), TransitionBaseline(train, L, E, p, freq)] + \
-        [RecentFrequencyBaseline(freq, h) for h in half_lives]
+        [RecentFrequencyBaseline(freq, h) for h in half_lives] + \
+        [RecentFrequencyBaseline(freq, h, count=True) for h in half_lives]
 
 
 class MLPReference(Baseline):

@@ -34,7 +34,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 HORIZONS = (1, 2, 4, 8)
-PREDICTORS = ("forecaster", "repeat-last", "transition", "frequency", "recent-freq")
+PREDICTORS = ("forecaster", "repeat-last", "transition", "frequency", "recent-freq", "recent-count")
 POLICIES = ("seqmoe", "lru", "lfu", "belady")
 
 

@@ -12,7 +12,7 @@ What it computes, on the evaluated sequences (``expertcast traces card``, :mod:`
   prefetches (the :class:`~expertcast.inference.cache.counters.Counters` tallies);
 * the LRU->Belady gap at each (pool, capacity), ``belady - lru`` in hit, and the share of it each policy closes,
   ``(hit - lru) / (belady - lru)`` (NaN when the gap is 0);
-* recall@K by horizon of the online baselines (``repeat-last``, ``recent-freq``; with a fit set also ``frequency``,
+* recall@K by horizon of the online baselines (``repeat-last``, ``recent-freq``, ``recent-count``; with a fit set also ``frequency``,
   ``transition`` and, with ``mlp_steps``, the MLP reference, all fitted on it) and of the forecaster
   (:func:`~expertcast.models.forecaster_recall.evaluate`).
 
@@ -252,7 +252,9 @@ def recall_rows(meta: TraceMeta, seqs: Sequence[TraceSequence], settings: CardSe
         model, p = exp.model, exp.config.p
     costs: dict[str, Any] = {}
     if fit:
-        baselines = fit_baselines(list(fit), meta, p)
+        # the recent statistics at 16 and at the export's component half-lives (as forecast-eval lists them)
+        halves = sorted({16.0, *((exp.config.component_half_lives or []) if forecaster else [])})
+        baselines = fit_baselines(list(fit), meta, p, halves)
         if settings.mlp_steps > 0:
             mlp = fit_mlp_reference(list(fit), meta, p, horizons=H, hidden=settings.mlp_hidden,
                                     steps=settings.mlp_steps)
@@ -260,7 +262,7 @@ def recall_rows(meta: TraceMeta, seqs: Sequence[TraceSequence], settings: CardSe
             costs[mlp.name] = {"parameters": mlp.num_parameters(), "step_flops": mlp.step_flops()}
     else:
         none = torch.zeros(L, E)
-        baselines = [RepeatLastBaseline(none), RecentFrequencyBaseline(none)]
+        baselines = [RepeatLastBaseline(none), RecentFrequencyBaseline(none), RecentFrequencyBaseline(none, count=True)]
     with torch.no_grad():
         tables = evaluate(model, list(seqs), meta, baselines, horizons=H, trigger_layer=p, progress=progress)
     rows = []

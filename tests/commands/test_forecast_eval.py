@@ -56,7 +56,7 @@ def test_default_evaluates_only_sequences_the_export_never_saw(data, tmp_path):
     assert s["overlap"]["forecaster"] == {"overlap": 0, "evaluated": 3, "allowed": False}
     assert s["overlap"]["baselines"]["overlap"] == 0 and len(s["export_hash"]) == 64
     assert {r["predictor"] for r in s["rows"]} == {"forecaster", "repeat-last", "frequency", "transition",
-                                                   "recent-freq", "mlp-reference"}
+                                                   "recent-freq", "recent-count", "mlp-reference"}
     # the reference MLP's and the forecaster's cost per decode step, and the MLP's fit time
     assert s["cost"]["mlp-reference"]["parameters"] > 0 and s["cost"]["mlp-reference"]["fit_s"] >= 0
     assert s["cost"]["forecaster"]["step_flops"] > 0

@@ -97,13 +97,13 @@ def test_card_on_granite(granite, tmp_path, capsys):
                 assert r["exposed_per_token"] == pytest.approx(r["misses_per_token"])
                 assert r["late_prefetches"] == 0 == r["prefetches_used"]
     recall = {r["predictor"]: r for r in card["recall"]}
-    assert set(recall) == {"repeat-last", "recent-freq"}
+    assert set(recall) == {"repeat-last", "recent-freq", "recent-count"}
     for r in recall.values():
         assert all(0.0 <= r[f"R@K h{h}"] <= 1.0 for h in (1, 2, 4, 8))
     with open(out / "card.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert sum(r["table"] == "cache" for r in table) == len(rows)
-    assert sum(r["table"] == "recall" for r in table) == 2 * 2 * 4  # predictors x (@K, @K+3) x horizons
+    assert sum(r["table"] == "recall" for r in table) == 3 * 2 * 4  # predictors x (@K, @K+3) x horizons
     assert (out / "card.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -139,7 +139,7 @@ def test_card_with_a_fit_set_and_a_forecaster(small, tmp_path, capsys):
     hit = {(r["pool"], r["policy"]): r["hit"] for r in rows}
     assert hit[("shared", "seqmoe")] != hit[("shared", "lru")]  # the forecast's eviction order was replayed
     assert {r["predictor"] for r in card["recall"]} == {"forecaster", "repeat-last", "frequency", "transition",
-                                                       "recent-freq", "mlp-reference"}
+                                                       "recent-freq", "recent-count", "mlp-reference"}
 
 
 def test_card_refuses_overlap_with_the_fit_set_or_the_export(granite, small, tmp_path, capsys):

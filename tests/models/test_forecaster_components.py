@@ -84,9 +84,9 @@ def test_selection_is_per_head_and_layer(traces):
 def test_selection_and_component_half_lives_are_validated():
     kw = dict(num_layers=2, num_experts=8, top_k=2, direct_horizons=2)
     with pytest.raises(ValueError, match="selection"):
-        ForecasterConfig(**kw, component_half_lives=[16.0], selection=[[0, 4], [0, 0]])  # 4 components: 0..3
+        ForecasterConfig(**kw, component_half_lives=[16.0], selection=[[0, 5], [0, 0]])  # 5 components: 0..4
     with pytest.raises(ValueError, match="selection"):
         ForecasterConfig(**kw, selection=[[0, 0], [0, 0]])  # no components
     with pytest.raises(ValueError, match="component_half_lives"):
         ForecasterConfig(**kw, component_half_lives=[0.0])
-    ForecasterConfig(**kw, component_half_lives=[16.0], selection=[[-1, 3], [2, 1]])
+    ForecasterConfig(**kw, component_half_lives=[16.0], selection=[[-1, 4], [2, 1]])  # 4: recent-count
