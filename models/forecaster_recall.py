@@ -42,10 +42,10 @@ from expertcast.models.forecaster import (
 )
 from expertcast.models.forecaster_components import (
     TRANSITION_ALPHA,
+    count_name,
     decay_of,
     fit_frequency,
     fit_transition,
-    count_name,
     recent_name,
     recent_scores,
     recent_update,
