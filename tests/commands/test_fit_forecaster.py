@@ -78,7 +78,8 @@ def test_fit_resume_export_and_eval(tmp_path, traces, monkeypatch, caplog):
     assert summary["sequences"] == len(exp.training["test_ids"])
     names = {r["predictor"] for r in summary["rows"]}
     assert names == {"forecaster", "repeat-last", "frequency", "transition", "recent-freq", "recent-freq-h4",
-                     "recent-freq-h64", "mlp-reference"}  # the shipped component half-lives, the MLP reference
+                     "recent-freq-h64", "recent-count", "recent-count-h4", "recent-count-h64",
+                     "mlp-reference"}  # the shipped component half-lives, the MLP reference
     assert (out / "recall.png").stat().st_size > 1000 and (out / "recall.csv").exists()
     # a forecaster for another model is refused with a clear message
     other = ModeMarkovProcess.random(num_modes=3, num_layers=3, num_experts=8, top_k=2, seed=2)
