@@ -149,7 +149,12 @@ def run(args) -> int:
 
     import torch
     from expertcast.models.forecaster_export import load_forecaster, training_ids
-    from expertcast.models.forecaster_recall import evaluate, fit_baselines, fit_mlp_reference
+    from expertcast.models.forecaster_recall import (
+        baseline_half_lives,
+        evaluate,
+        fit_baselines,
+        fit_mlp_reference,
+    )
     from expertcast.utils.provenance import check_overlap
 
     device = resolve_device(args.device)
@@ -186,8 +191,7 @@ def run(args) -> int:
             write_traces(args.write_heldout, meta, evals, run={"source": "forecast-eval", "split": split,
                                                                "forecaster": str(args.forecaster)})
             print(f"wrote the {len(evals)} {split} sequences to {args.write_heldout}")
-        half_lives = sorted({16.0, *(exp.config.component_half_lives or [])})
-        baselines = fit_baselines(train, meta, exp.config.p, half_lives)
+        baselines = fit_baselines(train, meta, exp.config.p, baseline_half_lives(exp.config.component_half_lives))
         cost = {"forecaster": {"parameters": exp.model.num_parameters(), "step_flops": exp.model.step_flops()}}
         if args.mlp_steps > 0:
             t0 = time.perf_counter()

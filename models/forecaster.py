@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-from expertcast.models.forecaster_components import COMPONENT_SCALE, ExactComponents, num_components
+from expertcast.models.forecaster_components import COMPONENT_SCALE, ExactComponents, component_names
 from torch import nn
 
 BACKBONES = ("mamba2", "mamba")
@@ -161,7 +161,7 @@ class ForecasterConfig:
                                                        != len(self.component_half_lives)):
             raise ValueError(f"component_half_lives must be distinct and > 0, got {self.component_half_lives}")
         if self.selection is not None:
-            n = num_components(self.component_half_lives) if self.component_half_lives is not None else 0
+            n = len(component_names(self.component_half_lives)) if self.component_half_lives is not None else 0
             sel = self.selection
             if len(sel) != self.direct_horizons or any(len(r) != self.num_layers for r in sel) or \
                     any(not -1 <= int(v) < n for r in sel for v in r):

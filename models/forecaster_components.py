@@ -58,11 +58,6 @@ def component_names(half_lives: Sequence[float]) -> list[str]:
             + [count_name(h) for h in half_lives])
 
 
-def num_components(half_lives: Sequence[float]) -> int:
-    """len(component_names(half_lives))."""
-    return 3 + 2 * len(half_lives)
-
-
 def decay_of(half_life: float) -> torch.Tensor:
     """float32 [1] decay ``0.5^(1/h)`` of a half-life (h > 0)."""
     return torch.tensor([0.5 ** (1.0 / float(half_life))], dtype=torch.float32)
@@ -127,9 +122,10 @@ def membership(x: torch.Tensor) -> torch.Tensor:
 def recent_update(ema: torch.Tensor, x: torch.Tensor, decay: torch.Tensor, counts: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """One element into the moving averages, in place: ema [N, M, L, E], x [N, L, E], decay [M] -> ema.
-    ``counts`` bool [M]: the averages of the element's membership (recent-count) instead of its weights."""
+    ``counts`` bool [M]: the averages of the element's membership (recent-count) instead of its weights (None:
+    weights only)."""
     v = (x / x.sum(-1, keepdim=True).clamp_min(1e-9)).unsqueeze(1)
-    if counts is not None and bool(counts.any()):
+    if counts is not None:
         v = torch.where(counts.view(1, -1, 1, 1), membership(x).unsqueeze(1), v)
     d = decay.view(1, -1, 1, 1)
     return ema.mul_(d).add_(v * (1 - d))

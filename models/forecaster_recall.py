@@ -157,7 +157,7 @@ class RecentFrequencyBaseline(Baseline):
         self.freq = freq
         self.name = count_name(half_life) if count else recent_name(half_life)
         self.decay = decay_of(half_life)
-        self.counts = torch.tensor([bool(count)])
+        self.counts = torch.tensor([True]) if count else None
         self.ema: torch.Tensor | None = None
 
     def reset(self, batch_size: int) -> None:
@@ -172,6 +172,12 @@ class RecentFrequencyBaseline(Baseline):
         self.observe(x)
         assert self.ema is not None
         return recent_scores(self.ema, self.freq, self.decay)[:, 0].unsqueeze(1).expand(-1, horizons, -1, -1)
+
+
+def baseline_half_lives(component_half_lives: Sequence[float] | None) -> list[float]:
+    """The half-lives the recent baselines are listed at beside a forecaster: 16 and its components' (so that
+    every component it can select has its baseline in the table)."""
+    return sorted({16.0, *(component_half_lives or [])})
 
 
 def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int,

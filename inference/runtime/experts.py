@@ -170,9 +170,8 @@ def grouped_expert_compute(
     span = {e: (offsets[i], offsets[i + 1]) for i, e in enumerate(active)}
     todo = [e for e in active if e not in pending]
     while todo:
-        e = todo.pop(0) if next_expert is None else next_expert(todo)
-        if next_expert is not None:
-            todo.remove(e)
+        e = todo[0] if next_expert is None else next_expert(todo)
+        todo.remove(e)
         start, end = span[e]
         n = end - start
         if before_expert is not None:

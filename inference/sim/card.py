@@ -237,6 +237,7 @@ def recall_rows(meta: TraceMeta, seqs: Sequence[TraceSequence], settings: CardSe
     from expertcast.models.forecaster_recall import (
         RecentFrequencyBaseline,
         RepeatLastBaseline,
+        baseline_half_lives,
         evaluate,
         fit_baselines,
         fit_mlp_reference,
@@ -252,8 +253,7 @@ def recall_rows(meta: TraceMeta, seqs: Sequence[TraceSequence], settings: CardSe
         model, p = exp.model, exp.config.p
     costs: dict[str, Any] = {}
     if fit:
-        # the recent statistics at 16 and at the export's component half-lives (as forecast-eval lists them)
-        halves = sorted({16.0, *((exp.config.component_half_lives or []) if forecaster else [])})
+        halves = baseline_half_lives(exp.config.component_half_lives if forecaster else None)
         baselines = fit_baselines(list(fit), meta, p, halves)
         if settings.mlp_steps > 0:
             mlp = fit_mlp_reference(list(fit), meta, p, horizons=H, hidden=settings.mlp_hidden,
