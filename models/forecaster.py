@@ -98,6 +98,13 @@ class ForecasterConfig:
     """Per direct head j and layer l, what issues the logits: -1 the learned part plus the online prior, c >= 0
     component c (``component_names`` order), exactly. Chosen on held-out elements after training
     (``select_components`` in the training code). None: -1 everywhere."""
+    switch_half_life: float = 0.0
+    """Per-sequence leader (docs/design.md "Exact components"): where ``selection`` keeps the learned part, head j at
+    layer l issues, element by element, whichever of the learned forecast and the components has the best
+    discounted recall@K (this half-life, in elements) at horizon j+1 on this sequence's targets so far (ties: the
+    learned forecast, then component order). The selection is made on the fit set's validation split; routing
+    unlike the fit set's (a domain shift) then costs at most what the leader takes to notice. Selected components
+    are left as they are. 0: off."""
     head_temperatures: list[float] | None = None
     """Per direct head j, the temperature of head j's probabilities (:meth:`ExpertForecaster.probs`; forecasts
     beyond the direct heads use the last), fitted on held-out targets j elements ahead after the component selection
@@ -167,6 +174,8 @@ class ForecasterConfig:
                     any(not -1 <= int(v) < n for r in sel for v in r):
                 raise ValueError(f"selection must be [direct_horizons={self.direct_horizons}][L={self.num_layers}] "
                                  f"values in [-1, {n - 1}] (components: {n}), got {sel}")
+        if not self.switch_half_life >= 0:
+            raise ValueError(f"switch_half_life must be >= 0, got {self.switch_half_life}")
         if self.head_rank < 0:
             raise ValueError(f"head_rank must be >= 0, got {self.head_rank}")
         if self.backbone not in BACKBONES:
@@ -315,6 +324,9 @@ class ForecasterState:
     [B, H_d, H_d, 2, L, K] (long, newest first), their discounted recall difference [B, H_d] and the elements
     seen [B, 1]. None when neither is on. ``components`` [B, M', L, E]: the moving averages of the exact recent-freq
     components (:class:`~expertcast.models.forecaster_components.ExactComponents`), or None without components.
+    ``switch`` (with components and ``switch_half_life`` > 0): the top-K of the last H_d forecasts of the selected
+    forecast and of every component [B, H_d, H_d, 1 + C, L, K] (long, newest first), their discounted recall
+    [B, H_d·(1 + C)·L] and the elements seen [B, 1]; None otherwise.
     ``steps`` counts the elements consumed.
 
     The object implements the part of transformers' linear-attention cache protocol that the Mamba
@@ -324,7 +336,7 @@ class ForecasterState:
 
     def __init__(self, conv: list[torch.Tensor], ssm: list[torch.Tensor], steps: int = 0,
                  online: torch.Tensor | None = None, hedge: list[torch.Tensor] | None = None,
-                 components: torch.Tensor | None = None):
+                 components: torch.Tensor | None = None, switch: list[torch.Tensor] | None = None):
         if len(conv) != len(ssm):
             raise ValueError("conv and ssm state lists differ in length")
         if hedge is not None and online is None:
@@ -335,12 +347,13 @@ class ForecasterState:
         self.online = online
         self.hedge = hedge
         self.components = components
+        self.switch = switch
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every state tensor (batch first): conv, ssm, then the online statistics, hedge state and components'
-        moving averages when present."""
+        """Every state tensor (batch first): conv, ssm, then the online statistics, hedge state, components'
+        moving averages and switch state when present."""
         return self.conv + self.ssm + ([self.online] if self.online is not None else []) + list(self.hedge or []) \
-            + ([self.components] if self.components is not None else [])
+            + ([self.components] if self.components is not None else []) + list(self.switch or [])
 
     # --- transformers cache protocol (Mamba2Mixer / MambaMixer) ---
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
@@ -374,10 +387,13 @@ class ForecasterState:
         """A state of the same layout holding ``tensors`` (in :meth:`tensors` order)."""
         n = len(self.conv)
         rest = list(tensors[2 * n:])
+        switch = None
+        if self.switch is not None:
+            switch, rest = rest[len(rest) - len(self.switch):], rest[:len(rest) - len(self.switch)]
         comp = rest.pop() if self.components is not None else None
         online = rest[0] if self.online is not None else None
         hedge = rest[1:] if self.hedge is not None else None
-        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online, hedge, comp)
+        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online, hedge, comp, switch)
 
     def clone(self) -> ForecasterState:
         return self._like([t.clone() for t in self.tensors()])
@@ -642,7 +658,15 @@ class ExpertForecaster(nn.Module):
             hedge += [torch.zeros(batch_size, H, H, 2, c.num_layers, c.top_k, dtype=torch.long, device=device),
                       torch.zeros(batch_size, H, device=device), torch.zeros(batch_size, 1, device=device)]
         comp = self.components.init_state(batch_size, device) if self.components is not None else None
-        return ForecasterState(conv, ssm, online=online, hedge=hedge or None, components=comp)
+        switch = None
+        if comp is not None and self.config.switch_half_life > 0:
+            c = self.config
+            H = c.direct_horizons
+            n = 1 + self.components.num_components
+            switch = [torch.zeros(batch_size, H, H, n, c.num_layers, c.top_k, dtype=torch.long, device=device),
+                      torch.zeros(batch_size, H * n * c.num_layers, device=device),
+                      torch.zeros(batch_size, 1, device=device)]
+        return ForecasterState(conv, ssm, online=online, hedge=hedge or None, components=comp, switch=switch)
 
     # --- compute ---
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
@@ -660,8 +684,11 @@ class ExpertForecaster(nn.Module):
                 ) -> torch.Tensor:
         """x [B, T, L, E] or [B, T, L·E] -> logits [B, T, L, E] (or [B, T, H_d, L, E] with ``all_horizons``):
         ``residual_scale`` · learned logits + the online prior term."""
-        gate = self.config.learned_gate_rate > 0 and self.online is not None
-        learned, prior = self.forward_parts(x, state, all_horizons=True if (all_horizons or gate) else None)
+        c = self.config
+        gate = c.learned_gate_rate > 0 and self.online is not None
+        # the learned gate and the switch keep every head's forecasts in their state: all heads are computed
+        switch = self.components is not None and c.switch_half_life > 0 and c.selection is not None
+        learned, prior = self.forward_parts(x, state, all_horizons=True if (all_horizons or gate or switch) else None)
         rs = self.config.residual_scale
         if rs is not None:
             a = torch.tensor(rs[: learned.shape[2]], dtype=learned.dtype, device=learned.device)
@@ -678,17 +705,69 @@ class ExpertForecaster(nn.Module):
         (head, layer) pairs ``selection`` gives them; advances the components' state. x [B, T, L·E]."""
         c = self.config
         B, T, H = logits.shape[:3]
+        L = c.num_layers
         sel = torch.tensor(c.selection, dtype=torch.long, device=logits.device)[:H] if c.selection is not None \
             else None
         used = sorted({int(v) for v in sel.flatten().tolist() if v >= 0}) if sel is not None else []
+        # the leader replaces only the learned part: a selected component is a baseline itself, chosen on more
+        # elements than one sequence gives (switching among components per sequence chases noise)
+        leader = c.switch_half_life > 0 and sel is not None and bool((sel < 0).any())
+        if leader:
+            used = list(range(self.components.num_components))
         if not used and state is None:
             return logits
-        scores = self.components.scores(x.view(B, T, c.num_layers, c.num_experts), H, used,
+        scores = self.components.scores(x.view(B, T, L, c.num_experts), H, used,
                                         state.components if state is not None else None)
-        for k, sc in scores.items():
-            logits = torch.where((sel == k).view(1, 1, H, c.num_layers, 1), sc.to(logits.dtype) * COMPONENT_SCALE,
+        for k in sorted({int(v) for v in sel.flatten().tolist() if v >= 0}) if sel is not None else []:
+            logits = torch.where((sel == k).view(1, 1, H, L, 1), scores[k].to(logits.dtype) * COMPONENT_SCALE,
                                  logits)
+        if leader:
+            cands = [logits] + [scores[k].to(logits.dtype) * COMPONENT_SCALE for k in used]
+            pick = self._leader(x, cands, state).masked_fill((sel >= 0).view(1, 1, H, L), 0)  # [B, T, H, L]
+            out = logits
+            for k in range(1, len(cands)):
+                out = torch.where((pick == k).unsqueeze(-1), cands[k], out)
+            logits = out
+        elif state is not None and state.switch is not None and T:
+            state.switch[2].add_(T)  # no selection yet (training): the elements are still counted
         return logits
+
+    def _leader(self, x: torch.Tensor, cands: list[torch.Tensor], state: ForecasterState | None) -> torch.Tensor:
+        """The per-sequence leader (:attr:`ForecasterConfig.switch_half_life`): x [B, T, L·E] and N candidate
+        logits [B, T, H_d, L, E] (the selected forecast first) -> long [B, T, H_d, L], the candidate issued for
+        element t's forecast: the best discounted recall@K over the forecasts that elements up to t resolved (ties:
+        the lowest index); advances the switch's state."""
+        c = self.config
+        B, T, H = cands[0].shape[:3]
+        L, E, K, N = c.num_layers, c.num_experts, c.top_k, len(cands)
+        with torch.no_grad():
+            top = torch.stack([cd.float().topk(K, dim=-1).indices for cd in cands], dim=3)  # [B, T, H, N, L, K]
+            if state is not None and state.switch is not None:
+                buf, s_prev, seen = state.switch
+            else:
+                buf = top.new_zeros(B, H, H, N, L, K)
+                s_prev, seen = x.new_zeros(B, H * N * L, dtype=torch.float32), x.new_zeros(B, 1, dtype=torch.float32)
+            hist = torch.cat([buf.flip(1), top], dim=1)  # [B, H + T, H, N, L, K], oldest first
+            support = (x > 0).view(B, T, 1, L, E).expand(B, T, N, L, E)
+            t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)
+            r = x.new_zeros(B, T, H, N, L, dtype=torch.float32)
+            for j in range(H):
+                src = hist[:, H - j - 1: H - j - 1 + T, j]  # [B, T, N, L, K]: issued at element t-j-1 by head j
+                hit = support.gather(-1, src).float().mean(-1)  # [B, T, N, L]
+                r[:, :, j] = hit * (t_glob - j - 1 >= 0).float().view(B, T, 1, 1)
+            d = 0.5 ** (1.0 / c.switch_half_life)
+            ssum = ema_scan(r.view(B, T, H * N * L), torch.tensor([d], device=x.device),
+                            (s_prev * (1 - d)).view(B, 1, H * N * L))
+            ssum = ssum[:, :, 0] / (1 - d)  # [B, T, H·N·L]: the discounted sums
+            if state is not None and state.switch is not None and T:
+                buf.copy_(hist[:, -H:].flip(1))
+                s_prev.copy_(ssum[:, -1])
+                seen.add_(T)
+            sc = ssum.view(B, T, H, N, L)
+            # first maximum; a tie with the selected forecast keeps it (differences below float noise are ties)
+            pick = sc.argmax(dim=3)
+            keep = sc[:, :, :, 0] >= sc.max(dim=3).values - 1e-6
+            return torch.where(keep, torch.zeros_like(pick), pick)
 
     def _learned_gate(self, x: torch.Tensor, learned: torch.Tensor, prior: torch.Tensor,
                       state: ForecasterState | None) -> torch.Tensor:
@@ -850,6 +929,11 @@ class ExpertForecaster(nn.Module):
             sel = c.selection or []
             trans_heads = max([j + 1 for j, row in enumerate(sel) if 2 in row] or [0])
             macs += trans_heads * c.input_size * c.num_experts
+            if c.switch_half_life > 0 and any(v < 0 for r in (c.selection or []) for v in r):  # the leader: every
+                # component at every head,
+                n = 1 + self.components.num_components  # top-K of each and its running score
+                macs += n * c.direct_horizons * (c.input_size + c.num_layers * c.top_k)
+                macs += c.direct_horizons * c.input_size * c.num_experts if trans_heads < c.direct_horizons else 0
         return 2 * macs
 
 

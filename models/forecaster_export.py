@@ -2,7 +2,7 @@
 
 Layout of an export directory::
 
-    forecaster.json          {"format": "expertcast-forecaster", "format_version": 3, "config": {...},
+    forecaster.json          {"format": "expertcast-forecaster", "format_version": 4, "config": {...},
                               "source": {model_id, num_layers, num_experts, top_k, ...},
                               "weights": "forecaster.safetensors", "weights_sha256": "...",
                               "num_parameters": N, "step_flops": F, "extra": {...},
@@ -13,7 +13,8 @@ Layout of an export directory::
 
 Format 2 added the online statistics (``config.online_half_lives`` and the ``online.mix`` / ``online.gate``
 tensors); format 3 the exact components (``config.component_half_lives`` / ``selection`` / ``head_rank`` and the
-fitted ``components.freq`` / ``components.trans`` tables, docs/design.md "Exact components"). Earlier exports still
+fitted ``components.freq`` / ``components.trans`` tables, docs/design.md "Exact components"); format 4 the
+per-sequence leader (``config.switch_half_life``). Earlier exports still
 load, as forecasters without them. ``step_flops``: FLOPs of one decode step at batch 1
 (:meth:`~expertcast.models.forecaster.ExpertForecaster.step_flops`).
 
@@ -47,7 +48,7 @@ from expertcast.utils.provenance import (
 )
 
 EXPORT_FORMAT = "expertcast-forecaster"
-EXPORT_FORMAT_VERSION = 3
+EXPORT_FORMAT_VERSION = 4
 CONFIG_NAME = "forecaster.json"
 WEIGHTS_NAME = "forecaster.safetensors"
 

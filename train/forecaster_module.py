@@ -279,7 +279,8 @@ def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_
     selection = torch.where(keep, torch.full_like(best_c, -1), best_c)
     scale = [float(alphas[int(a_idx[j])]) if bool(keep[j].any()) else 0.0 for j in range(H)]
     c.residual_scale = scale if net.online is not None else None
-    c.selection = selection.tolist()
+    c.selection = selection.tolist()  # with switch_half_life > 0 the per-sequence leader now starts from it; the
+    # temperatures below are fitted on the logits issued with it
     chosen = torch.where(keep, learned, best_r).mean(-1)
     # the probabilities must match the logits now issued (a selected component's are scaled scores): per-head
     # temperatures on the same held-out targets, the tables still fitted on ``fit`` only
@@ -427,6 +428,9 @@ class ForecasterModule(pl.LightningModule):
         component_half_lives: the online baselines as exact components, recent-freq at these half-lives (None:
             none); at the end of the fit :func:`select_components` picks per head and layer the learned part or a
             component on the validation split (margin ``select_margin``).
+        switch_half_life: per sequence, each head and layer issues the selected forecast or a component, whichever
+            has the best discounted recall (this half-life) on the sequence so far
+            (:attr:`~expertcast.models.forecaster.ForecasterConfig.switch_half_life`; 0 = off).
         head_rank: factored per-layer output heads of this rank (0: one dense head).
         hidden_size: 0 scales the width with L x E (:func:`~expertcast.models.forecaster.scaled_width`).
 
@@ -452,7 +456,7 @@ class ForecasterModule(pl.LightningModule):
                  online_hedge_half_life: float = 64.0, prior_start: float | None = None,
                  learned_gate_rate: float = 0.0, learned_gate_half_life: float = 8.0,
                  component_half_lives: list[float] | None = None, head_rank: int = 0,
-                 select_margin: float = SELECT_MARGIN):
+                 select_margin: float = SELECT_MARGIN, switch_half_life: float = 0.0):
         super().__init__()
         if sampling_rollout < 2:
             raise ValueError(f"sampling_rollout must be >= 2 (one true input, then the rollout), got {sampling_rollout}")
@@ -480,7 +484,8 @@ class ForecasterModule(pl.LightningModule):
                                online_hedge_rate=float(h.get("online_hedge_rate", 0.0)),
                                online_hedge_half_life=float(h.get("online_hedge_half_life", 64.0)),
                                learned_gate_rate=float(h.get("learned_gate_rate", 0.0)),
-                               learned_gate_half_life=float(h.get("learned_gate_half_life", 8.0)))
+                               learned_gate_half_life=float(h.get("learned_gate_half_life", 8.0)),
+                               switch_half_life=float(h.get("switch_half_life", 0.0)))
         self.net = ExpertForecaster(cfg)
         start = h.get("prior_start")
         if start is not None:

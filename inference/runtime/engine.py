@@ -61,6 +61,7 @@ from expertcast.inference.runtime.store import (
     release_model_experts,
 )
 from expertcast.inference.runtime.transfer import TransferEngine, make_transfer_engine
+from expertcast.models.backbone import standard_lm_head_input
 from expertcast.utils.errors import UsageError
 from torch import nn
 
@@ -107,7 +108,7 @@ class OffloadedModel:
                  measure_latency: bool = False, decode_path: str = "eager", readers: int = 4):
         from expertcast.inference.runtime.disk_store import ReaderPoolEngine, is_disk_store
 
-        self.model = model
+        self.model = standard_lm_head_input(model)  # no transient copy of the LM head per prefill
         self.refs: list[MoELayerRef] = find_experts_modules(model)  # unsupported architecture -> error
         mod0 = self.refs[0].module
         self.L = len(self.refs)

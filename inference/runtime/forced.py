@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.inference.runtime.store import find_experts_modules
+from expertcast.models.backbone import standard_lm_head_input
 from torch import nn
 
 FORCED_NAME = "expertcast_forced"
@@ -73,7 +74,7 @@ class FullLoadReplayer:
     """The plain full-load model driven by recorded tokens and routing (batch 1, KV cache)."""
 
     def __init__(self, model: nn.Module, inner: str | None = None):
-        self.model = model
+        self.model = standard_lm_head_input(model)  # as the runtime's: no transient LM-head copy per prefill
         self.refs = find_experts_modules(model)
         self.device = next(model.parameters()).device
         before = model.get_experts_implementation().get("", None)

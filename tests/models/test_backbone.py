@@ -147,3 +147,26 @@ def test_adapter_over_other_base_weights_is_refused(tmp_path):
     save_tiny("qwen3_moe-tiny", base, seed=1)  # the base folder now holds other weights
     with pytest.raises(UsageError, match="files_sha256"):
         load_moe_model(d)
+
+
+def test_lm_head_gets_row_major_inputs_and_the_same_logits():
+    """transformers slices the prefill's last position ([1, 1, H] with the prompt's batch stride) before the LM
+    head; on the CPU in bf16 that view sends F.linear down a path that copies the transposed head weight
+    (docs/design.md, "Disk tier"). The loader's pre-hook hands the head a row-major copy: the head sees standard
+    strides, and the logits are bit-identical to the unhooked head's."""
+    from expertcast.models.backbone import standard_lm_head_input
+
+    model, _ = load_moe_model("qwen3_moe-tiny", dtype=torch.bfloat16)
+    head = model.get_output_embeddings()
+    assert getattr(head, "_expertcast_standard_input", False)  # every load_moe_model gets the hook
+    seen = []
+    handle = head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].stride()))
+    ids = torch.arange(12).view(1, 12) % model.config.vocab_size
+    with torch.no_grad():
+        out = model(input_ids=ids, logits_to_keep=1).logits
+        hidden = model.model(input_ids=ids).last_hidden_state
+    handle.remove()
+    H = hidden.shape[-1]
+    assert seen == [(H, H, 1)]  # row major, not the slice's (12 * H, H, 1)
+    assert torch.equal(out, torch.nn.functional.linear(hidden[:, -1:], head.weight))
+    assert standard_lm_head_input(model) is model and len(head._forward_pre_hooks) == 1  # idempotent

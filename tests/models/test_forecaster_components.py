@@ -90,3 +90,56 @@ def test_selection_and_component_half_lives_are_validated():
     with pytest.raises(ValueError, match="component_half_lives"):
         ForecasterConfig(**kw, component_half_lives=[0.0])
     ForecasterConfig(**kw, component_half_lives=[16.0], selection=[[-1, 4], [2, 1]])  # 4: recent-count
+
+
+def _with_switch(meta, fit, half_life: float) -> ExpertForecaster:
+    """The learned part selected everywhere (random, so poor), with the per-sequence leader over the components."""
+    m = _forecaster(meta, fit, [[-1] * meta.num_layers for _ in range(4)])
+    with torch.no_grad():
+        m.head.weight.mul_(50.0)  # random logits that drown the online prior
+    m.config.learned_gate_rate = 0.0  # (the learned gate would damp them towards the prior, not a component)
+    m.config.switch_half_life = half_life
+    return m
+
+
+def test_leader_takes_over_where_the_selected_forecast_loses(traces):
+    """Per sequence, a (head, layer) whose selected forecast does worse than a component on the targets seen so far
+    issues the leading component: a random learned part then costs only the few elements the leader takes to
+    notice, while without it it costs its whole gap (docs/design.md "Exact components")."""
+    meta, fit, ev = traces
+    base = [b for b in fit_baselines(fit, meta, 1, HALF_LIVES) if b.name == "recent-count"]
+    off = evaluate(_with_switch(meta, fit, 0.0), ev, meta, base, horizons=4, progress=False)
+    on = evaluate(_with_switch(meta, fit, 8.0), ev, meta, base, horizons=4, progress=False)
+    r_off, r_on, r_c = (t.recall() for t in (off["forecaster"], on["forecaster"], off["recent-count"]))
+    gap_off, gap_on = r_c - r_off, r_c - r_on
+    assert (gap_off > 0.05).all(), gap_off  # the random learned part is clearly worse
+    assert (gap_on < 0.25 * gap_off).all(), (gap_on, gap_off)
+
+
+def test_leader_windowed_and_recurrent_passes_agree(traces):
+    """The leader's state (history of issued top-K, discounted recalls) carries across calls: one pass over the
+    window, and the same elements fed in three chunks, issue the same forecasts."""
+    meta, fit, ev = traces
+    m = _with_switch(meta, fit, 8.0)
+    ids, w, lens, prompts = element_arrays(ev, meta.num_layers, 1)
+    x = activation_vector(ids, w, meta.num_experts)
+    with torch.no_grad():
+        full = m(x, all_horizons=True)
+        st = m.init_state(x.shape[0])
+        parts = [m(x[:, a:b], st, all_horizons=True) for a, b in ((0, 7), (7, 8), (8, x.shape[1]))]
+        one = m.init_state(x.shape[0])
+        first = torch.cat([m(x[:, i:i + 1], one) for i in range(x.shape[1])], dim=1)  # step by step, head 1 only
+    step = torch.cat(parts, dim=1)
+    K = meta.top_k
+    assert torch.equal(full.topk(K, dim=-1).indices.sort(-1).values, step.topk(K, dim=-1).indices.sort(-1).values)
+    assert torch.allclose(full, step, atol=1e-4)
+    assert torch.equal(full[:, :, 0].topk(K, dim=-1).indices.sort(-1).values,
+                       first.topk(K, dim=-1).indices.sort(-1).values)
+
+
+def test_switch_half_life_is_validated_and_round_trips():
+    kw = dict(num_layers=2, num_experts=8, top_k=2, direct_horizons=2, component_half_lives=[16.0])
+    with pytest.raises(ValueError, match="switch_half_life"):
+        ForecasterConfig(**kw, switch_half_life=-1.0)
+    c = ForecasterConfig(**kw, selection=[[4, -1], [0, 1]], switch_half_life=64.0)
+    assert ForecasterConfig.from_dict(c.to_dict()) == c

@@ -37,7 +37,7 @@ def test_round_trip_same_predictions(tmp_path, model):
     with torch.no_grad():
         assert torch.equal(exp.model(x), model(x))
     cfg = json.loads((out / CONFIG_NAME).read_text())
-    assert cfg["format"] == "expertcast-forecaster" and cfg["format_version"] == 3
+    assert cfg["format"] == "expertcast-forecaster" and cfg["format_version"] == 4
     exp.check_compatible(2, 8, 2)
     with pytest.raises(ValueError, match="another model"):
         exp.check_compatible(48, 128, 8, what="trace")
