@@ -99,7 +99,7 @@ def demand_probability(probs: np.ndarray, skip: np.ndarray | None = None) -> np.
 
 def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None, pool_of: np.ndarray,
                          victims: Sequence[np.ndarray], now: int, compute_ms: np.ndarray, transfer_ms: float,
-                         backlog: int = 0, max_per_layer: int = 1) -> list[PrefetchTask]:
+                         backlog: int = 0, max_per_layer: int = 1, min_net: float = 0.0) -> list[PrefetchTask]:
     """The proactive loads worth issuing now: expected hit gain against the link's headroom per layer
     (docs/design.md, "Prefetch").
 
@@ -125,6 +125,8 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
         now: the layer-execution that starts next (its compute window is the first).
         compute_ms: float [L] compute time of each layer; transfer_ms: one transfer's time.
         backlog: transfers already queued or in flight (placed first, their delays sunk).
+        min_net: a load is issued only where ``q - v`` (the expected demand misses it spares) is at least this. The
+            AdjHit break-even: with ``min_net`` = the running (A - D) / (A + P), no load lowers AdjHit in expectation.
     Returns:
         the tasks in issue (EDF) order; ``confidence`` = gain - cost in ms.
     """
@@ -162,8 +164,9 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
             qe = float(q[layer, e])
             if qe <= 0.0 or taken[pool_of[layer]] >= len(vic):
                 break
-            gain = (qe - float(vic[taken[pool_of[layer]]])) * transfer_ms
-            if gain <= 0.0:
+            net = qe - float(vic[taken[pool_of[layer]]])
+            gain = net * transfer_ms
+            if gain <= 0.0 or net < min_net:
                 break
             nx, nused, cost = place(x, used, transfer_ms)
             if nx >= d or gain <= cost:

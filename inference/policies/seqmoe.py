@@ -289,6 +289,9 @@ class SeqMoEPolicy(Policy):
                                     "over the displaced resident (floor capped at chance K/E); auto: headroom from "
                                     f"{WIDE_EXPERTS} experts per layer on, else floor",
                                     choices=("auto", "headroom", "floor", "benefit"))
+        breakeven: bool = option(False, "headroom rule: also require that the demand misses a load spares in "
+                                 "expectation (q - v) reach this run's AdjHit (A - D)/(A + P), so that no proactive "
+                                 "load lowers AdjHit in expectation (false: the link's headroom alone decides)")
 
     name = "seqmoe"
 
@@ -304,6 +307,7 @@ class SeqMoEPolicy(Policy):
         self.min_confidence = float(o.min_confidence)
         # seqmoe-async's options have neither field: it ranks by the floor rule and forecasts online
         self.rule_option = getattr(o, "prefetch_rule", "floor")
+        self.breakeven = bool(getattr(o, "breakeven", False))
         self.prefetch_rule = self.rule_option
         """The rule in use (``auto`` resolved at :meth:`reset` from the cache's experts per layer)."""
         self.lookahead = float(o.lookahead)
@@ -355,6 +359,7 @@ class SeqMoEPolicy(Policy):
         self.scheduler = PrefetchScheduler(TransferEstimator(float(tau), self.ema_alpha), self.lookahead)
         self._inflight: set[tuple[int, int]] = set()
         self._planned: list[tuple[int, int]] = []
+        self._tally = [0, 0, 0]  # accesses, demand misses, proactive loads seen by the hooks (the AdjHit break-even)
         self._prior: set[tuple[int, int]] = set()
         self._prior_x = -1
         self._now = (0, 0, 0)
@@ -584,10 +589,12 @@ class SeqMoEPolicy(Policy):
     # ------------------------------------------------------------------------------------------ hooks
     def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: ExpertCache):
         self._now = (t, layer, 1)
+        self._tally[1] += 1
         return super().on_miss(t, layer, expert, n_tokens, cache)
 
     def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:
         self._now = (t, layer, 2)
+        self._tally[0] += len(selected)
         self.last_use[layer, np.asarray(selected, np.int64)] = t * self.L + layer
         if not (self._traced and self.precompute) and self._latest is not None:
             self._record_routing(t, layer, selected, counts)
@@ -641,6 +648,7 @@ class SeqMoEPolicy(Policy):
     def on_insert(self, layer: int, expert: int, proactive: bool) -> None:
         if proactive:
             self._inflight.add((layer, expert))
+            self._tally[2] += 1
 
     def on_evict(self, layer: int, expert: int) -> None:
         self._inflight.discard((layer, expert))
@@ -680,9 +688,11 @@ class SeqMoEPolicy(Policy):
             victims.append(np.concatenate([np.zeros(cache.free_count(pool)), v]))
         tms = self.transfer_ms()
         backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight)
+        a, d, p = self._tally
+        floor = (a - d) / (a + p) if (self.breakeven and a) else 0.0  # the running AdjHit
         return plan_within_headroom(self.first_probs, self.first_exec, skip, pool_of, victims,
                                     int(self.first_exec.min()), np.full(self.L, self.layer_compute_ms), tms,
-                                    backlog, self.max_tasks)
+                                    backlog, self.max_tasks, min_net=floor)
 
     def _displaced(self, cache: ExpertCache) -> np.ndarray:
         """float [L]: the score of the resident a load into each layer's pool would evict now (0 with a free slot)."""

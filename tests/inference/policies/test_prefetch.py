@@ -129,3 +129,14 @@ def test_headroom_rule_weighs_the_displaced_resident():
     assert _plan(victims=likely) == []
     one_free = [np.array([0.0])] * 3  # one free slot per layer, then nothing to evict
     assert [(t.layer, t.expert) for t in _plan(victims=one_free)] == [(2, 0), (0, 0)]
+
+
+def test_headroom_rule_breakeven_floor_drops_loads_that_would_lower_adjhit():
+    """``min_net`` (seqmoe ``breakeven=true``: the running AdjHit) keeps only the loads whose expected spared
+    misses q - v reach it; the loads it keeps are placed as without the floor."""
+    vic = [np.zeros(2)] * 3
+    plan = lambda m: plan_within_headroom(_Q, _DL, None, np.arange(3), vic, now=1, compute_ms=np.full(3, 1.0),  # noqa: E731
+                                          transfer_ms=0.4, max_per_layer=2, min_net=m)
+    assert [(t.layer, t.expert) for t in plan(0.0)] == [(2, 0), (2, 1), (0, 0), (0, 1)]
+    assert [(t.layer, t.expert) for t in plan(0.45)] == [(2, 0), (0, 0), (0, 1)]  # q = .4 at layer 2 falls below
+    assert [(t.layer, t.expert) for t in plan(0.8)] == [(0, 0)]  # only layer 0's q = .9
