@@ -467,6 +467,45 @@ def ema_scan(x: torch.Tensor, decays: torch.Tensor, prev: torch.Tensor | None = 
     return torch.cat(outs, dim=1) if outs else x.new_zeros(B, 0, M, F)
 
 
+def history_scores(x: torch.Tensor, top: torch.Tensor, saved: list[torch.Tensor] | None, half_life: float,
+                   score: Any) -> torch.Tensor:
+    """Per-sequence scores of the forecasts a forecaster issued, discounted as their targets arrive (the learned gate
+    and the per-sequence leader of :class:`ExpertForecaster`).
+
+    Args:
+        x: [B, T, L·E] the elements (an expert is selected where x > 0).
+        top: long [B, T, H, N, L, K] the top-K each head issued at each element, for N candidate forecasts.
+        saved: the state's [buf [B, H, H, N, L, K] (the last H elements' ``top``, newest first), prev [B, H·F] (the
+            discounted sums), seen [B, 1] (elements consumed)], advanced in place; None: from the sequence start.
+        half_life: discount half-life in elements.
+        score: hits float [B, T, N, L, K] (1 where an issued expert was selected) -> [B, T, F].
+    Returns:
+        [B, T, H·F]: per head j, the discounted sum of ``score`` over the forecasts that elements up to t resolved
+        (head j's issued at element t-j-1; none before the sequence start).
+    """
+    B, T, H, N, L, K = top.shape
+    E = x.shape[-1] // L
+    if saved is not None:
+        buf, prev, seen = saved
+    else:
+        buf, prev, seen = top.new_zeros(B, H, H, N, L, K), None, x.new_zeros(B, 1, dtype=torch.float32)
+    hist = torch.cat([buf.flip(1), top], dim=1)  # [B, H + T, H, N, L, K], oldest first
+    support = (x > 0).view(B, T, 1, L, E).expand(B, T, N, L, E)
+    t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)
+    r = torch.stack([score(support.gather(-1, hist[:, H - j - 1: H - j - 1 + T, j]).float())
+                     * (t_glob - j - 1 >= 0).float().unsqueeze(-1) for j in range(H)], dim=2)  # [B, T, H, F]
+    F = r.shape[-1]
+    d = 0.5 ** (1.0 / half_life)
+    out = ema_scan(r.reshape(B, T, H * F), torch.tensor([d], device=x.device),
+                   None if prev is None else (prev * (1 - d)).view(B, 1, H * F))
+    out = out[:, :, 0] / (1 - d)  # [B, T, H·F]: the discounted sums
+    if saved is not None and T:
+        buf.copy_(hist[:, -H:].flip(1))
+        prev.copy_(out[:, -1])
+        seen.add_(T)
+    return out
+
+
 class OnlinePrior(nn.Module):
     """The sequence's own running statistics as a log-prior on every head (docs/design.md "Online statistics").
 
@@ -686,9 +725,9 @@ class ExpertForecaster(nn.Module):
         ``residual_scale`` · learned logits + the online prior term."""
         c = self.config
         gate = c.learned_gate_rate > 0 and self.online is not None
-        # the learned gate and the switch keep every head's forecasts in their state: all heads are computed
-        switch = self.components is not None and c.switch_half_life > 0 and c.selection is not None
-        learned, prior = self.forward_parts(x, state, all_horizons=True if (all_horizons or gate or switch) else None)
+        # the learned gate and the leader keep every head's forecasts in their state: all heads are computed
+        learned, prior = self.forward_parts(x, state,
+                                            all_horizons=True if (all_horizons or gate or self.leads) else None)
         rs = self.config.residual_scale
         if rs is not None:
             a = torch.tensor(rs[: learned.shape[2]], dtype=learned.dtype, device=learned.device)
@@ -700,6 +739,15 @@ class ExpertForecaster(nn.Module):
             logits = self._select(self._flat(x), logits, state)
         return logits if all_horizons else logits[:, :, 0]
 
+    @property
+    def leads(self) -> bool:
+        """The per-sequence leader is on (:attr:`ForecasterConfig.switch_half_life`): the selection keeps the learned
+        part at some head and layer. It replaces only the learned part: a selected component is a baseline itself,
+        chosen on more elements than one sequence gives (switching among components per sequence chases noise)."""
+        c = self.config
+        return (self.components is not None and c.switch_half_life > 0 and c.selection is not None
+                and any(v < 0 for row in c.selection for v in row))
+
     def _select(self, x: torch.Tensor, logits: torch.Tensor, state: ForecasterState | None) -> torch.Tensor:
         """Put the selected components' scores (times :data:`COMPONENT_SCALE`, exact) in place of the logits of the
         (head, layer) pairs ``selection`` gives them; advances the components' state. x [B, T, L·E]."""
@@ -708,28 +756,21 @@ class ExpertForecaster(nn.Module):
         L = c.num_layers
         sel = torch.tensor(c.selection, dtype=torch.long, device=logits.device)[:H] if c.selection is not None \
             else None
-        used = sorted({int(v) for v in sel.flatten().tolist() if v >= 0}) if sel is not None else []
-        # the leader replaces only the learned part: a selected component is a baseline itself, chosen on more
-        # elements than one sequence gives (switching among components per sequence chases noise)
-        leader = c.switch_half_life > 0 and sel is not None and bool((sel < 0).any())
-        if leader:
-            used = list(range(self.components.num_components))
+        chosen = sorted({int(v) for v in sel.flatten().tolist() if v >= 0}) if sel is not None else []
+        leader = self.leads
+        used = list(range(self.components.num_components)) if leader else chosen
         if not used and state is None:
             return logits
         scores = self.components.scores(x.view(B, T, L, c.num_experts), H, used,
                                         state.components if state is not None else None)
-        for k in sorted({int(v) for v in sel.flatten().tolist() if v >= 0}) if sel is not None else []:
+        for k in chosen:
             logits = torch.where((sel == k).view(1, 1, H, L, 1), scores[k].to(logits.dtype) * COMPONENT_SCALE,
                                  logits)
         if leader:
             cands = [logits] + [scores[k].to(logits.dtype) * COMPONENT_SCALE for k in used]
             pick = self._leader(x, cands, state).masked_fill((sel >= 0).view(1, 1, H, L), 0)  # [B, T, H, L]
-            out = logits
             for k in range(1, len(cands)):
-                out = torch.where((pick == k).unsqueeze(-1), cands[k], out)
-            logits = out
-        elif state is not None and state.switch is not None and T:
-            state.switch[2].add_(T)  # no selection yet (training): the elements are still counted
+                logits = torch.where((pick == k).unsqueeze(-1), cands[k], logits)
         return logits
 
     def _leader(self, x: torch.Tensor, cands: list[torch.Tensor], state: ForecasterState | None) -> torch.Tensor:
@@ -739,31 +780,11 @@ class ExpertForecaster(nn.Module):
         the lowest index); advances the switch's state."""
         c = self.config
         B, T, H = cands[0].shape[:3]
-        L, E, K, N = c.num_layers, c.num_experts, c.top_k, len(cands)
+        L, K, N = c.num_layers, c.top_k, len(cands)
         with torch.no_grad():
             top = torch.stack([cd.float().topk(K, dim=-1).indices for cd in cands], dim=3)  # [B, T, H, N, L, K]
-            if state is not None and state.switch is not None:
-                buf, s_prev, seen = state.switch
-            else:
-                buf = top.new_zeros(B, H, H, N, L, K)
-                s_prev, seen = x.new_zeros(B, H * N * L, dtype=torch.float32), x.new_zeros(B, 1, dtype=torch.float32)
-            hist = torch.cat([buf.flip(1), top], dim=1)  # [B, H + T, H, N, L, K], oldest first
-            support = (x > 0).view(B, T, 1, L, E).expand(B, T, N, L, E)
-            t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)
-            r = x.new_zeros(B, T, H, N, L, dtype=torch.float32)
-            for j in range(H):
-                src = hist[:, H - j - 1: H - j - 1 + T, j]  # [B, T, N, L, K]: issued at element t-j-1 by head j
-                hit = support.gather(-1, src).float().mean(-1)  # [B, T, N, L]
-                r[:, :, j] = hit * (t_glob - j - 1 >= 0).float().view(B, T, 1, 1)
-            d = 0.5 ** (1.0 / c.switch_half_life)
-            ssum = ema_scan(r.view(B, T, H * N * L), torch.tensor([d], device=x.device),
-                            (s_prev * (1 - d)).view(B, 1, H * N * L))
-            ssum = ssum[:, :, 0] / (1 - d)  # [B, T, H·N·L]: the discounted sums
-            if state is not None and state.switch is not None and T:
-                buf.copy_(hist[:, -H:].flip(1))
-                s_prev.copy_(ssum[:, -1])
-                seen.add_(T)
-            sc = ssum.view(B, T, H, N, L)
+            saved = state.switch if state is not None else None
+            sc = history_scores(x, top, saved, c.switch_half_life, lambda h: h.mean(-1).flatten(2)).view(B, T, H, N, L)
             # first maximum; a tie with the selected forecast keeps it (differences below float noise are ties)
             pick = sc.argmax(dim=3)
             keep = sc[:, :, :, 0] >= sc.max(dim=3).values - 1e-6
@@ -774,31 +795,17 @@ class ExpertForecaster(nn.Module):
         """Per-sequence gate on the learned logits (:attr:`ForecasterConfig.learned_gate_rate`): x [B, T, L·E],
         learned (scaled) / prior [B, T, H_d, L, E] -> g [B, T, H_d] in (0, 1]; advances the gate's state."""
         c = self.config
-        B, T, H = learned.shape[:3]
-        L, E, K = c.num_layers, c.num_experts, c.top_k
+        K = c.top_k
         with torch.no_grad():
             cand = torch.stack([learned.float() + prior.float(), prior.float()], dim=3)  # [B, T, H, 2, L, E]
             top = cand.topk(K, dim=-1).indices  # [B, T, H, 2, L, K]
-            if state is not None:
-                buf, d_prev, seen = state.hedge[-3:]
-            else:
-                buf = top.new_zeros(B, H, H, 2, L, K)
-                d_prev, seen = x.new_zeros(B, H, dtype=torch.float32), x.new_zeros(B, 1, dtype=torch.float32)
-            hist = torch.cat([buf.flip(1), top], dim=1)  # [B, H + T, H, 2, L, K], oldest first
-            support = (x > 0).view(B, T, 1, L, E).expand(B, T, 2, L, E)
-            t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)
-            r = x.new_zeros(B, T, H, dtype=torch.float32)
-            for j in range(H):
-                src = hist[:, H - j - 1: H - j - 1 + T, j]  # [B, T, 2, L, K]: issued at element t-j-1 by head j
-                hit = support.gather(-1, src).float().mean(dim=(-1, -2))  # [B, T, 2]
-                r[:, :, j] = (hit[..., 0] - hit[..., 1]) * (t_glob - j - 1 >= 0).float()
-            d = 0.5 ** (1.0 / c.learned_gate_half_life)
-            dsum = ema_scan(r, torch.tensor([d], device=x.device), (d_prev * (1 - d)).view(B, 1, H))
-            dsum = dsum[:, :, 0] / (1 - d)  # [B, T, H]
-            if state is not None and T:
-                buf.copy_(hist[:, -H:].flip(1))
-                d_prev.copy_(dsum[:, -1])
-                seen.add_(T)
+
+            def gain(h: torch.Tensor) -> torch.Tensor:  # hits [B, T, 2, L, K] -> recall with minus without [B, T, 1]
+                m = h.mean(dim=(-1, -2))
+                return (m[..., 0] - m[..., 1]).unsqueeze(-1)
+
+            saved = state.hedge[-3:] if state is not None else None
+            dsum = history_scores(x, top, saved, c.learned_gate_half_life, gain)  # [B, T, H]
             return torch.exp(c.learned_gate_rate * dsum.clamp_max(0)).to(learned.dtype)
 
     def forward_parts(self, x: torch.Tensor, state: ForecasterState | None = None, all_horizons: bool | None = True
@@ -929,9 +936,8 @@ class ExpertForecaster(nn.Module):
             sel = c.selection or []
             trans_heads = max([j + 1 for j, row in enumerate(sel) if 2 in row] or [0])
             macs += trans_heads * c.input_size * c.num_experts
-            if c.switch_half_life > 0 and any(v < 0 for r in (c.selection or []) for v in r):  # the leader: every
-                # component at every head,
-                n = 1 + self.components.num_components  # top-K of each and its running score
+            if self.leads:  # the leader: every component at every head, the top-K of each and its running score
+                n = 1 + self.components.num_components
                 macs += n * c.direct_horizons * (c.input_size + c.num_layers * c.top_k)
                 macs += c.direct_horizons * c.input_size * c.num_experts if trans_heads < c.direct_horizons else 0
         return 2 * macs
