@@ -99,7 +99,8 @@ def demand_probability(probs: np.ndarray, skip: np.ndarray | None = None) -> np.
 
 def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None, pool_of: np.ndarray,
                          victims: Sequence[np.ndarray], now: int, compute_ms: np.ndarray, transfer_ms: float,
-                         backlog: int = 0, max_per_layer: int = 1, min_net: float = 0.0) -> list[PrefetchTask]:
+                         backlog: int = 0, max_per_layer: int = 1, min_net: float = 0.0,
+                         net_scale: float = 1.0) -> list[PrefetchTask]:
     """The proactive loads worth issuing now: expected hit gain against the link's headroom per layer
     (docs/design.md, "Prefetch").
 
@@ -127,6 +128,8 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
         backlog: transfers already queued or in flight (placed first, their delays sunk).
         min_net: a load is issued only where ``q - v`` (the expected demand misses it spares) is at least this. The
             AdjHit break-even: with ``min_net`` = the running (A - D) / (A + P), no load lowers AdjHit in expectation.
+        net_scale: the factor on every ``q - v`` (:class:`SparedMissCalibration`'s realised/expected ratio); the
+            product is capped at 1, the one demand miss a load can spare.
     Returns:
         the tasks in issue (EDF) order; ``confidence`` = gain - cost in ms.
     """
@@ -164,7 +167,7 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
             qe = float(q[layer, e])
             if qe <= 0.0 or taken[pool_of[layer]] >= len(vic):
                 break
-            net = qe - float(vic[taken[pool_of[layer]]])
+            net = min(net_scale * (qe - float(vic[taken[pool_of[layer]]])), 1.0)  # a load spares one miss at most
             gain = net * transfer_ms
             if gain <= 0.0 or net < min_net:
                 break
@@ -175,6 +178,72 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
             taken[pool_of[layer]] += 1
             out.append(PrefetchTask(layer, int(e), gain - cost, float(d)))
     return out
+
+
+class SparedMissCalibration:
+    """Realised against expected demand misses spared by the proactive loads issued so far (docs/design.md,
+    "Prefetch"): the factor that scales a forecast's ``q - v`` before the headroom rule weighs it.
+
+    Each issued load is expected to spare ``q - v`` demand misses: +1 if its expert is needed (and was not demand
+    missed) at the execution it was loaded for, -1 if the resident it displaced is demand missed at its own next
+    execution. Both outcomes are resolved as those executions run (:meth:`resolve`), with nothing but routing
+    already seen. ``scale`` = (realised + PRIOR) / (expected + PRIOR), floored at 0, with both sums discounted by
+    ``half_life`` decode steps (:meth:`step`): a forecast that is over-confident on this routing (a domain shift)
+    issues fewer loads, and once its evidence has decayed the prior lets a few loads test it again.
+    """
+
+    PRIOR = 4.0
+    """Expected spared misses of pseudo-evidence at ratio 1 (about eight loads at q - v = 0.5)."""
+
+    def __init__(self, half_life: float):
+        self.enabled = half_life > 0
+        self.decay = 0.5 ** (1.0 / half_life) if self.enabled else 1.0
+        self.realised = 0.0
+        self.expected = 0.0
+        self.resolved = 0
+        self._due: dict[int, list[tuple[int, float, float]]] = {}
+
+    @property
+    def scale(self) -> float:
+        """The factor on ``q - v`` (1 without calibration or evidence)."""
+        if not self.enabled:
+            return 1.0
+        return max(0.0, (self.realised + self.PRIOR) / (self.expected + self.PRIOR))
+
+    def expect(self, load_exec: int, expert: int, net: float, victim: tuple[int, int] | None = None) -> None:
+        """An issued load of ``expert`` for layer-execution ``load_exec`` with expected spared misses ``net``
+        (``q - v``); ``victim``: (its next layer-execution, its expert), or None for a free slot."""
+        if not self.enabled:
+            return
+        self._due.setdefault(int(load_exec), []).append((int(expert), 1.0, float(net)))
+        if victim is not None:
+            self._due.setdefault(int(victim[0]), []).append((int(victim[1]), -1.0, 0.0))
+
+    def resolve(self, x: int, selected: np.ndarray, missed: Iterable[int]) -> None:
+        """Layer-execution ``x`` ran ``selected`` experts, demand missing ``missed``: settle the outcomes due at
+        ``x`` (and drop any left from earlier executions)."""
+        if not self._due:
+            return
+        sel, miss = set(np.asarray(selected).tolist()), set(missed)
+        for key in [k for k in self._due if k <= x]:
+            for expert, sign, net in self._due.pop(key):
+                if key < x:  # an execution that never reported (the sequence ended): no outcome
+                    continue
+                if sign > 0:
+                    self.realised += float(expert in sel and expert not in miss)
+                    self.expected += net
+                    self.resolved += 1
+                else:
+                    self.realised -= float(expert in miss)
+
+    def step(self) -> None:
+        """One decode step passed: discount the evidence."""
+        self.realised *= self.decay
+        self.expected *= self.decay
+
+    def clear_pending(self) -> None:
+        """A new batch: outcomes of the previous one are never resolved (the evidence stays)."""
+        self._due.clear()
 
 
 def edf_feasible(deadlines: Sequence[float], now: float, tau: float, backlog: float = 0.0) -> bool:

@@ -5,7 +5,7 @@ step (layers <= p of this step, layers > p of the previous one) and rolls out ``
 elements. Then:
 
 * Prefetch (6): from the first-step probabilities, up to ``max_tasks_per_layer`` (default K) tasks per
-  layer, deadline = the layer's next execution. ``prefetch_rule="floor"`` (default) is the paper's rule:
+  layer, deadline = the layer's next execution. ``prefetch_rule="floor"`` is the paper's rule:
   confidence = probability, fixed floor ``min_confidence``. ``"benefit"``: a task's confidence is its
   expected benefit (its CacheScore minus that of the resident it would displace; tasks without a positive
   benefit are not generated) and the floor is at most chance (K/E). Measured on real-like routing
@@ -14,9 +14,11 @@ elements. Then:
   :class:`~expertcast.inference.policies.prefetch.PrefetchScheduler` keeps the highest-confidence EDF-feasible
   set under the EMA transfer-time estimate and starts transfers in EDF order at every layer boundary;
   expired tasks are dropped. A task is issued only when a slot is free or its cache score beats the
-  resident it would evict. ``"headroom"`` (the default from 64 experts per layer, ``prefetch_rule="auto"``): expected
-  hit gain against the link's free time per layer, no floor (:func:`~expertcast.inference.policies.prefetch.
-  plan_within_headroom`, docs/design.md "Prefetch"); its plan is issued at the trigger.
+  resident it would evict. ``"headroom"`` (the default): expected hit gain against the link's free time per layer,
+  no floor (:func:`~expertcast.inference.policies.prefetch.plan_within_headroom`, docs/design.md "Prefetch"); its plan
+  is issued at the trigger. With ``breakeven`` (default on) a load must also spare, in expectation, at least this
+  run's AdjHit in demand misses, its forecast ``q - v`` scaled by the realised/expected ratio of the loads already
+  issued (:class:`~expertcast.inference.policies.prefetch.SparedMissCalibration`).
 * Eviction (7.1): CacheScore(e) = sum_{j=1..c} gamma^(j-1) P(e active at its j-th next execution);
   the lowest-score Used slot is evicted (ties: least recently used). Executions that already happened
   since the forecast are skipped, so the nearest remaining one weighs 1.
@@ -50,6 +52,7 @@ from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.device import EVICT_FORECAST, DeviceKeys, DeviceProgram, overrides_any
 from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
+    SparedMissCalibration,
     TransferEstimator,
     chance_level,
     expected_benefit,
@@ -73,8 +76,6 @@ if TYPE_CHECKING:  # pragma: no cover
 PREFETCH_RULES = ("headroom", "benefit", "floor")
 """How prefetch tasks are chosen: expected hit gain against the link's headroom, expected benefit over the displaced
 resident, or probability above a floor."""
-WIDE_EXPERTS = 64
-"""``prefetch_rule=auto`` picks ``headroom`` from this many experts per layer on, ``floor`` below."""
 _DEVICE_HOOKS = ("begin_batch", "on_step", "before_layer", "on_miss", "choose_victim", "on_access", "after_layer",
                  "on_insert", "on_evict", "_scores", "_load_scores", "_trigger", "_forecast")
 """The hooks :meth:`SeqMoEPolicy.device_program` reproduces on the device."""
@@ -284,14 +285,17 @@ class SeqMoEPolicy(Policy):
         """SeqMoE: forecaster-driven prefetch and probabilistic-Belady eviction."""
 
         precompute: bool = option(True, "compute every forecast of a sequence up front (same results, faster)")
-        prefetch_rule: str = option("auto", "headroom: expected hit gain against the link's free time per layer "
-                                    "(no floor); floor: probability above min_confidence; benefit: expected benefit "
-                                    "over the displaced resident (floor capped at chance K/E); auto: headroom from "
-                                    f"{WIDE_EXPERTS} experts per layer on, else floor",
-                                    choices=("auto", "headroom", "floor", "benefit"))
-        breakeven: bool = option(False, "headroom rule: also require that the demand misses a load spares in "
-                                 "expectation (q - v) reach this run's AdjHit (A - D)/(A + P), so that no proactive "
-                                 "load lowers AdjHit in expectation (false: the link's headroom alone decides)")
+        prefetch_rule: str = option("headroom", "headroom: expected hit gain against the link's free time per "
+                                    "layer (no floor); floor: probability above min_confidence (SeqMoE 6.1); "
+                                    "benefit: expected benefit over the displaced resident (floor capped at chance K/E)",
+                                    choices=PREFETCH_RULES)
+        breakeven: bool = option(True, "headroom rule: also require that the demand misses a load spares in "
+                                 "expectation (q - v, calibrated) reach this run's AdjHit (A - D)/(A + P), so that no "
+                                 "proactive load lowers AdjHit in expectation (false: the link's headroom alone "
+                                 "decides: more loads on an idle link, a little more speed, a lower AdjHit)")
+        calibration_half_life: float = option(64.0, "break-even: half-life in decode steps of the realised/expected "
+                                              "ratio of demand misses spared by the loads issued, which scales every "
+                                              "q - v (0: take the forecast's q - v as it is)", low=0.0)
 
     name = "seqmoe"
 
@@ -306,10 +310,9 @@ class SeqMoEPolicy(Policy):
         self.max_tasks = int(o.max_tasks_per_layer or self.fc.top_k)
         self.min_confidence = float(o.min_confidence)
         # seqmoe-async's options have neither field: it ranks by the floor rule and forecasts online
-        self.rule_option = getattr(o, "prefetch_rule", "floor")
+        self.prefetch_rule = getattr(o, "prefetch_rule", "floor")
         self.breakeven = bool(getattr(o, "breakeven", False))
-        self.prefetch_rule = self.rule_option
-        """The rule in use (``auto`` resolved at :meth:`reset` from the cache's experts per layer)."""
+        self.calibration_half_life = float(getattr(o, "calibration_half_life", 0.0))
         self.lookahead = float(o.lookahead)
         self.transfer_layers = o.transfer_layers
         self.bandwidth_gbps = float(o.bandwidth_gbps)
@@ -349,9 +352,6 @@ class SeqMoEPolicy(Policy):
         self.first_exec = np.full(L, -1, np.int64)
         self.first_probs = np.zeros((L, E))
         self.has_forecast = False
-        self.prefetch_rule = self.rule_option
-        if self.rule_option == "auto":
-            self.prefetch_rule = "headroom" if E >= WIDE_EXPERTS else "floor"
         tau = self.transfer_layers
         if tau is None:
             ms = (config.expert_bytes or 1) / self.link_bytes_per_s * 1e3
@@ -360,6 +360,9 @@ class SeqMoEPolicy(Policy):
         self._inflight: set[tuple[int, int]] = set()
         self._planned: list[tuple[int, int]] = []
         self._tally = [0, 0, 0]  # accesses, demand misses, proactive loads seen by the hooks (the AdjHit break-even)
+        self.calibration = SparedMissCalibration(self.calibration_half_life if self.prefetch_rule == "headroom"
+                                                 and self.breakeven else 0.0)
+        self._missed: tuple[int, set[int]] = (-1, set())  # this layer-execution's demand misses
         self._prior: set[tuple[int, int]] = set()
         self._prior_x = -1
         self._now = (0, 0, 0)
@@ -402,6 +405,7 @@ class SeqMoEPolicy(Policy):
         self.members = list(batch)
         B = len(self.members)
         self._traced = all(hasattr(m, "expert_ids") and hasattr(m, "expert_weights") for m in self.members)
+        self.calibration.clear_pending()
         self._row_tables = [None] * B
         if self._traced and self.precompute:
             self._row_tables = [self._table_for(m) for m in self.members]
@@ -590,12 +594,18 @@ class SeqMoEPolicy(Policy):
     def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: ExpertCache):
         self._now = (t, layer, 1)
         self._tally[1] += 1
+        x = t * self.L + layer
+        if self._missed[0] != x:
+            self._missed = (x, set())
+        self._missed[1].add(int(expert))
         return super().on_miss(t, layer, expert, n_tokens, cache)
 
     def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:
         self._now = (t, layer, 2)
         self._tally[0] += len(selected)
-        self.last_use[layer, np.asarray(selected, np.int64)] = t * self.L + layer
+        x = t * self.L + layer
+        self.last_use[layer, np.asarray(selected, np.int64)] = x
+        self.calibration.resolve(x, selected, self._missed[1] if self._missed[0] == x else ())
         if not (self._traced and self.precompute) and self._latest is not None:
             self._record_routing(t, layer, selected, counts)
 
@@ -630,6 +640,7 @@ class SeqMoEPolicy(Policy):
         :attr:`prefetch_rule`); nothing without prefetch or before the first forecast."""
         if not (self.prefetch and self.has_forecast):
             return
+        self.calibration.step()
         tasks = self._generate(cache, rule)
         self.scheduler.clear()
         self._planned = []
@@ -676,23 +687,34 @@ class SeqMoEPolicy(Policy):
     def _plan_headroom(self, cache: ExpertCache, skip: np.ndarray) -> list:
         """``prefetch_rule=headroom``: :func:`~expertcast.inference.policies.prefetch.plan_within_headroom` over the
         newest forecast, victims in this policy's eviction order, the link's backlog = our transfers in flight."""
-        victims = []
+        victims, victim_keys = [], []
         pool_of = cache.config.pool_of_layer.astype(np.int64)
         for pool in range(len(cache.config.pool_capacities)):
             cands = cache.eviction_candidates(pool)
-            v = np.zeros(0)
+            v, keys = np.zeros(0), np.zeros((0, 2), np.int64)
             if len(cands):
                 cl, ce = cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)
                 order = np.lexsort((self.last_use[cl, ce], self._scores(cl, ce)))
-                v = self.first_probs[cl[order], ce[order]]
-            victims.append(np.concatenate([np.zeros(cache.free_count(pool)), v]))
+                v, keys = self.first_probs[cl[order], ce[order]], np.stack([cl[order], ce[order]], 1)
+            free = cache.free_count(pool)
+            victims.append(np.concatenate([np.zeros(free), v]))
+            victim_keys.append([None] * free + [tuple(k) for k in keys.tolist()])
         tms = self.transfer_ms()
         backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight)
         a, d, p = self._tally
         floor = (a - d) / (a + p) if (self.breakeven and a) else 0.0  # the running AdjHit
-        return plan_within_headroom(self.first_probs, self.first_exec, skip, pool_of, victims,
-                                    int(self.first_exec.min()), np.full(self.L, self.layer_compute_ms), tms,
-                                    backlog, self.max_tasks, min_net=floor)
+        tasks = plan_within_headroom(self.first_probs, self.first_exec, skip, pool_of, victims,
+                                     int(self.first_exec.min()), np.full(self.L, self.layer_compute_ms), tms,
+                                     backlog, self.max_tasks, min_net=floor, net_scale=self.calibration.scale)
+        taken = [0] * len(victims)
+        for task in tasks:  # the outcome each load is expected to have, settled as the routing arrives
+            pool = int(pool_of[task.layer])
+            vk = victim_keys[pool][taken[pool]]
+            taken[pool] += 1
+            net = float(self.first_probs[task.layer, task.expert]) - float(victims[pool][taken[pool] - 1])
+            self.calibration.expect(int(task.deadline), task.expert, net,
+                                    None if vk is None else (int(self.first_exec[vk[0]]), vk[1]))
+        return tasks
 
     def _displaced(self, cache: ExpertCache) -> np.ndarray:
         """float [L]: the score of the resident a load into each layer's pool would evict now (0 with a free slot)."""

@@ -43,7 +43,7 @@ def test_blocking_async_equals_synchronous_online_seqmoe():
     same prefetches, same evictions), and the tokens equal the full-load model's."""
     model, ids, am, ref, fc = _setup()
     K = model.config.num_experts_per_tok
-    sync = make_policy("seqmoe", forecaster=fc, precompute=False)
+    sync = make_policy("seqmoe", forecaster=fc, precompute=False, prefetch_rule="floor")  # the async policy's rule
     seq_s, cnt_s, model = _run(model, sync, ids, am, K + 1)
     pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(blocking=True), forecaster=fc)
     try:

@@ -10,6 +10,7 @@ import pytest
 from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
     PrefetchTask,
+    SparedMissCalibration,
     TransferEstimator,
     demand_probability,
     edf_feasible,
@@ -140,3 +141,44 @@ def test_headroom_rule_breakeven_floor_drops_loads_that_would_lower_adjhit():
     assert [(t.layer, t.expert) for t in plan(0.0)] == [(2, 0), (2, 1), (0, 0), (0, 1)]
     assert [(t.layer, t.expert) for t in plan(0.45)] == [(2, 0), (0, 0), (0, 1)]  # q = .4 at layer 2 falls below
     assert [(t.layer, t.expert) for t in plan(0.8)] == [(0, 0)]  # only layer 0's q = .9
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+def test_spared_miss_calibration_scores_loads_and_victims_as_the_routing_arrives():
+    cal = SparedMissCalibration(half_life=0.0)
+    cal.expect(5, 3, 0.5)
+    assert cal.scale == 1.0 and not cal._due  # off: no bookkeeping
+    cal = SparedMissCalibration(half_life=1e9)
+    assert cal.scale == 1.0  # no evidence: the prior's ratio
+    cal.expect(5, 3, 0.6, victim=(5, 7))  # used, victim not needed: +1
+    cal.expect(5, 4, 0.6, victim=(9, 2))  # loaded but demand missed anyway (evicted before use): 0; victim missed: -1
+    cal.expect(6, 1, 0.6)  # its execution never reports (the sequence ended): no outcome
+    cal.resolve(5, np.array([3, 4, 7]), missed=[4])
+    assert (cal.realised, cal.expected, cal.resolved) == (1.0, pytest.approx(1.2), 2)
+    cal.resolve(9, np.array([2]), missed=[2])
+    assert cal.realised == 0.0 and not cal._due
+    assert cal.scale == pytest.approx(4.0 / 5.2)
+
+
+def test_spared_miss_calibration_withdraws_trust_from_an_overconfident_forecast_and_decays_back():
+    cal = SparedMissCalibration(half_life=16.0)
+    for x in range(40):  # forecasts that promise 0.8 spared misses per load and deliver none
+        cal.expect(x, 0, 0.8)
+        cal.resolve(x, np.array([1]), missed=[1])
+        cal.step()
+    low = cal.scale
+    assert low < 0.25
+    for _ in range(120):  # no loads: the evidence decays and the prior lets loads be tried again
+        cal.step()
+    assert low < cal.scale and cal.scale > 0.95
+
+
+def test_headroom_rule_net_scale_shrinks_every_expected_gain_and_caps_it_at_one_miss():
+    vic = [np.zeros(2)] * 3
+    plan = lambda m, s: plan_within_headroom(_Q, _DL, None, np.arange(3), vic, now=1,  # noqa: E731
+                                             compute_ms=np.full(3, 1.0), transfer_ms=0.4, max_per_layer=2,
+                                             min_net=m, net_scale=s)
+    assert [(t.layer, t.expert) for t in plan(0.45, 0.5)] == [(0, 0)]  # .5 * .9 reaches .45, nothing else does
+    assert plan(0.45, 0.0) == []
+    capped = plan(0.0, 10.0)
+    assert [t.confidence for t in capped][:2] == pytest.approx([0.4, 0.4])  # gain = min(10 q, 1) * 0.4 ms

@@ -155,8 +155,9 @@ def _headroom_policy(E: int, **kw) -> tuple[SeqMoEPolicy, ExpertCache]:
     return pol, ExpertCache(cfg)
 
 
-def test_headroom_rule_default_from_64_experts_prefetches_only_when_the_link_has_room():
-    assert _headroom_policy(8)[0].prefetch_rule == "floor"
+def test_headroom_rule_is_the_default_and_prefetches_only_when_the_link_has_room():
+    narrow = _headroom_policy(8)[0]
+    assert narrow.prefetch_rule == "headroom" and narrow.breakeven and narrow.calibration.enabled
     # layer 1 runs next (x=1, its deadline: no time), layer 0 at x=2: layer 1's 0.15 ms of compute is the free link
     fast, cache = _headroom_policy(64, link_bytes_per_s=1e11)  # 0.01 ms per transfer: both loads fit
     assert fast.prefetch_rule == "headroom" and fast.transfer_ms() == pytest.approx(0.01)
@@ -169,3 +170,35 @@ def test_headroom_rule_default_from_64_experts_prefetches_only_when_the_link_has
     floor, cache = _headroom_policy(64, link_bytes_per_s=1e8, prefetch_rule="floor")
     floor.plan_prefetch(cache)
     assert len(floor.scheduler.tasks) == 4  # both layers, the link not consulted
+
+
+class _Overconfident(SeqMoEPolicy):
+    """seqmoe whose every forecast puts 0.97 on two experts per layer drawn at random (right about as often as
+    chance, K/E = 1/4), 0 elsewhere: a forecaster far more sure of itself than its routing allows."""
+
+    def trigger(self, t: int, F: np.ndarray | None) -> None:
+        if F is None:
+            return
+        rng = np.random.default_rng(t)
+        G = np.zeros_like(F)
+        for layer in range(F.shape[1]):
+            G[:, layer, rng.choice(F.shape[2], 2, replace=False)] = 0.97
+        super().trigger(t, G)
+
+
+def test_calibration_stops_the_loads_of_an_overconfident_forecast():
+    """Without calibration the break-even takes q - v = 0.97 at its word and loads about two experts per layer and
+    step; the realised spared misses (about a quarter per load) scale q - v below the running AdjHit, so the
+    calibrated policy issues a fraction of those loads and keeps a higher AdjHit."""
+    proc, seqs = _process()
+    recs = {}
+    for half_life in (0.0, 64.0):
+        pol = _Overconfident(SeqMoEPolicy.Options(prefetch_rule="headroom", breakeven=True,
+                                                  calibration_half_life=half_life), forecaster=_untrained())
+        recs[half_life] = simulate((proc.meta(), seqs[:8]), [pol], [0.5], pool="per-layer", belady_fraction=False,
+                                   progress=False)[0]
+        assert pol.calibration.enabled == (half_life > 0)
+    raw, cal = recs[0.0], recs[64.0]
+    assert raw["proactive_loads"] > 0 and cal["proactive_loads"] > 0  # the calibrated one still tries loads
+    assert cal["proactive_loads"] < 0.5 * raw["proactive_loads"], (raw, cal)
+    assert cal["adj_hit"] > raw["adj_hit"], (raw, cal)

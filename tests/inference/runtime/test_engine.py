@@ -144,7 +144,9 @@ def _policy(name: str, traces, stream, K: int):
         E = int(stream.num_experts)
         fc = ExpertForecaster(ForecasterConfig(num_layers=L, num_experts=E, top_k=K, hidden_size=32, num_blocks=1,
                                                state_size=8, head_dim=16, chunk_size=16)).eval()
-        return make_policy("seqmoe", forecaster=fc), None
+        # the link's headroom alone decides (breakeven off): the untrained forecast still issues loads, which the
+        # runtime must serve with the same tokens (the default break-even rightly declines them)
+        return make_policy("seqmoe", forecaster=fc, breakeven=False), None
     return make_policy(name), None
 
 

@@ -69,11 +69,13 @@ class Run:
         lat = LatencyModel(transfer_ms=1.0, cpu_expert_ms=0.5, cpu_token_ms=0.15)
         stage = dict(cues="a|e", decoder=lambda i: bytes([int(i) % 256]), latency=lat)
         kw = {"static": dict(calibration=self.traces), "stage": stage, "stage-oracle": stage,
-              "seqmoe": dict(forecaster=self.forecaster, precompute=False, min_confidence=0.05),
+              # the headroom rule without the break-even (the untrained forecast issues loads), and the floor rule
+              # in the hybrid: both prefetch paths under parity
+              "seqmoe": dict(forecaster=self.forecaster, precompute=False, breakeven=False),
               "seqmoe-async": dict(forecaster=self.forecaster, blocking=True, min_confidence=0.05),
               "router-temporal": dict(replay=self.router_replay), "router-full": dict(replay=self.router_replay),
               "router-spatio": dict(replay=self.router_replay, R=3),
-              "hybrid": dict(forecaster=self.forecaster, precompute=False, min_confidence=0.05,
+              "hybrid": dict(forecaster=self.forecaster, precompute=False, prefetch_rule="floor", min_confidence=0.05,
                              replay=self.router_replay, cues=stage["cues"], decoder=stage["decoder"])}.get(name, {})
         return make_policy(name, **kw)
 

@@ -188,7 +188,7 @@ def _tiny_forecaster(model) -> Any:
 
 
 def _hybrid(fc, parts: str, **extra):
-    kw = dict(forecaster=fc, precompute=False, min_confidence=0.05, parts=parts, **extra)
+    kw = dict(forecaster=fc, precompute=False, prefetch_rule="floor", min_confidence=0.05, parts=parts, **extra)
     if "stage" in parts:
         kw.update(CUES)
     return make_policy("hybrid", **kw)
@@ -302,7 +302,7 @@ def test_eval_runs_hybrid_with_live_routers(exports, tmp_path, capsys, data_dir)
                          training={"train_ids": [], "val_ids": []})
     base = ["--benchmark", "arith", "--limit", "2", "--max-new-tokens", "6", "--slots", "6", "--no-progress",
             "--device", "cpu", "--baseline", "none", "--batch-size", "2"]
-    spec = f"hybrid:forecaster={fc},min_confidence=0.05"
+    spec = f"hybrid:forecaster={fc},prefetch_rule=floor,min_confidence=0.05"
     runs = {"export": str(exports["temporal"]), "plain": str(exports["temporal"] / "model")}
     done, errs = {}, {}
     for name, where in runs.items():
