@@ -82,6 +82,22 @@ def _epoch(args: dict, dm, accelerator: str, precision: str) -> list[float]:
     return timer.times
 
 
+def recipe_cost(step_s: float, batch: int, fit_windows: int = 500) -> str:
+    """The shipped GPU recipe's cost from a measured step time: ``fit_windows`` training windows at the config's
+    batch size and epochs, a step's time taken as linear in the batch (an estimate from ``batch``'s step, said so)."""
+    import math
+
+    import yaml
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    B = int(cfg["data"]["init_args"]["batch_size"])
+    epochs = int(cfg["trainer"]["max_epochs"])
+    steps = math.ceil(fit_windows / B) * epochs
+    per = step_s * B / batch
+    return (f"recipe estimate ({CONFIG.name}: {fit_windows} windows, batch {B}, {epochs} epochs = {steps} steps at "
+            f"~{1e3 * per:.0f} ms, linear in the batch from batch {batch}): {steps * per / 60:.1f} min")
+
+
 def forecaster(dry_run: bool) -> int:
     from expertcast.data.synthetic import ModeMarkovProcess
     from expertcast.models import mamba_kernels
@@ -98,8 +114,9 @@ def forecaster(dry_run: bool) -> int:
         mamba_kernels.reset_calls()
         times = _epoch(args, dm, "cpu", "32-true")
         path = "torch" if not any(k.endswith(":kernel") for k in mamba_kernels.calls()) else "kernel"
+        med = statistics.median(times)
         return line(path == "torch", "forecaster-epoch", f"dry-run cpu fp32 L={L} E={E} K={K}: {len(times)} steps, "
-                    f"median {1e3 * statistics.median(times):.1f} ms/step, mamba path {path}")
+                    f"median {1e3 * med:.1f} ms/step, mamba path {path}; {recipe_cost(med, batch)} (of a toy)")
     if not kernels:
         return line(False, "forecaster-epoch", "mamba-ssm kernels not importable (pip install -e '.[gpu]')")
     mamba_kernels.reset_calls()
@@ -112,7 +129,8 @@ def forecaster(dry_run: bool) -> int:
     f, s = statistics.median(fast[1:] or fast), statistics.median(slow[1:] or slow)
     return line(used > 0 and fallback == 0, "forecaster-epoch",
                 f"bf16 L={L} E={E} K={K}, {len(fast)} steps: mamba path kernel ({used} kernel calls, {fallback} "
-                f"PyTorch) {1e3 * f:.1f} ms/step vs PyTorch fallback {1e3 * s:.1f} ms/step ({s / f:.2f}x)")
+                f"PyTorch) {1e3 * f:.1f} ms/step vs PyTorch fallback {1e3 * s:.1f} ms/step ({s / f:.2f}x); "
+                f"{recipe_cost(f, batch)}")
 
 
 def memory(out: Path, dry_run: bool) -> int:
