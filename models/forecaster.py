@@ -594,8 +594,9 @@ class OnlinePrior(nn.Module):
         else:
             buf, c_prev, seen = (x.new_zeros(B, H, M, L * E, dtype=torch.float32), x.new_zeros(B, H, M + 1),
                                  x.new_zeros(B, 1))
-        hist = torch.cat([buf.flip(1), freq], dim=1)  # [B, H + T, M, L·E], oldest first
-        top = hist.view(B, H + T, M, L, E).topk(K, dim=-1).indices  # [B, H + T, M, L, K]
+        # top-K of the kept and the new frequencies, oldest first (indices are cat, not the [.., L·E] frequencies)
+        top = torch.cat([buf.flip(1).reshape(B, H, M, L, E).topk(K, dim=-1).indices,
+                         freq.reshape(B, T, M, L, E).topk(K, dim=-1).indices], dim=1)  # [B, H + T, M, L, K]
         support = (x > 0).view(B, T, 1, L, E).expand(B, T, M, L, E)
         t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)  # [B, T] index of element t
         r = x.new_zeros(B, T, H, M + 1, dtype=torch.float32)
@@ -610,7 +611,7 @@ class OnlinePrior(nn.Module):
         c = ema_scan(r.view(B, T, H * (M + 1)), dec, (c_prev * (1 - d)).view(B, 1, H * (M + 1)))
         c = (c[:, :, 0] / (1 - d)).view(B, T, H, M + 1)
         if state is not None and T:
-            buf.copy_(hist[:, -H:].flip(1))
+            buf.copy_(torch.cat([buf.flip(1), freq], dim=1)[:, -H:].flip(1) if T < H else freq[:, -H:].flip(1))
             c_prev.copy_(c[:, -1])
             seen.add_(T)
         return c
@@ -797,8 +798,9 @@ class ExpertForecaster(nn.Module):
         c = self.config
         K = c.top_k
         with torch.no_grad():
-            cand = torch.stack([learned.float() + prior.float(), prior.float()], dim=3)  # [B, T, H, 2, L, E]
-            top = cand.topk(K, dim=-1).indices  # [B, T, H, 2, L, K]
+            # top-K of each candidate, then stacked (stacking the [B, T, H, L, E] candidates first copies both)
+            top = torch.stack([(learned.float() + prior.float()).topk(K, dim=-1).indices,
+                               prior.float().topk(K, dim=-1).indices], dim=3)  # [B, T, H, 2, L, K]
 
             def gain(h: torch.Tensor) -> torch.Tensor:  # hits [B, T, 2, L, K] -> recall with minus without [B, T, 1]
                 m = h.mean(dim=(-1, -2))

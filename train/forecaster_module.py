@@ -536,15 +536,21 @@ class ForecasterModule(pl.LightningModule):
         if logits.dim() == 4:
             logits = logits.unsqueeze(2)
         h = self.hparams
-        W, H = logits.shape[1], logits.shape[2]
-        rank_s, kl_s, counts = [], [], []
+        B, W, H = logits.shape[:3]
+        # every head's scored rows in one gather (per-head slices each cost a full-size zero gradient in backward)
+        rows, tgt, counts = [], [], []
         for j in range(H):
-            sel = use[:, j:]
-            lg = logits[:, : W - j, j][sel]
-            rank_s.append(ranking_loss(lg.float(), batch["target_ids"][:, j:][sel], h.rank_negatives).sum())
-            kl_s.append(kl_loss(lg, batch["target_dist"][:, j:][sel]).sum())
-            counts.append(sel.sum())
-        n = torch.stack(counts).to(logits.device, torch.float32)
+            b, i = use[:, j:].nonzero(as_tuple=True)  # position i of head j is scored against element i + 1 + j
+            rows.append((b * W + i) * H + j)
+            tgt.append(b * W + i + j)
+            counts.append(len(b))
+        rows_t, tgt_t = torch.cat(rows), torch.cat(tgt)
+        lg = logits.reshape(B * W * H, *logits.shape[3:]).index_select(0, rows_t)
+        rank_e = ranking_loss(lg.float(), batch["target_ids"].flatten(0, 1).index_select(0, tgt_t), h.rank_negatives)
+        kl_e = kl_loss(lg, batch["target_dist"].flatten(0, 1).index_select(0, tgt_t))
+        rank_s = [part.sum() for part in rank_e.split(counts)]
+        kl_s = [part.sum() for part in kl_e.split(counts)]
+        n = torch.tensor(counts, device=logits.device, dtype=torch.float32)
         denom = self._global_counts(n) if global_mean else n
         rank = torch.stack(rank_s) / denom.clamp_min(1e-9)
         kl = torch.stack(kl_s) / denom.clamp_min(1e-9)
