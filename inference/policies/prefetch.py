@@ -32,6 +32,8 @@ class PrefetchTask:
     """Probability that the expert is selected at ``deadline`` (expected hit contribution)."""
     deadline: float
     """Layer-execution index that needs the expert (it must land before that execution starts)."""
+    victim: int = -1
+    """:func:`plan_within_headroom`: the index, in its pool's ``victims``, of the slot this load takes (-1 elsewhere)."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -131,7 +133,8 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
         net_scale: the factor on every ``q - v`` (:class:`SparedMissCalibration`'s realised/expected ratio); the
             product is capped at 1, the one demand miss a load can spare.
     Returns:
-        the tasks in issue (EDF) order; ``confidence`` = gain - cost in ms.
+        the tasks in issue (EDF) order; ``confidence`` = gain - cost in ms, ``victim`` = the index in its pool's
+        ``victims`` of the slot it takes.
     """
     probs = np.asarray(probs, dtype=np.float64)
     L, E = probs.shape
@@ -175,8 +178,8 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
             if nx >= d or gain <= cost:
                 continue
             x, used = nx, nused
+            out.append(PrefetchTask(layer, int(e), gain - cost, float(d), victim=taken[pool_of[layer]]))
             taken[pool_of[layer]] += 1
-            out.append(PrefetchTask(layer, int(e), gain - cost, float(d)))
     return out
 
 

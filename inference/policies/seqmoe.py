@@ -706,12 +706,10 @@ class SeqMoEPolicy(Policy):
         tasks = plan_within_headroom(self.first_probs, self.first_exec, skip, pool_of, victims,
                                      int(self.first_exec.min()), np.full(self.L, self.layer_compute_ms), tms,
                                      backlog, self.max_tasks, min_net=floor, net_scale=self.calibration.scale)
-        taken = [0] * len(victims)
         for task in tasks:  # the outcome each load is expected to have, settled as the routing arrives
             pool = int(pool_of[task.layer])
-            vk = victim_keys[pool][taken[pool]]
-            taken[pool] += 1
-            net = float(self.first_probs[task.layer, task.expert]) - float(victims[pool][taken[pool] - 1])
+            vk = victim_keys[pool][task.victim]
+            net = float(self.first_probs[task.layer, task.expert]) - float(victims[pool][task.victim])
             self.calibration.expect(int(task.deadline), task.expert, net,
                                     None if vk is None else (int(self.first_exec[vk[0]]), vk[1]))
         return tasks

@@ -182,3 +182,12 @@ def test_headroom_rule_net_scale_shrinks_every_expected_gain_and_caps_it_at_one_
     assert plan(0.45, 0.0) == []
     capped = plan(0.0, 10.0)
     assert [t.confidence for t in capped][:2] == pytest.approx([0.4, 0.4])  # gain = min(10 q, 1) * 0.4 ms
+
+
+def test_headroom_rule_says_which_victim_slot_each_load_takes():
+    one_free_then_residents = [np.array([0.0, 0.1, 0.2])] * 3
+    tasks = _plan(victims=one_free_then_residents)
+    by_pool = {}
+    for t in tasks:
+        by_pool.setdefault(t.layer, []).append(t.victim)
+    assert by_pool and all(v == list(range(len(v))) for v in by_pool.values())  # in eviction order, per pool
