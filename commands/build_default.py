@@ -1,8 +1,8 @@
 """`expertcast build-default`: rebuild the embedded default MoE model (into the cache) and compare it with the shipped one.
 
 The recipe of the job: read the YAML recipe (``configs/tiny_default/default.yaml``, the defaults of
-:class:`expertcast.models.tiny_default.TinyDefaultConfig`), build the model or reuse the cached build
-(:func:`~expertcast.models.tiny_default.ensure_default_model`), print its report and whether its files are
+:class:`expertcast.recipes.tiny_default.TinyDefaultConfig`), build the model or reuse the cached build
+(:func:`~expertcast.recipes.tiny_default.ensure_default_model`), print its report and whether its files are
 identical to the shipped model's (``models/shipped/tiny-default``, what ``--model tiny-default`` names);
 ``--ship`` replaces the shipped files with the build. The recipe fixes the optimizer steps, the seed and the torch thread
 count, so every machine builds the same weights; the cache key covers the whole recipe, the sha256 of the
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from expertcast.models.tiny_default import TinyDefaultConfig, ensure_default_model, load_report
+        from expertcast.recipes.tiny_default import TinyDefaultConfig, ensure_default_model, load_report
 
         cfg = TinyDefaultConfig.from_yaml(args.config) if args.config else TinyDefaultConfig()
         path = ensure_default_model(cfg, force=args.force, progress=not args.no_progress, data_root=args.data_dir)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print_report(load_report(path))
         print(compare_with_shipped(path))
         if args.ship:
-            from expertcast.models.tiny_default import ship_default_model
+            from expertcast.recipes.tiny_default import ship_default_model
 
             print(f"shipped: {ship_default_model(path)}")
         return 0
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 def compare_with_shipped(path) -> str:
     """One line: is the build at ``path`` file-for-file the shipped model (sha256 of every shipped file)?"""
     from expertcast.models.names import SHIPPED_DEFAULT_DIR, ModelNotFoundError, shipped_default_model
-    from expertcast.models.tiny_default import load_report
+    from expertcast.recipes.tiny_default import load_report
     from expertcast.utils.provenance import sha256_file
 
     try:

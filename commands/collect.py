@@ -9,12 +9,12 @@ fast); rerunning the same command resumes by shard, and only when every setting 
 
 The recipe, step by step: read the inputs (benchmark problems or a completions file; every check before
 the output folder is claimed, the folder claimed before the model loads), plan the shards, generate and
-route each missing shard (the two passes of :mod:`expertcast.data.collect`), write it, summarize.
+route each missing shard (the two passes of :mod:`expertcast.recipes.collect`), write it, summarize.
 
 Shards of ``shard_size`` input items are written atomically by
 :class:`expertcast.data.traces.TraceWriter` into an output folder claimed with
 :func:`expertcast.utils.outdir.claim_output_dir`. Rerunning the same command resumes: only when every
-setting that changes the traces matches exactly (:func:`~expertcast.data.collect.run_settings`; the model is identified by
+setting that changes the traces matches exactly (:func:`~expertcast.recipes.collect.run_settings`; the model is identified by
 preset name + init seed, the content hash of a local directory, or a Hub id + resolved commit).
 ``limit`` is the one setting a resume may change, and only upwards: shard i always holds input items
 [i*S, (i+1)*S), so every full shard already written is exactly what the larger run would write (its
@@ -56,7 +56,9 @@ from expertcast.commands.common import (
     run_command,
 )
 from expertcast.data.benchmarks import BENCHMARKS
-from expertcast.data.collect import (
+from expertcast.data.trace_format import TraceMeta, TraceSequence
+from expertcast.data.traces import OUTPUT_KIND, TraceWriter, read_manifest, shard_name
+from expertcast.recipes.collect import (
     CollectConfig,
     CollectItem,
     CompletionRow,
@@ -71,8 +73,6 @@ from expertcast.data.collect import (
     run_settings,
     use_chat_template,
 )
-from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.data.traces import OUTPUT_KIND, TraceWriter, read_manifest, shard_name
 from expertcast.utils.errors import OutputDirError, UsageError
 from expertcast.utils.outdir import OutputDir
 

@@ -874,7 +874,8 @@ def _progress(args: Any, batches: list[Any], info: dict[str, Any]):
 def _start_wandb(args: Any, info: dict[str, Any]):
     if not args.wandb:
         return None
-    from expertcast.utils.tracking import start_wandb_run, use_inputs
+    from expertcast.recipes.lineage import use_inputs
+    from expertcast.utils.tracking import start_wandb_run
 
     cap = next(iter(info["capacity"].values()))
     run = start_wandb_run(args.wandb_project, info["settings"], job_type="eval",
@@ -889,7 +890,7 @@ def wandb_inputs(args: Any, files: dict[str, str]) -> list[tuple[str, str, str |
     export, cue set, ...)."""
     from expertcast.inference.policies import parse_policy_options
     from expertcast.models.names import is_export_dir
-    from expertcast.utils.tracking import policy_inputs
+    from expertcast.recipes.lineage import policy_inputs
 
     model = [(args.model, "router", None)] if is_export_dir(args.model) else []
     if "routers" in files:

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from expertcast.commands.common import CommandParser, parse_and_run, positive_int, resolve_device
+from expertcast.recipes.lineage import log_results
 from expertcast.utils.errors import UsageError
-from expertcast.utils.tracking import add_wandb_args, log_results
+from expertcast.utils.tracking import add_wandb_args
 
 if TYPE_CHECKING:
     from expertcast.data.trace_format import TraceSequence

@@ -268,7 +268,7 @@ def _default_names() -> tuple[str, ...]:
 
 def _default_provenance(folder: Path) -> str:
     """Where the embedded default came from, in one line (from its shipped, verified report)."""
-    from expertcast.models.tiny_default import load_report
+    from expertcast.recipes.tiny_default import load_report
 
     r = load_report(folder)
     arith = (r.get("heldout_arith_test") or {}).get("accuracy")

@@ -581,8 +581,8 @@ def evaluate_run(target: EvalTarget, examples, problems, B: int, cfg: StudyConfi
     """Rows (one per policy/R) and the full-load completions of one export; ``overlap`` is its
     :func:`check_overlap` result."""
     from expertcast.inference.runtime.eval_run import eos_ids
+    from expertcast.models.backbone import load_adaptation_export
     from expertcast.models.cache_routers import expert_use_stats
-    from expertcast.models.router_export import load_adaptation_export
 
     model, tok, routers, info = load_adaptation_export(target.export)
     meta, seqs, lm = heldout_pass(model, examples, cfg.batch_size, model_id=str(target.export))
@@ -798,7 +798,8 @@ def _plot(rows: list[dict[str, Any]], path: Path, B: int) -> None:
 
 def _log_wandb(rows: list[dict[str, Any]], cfg: StudyConfig, png: Path | None = None, exports: list[Path] = ()) -> None:
     import wandb
-    from expertcast.utils.tracking import start_wandb_run, use_inputs
+    from expertcast.recipes.lineage import use_inputs
+    from expertcast.utils.tracking import start_wandb_run
 
     run = start_wandb_run(cfg.wandb_project, {**asdict(cfg)}, job_type="router-eval", name=f"router-eval-s{cfg.seed}")
     use_inputs(run, [(d, "router", _read_export_info(d)["export_hash"]) for d in exports])

@@ -50,8 +50,9 @@ from expertcast.commands.common import (
     positive_float,
     positive_int,
 )
+from expertcast.recipes.lineage import log_results
 from expertcast.utils.errors import ResumeMismatchError, UsageError
-from expertcast.utils.tracking import add_wandb_args, log_results
+from expertcast.utils.tracking import add_wandb_args
 
 PROG = "expertcast simulate"
 DEFAULT_CAPACITIES = (0.15, 0.25, 0.35, 0.45)
@@ -462,7 +463,7 @@ def run(args) -> int:
 def _inputs(args, settings, options, policies_files, policies, calibration_fp) -> list[tuple[str, str, str | None]]:
     """The ``(path, kind, digest)`` inputs of the run for W&B lineage: the replayed traces, the calibration or
     fit set, ``--forecaster`` and every policy's file options, with the hashes the outputs record."""
-    from expertcast.utils.tracking import policy_inputs
+    from expertcast.recipes.lineage import policy_inputs
 
     out = []
     if args.traces:

@@ -9,7 +9,7 @@
   against sentence labels, for the calibrated set vs the full candidate set (text only).
 - ``eval [--traces DIR] [--cues cues.json] [--synthetic] --out DIR``: stage-aware vs LRU vs
   static-frequency (and the oracle and ablations) in the trace-driven simulator (the grid:
-  :mod:`expertcast.inference.saem.evaluate`); resumes from its partial records on an exact settings match.
+  :mod:`expertcast.recipes.saem_eval`); resumes from its partial records on an exact settings match.
 
 ``--model`` names the model whose tokenizer decodes the traces (``tiny-default``, a preset, a model
 folder or a Hub id; default: the cue set's tokenizer, else the traces' model). Where the cue set lives:
@@ -33,8 +33,9 @@ from expertcast.commands.common import (
     resolve_model,
     run_command,
 )
+from expertcast.recipes.lineage import log_results
 from expertcast.utils.errors import UsageError
-from expertcast.utils.tracking import add_wandb_args, log_results
+from expertcast.utils.tracking import add_wandb_args
 
 PROG = "expertcast stages"
 EVAL_CAPACITIES = "0.03,0.125,0.25,0.5"
@@ -266,8 +267,8 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 # -- eval ---------------------------------------------------------------------------------------------
 def _cmd_eval(args: argparse.Namespace) -> int:
     from expertcast.inference.cache.cost_model import QWEN3_30B_A3B_EXPERT_BYTES, CostConfig
-    from expertcast.inference.saem.evaluate import POLICIES
     from expertcast.inference.saem.stages import TokenDecoder
+    from expertcast.recipes.saem_eval import POLICIES
     from expertcast.utils.outdir import claim_output_dir
 
     batch_sizes = _int_list(args.batch_sizes, "--batch-sizes", 1)
@@ -312,7 +313,7 @@ def evaluate_saem(*, batch_sizes: Sequence[int], capacities: Sequence[float] = (
                   traces: tuple[Any, list[Any]] | None = None, tag: str = "cot", cue_set: Any = None,
                   decoder: Any = None, synthetic: bool = False,
                   partial: Callable[[str], Path] | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    """SAEM evaluation rows (:mod:`expertcast.inference.saem.evaluate`) on ``traces`` (with their
+    """SAEM evaluation rows (:mod:`expertcast.recipes.saem_eval`) on ``traces`` (with their
     ``cue_set`` and token ``decoder``) and/or the synthetic trace sets.
 
     Args:
@@ -322,12 +323,9 @@ def evaluate_saem(*, batch_sizes: Sequence[int], capacities: Sequence[float] = (
         tag: name of ``traces`` in the table.
         partial: the resume file of a trace set's tag (None: no resume).
     """
-    from expertcast.inference.saem.evaluate import (
-        cue_set_calibration,
-        run_grid,
-        synthetic_cue_decoder,
-        synthetic_runs,
-    )
+    from expertcast.inference.saem.cues import cue_set_calibration
+    from expertcast.inference.saem.stages import synthetic_cue_decoder
+    from expertcast.recipes.saem_eval import run_grid, synthetic_runs
 
     rows: list[dict[str, Any]] = []
     if traces is not None:
@@ -444,7 +442,7 @@ def build_parser() -> CommandParser:
     out_args(p, "detect")
     p.set_defaults(fn=_cmd_detect)
 
-    from expertcast.inference.saem.evaluate import POLICIES
+    from expertcast.recipes.saem_eval import POLICIES
 
     p = sub.add_parser("eval", help="stage-aware vs LRU vs static in the simulator")
     trace_args(p, required=False)

@@ -148,7 +148,7 @@ def _log_wandb(args: argparse.Namespace, table: list[dict[str, Any]], png: Any, 
     """The sweep table (a wandb.Table), its per-capacity series (one curve per benchmark and policy) and its
     plot in one W&B run, which declares the exports and cue sets of every cell's policy as its inputs."""
     from expertcast.commands.evaluate import wandb_inputs
-    from expertcast.utils.tracking import log_results
+    from expertcast.recipes.lineage import log_results
 
     config = {k: v for k, v in vars(args).items() if k not in ("wandb", "wandb_project")}
     inputs = [i for c in cells for i in wandb_inputs(c["args"], c["cell"]["info"]["artefacts"])]

@@ -559,20 +559,6 @@ def require_decode_tokens(meta: TraceMeta, seqs: Sequence[TraceSequence], where:
     return n
 
 
-def check_model_compatible(meta: TraceMeta, model_or_spec: Any) -> None:
-    """Raise ValueError (naming both sides) unless the traces' L/E/K and MoE layers match the model.
-
-    ``model_or_spec``: a transformers MoE model or an :class:`expertcast.models.spec.MoESpec`.
-    """
-    from expertcast.models.spec import MoESpec
-
-    spec = model_or_spec if isinstance(model_or_spec, MoESpec) else MoESpec.from_model(model_or_spec)
-    meta.check_compatible(spec.num_layers, spec.num_experts, spec.top_k, what=f"model {spec.model_id!r}")
-    if meta.moe_layers is not None and list(meta.moe_layers) != list(spec.moe_layers):
-        raise ValueError(f"trace of {meta.model_id!r} has MoE layers {meta.moe_layers} but the model "
-                         f"{spec.model_id!r} has {spec.moe_layers}")
-
-
 def write_traces(out_dir: str | os.PathLike | OutputDir, meta: TraceMeta, sequences: Iterable[TraceSequence],
                  shard_size: int = 256, run: dict[str, Any] | None = None, overwrite: bool = True) -> Path:
     """Write a whole trace set in one go (used by import and tests); returns its folder.

@@ -209,6 +209,20 @@ def export_model_dir(export_dir: str | os.PathLike) -> Path | None:
     return safe_member(d, info["model_dir"]) if info.get("model_dir") else None
 
 
+def load_adaptation_export(export_dir: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer, routers | None, info) of a router-adaptation export, verified by its manifest
+    and loaded without Lightning (the routers checked against the model)."""
+    from expertcast.models.router_export import load_routers, read_adaptation_export
+
+    d = Path(export_dir)
+    info = read_adaptation_export(d)
+    model, tok = load_moe_model(d, dtype=dtype, device=device)  # model/, or base + adapter/ merged on load
+    routers = None
+    if info.get("routers_dir"):
+        routers, _ = load_routers(d / info["routers_dir"], model=model, map_location=device)
+    return model, tok, routers, info
+
+
 def load_moe_config(name_or_path: str | os.PathLike) -> Any:
     """The transformers config of what :func:`load_moe_model` loads, without weights (for an export:
     its model's, or its adapter's base model's)."""

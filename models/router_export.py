@@ -168,17 +168,3 @@ def training_ids(export_dir: str | os.PathLike) -> set[str] | None:
     if not isinstance(training, dict) or "train_ids" not in training:
         return None
     return set(training.get("train_ids") or []) | set(training.get("val_ids") or [])
-
-
-def load_adaptation_export(export_dir: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer, routers | None, info) of a router-adaptation export, verified by its manifest
-    and loaded without Lightning (the routers checked against the model)."""
-    from expertcast.models.backbone import load_moe_model
-
-    d = Path(export_dir)
-    info = read_adaptation_export(d)
-    model, tok = load_moe_model(d, dtype=dtype, device=device)  # model/, or base + adapter/ merged on load
-    routers = None
-    if info.get("routers_dir"):
-        routers, _ = load_routers(d / info["routers_dir"], model=model, map_location=device)
-    return model, tok, routers, info

@@ -257,3 +257,16 @@ def _decoder_layers(model: Any):
     if layers is None:
         raise UnsupportedModelError(f"{type(model).__name__}: no decoder layers found at .model.layers")
     return layers
+
+
+def check_model_compatible(meta: Any, model_or_spec: Any) -> None:
+    """Raise ValueError (naming both sides) unless the traces' L/E/K and MoE layers (``meta``, a
+    :class:`~expertcast.data.trace_format.TraceMeta`) match the model.
+
+    ``model_or_spec``: a transformers MoE model or an :class:`MoESpec`.
+    """
+    spec = model_or_spec if isinstance(model_or_spec, MoESpec) else MoESpec.from_model(model_or_spec)
+    meta.check_compatible(spec.num_layers, spec.num_experts, spec.top_k, what=f"model {spec.model_id!r}")
+    if meta.moe_layers is not None and list(meta.moe_layers) != list(spec.moe_layers):
+        raise ValueError(f"trace of {meta.model_id!r} has MoE layers {meta.moe_layers} but the model "
+                         f"{spec.model_id!r} has {spec.moe_layers}")

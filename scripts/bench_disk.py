@@ -1,5 +1,5 @@
 """The disk tier's benchmark: disk, RAM and GEMM figures, then every policy's forced-routing replay through the
-disk store per RAM budget, in one run (a thin wrapper over :mod:`expertcast.inference.runtime.bench_disk`;
+disk store per RAM budget, in one run (a thin wrapper over :mod:`expertcast.recipes.bench_disk`;
 docs/design.md, "Disk tier").
 
     python scripts/bench_disk.py --out runs/bench_disk [--quick] [--hidden 2048 --moe-intermediate 1408
@@ -18,7 +18,7 @@ import sys
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(var, "1")
 
-from expertcast.inference.runtime.bench_disk import BenchConfig, quick_config, run_bench  # noqa: E402
+from expertcast.recipes.bench_disk import BenchConfig, quick_config, run_bench  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,7 +90,7 @@ def time_step(m: ExpertForecaster, horizon: int, reps: int, device: str) -> tupl
 def time_default_decode(name: str, reps: int) -> float | None:
     """ms per decode step (batch 1, KV cache, 64 tokens of context) of the served model on CPU, or None."""
     try:
-        from expertcast.data.collect import load_model
+        from expertcast.recipes.collect import load_model
 
         model, _ = load_model(name, device="cpu")
     except Exception as exc:  # the model is optional for this benchmark

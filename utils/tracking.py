@@ -7,12 +7,9 @@ to be uploaded later with ``wandb sync``.
 * :func:`log_table` logs rows (list of dicts) as a ``wandb.Table``; :func:`log_image` a PNG;
 * :func:`log_export` logs an export folder (forecaster, routers, fine-tuned model) as an artifact whose
   metadata holds the export's JSON files (its config, training block, manifest);
-* :func:`log_results` does all three for one command in a run of its own (simulate, forecast-eval,
-  stages eval, ...); :func:`log_export_to_loggers` finds the W&B run of a Lightning fit,
-  :func:`log_checkpoints_to_loggers` logs its checkpoints there;
-* :func:`use_input` declares an export, trace set or cue set a command consumed as an input artifact of its
-  run (lineage), named by its kind and the content hash the command's outputs record;
-  :func:`define_step_axis` gives a run's series their step axis (``define_metric``);
+* :func:`log_export_to_loggers` finds the W&B run of a Lightning fit, :func:`log_checkpoints_to_loggers` logs
+  its checkpoints there; :func:`define_step_axis` gives a run's series their step axis (``define_metric``);
+* a command's own run with its inputs (lineage): :mod:`expertcast.recipes.lineage`;
 * :func:`offline_run_contents` reads an offline run back (tables, images, artifacts used and logged, step
   axes); ``scripts/wandb_lineage.py RUN_DIR`` prints its lineage.
 """
@@ -32,7 +29,7 @@ def add_wandb_args(parser: Any, project: str = "expertcast") -> None:
     parser.add_argument("--wandb-project", default=project, help="W&B project (WANDB_MODE=offline to log locally)")
 
 
-def _wandb() -> Any:
+def wandb_module() -> Any:
     try:
         import wandb
     except ImportError as e:  # pragma: no cover - wandb is a core dependency
@@ -47,7 +44,7 @@ def start_wandb_run(project: str, config: dict[str, Any], job_type: str, name: s
 
     # the folder is read now: wandb caches its settings at the first run of the process; "create_new": a run
     # another caller left open in this process (a trainer's WandbLogger) is never reused for this one
-    return _wandb().init(project=project, config=_jsonable(config), job_type=job_type, name=name,
+    return wandb_module().init(project=project, config=_jsonable(config), job_type=job_type, name=name,
                          dir=os.environ.get("WANDB_DIR") or None, reinit="create_new")
 
 
@@ -74,16 +71,16 @@ def log_table(run: Any, key: str, rows: Sequence[Mapping[str, Any]]) -> None:
         if len({isinstance(row[j], str) for row in data if row[j] is not None}) > 1:
             for row in data:
                 row[j] = None if row[j] is None else str(row[j])
-    run.log({key: _wandb().Table(columns=columns, data=data)})
+    run.log({key: wandb_module().Table(columns=columns, data=data)})
 
 
 def log_image(run: Any, key: str, path: str | Path) -> None:
     """Log the PNG at ``path`` under ``key`` (nothing when the command wrote no such file)."""
     if Path(path).is_file():
-        run.log({key: _wandb().Image(str(path))})
+        run.log({key: wandb_module().Image(str(path))})
 
 
-def _artifact_name(text: str) -> str:
+def artifact_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.") or "export"
 
 
@@ -106,7 +103,7 @@ def log_export(run: Any, export_dir: str | Path, kind: str, name: str | None = N
             meta[f.stem] = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-    art = _wandb().Artifact(_artifact_name(name or f"{kind}-{d.resolve().name}"), type=kind, metadata=meta)
+    art = wandb_module().Artifact(artifact_name(name or f"{kind}-{d.resolve().name}"), type=kind, metadata=meta)
     if sum(p.stat().st_size for p in files) / 2**20 <= upload_limit_mb:
         for f in files:  # the export's files, not the output-folder marker and lock
             art.add_file(str(f), name=str(f.relative_to(d)))
@@ -124,82 +121,6 @@ def export_kind(export_dir: str | Path) -> str:
         return "model"
     names = " ".join(p.name for p in d.iterdir()) if d.is_dir() else ""
     return next((k for k in ("forecaster", "router") if k in names), "export")
-
-
-INPUT_TYPES = {"forecaster": "forecaster-export", "router": "router-export", "traces": "trace-set",
-               "cue_set": "cue-set", "router_replay": "router-replay"}
-"""W&B artifact type of each kind of input (the policies' file-option kinds, plus ``router``: a router export)."""
-
-
-def input_digest(path: str | Path, kind: str) -> str:
-    """The content hash a command's outputs record for an input: the ``export_hash`` of an export's manifest
-    (forecaster, router), the sequences fingerprint of a trace set, the sha256 of a file (cue set) or of a
-    folder's files."""
-    from expertcast.utils.provenance import EXPORT_MANIFEST, sha256_file, sha256_files
-
-    p = Path(path)
-    if kind in ("forecaster", "router") and (p / EXPORT_MANIFEST).is_file():
-        from expertcast.utils.provenance import verify_export_manifest
-
-        return verify_export_manifest(p)
-    if kind == "traces":
-        from expertcast.data.trace_format import sequences_fingerprint
-        from expertcast.data.traces import load_traces
-
-        return sequences_fingerprint(load_traces(p)[1])
-    return sha256_file(p) if p.is_file() else sha256_files(p)
-
-
-def _identity_files(p: Path, kind: str) -> list[Path]:
-    """The small files that identify an input: an export's manifest, a trace set's meta and manifest, a file
-    input itself."""
-    from expertcast.utils.provenance import EXPORT_MANIFEST
-
-    if p.is_file():
-        return [p]
-    names = ("trace_meta.json", "manifest.json") if kind == "traces" else (EXPORT_MANIFEST,)
-    return [p / n for n in names if (p / n).is_file()]
-
-
-def use_input(run: Any, path: str | Path, kind: str, digest: str | None = None) -> Any:
-    """Declare ``path`` (an export, trace set or cue set of ``kind``, a key of :data:`INPUT_TYPES`) an input of
-    ``run``: an artifact of type ``INPUT_TYPES[kind]`` named ``<type>-<first 16 hex of digest>`` (``digest``:
-    the hash the command's outputs record, default :func:`input_digest`), metadata ``{path, sha256, kind}``,
-    holding the input's identity files (its content is not uploaded). Online ``run.use_artifact``; offline,
-    where wandb refuses ``use_artifact``, the artifact is logged marked for use after its commit (what
-    ``use_artifact`` does with a new artifact), so ``wandb sync`` records the use. Returns the artifact."""
-    p = Path(path).resolve()
-    digest = digest or input_digest(p, kind)
-    kind_type = INPUT_TYPES[kind]
-    art = _wandb().Artifact(_artifact_name(f"{kind_type}-{digest[:16]}"), type=kind_type,
-                            metadata={"path": str(p), "sha256": digest, "kind": kind})
-    for f in _identity_files(p, kind):
-        art.add_file(str(f), name=f.name)
-    if run.offline:
-        run._log_artifact(art, is_user_created=True, use_after_commit=True)
-    else:
-        run.use_artifact(art)
-    return art
-
-
-def use_inputs(run: Any, inputs: Iterable[tuple[str | Path, str, str | None]]) -> None:
-    """:func:`use_input` for each ``(path, kind, digest or None)``, each input once; ``run`` None: nothing."""
-    if run is None:
-        return
-    seen = set()
-    for path, kind, digest in inputs:
-        key = (kind, str(Path(path).resolve()))
-        if key not in seen:
-            seen.add(key)
-            use_input(run, path, kind, digest)
-
-
-def policy_inputs(files: Mapping[str, str | Path], kinds: Mapping[str, str],
-                  digests: Mapping[str, str | None] | None = None) -> list[tuple[str, str, str | None]]:
-    """The ``(path, kind, digest)`` inputs of a policy's file options ``files`` (option -> path), ``kinds``
-    (option -> file kind, :data:`~expertcast.inference.cache.options.FILE_KINDS`), ``digests`` (option -> the
-    hash the outputs record, when known)."""
-    return [(str(v), kinds[k], (digests or {}).get(k)) for k, v in files.items() if kinds.get(k) in INPUT_TYPES]
 
 
 def define_step_axis(run: Any, axis: str, metrics: Iterable[str]) -> None:
@@ -235,32 +156,6 @@ def log_series(run: Any, axis: str, rows: Sequence[Mapping[str, Any]], group: st
         run.log({axis: x, **vals})
 
 
-def log_results(project: str, job_type: str, name: str, config: Mapping[str, Any],
-                tables: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
-                images: Mapping[str, str | Path] | None = None,
-                exports: Iterable[tuple[str | Path, str]] = (),
-                inputs: Iterable[tuple[str | Path, str, str | None]] = (),
-                series: Iterable[tuple[Sequence[Mapping[str, Any]], str, str | Sequence[str] | None,
-                                       Sequence[str] | None]] = ()) -> str:
-    """One W&B run for one command's results: ``inputs`` ((path, kind, digest) consumed, :func:`use_inputs`),
-    ``tables`` (key -> rows), ``images`` (key -> PNG path), ``exports`` ((folder, kind) pairs), ``series``
-    ((rows, axis, group, metrics) of :func:`log_series`). Returns the run's local directory."""
-    run = start_wandb_run(project, dict(config), job_type=job_type, name=name)
-    try:
-        use_inputs(run, inputs)
-        for rows, axis, group, metrics in series:
-            log_series(run, axis, rows, group, metrics)
-        for key, rows in (tables or {}).items():
-            log_table(run, key, rows)
-        for key, path in (images or {}).items():
-            log_image(run, key, path)
-        for folder, kind in exports:
-            log_export(run, folder, kind)
-        return str(Path(run.dir).parent)
-    finally:
-        run.finish()
-
-
 def log_export_to_loggers(loggers: Iterable[Any], export_dir: str | Path) -> None:
     """After a fit: log the export as an artifact to every W&B logger of the trainer (none: nothing)."""
     for lg in loggers:
@@ -278,7 +173,7 @@ def log_checkpoints_to_loggers(loggers: Iterable[Any], ckpt_dir: str | Path, **m
     for lg in loggers:
         if type(lg).__name__ != "WandbLogger" or not files:
             continue
-        art = _wandb().Artifact(_artifact_name(f"checkpoints-{d.resolve().parent.name}"), type="model-checkpoint",
+        art = wandb_module().Artifact(artifact_name(f"checkpoints-{d.resolve().parent.name}"), type="model-checkpoint",
                                 metadata={**_jsonable(metadata), "files": {p.name: p.stat().st_size for p in files}})
         for f in files:
             art.add_file(str(f), name=f.name)

@@ -518,3 +518,17 @@ def decoder_for(name_or_path: str) -> TokenDecoder:
     from expertcast.models.tokenizer import load_tokenizer
 
     return TokenDecoder(load_tokenizer(name_or_path))
+
+
+def counts_from_frequency(freq: np.ndarray, tokens: int) -> np.ndarray:
+    """int64 [L, E] selection counts from per-token selection frequencies [L, E] over ``tokens`` tokens."""
+    return np.rint(np.asarray(freq, np.float64) * max(int(tokens), 1)).astype(np.int64)
+
+
+def cue_set_calibration(cue_set: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(frequency float [L, E], selection counts int64 [L, E]) of a cue set's calibration traces (the
+    stage policies' seed placement and the ``static`` baseline)."""
+    if cue_set.expert_frequency is None:
+        raise UsageError("the cue set has no expert_frequency (recalibrate it with `expertcast stages calibrate`)")
+    freq = np.asarray(cue_set.expert_frequency, np.float64)
+    return freq, counts_from_frequency(freq, cue_set.calibration.get("decode_tokens", 1))

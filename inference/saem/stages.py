@@ -486,3 +486,13 @@ def detect_offline(cues: Sequence[str], token_ids: Sequence[int], decoder: Calla
         det._feed(0, det._bytes(tid), events)
     events += det.flush(0)
     return events
+
+
+def synthetic_cue_decoder(cue_token: int):
+    """Token decoder for :func:`expertcast.data.synthetic.staged_traces`: the cue token reads
+    " Wait", every other token " x"."""
+
+    def dec(i: int) -> bytes:
+        return b" Wait" if int(i) == cue_token else b" x"
+
+    return dec

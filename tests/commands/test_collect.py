@@ -9,9 +9,9 @@ import pytest
 import torch
 from expertcast.commands.collect import collect_traces
 from expertcast.commands.collect import main as collect_main
-from expertcast.data.collect import CollectConfig, generate_batch
 from expertcast.data.traces import load_traces, read_manifest
 from expertcast.models.routing import capture_routing
+from expertcast.recipes.collect import CollectConfig, generate_batch
 
 MODEL = "mixtral-tiny"
 
@@ -26,7 +26,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def model_tok():
-    from expertcast.data.collect import load_model
+    from expertcast.recipes.collect import load_model
 
     return load_model(MODEL, device="cpu")
 

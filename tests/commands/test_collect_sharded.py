@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 from expertcast.commands.collect import PARTS_DIR, collect_traces, launch_shard
-from expertcast.data.collect import CollectConfig
 from expertcast.data.trace_format import sequences_fingerprint
 from expertcast.data.traces import load_traces, read_manifest
+from expertcast.recipes.collect import CollectConfig
 from expertcast.utils.errors import UsageError
 
 MODEL = "qwen3_moe-tiny"

@@ -60,8 +60,8 @@ def test_reload_and_live_routers_on_the_fitted_export(fitted):
     from expertcast.inference.runtime.engine import OffloadedModel
     from expertcast.inference.runtime.live_routers import LiveRouterScores
     from expertcast.inference.sim.simulator import build_stream, replay
+    from expertcast.models.backbone import load_adaptation_export
     from expertcast.models.presets import build_tiny
-    from expertcast.models.router_export import load_adaptation_export
 
     model, _, routers, info = load_adaptation_export(fitted)
     assert routers is not None and routers.mode == "full" and info["router_mode"] == "full"

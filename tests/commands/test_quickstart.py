@@ -70,7 +70,7 @@ def test_the_default_models_banner_says_where_it_came_from():
     """The quickstart's model banner on the embedded default: shipped, verified, its recipe and build."""
     from expertcast.commands.quickstart import _default_provenance
     from expertcast.models.names import shipped_default_model
-    from expertcast.models.tiny_default import load_report
+    from expertcast.recipes.tiny_default import load_report
 
     line = _default_provenance(shipped_default_model())
     rep = load_report(shipped_default_model())

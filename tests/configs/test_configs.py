@@ -91,7 +91,7 @@ def test_shipped_yaml_instantiates_through_lightning_cli(config, traces, tmp_pat
 
 
 def test_default_model_recipe_reads_as_build_default_does():
-    from expertcast.models.tiny_default import TinyDefaultConfig
+    from expertcast.recipes.tiny_default import TinyDefaultConfig
 
     path = REPO / "configs/tiny_default/default.yaml"
     cfg = TinyDefaultConfig.from_yaml(path)

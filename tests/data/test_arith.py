@@ -88,8 +88,8 @@ def test_benchmark_loads_as_problems_and_grades_exactly():
 
 def test_training_chat_is_prompted_exactly_as_eval_prompts():
     from expertcast.data.prompts import build_prompt
-    from expertcast.models.tiny_default import arith_messages
     from expertcast.models.tokenizer import byte_level_tokenizer
+    from expertcast.recipes.tiny_default_corpus import arith_messages
 
     tok = byte_level_tokenizer()
     (p,) = load_benchmark("arith", "train", limit=1)
@@ -118,13 +118,14 @@ def test_test_problems_never_appear_in_the_default_corpus(data_dir):
     """The default recipe's corpus (GSM8K train, CoT, the arith train problems): no held-out arith test
     problem's operands appear among its arith problems, and no test question appears anywhere in it
     (every question any template can word is found in the corpus text; none is a test question)."""
-    from expertcast.models import tiny_default as td
+    from expertcast.recipes import tiny_default as td
+    from expertcast.recipes.tiny_default_corpus import arith_train_problems, recipe_files
 
     cfg = td.TinyDefaultConfig()
     assert cfg.arith_train > 0
-    corpus = td._load_corpus(cfg, td._data_files(data_dir))
+    corpus = td._load_corpus(cfg, recipe_files(data_dir))
     assert corpus.n_arith == cfg.arith_train
-    train = td.arith_train_problems(cfg.arith_train)
+    train = arith_train_problems(cfg.arith_train)
     test = load_benchmark("arith", "test")
     assert not {arith.pair_key(p.extra["op"], p.extra["a"], p.extra["b"]) for p in test} & {p.key for p in train}
     text = "\n".join(m["content"] for chat in corpus.train_chats for m in chat)

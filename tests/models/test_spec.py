@@ -98,3 +98,17 @@ def test_unsupported_config_names_class_and_families():
 
     with pytest.raises(UnsupportedModelError, match=r"LlamaConfig.*qwen3_moe.*gpt_oss"):
         MoESpec.from_config(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2))
+
+
+def test_check_model_compatible_names_the_mismatch():
+    from expertcast.data.trace_format import TraceMeta
+    from expertcast.models.presets import get_config
+    from expertcast.models.spec import check_model_compatible
+
+    spec = MoESpec.from_config(get_config("mixtral-tiny"))  # L=2, E=8, K=2
+    with pytest.raises(ValueError, match="L=3, E=8, K=2 but the model 'preset:mixtral-tiny' has L=2, E=8, K=2"):
+        check_model_compatible(TraceMeta("m", 3, 8, 2, 1), spec)
+    ok = TraceMeta("m", 2, 8, 2, 1, moe_layers=[0, 1])
+    check_model_compatible(ok, spec)
+    with pytest.raises(ValueError, match=r"MoE layers \[1, 2\]"):
+        check_model_compatible(TraceMeta("m", 2, 8, 2, 1, moe_layers=[1, 2]), spec)

@@ -9,7 +9,7 @@ from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.stage_aware import StageAwarePolicy
 from expertcast.inference.saem.cpu_exec import LatencyModel
-from expertcast.inference.saem.evaluate import synthetic_cue_decoder
+from expertcast.inference.saem.stages import synthetic_cue_decoder
 from expertcast.inference.sim.simulator import simulate
 
 
@@ -177,21 +177,6 @@ def test_cue_set_found_beside_the_model(tmp_path):
         resolve_cue_set(tmp_path / "nope.json", tmp_path)
     pol = make_policy("stage", tokenizer=str(tmp_path), decoder=lambda i: b"x")
     assert pol.cues == ["Wait", "Alternatively"] and pol.static_frequency.shape == (3, 16)
-
-
-def test_eval_static_baseline_needs_counts():
-    from expertcast.inference.saem.evaluate import counts_from_frequency, make_policies
-
-    freq = np.array([[0.5, 0.25, 0.125, 0.125]])
-    cnt = counts_from_frequency(freq, 1000)
-    assert cnt.tolist() == [[500, 250, 125, 125]]
-    pols = make_policies(["Wait"], lambda i: b"x", freq, cnt, names=["static", "lru"])
-    assert [p.label for p in pols] == ["static", "lru"]
-    assert pols[0].freq.tolist() == cnt.tolist()
-    with pytest.raises(ValueError, match="int selection counts"):
-        make_policies(["Wait"], lambda i: b"x", freq, freq, names=["static"])
-    with pytest.raises(ValueError, match="unknown"):
-        make_policies(["Wait"], lambda i: b"x", freq, cnt, names=["mru"])
 
 
 def _tcseq(traces) -> float:

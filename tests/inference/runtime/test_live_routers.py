@@ -25,8 +25,8 @@ from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.inference.runtime.live_routers import LiveRouterScores
 from expertcast.inference.sim.simulator import build_stream, replay
+from expertcast.models.backbone import load_adaptation_export
 from expertcast.models.cache_routers import record_router_outputs
-from expertcast.models.router_export import load_adaptation_export
 
 torch.set_num_threads(1)
 

@@ -10,10 +10,10 @@ import json
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
-from expertcast.models import tiny_default as td
+from expertcast.recipes import tiny_default as td
+from expertcast.recipes import tiny_default_corpus as tdc
 
 torch.set_num_threads(1)
 
@@ -40,7 +40,7 @@ def cache(tmp_path, monkeypatch, data_dir):
 
 def test_build_load_and_reuse(cache, monkeypatch):
     path = td.ensure_default_model(TINY, progress=False)
-    assert path.parent == cache / "tiny-default-v1" and path.name == TINY.key(td._data_files())
+    assert path.parent == cache / "tiny-default-v1" and path.name == TINY.key(tdc.recipe_files())
     for f in ("config.json", "model.safetensors", "tokenizer.json", "report.json", "train_loss.png"):
         assert (path / f).is_file(), f
     assert not any(p.name.startswith(".") for p in path.parent.iterdir() if p.is_dir())  # no partial dirs left
@@ -58,7 +58,7 @@ def test_build_load_and_reuse(cache, monkeypatch):
     assert rep["spec"]["num_experts"] == 8 and rep["spec"]["num_layers"] == 2
     # the arith train problems are in the corpus; the held-out arith accuracy is measured on test problems
     assert rep["corpus_chats"] == {"gsm8k_train": 150, "cot_math153": 1, "arith_train": 100}
-    assert rep["arith_sha256"] == td.arith_hash(100)
+    assert rep["arith_sha256"] == tdc.arith_hash(100)
     arith = rep["heldout_arith_test"]
     assert arith["problems"] == 4 and arith["first_id"] == "arith-test-00000" and 0 <= arith["accuracy"] <= 1
     for domain in ("gsm8k_test", "cot_heldout"):
@@ -84,12 +84,12 @@ def test_build_load_and_reuse(cache, monkeypatch):
     monkeypatch.setattr(td, "build_default_model", boom)
     assert td.ensure_default_model(TINY, progress=False) == path
     # A changed recipe has another key (so it would retrain).
-    assert dataclasses.replace(TINY, lr=2e-2).key(td._data_files()) != TINY.key(td._data_files())
+    assert dataclasses.replace(TINY, lr=2e-2).key(tdc.recipe_files()) != TINY.key(tdc.recipe_files())
 
 
 def test_interrupted_build_resumes(cache, monkeypatch):
     calls = {"n": 0}
-    orig = td._PackedStream.next_batch
+    orig = tdc.PackedStream.next_batch
 
     def flaky(self):
         calls["n"] += 1
@@ -97,18 +97,18 @@ def test_interrupted_build_resumes(cache, monkeypatch):
             raise KeyboardInterrupt
         return orig(self)
 
-    monkeypatch.setattr(td._PackedStream, "next_batch", flaky)
+    monkeypatch.setattr(tdc.PackedStream, "next_batch", flaky)
     cfg = dataclasses.replace(TINY, max_steps=20, eval_gsm8k_test=2, eval_cot=0, eval_arith=0)
     with pytest.raises(KeyboardInterrupt):
         td.ensure_default_model(cfg, progress=False, checkpoint_every_s=1e-9)
-    partial = cache / "tiny-default-v1" / f".{cfg.key(td._data_files())}.partial" / "ckpt.pt"
+    partial = cache / "tiny-default-v1" / f".{cfg.key(tdc.recipe_files())}.partial" / "ckpt.pt"
     assert partial.is_file()
     path = td.ensure_default_model(cfg, progress=False, checkpoint_every_s=1e-9)
     rep = td.load_report(path)
     assert rep["resumed"] == 1 and rep["steps"] == 20 and rep["tokens_seen"] == 20 * 4 * 64
     assert not partial.parent.exists()
     # the resumed build ends with the weights of an uninterrupted one
-    monkeypatch.setattr(td._PackedStream, "next_batch", orig)
+    monkeypatch.setattr(tdc.PackedStream, "next_batch", orig)
     ref = td.build_default_model(cfg, cache / "uninterrupted", progress=False)
     assert ref["steps"] == 20 and _sha(cache / "uninterrupted") == _sha(path)
 
@@ -118,20 +118,6 @@ def test_missing_data_names_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(tmp_path / "nodata"))
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nodata")):
         td.ensure_default_model(TINY, progress=False)
-
-
-def test_routing_stats_known_values():
-    # One layer, E=4, K=2. Sequence: {0,1},{0,1},{2,3}: usage uniform (1 each of 4 -> entropy 1, share
-    # 1/4 ... counts 0:2,1:2,2:1,3:1), overlaps 2/2 then 0/2.
-    r = np.array([[[0, 1]], [[1, 0]], [[2, 3]]], dtype=np.int16)
-    (row,) = td.routing_stats([r], num_experts=4)
-    p = np.array([2, 2, 1, 1]) / 6
-    assert row["entropy_norm"] == pytest.approx(float(-(p * np.log(p)).sum() / np.log(4)))
-    assert row["max_share"] == pytest.approx(2 / 6)
-    assert row["overlap"] == pytest.approx((2 + 0) / (2 * 2))
-    # Overlap never crosses sequence boundaries.
-    (row2,) = td.routing_stats([r[:2], r[2:]], num_experts=4)
-    assert row2["overlap"] == pytest.approx(1.0)
 
 
 def test_lr_schedule_warms_up_then_decays_over_the_steps():
@@ -186,7 +172,7 @@ def test_two_builds_are_identical_and_the_key_covers_the_recipe(tmp_path, monkey
     ra, rb = td.load_report(a), td.load_report(b)
     assert [h[2:] for h in ra["loss_history"]] == [h[2:] for h in rb["loss_history"]]  # same losses, step by step
     # every recipe field that changes the weights changes the key
-    files = td._data_files()
+    files = tdc.recipe_files()
     for change in ({"max_steps": 13}, {"seed": 1}, {"threads": 1}, {"lr": 2e-2}, {"seq_len": 32},
                    {"gsm8k_train_limit": 61}, {"arith_train": 7}):
         assert dataclasses.replace(cfg, **change).key(files) != cfg.key(files), change
@@ -196,10 +182,10 @@ def test_two_builds_are_identical_and_the_key_covers_the_recipe(tmp_path, monkey
     copy = tmp_path / "data"
     shutil.copytree(data_dir / "gsm8k", copy / "gsm8k")
     shutil.copytree(data_dir / "cot", copy / "cot")
-    assert cfg.key(td._data_files(copy)) == cfg.key(files)
+    assert cfg.key(tdc.recipe_files(copy)) == cfg.key(files)
     text = (copy / "cot" / "labeled40.jsonl").read_text(encoding="utf-8")
     (copy / "cot" / "labeled40.jsonl").write_text(text.replace("Wait", "Wiat", 1), encoding="utf-8")
-    assert cfg.key(td._data_files(copy)) != cfg.key(files)
+    assert cfg.key(tdc.recipe_files(copy)) != cfg.key(files)
 
 
 def test_cli_builds_then_reuses(cache, tmp_path, capsys):
@@ -273,8 +259,8 @@ def test_shipped_report_recipe_hash_equals_the_codes_recipe(data_dir, monkeypatc
     assert report["recipe_hash"] == code.recipe_hash()
     assert report["recipe"] == code.to_dict() and report["recipe_version"] == td.RECIPE_VERSION
     monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(data_dir))
-    assert report["data_sha256"] == td.data_hashes(td._data_files())
-    assert report["key"] == code.key(td._data_files())
+    assert report["data_sha256"] == tdc.data_hashes(tdc.recipe_files())
+    assert report["key"] == code.key(tdc.recipe_files())
     assert report["steps"] == code.max_steps and report["heldout_arith_test"]["accuracy"] > 0.5
 
 

@@ -9,7 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from expertcast.inference.runtime.bench_disk import (
+from expertcast.inference.runtime.real_shapes import build_shape
+from expertcast.inference.sim.simulator import build_stream
+from expertcast.recipes.bench_disk import (
     BenchConfig,
     check_held_out,
     check_subset,
@@ -18,8 +20,6 @@ from expertcast.inference.runtime.bench_disk import (
     scaled_full_seconds,
     trim_sequence,
 )
-from expertcast.inference.runtime.real_shapes import build_shape
-from expertcast.inference.sim.simulator import build_stream
 
 DS_SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, vocab_size=512, kv_lora_rank=16,
                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, num_attention_heads=4, num_key_value_heads=4,
@@ -131,8 +131,8 @@ def test_layer_share_times_the_decoder_layers_of_decode_steps_only(builds):
     afterwards, is a proper fraction (the embedding, final norm, LM head and the driver's work lie outside)."""
     from expertcast.data.synthetic import zipf_traces
     from expertcast.inference.policies import make_policy
-    from expertcast.inference.runtime.bench_disk import decoder_layers, layer_share
     from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.recipes.bench_disk import decoder_layers, layer_share
     from transformers import AutoModelForCausalLM
 
     d, _, _ = builds

@@ -1,44 +1,35 @@
-"""The embedded default model: a tiny Qwen3-MoE and its byte-level BPE tokenizer, trained here.
+"""The embedded default model's recipe: a tiny Qwen3-MoE and its byte-level BPE tokenizer, trained here.
 
 The model is shipped in the repository (``models/shipped/tiny-default``, :func:`ship_default_model`); every
 ``--model tiny-default`` resolves to those files once their checksums are verified
-(:func:`expertcast.models.names.shipped_default_model`) and never trains. ``expertcast build-default
-[--force]`` (:func:`ensure_default_model`) rebuilds it into the cache and says whether the rebuild is
-identical to the shipped files; ``--ship`` replaces them. The recipe trains a small Qwen3-MoE on GSM8K train solutions (formatted as chat:
-question -> answer), the long R1 chain-of-thought traces of ``cot/math153.jsonl`` (wrapped in
-``<think>...</think>``) and the ``train`` split of the synthetic arithmetic task
-(:mod:`expertcast.data.arith`, prompted exactly as ``expertcast eval --benchmark arith`` prompts), so
-that its routers behave like a trained model's (experts specialise; consecutive tokens share experts)
-rather than random init, and so that it answers held-out ``arith`` problems well above chance: the
-accuracy signal on CPU (GSM8K stays at 0% for a model this size).
+(:func:`expertcast.models.names.shipped_default_model`) and never trains. ``expertcast build-default [--force]``
+(:func:`ensure_default_model`) rebuilds it into the cache and says whether the rebuild is identical to the shipped
+files; ``--ship`` replaces them. The recipe trains on GSM8K train solutions (as chat: question -> answer), the R1
+chain-of-thought traces of ``cot/math153.jsonl`` (wrapped in ``<think>...</think>``) and the ``train`` split of the
+synthetic arithmetic task, prompted as ``expertcast eval --benchmark arith`` prompts
+(:mod:`~expertcast.recipes.tiny_default_corpus`), so that its routers behave like a trained model's and it answers
+held-out ``arith`` problems well above chance (GSM8K stays at 0% for a model this size).
 
-Reproducible: the recipe (:class:`TinyDefaultConfig`) fixes the number of optimizer steps, the seed and
-the number of torch threads, and the data order is drawn from the seed; two builds of one recipe on one
-software stack give identical weights. The cache key (:meth:`TinyDefaultConfig.key`) is a hash of the
-whole recipe, the sha256 of every data file it reads and of the generated arithmetic problems, and the
-code format (``RECIPE_VERSION``).
+Reproducible: the recipe (:class:`TinyDefaultConfig`) fixes the optimizer steps, the seed and the torch threads;
+the data order is drawn from the seed, so two builds of one recipe on one software stack give identical weights.
+The cache key (:meth:`TinyDefaultConfig.key`) hashes the whole recipe, the sha256 of every data file and of the
+generated arithmetic problems, and the code format (``RECIPE_VERSION``).
 
-The result is saved in Hugging Face format (``save_pretrained``, safetensors) under
-``cache_dir()/tiny-default-v1/<key>``, written to a temporary directory and renamed into place once
-complete, with ``report.json`` (the recipe, the data hashes, the loss curve every ``LOSS_LOG_EVERY``
-steps, training time, held-out GSM8K-test perplexity, greedy accuracy on held-out ``arith`` test
-problems, per-layer expert load balance against the untrained init) and ``train_loss.png``. A changed recipe gets a new key and retrains; an unchanged one
-is reused. A file lock makes concurrent callers wait for one build instead of training in parallel.
-An interrupted build resumes from its last checkpoint (saved every ``checkpoint_every_s``) and ends
-with the same weights as an uninterrupted one.
+The result is saved in Hugging Face format under ``cache_dir()/tiny-default-v1/<key>``, written to a temporary
+directory and renamed into place, with ``report.json`` (recipe, data hashes, the loss every ``LOSS_LOG_EVERY``
+steps, training time, held-out GSM8K-test perplexity, greedy ``arith`` test accuracy, per-layer expert load balance
+against the untrained init) and ``train_loss.png``. A changed recipe gets a new key; an unchanged one is reused. A
+file lock makes concurrent callers wait for one build; an interrupted build resumes from its last checkpoint (every
+``checkpoint_every_s``) and ends with the same weights. Plain PyTorch loop (no Lightning): AdamW, linear warm-up
+then cosine decay over ``max_steps``, plus the config's load-balancing auxiliary loss.
 
-Plain PyTorch loop (no Lightning): AdamW, linear warm-up then cosine decay over ``max_steps``, and the
-load-balancing auxiliary loss of the config (``router_aux_loss_coef`` with ``output_router_logits``).
-
-A model library (not a command): the build sits beside the other model facts (docs/design.md "Embedded default model", "Layout"). The
-``expertcast build-default`` recipe (:mod:`expertcast.commands.build_default`) reads the YAML recipe,
-builds or reuses the model through :func:`ensure_default_model` and prints its report.
+A recipe (docs/design.md "Embedded default model", "Layout"): only ``expertcast build-default``
+(:mod:`expertcast.commands.build_default`) and ``quickstart`` import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -52,10 +43,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from expertcast.recipes.tiny_default_corpus import (
+    PackedStream,
+    arith_hash,
+    arith_messages,
+    arith_train_problems,
+    cot_messages,
+    data_hashes,
+    data_rows,
+    gsm8k_messages,
+    recipe_files,
+    tokenize_docs,
+)
+from expertcast.recipes.tiny_default_eval import heldout_arith_accuracy, routing_report
 from expertcast.utils.errors import UsageError
-from expertcast.utils.io import atomic_write_json, read_jsonl, replace_dir
+from expertcast.utils.io import atomic_write_json, replace_dir
 from expertcast.utils.locks import FileLock
-from expertcast.utils.paths import DATA_DIR_ENV, cache_dir, data_dir
+from expertcast.utils.paths import cache_dir
 from expertcast.utils.provenance import sha256_file
 
 DEFAULT_NAME = "tiny-default-v1"
@@ -192,99 +196,6 @@ class TinyDefaultConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=8)
-def arith_hash(n: int) -> str:
-    """sha256 of the first ``n`` arith train problems (their chats, as the corpus holds them)."""
-    from expertcast.utils.provenance import sha256_json
-
-    return sha256_json([arith_messages(p) for p in arith_train_problems(n)])
-
-
-def data_hashes(files: dict[str, Path]) -> dict[str, str]:
-    """sha256 of each data file of the recipe, by role (``gsm8k_train``, ...)."""
-    return {k: _digest(str(p), *_stamp(p)) for k, p in sorted(files.items())}
-
-
-def _stamp(p: Path) -> tuple[int, int]:
-    st = p.stat()
-    return st.st_size, st.st_mtime_ns
-
-
-@functools.lru_cache(maxsize=32)
-def _digest(path: str, size: int, mtime_ns: int) -> str:
-    """sha256 of a file, computed once per (path, size, mtime) in a process."""
-    return sha256_file(path)
-
-
-# ----------------------------------------------------------------------------------------- data
-
-
-def _data_files(root: Path | None = None) -> dict[str, Path]:
-    """Paths of the files the recipe reads; a one-line FileNotFoundError naming where it looked."""
-    base = data_dir(root)
-    if base is None:
-        from expertcast.utils.paths import REPO_ROOT
-
-        raise FileNotFoundError(
-            f"tiny-default training data not found: ${DATA_DIR_ENV} is unset and "
-            f"{REPO_ROOT.parent / 'shared' / 'data'} does not exist"
-        )
-    files = {
-        "gsm8k_train": base / "gsm8k" / "train.jsonl",
-        "gsm8k_test": base / "gsm8k" / "test.jsonl",
-        "cot_train": base / "cot" / "math153.jsonl",
-        "cot_heldout": base / "cot" / "labeled40.jsonl",
-    }
-    missing = [str(p) for p in files.values() if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"tiny-default training data not found: missing {', '.join(missing)} "
-                                f"(looked in {base}; set ${DATA_DIR_ENV})")
-    return files
-
-
-def _data_rows(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """The first ``limit`` rows of a data file of the recipe (:func:`~expertcast.utils.io.read_jsonl`); it must
-    hold one at least."""
-    rows = read_jsonl(path, limit=limit)
-    if not rows:
-        raise UsageError(f"{path}: no rows")
-    return rows
-
-
-def _clean_gsm8k(answer: str, strip: bool) -> str:
-    import re
-
-    return re.sub(r"<<[^>]*>>", "", answer) if strip else answer
-
-
-def gsm8k_messages(row: dict[str, Any], strip_calculator_notes: bool = True) -> list[dict[str, str]]:
-    """Chat of one GSM8K row: the question as the user turn, the worked solution as the answer."""
-    return [{"role": "user", "content": row["question"].strip()},
-            {"role": "assistant", "content": _clean_gsm8k(row["answer"].strip(), strip_calculator_notes)}]
-
-
-def cot_messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    """Chat of one R1 trace: the problem, then ``<think>\\n{thinking}\\n</think>\\n\\n{final response}``."""
-    final = (row.get("final_response") or "").strip()
-    content = f"<think>\n{row['thinking'].strip()}\n</think>\n\n{final}"
-    return [{"role": "user", "content": row["problem"].strip()}, {"role": "assistant", "content": content}]
-
-
-def arith_train_problems(n: int) -> list:
-    """The first ``n`` problems of the arith ``train`` split (:class:`~expertcast.data.arith.ArithProblem`)."""
-    from expertcast.data.arith import arith_problems
-
-    return arith_problems("train", n) if n else []
-
-
-def arith_messages(problem) -> list[dict[str, str]]:
-    """Chat of one arith problem: the user turn exactly as ``eval --benchmark arith`` prompts it
-    (question + instruction), the worked solution as the answer."""
-    from expertcast.data.prompts import user_message
-
-    return [user_message(problem.question, "arith"), {"role": "assistant", "content": problem.solution}]
-
-
 @dataclass
 class _Corpus:
     train_chats: list[str]
@@ -297,8 +208,8 @@ class _Corpus:
 
 
 def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path]) -> _Corpus:
-    gsm = _data_rows(files["gsm8k_train"], cfg.gsm8k_train_limit)
-    cot = _data_rows(files["cot_train"], cfg.cot_limit)
+    gsm = data_rows(files["gsm8k_train"], cfg.gsm8k_train_limit)
+    cot = data_rows(files["cot_train"], cfg.cot_limit)
     arith = arith_train_problems(cfg.arith_train)
     chats = ([gsm8k_messages(r, cfg.strip_calculator_notes) for r in gsm] + [cot_messages(r) for r in cot]
              + [arith_messages(p) for p in arith])
@@ -306,62 +217,12 @@ def _load_corpus(cfg: TinyDefaultConfig, files: dict[str, Path]) -> _Corpus:
     return _Corpus(
         train_chats=chats,  # type: ignore[arg-type]
         tokenizer_texts=tok_texts,
-        eval_gsm8k=_data_rows(files["gsm8k_test"], cfg.eval_gsm8k_test) if cfg.eval_gsm8k_test else [],
-        eval_cot=_data_rows(files["cot_heldout"], cfg.eval_cot) if cfg.eval_cot else [],
+        eval_gsm8k=data_rows(files["gsm8k_test"], cfg.eval_gsm8k_test) if cfg.eval_gsm8k_test else [],
+        eval_cot=data_rows(files["cot_heldout"], cfg.eval_cot) if cfg.eval_cot else [],
         n_gsm8k=len(gsm),
         n_cot=len(cot),
         n_arith=len(arith),
     )
-
-
-def _tokenize_docs(tokenizer, chats: list[list[dict[str, str]]]) -> list[np.ndarray]:
-    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in chats]
-    # The backend tokenizer directly: documents longer than model_max_length are fine here (they are
-    # packed into seq_len blocks), so skip the wrapper's length warning.
-    enc = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    return [np.asarray(e.ids + [eot], dtype=np.int32) for e in enc]
-
-
-class _PackedStream:
-    """Documents shuffled per epoch, concatenated and cut into [batch, seq_len] blocks."""
-
-    def __init__(self, docs: list[np.ndarray], seq_len: int, batch_size: int, seed: int):
-        total = sum(len(d) for d in docs)
-        if total < seq_len * batch_size:
-            raise ValueError(f"training corpus has {total} tokens, fewer than one batch ({batch_size}x{seq_len})")
-        self.docs, self.seq_len, self.batch_size, self.seed = docs, seq_len, batch_size, seed
-        self.epoch = 0
-        self.total_tokens = total
-        self._blocks: np.ndarray | None = None
-        self._pos = 0
-
-    def _new_epoch(self) -> None:
-        order = np.random.default_rng(self.seed + self.epoch).permutation(len(self.docs))
-        stream = np.concatenate([self.docs[i] for i in order])
-        n = len(stream) // self.seq_len
-        self._blocks = stream[: n * self.seq_len].reshape(n, self.seq_len)
-        self._pos = 0
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self._pos}
-
-    def restore(self, state: dict[str, int]) -> None:
-        self.epoch = int(state["epoch"])
-        self._new_epoch()
-        self._pos = int(state["pos"])
-
-    def next_batch(self) -> torch.Tensor:
-        """[batch_size, seq_len] int64 token ids."""
-        if self._blocks is None:
-            self._new_epoch()
-        assert self._blocks is not None
-        if self._pos + self.batch_size > len(self._blocks):
-            self.epoch += 1
-            self._new_epoch()
-        b = self._blocks[self._pos : self._pos + self.batch_size]
-        self._pos += self.batch_size
-        return torch.from_numpy(b.astype(np.int64))
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -447,117 +308,21 @@ def heldout_perplexity(model, tokenizer, rows: list[dict[str, Any]], cfg: TinyDe
             "sequences": len(seqs)}
 
 
-@torch.no_grad()
-def heldout_arith_accuracy(model, tokenizer, n: int, max_new_tokens: int = 64, batch_size: int = 25) -> dict[str, Any]:
-    """Greedy accuracy on the first ``n`` held-out ``arith`` test problems, prompted and graded as
-    ``expertcast eval --benchmark arith`` does (chat template, exact match of the number after ``####``)."""
-    from expertcast.data.benchmarks import load_benchmark
-    from expertcast.data.grading import grade
-    from expertcast.data.prompts import build_prompt
-
-    model.eval()
-    problems = load_benchmark("arith", "test", limit=n)
-    correct = 0
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        enc = tokenizer([build_prompt(tokenizer, p.question, "arith") for p in chunk], return_tensors="pt",
-                        padding=True, add_special_tokens=False)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        correct += sum(grade("arith", t, p.answer) for t, p in zip(texts, chunk, strict=True))
-    return {"accuracy": correct / len(problems), "correct": correct, "problems": len(problems),
-            "first_id": problems[0].id, "last_id": problems[-1].id}
-
-
-@torch.no_grad()
-def routing_of(model, ids: list[int]) -> np.ndarray:
-    """Top-K expert ids of every position and MoE layer of one sequence: int16 [T, L, K] (the
-    router's own selection: softmax over the router logits, then top-K)."""
-    model.eval()
-    out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    sel = [torch.topk(torch.softmax(r.float(), dim=-1), k, dim=-1).indices for r in out.router_logits]
-    return torch.stack(sel, dim=1).to(torch.int16).numpy()  # [T, L, K]
-
-
-def routing_stats(routings: list[np.ndarray], num_experts: int) -> list[dict[str, float]]:
-    """Per MoE layer: normalized entropy of expert usage (1 = perfectly balanced), max-expert share
-    (fraction of all selections that went to the busiest expert; 1/E when balanced) and the mean
-    step-to-step overlap |S_t ∩ S_(t+1)| / K of consecutive positions' selected sets (K/E for
-    independent uniform choices).
-
-    ``routings``: int arrays [T, L, K], one per sequence.
-    """
-    L, K = routings[0].shape[1], routings[0].shape[2]
-    rows = []
-    for layer in range(L):
-        counts = np.zeros(num_experts, dtype=np.int64)
-        inter, pairs = 0, 0
-        for r in routings:
-            sel = r[:, layer, :].astype(np.int64)
-            counts += np.bincount(sel.ravel(), minlength=num_experts)
-            if len(sel) > 1:
-                onehot = np.zeros((len(sel), num_experts), dtype=bool)
-                np.put_along_axis(onehot, sel, True, axis=1)
-                inter += int((onehot[1:] & onehot[:-1]).sum())
-                pairs += len(sel) - 1
-        p = counts / counts.sum()
-        nz = p[p > 0]
-        rows.append({
-            "layer": layer,
-            "entropy_norm": float(-(nz * np.log(nz)).sum() / math.log(num_experts)),
-            "max_share": float(p.max()),
-            "overlap": inter / (pairs * K) if pairs else float("nan"),
-        })
-    return rows
-
-
 def _heldout_token_seqs(tokenizer, corpus: _Corpus, cfg: TinyDefaultConfig) -> dict[str, list[list[int]]]:
     out: dict[str, list[list[int]]] = {}
     if corpus.eval_gsm8k:
         chats = [gsm8k_messages(r, cfg.strip_calculator_notes) for r in corpus.eval_gsm8k]
-        out["gsm8k_test"] = [d[: cfg.eval_max_len].tolist() for d in _tokenize_docs(tokenizer, chats)]
+        out["gsm8k_test"] = [d[: cfg.eval_max_len].tolist() for d in tokenize_docs(tokenizer, chats)]
     if corpus.eval_cot:
         chats = [cot_messages(r) for r in corpus.eval_cot]
-        out["cot_heldout"] = [d[: cfg.eval_max_len].tolist() for d in _tokenize_docs(tokenizer, chats)]
+        out["cot_heldout"] = [d[: cfg.eval_max_len].tolist() for d in tokenize_docs(tokenizer, chats)]
     return out
-
-
-def _routing_report(model, seqs: dict[str, list[list[int]]], num_experts: int) -> dict[str, Any]:
-    res: dict[str, Any] = {}
-    usage = {}
-    for name, group in seqs.items():
-        rts = [routing_of(model, s) for s in group]
-        per_layer = routing_stats(rts, num_experts)
-        res[name] = {
-            "per_layer": per_layer,
-            "mean_entropy_norm": float(np.mean([r["entropy_norm"] for r in per_layer])),
-            "mean_max_share": float(np.mean([r["max_share"] for r in per_layer])),
-            "mean_overlap": float(np.mean([r["overlap"] for r in per_layer])),
-        }
-        L = rts[0].shape[1]
-        usage[name] = np.stack([
-            np.bincount(np.concatenate([r[:, layer].ravel() for r in rts]).astype(np.int64), minlength=num_experts)
-            for layer in range(L)])
-    if len(usage) == 2:
-        # Specialisation across domains: Jensen-Shannon divergence (bits) between the per-layer expert
-        # usage on GSM8K solutions and on chain-of-thought text.
-        a, b = (u / u.sum(axis=1, keepdims=True) for u in usage.values())
-        m = (a + b) / 2
-
-        def kl(x, y):
-            with np.errstate(divide="ignore", invalid="ignore"):
-                return np.where(x > 0, x * np.log2(x / y), 0.0).sum(axis=1)
-
-        res["domain_js_bits"] = [float(v) for v in (kl(a, m) + kl(b, m)) / 2]
-    return res
 
 
 # ------------------------------------------------------------------------------------- training
 
 
-def _save_checkpoint(path: Path, model, opt, stream: _PackedStream, state: dict[str, Any]) -> None:
+def _save_checkpoint(path: Path, model, opt, stream: PackedStream, state: dict[str, Any]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / "ckpt.pt.tmp"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "stream": stream.state(),
@@ -565,7 +330,7 @@ def _save_checkpoint(path: Path, model, opt, stream: _PackedStream, state: dict[
     os.replace(tmp, path / "ckpt.pt")
 
 
-def _train(cfg: TinyDefaultConfig, model, stream: _PackedStream, work: Path, progress: bool,
+def _train(cfg: TinyDefaultConfig, model, stream: PackedStream, work: Path, progress: bool,
            checkpoint_every_s: float) -> dict[str, Any]:
     """``cfg.max_steps`` AdamW steps on ``stream`` (resumed from ``work/ckpt.pt`` when present).
 
@@ -663,7 +428,7 @@ def _plot_loss(history: list[list[float]], path: Path) -> None:
 def default_model_dir(cfg: TinyDefaultConfig | None = None, data_root: str | os.PathLike | None = None) -> Path:
     """Where the model of recipe ``cfg`` is (or will be) cached: ``cache_dir()/tiny-default-v1/<key>``."""
     cfg = cfg or TinyDefaultConfig()
-    return cache_dir() / DEFAULT_NAME / cfg.key(_data_files(Path(data_root) if data_root else None))
+    return cache_dir() / DEFAULT_NAME / cfg.key(recipe_files(Path(data_root) if data_root else None))
 
 
 def _is_complete(path: Path) -> bool:
@@ -677,7 +442,7 @@ def ensure_default_model(cfg: TinyDefaultConfig | None = None, *, force: bool = 
     when ``force``), reuses the cached one afterwards. Only ``expertcast build-default`` calls it:
     ``tiny-default`` names the shipped model (:func:`expertcast.models.names.shipped_default_model`)."""
     cfg = cfg or TinyDefaultConfig()
-    files = _data_files(Path(data_root) if data_root else None)
+    files = recipe_files(Path(data_root) if data_root else None)
     key = cfg.key(files)
     final = cache_dir() / DEFAULT_NAME / key
     if _is_complete(final) and not force:
@@ -697,7 +462,7 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
                         progress: bool = True, checkpoint_every_s: float = 60.0) -> dict[str, Any]:
     """Train tokenizer and model of recipe ``cfg`` and save them atomically into ``out_dir``
     (replacing it). Returns the report (also written to ``out_dir/report.json``)."""
-    files = files or _data_files()
+    files = files or recipe_files()
     out_dir = Path(out_dir)
     work = out_dir.parent / f".{out_dir.name}.partial"  # checkpoints survive an interruption here
     work.mkdir(parents=True, exist_ok=True)
@@ -720,8 +485,8 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
         tokenizer = train_bpe_tokenizer(corpus.tokenizer_texts, cfg.vocab_size,
                                         model_max_length=cfg.max_position_embeddings)
         tok_time = time.perf_counter() - t0
-        docs = _tokenize_docs(tokenizer, corpus.train_chats)
-        stream = _PackedStream(docs, cfg.seq_len, cfg.batch_size, cfg.seed)
+        docs = tokenize_docs(tokenizer, corpus.train_chats)
+        stream = PackedStream(docs, cfg.seq_len, cfg.batch_size, cfg.seed)
 
         from expertcast.models.presets import build_from_config
 
@@ -741,8 +506,8 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
         ppl_init = heldout_perplexity(init_model, tokenizer, corpus.eval_gsm8k, cfg) if corpus.eval_gsm8k else None
         arith = heldout_arith_accuracy(model, tokenizer, cfg.eval_arith) if cfg.eval_arith else None
         seqs = _heldout_token_seqs(tokenizer, corpus, cfg)
-        routing = _routing_report(model, seqs, cfg.num_experts) if seqs else {}
-        routing_init = _routing_report(init_model, seqs, cfg.num_experts) if seqs else {}
+        routing = routing_report(model, seqs, cfg.num_experts) if seqs else {}
+        routing_init = routing_report(init_model, seqs, cfg.num_experts) if seqs else {}
         eval_time = time.perf_counter() - t_eval
 
         from expertcast.models.spec import MoESpec
@@ -850,7 +615,5 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
 __all__ = [
     "TinyDefaultConfig", "ensure_default_model", "default_model_dir", "build_default_model", "load_report",
     "ship_default_model", "SHIPPED_FILES",
-    "routing_of", "model_config",
-    "routing_stats", "heldout_perplexity", "heldout_arith_accuracy", "gsm8k_messages", "cot_messages",
-    "arith_messages", "arith_train_problems", "arith_hash", "data_hashes",
+    "model_config", "heldout_perplexity",
 ]

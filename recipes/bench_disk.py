@@ -8,14 +8,15 @@
 (ii) RAM copy bandwidth (``torch`` copy of a 256 MB buffer, best of 5);
 (iii) the expert GEMM rate at the model's expert shape and dtype (one expert's gate/up + down projections
     for 1 and 64 tokens), with the kernel oneDNN reports for a bf16 matmul of that shape
-    (``ONEDNN_VERBOSE=1`` in a subprocess) and the CPU's relevant ``/proc/cpuinfo`` flags;
+    (``ONEDNN_VERBOSE=1`` in a subprocess) and the CPU's relevant ``/proc/cpuinfo`` flags
+    (:mod:`expertcast.inference.runtime.machine`);
 then per policy and RAM budget a forced-routing replay of the traces through the disk store
-(:class:`~.disk_store.ReaderPoolEngine`), in paired passes: all-in-RAM baseline, policy, baseline, ... (``repeats``
-policy passes, each against the mean of its neighbouring baselines; median and min-max). The all-in-RAM baseline
-is the runtime with every expert resident in RAM slots (capacity 1.0, warmed): the same expert kernels as the disk
-runs, so the ratio is what the disk costs; the plain model's forced replay (transformers' experts kernel,
-:class:`~.forced.FullLoadReplayer`) is reported beside it. The *bound* of a
-policy is the speed its own measured loads allow with full I/O-compute overlap:
+(:class:`~expertcast.inference.runtime.disk_store.ReaderPoolEngine`), in paired passes: all-in-RAM baseline,
+policy, baseline, ... (``repeats`` policy passes, each against the mean of its neighbouring baselines; median and
+min-max). The all-in-RAM baseline is the runtime with every expert resident in RAM slots (capacity 1.0, warmed):
+the same expert kernels as the disk runs, so the ratio is what the disk costs; the plain model's forced replay
+(transformers' experts kernel, :class:`~expertcast.inference.runtime.forced.FullLoadReplayer`) is reported beside
+it. The *bound* of a policy is the speed its own measured loads allow with full I/O-compute overlap:
 ``1 / max(reads per token x expert bytes / disk bandwidth, 1 / baseline tokens/s)``; ``achieved_vs_bound`` is
 the policy's tokens/s over it. Beside it, the *dependency-aware bound* (:func:`dependency_bound_seconds`,
 :data:`DEP_BOUND_FORMULA`): a demand miss's read starts when its layer is routed, so it can overlap only that
@@ -29,22 +30,27 @@ from __future__ import annotations
 import copy
 import os
 import platform
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from expertcast.inference.runtime.disk_store import ALIGN, BUFFERED, DIRECT, aligned_empty, round_up
+from expertcast.inference.runtime.disk_store import ALIGN, round_up
 from expertcast.inference.runtime.loading import RSS_MARGIN_BYTES
+from expertcast.inference.runtime.machine import (
+    CPU_FLAGS,
+    MachineFigures,
+    cpu_info,
+    disk_bandwidth,
+    gemm_kernel,
+    gemm_rate,
+    ram_bandwidth,
+    reset_peak_rss,
+)
 from expertcast.utils.provenance import code_version
-
-CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 
 
 @dataclass
@@ -95,140 +101,6 @@ class BenchConfig:
     seed: int = 0
 
 
-@dataclass
-class MachineFigures:
-    disk_gbps: float
-    disk_io_mode: str
-    disk_block_bytes: int
-    disk_queue_depth: int
-    ram_copy_gbps: float
-    gemm_gflops_1: float
-    gemm_gflops_64: float
-    expert_ms_1: float
-    gemm_kernel: str
-    cpu_flags: list[str] = field(default_factory=list)
-    cpu_model: str = ""
-
-
-# --------------------------------------------------------------------------------------------- machine figures
-def disk_bandwidth(folder: str | os.PathLike, size_mb: int, block: int, readers: int, seed: int = 0) -> tuple[float, str]:
-    """(GB/s, I/O mode) of direct reads of ``block`` bytes at random aligned offsets of a fresh ``size_mb`` file
-    in ``folder`` by ``readers`` threads (deleted afterwards)."""
-    block = round_up(block)
-    n = max(size_mb * 1_000_000 // block, readers)
-    fd, name = tempfile.mkstemp(prefix=".bench-disk-", dir=folder)
-    try:
-        chunk = np.random.default_rng(seed).integers(0, 256, block, dtype=np.uint8).tobytes()
-        with os.fdopen(fd, "wb") as f:
-            for _ in range(n):
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        mode = DIRECT
-        try:
-            rfd = os.open(name, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-            probe = aligned_empty(block)
-            os.preadv(rfd, [probe.numpy()], 0)
-        except OSError:
-            mode = BUFFERED
-            rfd = os.open(name, os.O_RDONLY)
-        os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
-        order = np.random.default_rng(seed).permutation(n)
-        parts = np.array_split(order, readers)
-
-        def read(idx: np.ndarray) -> None:
-            buf = aligned_empty(block).numpy()
-            for i in idx:
-                os.preadv(rfd, [buf], int(i) * block)
-                if mode == BUFFERED:
-                    os.posix_fadvise(rfd, int(i) * block, block, os.POSIX_FADV_DONTNEED)
-
-        ts = [threading.Thread(target=read, args=(p,)) for p in parts]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        dt = time.perf_counter() - t0
-        os.close(rfd)
-        return n * block / 1e9 / dt, mode
-    finally:
-        os.unlink(name)
-
-
-def ram_bandwidth(mb: int = 256) -> float:
-    """GB/s of a torch copy between two ``mb`` buffers (best of 5; bytes copied, not read + written)."""
-    a = torch.ones(mb * 1_000_000, dtype=torch.uint8)
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return a.numel() / 1e9 / best
-
-
-def cpu_info() -> tuple[str, list[str]]:
-    """(model name, the flags of :data:`CPU_FLAGS` present) from /proc/cpuinfo."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor(), []
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
-    return model, [f for f in CPU_FLAGS if f in flags]
-
-
-_ONEDNN_PROBE = """
-import torch
-torch.set_num_threads({threads})
-x = torch.randn({n}, {h}).to(torch.{dtype}); w = torch.randn({i2}, {h}).to(torch.{dtype})
-for _ in range(3):
-    torch.nn.functional.linear(x, w)
-"""
-
-
-def gemm_kernel(hidden: int, inter: int, dtype: str, threads: int, n: int = 64) -> str:
-    """The oneDNN implementation that ran a ``dtype`` linear of the expert's gate/up shape (``ONEDNN_VERBOSE=1``
-    in a subprocess), e.g. ``brg_matmul:avx512_core_amx``; ``not oneDNN (...)`` when oneDNN printed nothing."""
-    env = {**os.environ, "ONEDNN_VERBOSE": "1", "DNNL_VERBOSE": "1"}
-    code = _ONEDNN_PROBE.format(threads=threads, n=n, h=hidden, i2=2 * inter, dtype=dtype)
-    try:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
-    except (subprocess.TimeoutExpired, OSError) as e:
-        return f"unknown ({e})"
-    kernels = []
-    for ln in out.splitlines():
-        if ln.startswith(("onednn_verbose", "dnnl_verbose")) and ",exec," in ln:
-            cols = ln.split(",")
-            try:
-                i = cols.index("exec")
-                prim, impl = cols[i + 2], cols[i + 3]
-            except (ValueError, IndexError):
-                continue
-            kernels.append(f"{prim}:{impl}")
-    if kernels:
-        return max(set(kernels), key=kernels.count)
-    return "not oneDNN (torch's own/ATen BLAS kernel; ONEDNN_VERBOSE printed no exec line)"
-
-
-def gemm_rate(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int, tokens: int, reps: int = 20
-              ) -> tuple[float, float]:
-    """(GFLOP/s, ms) of one expert forward of ``module`` on ``tokens`` rows (median of ``reps``)."""
-    from expertcast.inference.runtime.experts import expert_forward
-
-    dt = next(iter(weights.values())).dtype
-    x = torch.randn(tokens, hidden).to(dt)
-    flops = 2 * tokens * sum(v.numel() for k, v in weights.items() if not k.endswith("_bias"))
-    times = []
-    for _ in range(reps + 3):
-        t0 = time.perf_counter()
-        expert_forward(module, x, weights)
-        times.append(time.perf_counter() - t0)
-    med = float(np.median(times[3:]))
-    return flops / med / 1e9, med * 1e3
-
-
 # --------------------------------------------------------------------------------------------- the replay grid
 def trim_sequence(s, prompt: int, tokens: int):
     """``s`` cut to its last ``prompt`` prompt positions and its first ``tokens`` decode positions (the prefill
@@ -243,9 +115,10 @@ def trim_sequence(s, prompt: int, tokens: int):
 
 def _traces(cfg: BenchConfig, L: int, E: int, K: int, expert_bytes: int):
     """(meta, sequences, calibration, source) at the model's L/E/K (recorded traces laid on by
-    :func:`~.forced.map_trace_to_model`), each replayed sequence cut to ``cfg.prompt`` prompt and ``cfg.tokens``
-    decode positions; ``calibration``: up to ``cfg.calib_sequences`` other sequences of the same trace set (never
-    replayed), what ``static`` is calibrated on (held out, so that it does not see the routing it is scored on)."""
+    :func:`~expertcast.inference.runtime.forced.map_trace_to_model`), each replayed sequence cut to
+    ``cfg.prompt`` prompt and ``cfg.tokens`` decode positions; ``calibration``: up to ``cfg.calib_sequences``
+    other sequences of the same trace set (never replayed), what ``static`` is calibrated on (held out, so that
+    it does not see the routing it is scored on)."""
     if cfg.traces:
         from expertcast.data.traces import load_traces
         from expertcast.inference.runtime.forced import map_trace_to_model
@@ -375,16 +248,6 @@ def scaled_full_seconds(sub_seconds: float, share: float, sub_layers: int, full_
     return sub_seconds * ((1.0 - share) + share * full_layers / max(sub_layers, 1))
 
 
-def reset_peak_rss() -> bool:
-    """Reset this process's RSS high-water mark (``/proc/self/clear_refs`` 5), so that ``VmHWM`` then reads the
-    peak of what follows; False where the kernel refuses."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _fingerprint(seqs) -> str:
     from expertcast.utils.provenance import trace_fingerprint
 
@@ -405,7 +268,7 @@ def _non_expert_bytes(model: torch.nn.Module) -> int:
 def check_subset(model_dir: str, subset_dir: str) -> str:
     """A line saying why ``subset_dir``'s layers are the first layers of ``model_dir``, weight for weight (both
     ``build-shape`` outputs of one shape, seed, dtype and overrides; each tensor is seeded by its name,
-    :func:`~.real_shapes.tensor_values`); ValueError (one line) when they are not."""
+    :func:`~expertcast.inference.runtime.real_shapes.tensor_values`); ValueError (one line) when they are not."""
     from expertcast.inference.runtime.real_shapes import read_provenance
 
     a, b = read_provenance(model_dir), read_provenance(subset_dir)

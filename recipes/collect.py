@@ -8,7 +8,7 @@ RIGHT padding and an attention mask, so pads only ever come after a sequence's r
 change their routing. With ``completions`` pass 1 is skipped: the text someone else wrote (e.g. the
 R1 chain-of-thought traces of ``../shared/data/cot/``) is tokenized and routed.
 
-The recipe that drives it (output folder, shard plan, resume, sharded ranks, summary) is
+The command that drives it (output folder, shard plan, resume, sharded ranks, summary) is
 :mod:`expertcast.commands.collect`; this module holds the pieces: the settings (:class:`CollectConfig`,
 :func:`run_settings`), the inputs, the two passes and the trace metadata.
 

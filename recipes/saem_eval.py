@@ -1,4 +1,4 @@
-"""SAEM evaluation in the trace-driven simulator: the library of `expertcast stages eval`.
+"""The SAEM stages study in the trace-driven simulator: the recipe of `expertcast stages eval`.
 
 Policies (``--policies``): ``stage`` (stage-aware + CPU execution), ``stage-oracle`` (next stage's true
 frequencies at the same boundaries), the ablations ``stage-nocpu`` (temporary slot only) and
@@ -25,9 +25,11 @@ Long runs resume: finished (policy, capacity, batch) records are kept in ``parti
 output folder (written atomically after each record, with the settings key of everything they depend
 on) and reused on the next invocation only when that key matches exactly.
 
-:func:`run_grid` is the library entry point: the ``expertcast stages eval`` recipe
-(:mod:`expertcast.commands.stages`) loads traces and cue set, runs the grid of each trace set (the traces
-and/or :func:`synthetic_runs`) and writes the table and the plot.
+:func:`run_grid` is the entry point: the ``expertcast stages eval`` command (:mod:`expertcast.commands.stages`)
+loads traces and cue set, runs the grid of each trace set (the traces and/or :func:`synthetic_runs`) and writes the
+table and the plot. The library parts live in :mod:`expertcast.inference.saem` (a cue set's calibration counts,
+:func:`~expertcast.inference.saem.cues.cue_set_calibration`; the synthetic sets' token decoder,
+:func:`~expertcast.inference.saem.stages.synthetic_cue_decoder`).
 """
 
 from __future__ import annotations
@@ -53,16 +55,6 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {
 """Label of the evaluation -> (registered policy, its options): the stage policies, their ablations, baselines."""
 POLICIES = tuple(RUNS)
 """Policy labels of the evaluation, in table order."""
-
-
-def synthetic_cue_decoder(cue_token: int):
-    """Token decoder for :func:`expertcast.data.synthetic.staged_traces`: the cue token reads
-    " Wait", every other token " x"."""
-
-    def dec(i: int) -> bytes:
-        return b" Wait" if int(i) == cue_token else b" x"
-
-    return dec
 
 
 def make_policies(cues: list[str], decoder: Any, static_frequency: np.ndarray, calibration: np.ndarray,
@@ -100,11 +92,6 @@ def make_policies(cues: list[str], decoder: Any, static_frequency: np.ndarray, c
             p.ignore_case = ignore_case
         out.append(p)
     return out
-
-
-def counts_from_frequency(freq: np.ndarray, tokens: int) -> np.ndarray:
-    """int64 [L, E] selection counts from per-token selection frequencies [L, E] over ``tokens`` tokens."""
-    return np.rint(np.asarray(freq, np.float64) * max(int(tokens), 1)).astype(np.int64)
 
 
 def run_settings(name: str, traces: tuple[Any, list[Any]], cues: list[str], static_frequency: np.ndarray,
@@ -196,15 +183,6 @@ def run_grid(name: str, traces: tuple[Any, list[Any]], cues: list[str], decoder:
                     row["oracle_eff_speed"] = r["pct_full_speed"] / orc["pct_full_speed"]
                 rows.append(row)
     return rows
-
-
-def cue_set_calibration(cue_set: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(frequency float [L, E], selection counts int64 [L, E]) of a cue set's calibration traces (the
-    stage policies' seed placement and the ``static`` baseline)."""
-    if cue_set.expert_frequency is None:
-        raise UsageError("the cue set has no expert_frequency (recalibrate it with `expertcast stages calibrate`)")
-    freq = np.asarray(cue_set.expert_frequency, np.float64)
-    return freq, counts_from_frequency(freq, cue_set.calibration.get("decode_tokens", 1))
 
 
 def synthetic_runs() -> list[tuple[str, Any, np.ndarray, np.ndarray]]:
