@@ -17,6 +17,7 @@ fills every object the caller did not give from the options, driven by the file 
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,11 +62,15 @@ LOADERS = {"forecaster": load_forecaster_export, "traces": load_calibration, "ro
 """File kind -> loader (path -> object)."""
 
 
+def object_names(cls: type) -> list[str]:
+    """The loaded objects ``cls`` (a policy class) takes: the keyword-only parameters of its constructor."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+
+
 def load_artifacts(spec: PolicySpec, opts: PolicyOptions, given: dict[str, Any] | None = None) -> dict[str, Any]:
     """The constructor's objects of policy ``spec``: ``given`` (objects the caller loaded) completed from the
     file options of ``opts``; only objects the constructor takes are returned."""
-    from expertcast.inference.policies import object_names
-
     takes = set(object_names(spec.load()))
     out = dict(given or {})
     for name, kind in opts.file_options().items():
