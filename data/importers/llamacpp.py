@@ -6,8 +6,9 @@ sequence per file):
 
 * ``layer,expert`` (the upstream example): one row per routed activation in callback order, i.e. per ubatch, per
   MoE layer, the rows of its tokens in order, each token's K experts in rank order. The file names no token, so
-  ``--top-k K`` is required: each layer's rows are cut into tokens of K rows (every layer must have the same
-  number of rows, a multiple of K). The prompt/continuation boundary is not recorded: phase unknown.
+  ``--top-k K`` is required: each layer's rows are cut into tokens of K rows (every layer the same number of
+  rows, a multiple of K; a file cut short mid-write leaves its last layers short of the last tokens, which are
+  dropped and counted). The prompt/continuation boundary is not recorded: phase unknown.
 * ``phase,token,layer,rank,expert`` (the fork that adds token and phase indices): ``phase`` is ``prefill`` or
   ``decode``, ``token`` the zero-based position, ``rank`` the expert's place in the top-K. Phase known.
 
@@ -21,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 from expertcast.data.importers.common import (
+    INT16_MAX,
     Imported,
+    ImportFormatError,
     ImportOptions,
     RowCollector,
     check_ids,
@@ -29,10 +32,9 @@ from expertcast.data.importers.common import (
     csv_rows,
     files_of,
     need,
-    num_experts_of,
 )
+from expertcast.data.importers.spec import FormatSpec
 from expertcast.data.trace_format import TraceSequence
-from expertcast.data.trace_import import INT16_MAX, ImportFormatError
 
 NAME = "llamacpp"
 UPSTREAM = ("layer", "expert")
@@ -44,7 +46,7 @@ def sniff_header(cells: tuple[str, ...]) -> bool:
 
 
 def read(path: Path, opts: ImportOptions) -> Imported:
-    E = num_experts_of(opts, NAME)
+    E = int(opts.num_experts)
     files = files_of(path, "csv")
     with open(files[0], encoding="utf-8") as f:
         head = tuple(c.strip() for c in f.readline().strip().split(","))
@@ -79,13 +81,14 @@ def _read_indexed(files: list[Path], E: int, opts: ImportOptions) -> Imported:
             col.add(first, f.stem, t, layer, [g[r][0] for r in ranks], phase=phases.pop())
     seqs, L, layers = col.build(str(files[0] if len(files) == 1 else files[0].parent))
     return Imported(seqs, L, E, int(col.K or 0), phase_known=True, model_id=opts.model_id,
-                    moe_layers=None if layers == list(range(L)) else layers, records=col.records)
+                    moe_layers=None if layers == list(range(L)) else layers, records=col.records,
+                    **col.dropped())
 
 
 def _read_upstream(files: list[Path], E: int, K: int, opts: ImportOptions) -> Imported:
     seqs = []
     layers_all: list[int] | None = None
-    rows = 0
+    rows = dropped = dropped_seqs = 0
     for f in files:
         per: dict[int, list[int]] = {}
         first: dict[int, str] = {}
@@ -102,15 +105,28 @@ def _read_upstream(files: list[Path], E: int, K: int, opts: ImportOptions) -> Im
             raise ImportFormatError(f"{f}: MoE layers {layers}, {files[0]} has {layers_all}")
         layers_all = layers
         n = {li: len(v) for li, v in per.items()}
-        if len(set(n.values())) != 1:
-            raise ImportFormatError(f"{f}: layers have different numbers of rows ({n}): a layer's tokens are missing")
-        count = n[layers[0]]
-        if count % K:
+        count = max(n.values())
+        if len(set(n.values())) == 1 and count % K:
             raise ImportFormatError(f"{f}: {count} rows per layer is not a multiple of --top-k {K}")
-        ids = np.stack([np.asarray(per[li], dtype=np.int64).reshape(-1, K) for li in layers], axis=1)
+        # rows come per ubatch, layer by layer: a write cut short leaves the last layers short of the last
+        # tokens; the tokens every layer has are kept, the rest dropped and counted
+        keep = min(n.values()) // K
+        dropped += -(-count // K) - keep
+        if keep == 0:
+            dropped_seqs += 1
+            continue
+        ids = np.stack([np.asarray(per[li][:keep * K], dtype=np.int64).reshape(-1, K) for li in layers], axis=1)
         check_ids(ids, E, f"{f}")
         seqs.append(TraceSequence(f.stem, np.full(len(ids), -1, dtype=np.int32), 0, ids.astype(np.int16),
                                   np.full(ids.shape, 1.0 / K, dtype=np.float16)))
+    if not seqs:
+        raise ImportFormatError(f"{files[0]}: no token has every layer's rows (--top-k {K} rows per token)")
     L = len(layers_all or [])
     return Imported(seqs, L, E, K, phase_known=False, model_id=opts.model_id,
-                    moe_layers=None if layers_all == list(range(L)) else layers_all, records=rows)
+                    moe_layers=None if layers_all == list(range(L)) else layers_all, records=rows,
+                    dropped_positions=dropped, dropped_sequences=dropped_seqs)
+
+
+SPEC = FormatSpec(NAME, "llama.cpp moe-trace CSV (layer,expert or phase,token,layer,rank,expert)", read,
+                  csv_headers=(UPSTREAM, INDEXED), folder_ext="csv",
+                  requires={"num_experts": "its records do not name E"}, inputs=("top_k",))

@@ -26,8 +26,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from expertcast.data.importers.common import Imported, ImportOptions, RowCollector, files_of, str_field
-from expertcast.data.trace_import import INT16_MAX, INT32_MAX, ImportFormatError, _int_field
+from expertcast.data.importers.common import (
+    INT16_MAX,
+    INT32_MAX,
+    Imported,
+    ImportFormatError,
+    ImportOptions,
+    RowCollector,
+    files_of,
+    int_value,
+    str_field,
+)
+from expertcast.data.importers.spec import FormatSpec
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import iter_jsonl
 from expertcast.utils.jsonfields import check_format, require_keys
@@ -61,7 +71,8 @@ def read(path: Path, opts: ImportOptions) -> Imported:
     models = {m["model_id"] for m in metas}
     return Imported(seqs, L, E, int(col.K or 0), phase_known=True,
                     model_id=opts.model_id or (models.pop() if len(models) == 1 else None),
-                    moe_layers=None if layers == list(range(L)) else layers, records=col.records + len(files))
+                    moe_layers=None if layers == list(range(L)) else layers, records=col.records + len(files),
+                    **col.dropped())
 
 
 def _metadata(f: Path) -> dict:
@@ -78,7 +89,7 @@ def _metadata(f: Path) -> dict:
         str_field(m.get("model_id"), "model_id", where)
         for k in ("num_experts", "experts_per_token"):
             if m.get(k) is not None:
-                _int_field(m[k], k, where, 1, INT16_MAX + 1)
+                int_value(m[k], k, where, 1, INT16_MAX + 1)
             else:
                 m.pop(k, None)
         return m
@@ -109,8 +120,8 @@ def _events(f: Path, meta: dict, col: RowCollector) -> None:
         phase = r["phase"]
         if phase not in ("prompt", "generated"):
             raise ImportFormatError(f"{where}: phase must be 'prompt' or 'generated', got {phase!r}")
-        pos = _int_field(r["token_position"], "token_position", where, 0, INT32_MAX)
-        layer = _int_field(r["layer"], "layer", where, 0, INT16_MAX)
+        pos = int_value(r["token_position"], "token_position", where, 0, INT32_MAX)
+        layer = int_value(r["layer"], "layer", where, 0, INT16_MAX)
         if last["phase"] == "generated" and phase == "prompt":
             raise ImportFormatError(f"{where}: a prompt record after generated records")
         key = (layer, pos) if phase == "prompt" else (pos, layer)
@@ -136,7 +147,10 @@ def _events(f: Path, meta: dict, col: RowCollector) -> None:
             if bad:
                 raise ImportFormatError(f"{where}: selected_probabilities {bad} outside [0, 1]")
         tid = r.get("token_id")
-        tid = -1 if tid is None else _int_field(tid, "token_id", where, 0, INT32_MAX)
+        tid = -1 if tid is None else int_value(tid, "token_id", where, 0, INT32_MAX)
         col.add(where, f.stem, pos, layer, experts, probs or None, "prefill" if phase == "prompt" else "decode", tid)
     if not n:
         raise ImportFormatError(f"{f}: no routing_selection record after the metadata")
+
+
+SPEC = FormatSpec(NAME, "moe-cache-lab routing-trace-v1 JSONL", read, sniff=sniff, folder_ext="jsonl")

@@ -23,17 +23,18 @@ from typing import Any
 
 import numpy as np
 from expertcast.data.importers.common import (
+    INT32_MAX,
     Imported,
+    ImportFormatError,
     ImportOptions,
     Request,
     b64_bytes,
     id_field,
-    need,
-    num_experts_of,
+    int_value,
     request_sequences,
     str_field,
 )
-from expertcast.data.trace_import import INT32_MAX, ImportFormatError, _int_field
+from expertcast.data.importers.spec import FormatSpec
 from expertcast.utils.io import iter_jsonl
 
 NAME = "sglang"
@@ -47,9 +48,7 @@ def sniff(obj: Any) -> bool:
 
 
 def read(path: Path, opts: ImportOptions) -> Imported:
-    E = num_experts_of(opts, NAME)
-    L = need(opts.num_layers, "--num-layers", NAME, "its payload is a flat array: give the model's MoE layers")
-    K = need(opts.top_k, "--top-k", NAME, "its payload is a flat array: give the experts per token")
+    E, L, K = int(opts.num_experts), int(opts.num_layers), int(opts.top_k)
     reqs: list[Request] = []
     lines = 0
     for ln, rec in iter_jsonl(path, error=ImportFormatError):
@@ -85,9 +84,9 @@ def _request(r: dict, where: str, L: int, K: int) -> Request:
                                 f"--num-layers x --top-k = {L} x {K}")
     ids = np.frombuffer(raw, dtype=dtype).astype(np.int64).reshape(-1, L, K)
     T = ids.shape[0]
-    P = _int_field(m["prompt_tokens"], "meta_info.prompt_tokens", where, 0, INT32_MAX) if "prompt_tokens" in m else None
+    P = int_value(m["prompt_tokens"], "meta_info.prompt_tokens", where, 0, INT32_MAX) if "prompt_tokens" in m else None
     if P is not None and "completion_tokens" in m:
-        C = _int_field(m["completion_tokens"], "meta_info.completion_tokens", where, 0, INT32_MAX)
+        C = int_value(m["completion_tokens"], "meta_info.completion_tokens", where, 0, INT32_MAX)
         if T not in (P + C - 1, P + C):
             raise ImportFormatError(f"{where}: response {sid!r} has {T} routed positions, but {P} prompt + {C} "
                                     f"completion tokens make {P + C - 1} (or {P + C})")
@@ -95,3 +94,10 @@ def _request(r: dict, where: str, L: int, K: int) -> Request:
         raise ImportFormatError(f"{where}: response {sid!r} has {T} routed positions for {P} prompt tokens")
     source = str_field(r["source"], "source", where) if r.get("source") is not None else None
     return Request(sid, ids, where, P, None, source)
+
+
+SPEC = FormatSpec(NAME, "SGLang /generate responses, base64 meta_info.routed_experts", read, sniff=sniff,
+                  requires={"num_experts": "its records do not name E",
+                            "num_layers": "its payload is a flat array: give the model's MoE layers",
+                            "top_k": "its payload is a flat array: give the experts per token"},
+                  inputs=("num_layers", "top_k"))

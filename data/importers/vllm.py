@@ -25,19 +25,21 @@ from pathlib import Path
 from typing import Any
 
 from expertcast.data.importers.common import (
+    INT32_MAX,
     Imported,
+    ImportFormatError,
     ImportOptions,
     Request,
     b64_bytes,
     id_field,
     int_grid,
+    int_value,
     npy_array,
-    num_experts_of,
     request_sequences,
     str_field,
     token_ids_of,
 )
-from expertcast.data.trace_import import INT32_MAX, ImportFormatError, _int_field
+from expertcast.data.importers.spec import FormatSpec
 from expertcast.utils.io import iter_jsonl
 
 NAME = "vllm"
@@ -62,7 +64,7 @@ def _routed(v: Any, where: str):
 
 
 def read(path: Path, opts: ImportOptions) -> Imported:
-    E = num_experts_of(opts, NAME)
+    E = int(opts.num_experts)
     reqs: list[Request] = []
     lines = 0
     for ln, rec in iter_jsonl(path, error=ImportFormatError):
@@ -75,7 +77,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
         usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
         prompt_ids = rec.get("prompt_token_ids")
         P = len(prompt_ids) if isinstance(prompt_ids, list) else (
-            _int_field(usage["prompt_tokens"], "usage.prompt_tokens", where, 0, INT32_MAX)
+            int_value(usage["prompt_tokens"], "usage.prompt_tokens", where, 0, INT32_MAX)
             if "prompt_tokens" in usage else None)
         units = rec.get("choices", rec.get("outputs"))
         if units is None:
@@ -90,7 +92,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
             sid = rid if len(units) == 1 else f"{rid}:{id_field(u.get('index'), 'index', where)}"
             out_ids = u.get("token_ids")
             C = len(out_ids) if isinstance(out_ids, list) else (
-                _int_field(usage["completion_tokens"], "usage.completion_tokens", where, 0, INT32_MAX)
+                int_value(usage["completion_tokens"], "usage.completion_tokens", where, 0, INT32_MAX)
                 if "completion_tokens" in usage and len(units) == 1 else None)
             T = ids.shape[0]
             if P is not None and C is not None and T != P + C - 1:
@@ -109,3 +111,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
     _, L, K = seqs[0].expert_ids.shape
     return Imported(seqs, L, E, K, phase_known=known, model_id=opts.model_id, moe_layers=kept, records=lines,
                     notes=notes)
+
+
+SPEC = FormatSpec(NAME, "vLLM return-routed-experts: one request per line, [T, L, K]", read, sniff=sniff,
+                  requires={"num_experts": "its records do not name E"})
