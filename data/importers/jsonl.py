@@ -41,7 +41,7 @@ from expertcast.data.importers.spec import FormatSpec
 from expertcast.data.trace_format import TraceSequence
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import iter_jsonl
-from expertcast.utils.jsonfields import require_keys
+from expertcast.utils.jsonfields import is_int, require_keys
 
 NAME = "jsonl"
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from expertcast.commands.traces import main as traces_main
+from expertcast.data.importers.common import ImportFormatError
+from expertcast.data.importers.jsonl import read_import_jsonl
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.data.trace_import import ImportFormatError, read_import_jsonl
 from expertcast.data.trace_stats import trace_stats
 from expertcast.data.traces import (
     MANIFEST_FILE,

@@ -7,8 +7,8 @@ import json
 
 import pytest
 from expertcast.commands.traces import main as traces_main
-from expertcast.data.importers import FORMATS, detect_format, fingerprint
-from expertcast.data.trace_import import ImportFormatError
+from expertcast.data.importers import detect_format, fingerprint, registry
+from expertcast.data.importers.common import ImportFormatError
 from expertcast.data.traces import load_traces
 
 # (fixture, layout, flags, summary)
@@ -22,7 +22,7 @@ CASES = [
     ("megatron/router_trace_rank0.jsonl", "megatron", ["--num-experts", "8"],
      "2 sequences (megatron layout, L=2, E=8, K=2, 6 tokens"),
     ("moe-cache-lab/trace.jsonl", "moe-cache-lab", [], "1 sequences (moe-cache-lab layout, L=2, E=8, K=2, 3 tokens, 1 "),
-    ("moe-beyond", "moe-beyond", ["--num-experts", "8"], "2 sequences (moe-beyond layout, L=2, E=8, K=2, 5 tokens"),
+    ("moe-beyond", "moe-beyond", ["--num-experts", "64"], "2 sequences (moe-beyond layout, L=2, E=64, K=6, 5 tokens"),
     ("gating-jsonl/routing.jsonl", "gating-jsonl", ["--num-experts", "8"],
      "2 sequences (gating-jsonl layout, L=2, E=8, K=2, 3 tokens"),
     ("hf-router-logits/logits.safetensors", "hf-router-logits", [],
@@ -31,7 +31,7 @@ CASES = [
 
 
 def test_every_layout_has_a_case():
-    assert {c[1] for c in CASES} | {"jsonl", "granite"} == set(FORMATS)
+    assert {c[1] for c in CASES} | {"jsonl", "granite"} == set(registry())
 
 
 @pytest.mark.parametrize("rel,fmt,flags,summary", CASES, ids=[c[0] for c in CASES])
@@ -54,7 +54,7 @@ def test_auto_detects_and_imports(fixtures, tmp_path, capsys, rel, fmt, flags, s
     ("llamacpp/bad_ranks.csv", ["--num-experts", "8"], r"bad_ranks.csv:8: token 1 layer 3 has ranks"),
     ("megatron/bad_shape.jsonl", ["--num-experts", "8"], r"bad_shape.jsonl:2: top_indices is \[3, 2\]"),
     ("moe-cache-lab/bad_order.jsonl", [], r"bad_order.jsonl:3: prompt records must come in ascending"),
-    ("moe-beyond-bad", ["--num-experts", "8"], r"prompt_1.csv:2: experts must be a list of integers"),
+    ("moe-beyond-bad", ["--num-experts", "64"], r"prompt_1_data.csv:2: experts must be a list of integers"),
     ("gating-jsonl/bad_ids.jsonl", ["--num-experts", "8"], r'bad_ids.jsonl:3: experts must be a list of integers'),
     ("hf-router-logits-bad/logits.safetensors", [], r"logits.json: norm_topk_prob must be true or false"),
 ])
