@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from expertcast.data.importers.common import (
+    SNIFF_BYTES,
     Imported,
     ImportFormatError,
     ImportOptions,
@@ -99,7 +100,7 @@ def detect_format(path: str | os.PathLike) -> str:
     if by_suffix:
         return by_suffix[0]
     check_text(path)
-    first = _first_line(path)
+    first = _first_line(path, SNIFF_BYTES if path.suffix == ".csv" else None)
     if path.suffix == ".csv":
         head = tuple(c.strip() for c in first.strip().split(","))
         hits = [n for n, s in specs.items() if head in s.csv_headers]
@@ -125,11 +126,19 @@ def detect_format(path: str | os.PathLike) -> str:
     raise ImportFormatError(f"{path}: unknown trace layout (an object with keys {keys}); {_hint()}")
 
 
-def _first_line(path: Path) -> str:
+def _first_line(path: Path, limit: int | None = None) -> str:
+    """The first non-blank line of ``path`` (at most ``limit`` characters of it). Only a line that can open a JSON
+    value (``{`` or ``[`` first) is read whole; any other is returned as its first :data:`SNIFF_BYTES`."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                return line
+        while True:
+            head = f.readline(limit or SNIFF_BYTES)
+            if not head:
+                break
+            if not head.strip():
+                continue
+            if limit is None and head.lstrip().startswith(("{", "[")) and not head.endswith("\n"):
+                head += f.readline()
+            return head
     raise ImportFormatError(f"{path} is empty: nothing to import")
 
 

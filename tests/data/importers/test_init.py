@@ -77,3 +77,28 @@ def test_ambiguous_and_unknown_layouts(tmp_path):
     c.write_text("a,b\n1,2\n")
     with pytest.raises(ImportFormatError, match="unknown CSV trace layout"):
         detect_format(c)
+
+
+@pytest.mark.parametrize("fill,argv,message", [
+    (b"\0", [], "a binary file (NUL byte at offset 0)"),
+    (b"\0", ["--format", "jsonl", "--num-experts", "8"], "a binary file (NUL byte at offset 0)"),
+    (b"a", [], "unknown trace layout (no JSON object on its first line)"),
+])
+def test_a_large_file_that_is_no_layout_is_refused_without_reading_it_whole(tmp_path, capsys, fill, argv, message):
+    """64 MiB on one line: the refusal reads a few KiB (`truncate -s 1G s.jsonl` once peaked at 3.2 GB)."""
+    import tracemalloc
+
+    src = tmp_path / "s.jsonl"
+    with open(src, "wb") as f:
+        if fill == b"\0":
+            f.truncate(64 << 20)
+        else:
+            f.write(fill * (64 << 20))
+    tracemalloc.start()
+    try:
+        assert traces_main(["import", str(src), "--out", str(tmp_path / "o"), *argv]) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert message in capsys.readouterr().err
+    assert peak < (8 << 20), peak
