@@ -148,19 +148,65 @@ def int_grid(v: Any, ndim: int, what: str, where: str) -> np.ndarray:
         raise ImportFormatError(f"{where}: {what} holds an integer too large for an expert id") from None
 
 
-def check_ids(ids: np.ndarray, num_experts: int, where: str) -> None:
-    """Expert ids [..., K]: in [0, E) and no expert twice in one row; ImportFormatError naming the first bad row."""
+def check_ids(ids: np.ndarray, num_experts: int, where: str, hint: str = "") -> None:
+    """Expert ids [..., K]: in [0, E) and no expert twice in one row; ImportFormatError naming the first bad row
+    (``hint``, e.g. which flags gave the rows their shape, ends the message)."""
     flat = ids.reshape(-1, ids.shape[-1])
     out = (flat < 0) | (flat >= num_experts)
+    tail = f"; {hint}" if hint else ""
     if out.any():
         r = int(np.argmax(out.any(axis=1)))
         raise ImportFormatError(f"{where}: expert id(s) {flat[r][out[r]].tolist()} outside [0, E={num_experts}) "
-                                f"(row {_row_index(ids.shape, r)})")
+                                f"(row {_row_index(ids.shape, r)}){tail}")
     srt = np.sort(flat, axis=1)
     rep = (np.diff(srt, axis=1) == 0).any(axis=1)
     if rep.any():
         r = int(np.argmax(rep))
-        raise ImportFormatError(f"{where}: repeated expert in {flat[r].tolist()} (row {_row_index(ids.shape, r)})")
+        raise ImportFormatError(f"{where}: repeated expert in {flat[r].tolist()} (row {_row_index(ids.shape, r)})"
+                                f"{tail}")
+
+
+SPLIT_EVIDENCE = 8.0
+"""Same-position expert coincidences two independent routers would show (K^2/E per position) before the absence
+of any counts as evidence that they are one router's top-K cut in two."""
+
+
+def check_not_split(seqs: list[np.ndarray], num_experts: int, axis: str, where: str, hint: str) -> None:
+    """Refuse rows that look like one router's top-K cut into neighbours by a wrong shape flag.
+
+    ``seqs``: [T, L, K] ids. Along ``axis`` (``"layer"``: layers l and l+1 at the same position; ``"position"``:
+    positions t and t+1 of a layer, in aligned blocks of m = 2..8), the neighbours of a row never share an expert
+    when they are the two halves of one top-K row (a router picks K distinct experts), whereas separate routers or
+    tokens do by chance. When they never do over enough rows that ``SPLIT_EVIDENCE`` coincidences were expected
+    (uniform routing: K^2/E per pair), the shape the flags gave is refused with ``hint`` (the file does not record
+    its shape)."""
+    K = seqs[0].shape[2]
+    per = K * K / num_experts
+    if axis == "layer":
+        L = seqs[0].shape[1]
+        for li in range(L - 1):
+            pairs = sum(len(a) for a in seqs)
+            if pairs * per < SPLIT_EVIDENCE:
+                return
+            if not any(_shared(a[:, li], a[:, li + 1]).any() for a in seqs):
+                raise ImportFormatError(f"{where}: layers {li} and {li + 1} never select a common expert at the same "
+                                        f"position over {pairs} positions (about {pairs * per:.0f} expected from two "
+                                        f"routers): they look like one router's top-K cut in two; {hint}")
+        return
+    for m in range(2, 9):
+        blocks = [a[: len(a) // m * m].reshape(-1, m, *a.shape[1:]) for a in seqs]
+        pairs = sum(b.shape[0] * (m - 1) * b.shape[2] for b in blocks)
+        if not pairs or pairs * per < SPLIT_EVIDENCE:
+            continue
+        if not any(_shared(b[:, i], b[:, i + 1]).any() for b in blocks for i in range(m - 1)):
+            raise ImportFormatError(f"{where}: in every block of {m} positions the positions never share an expert "
+                                    f"within a layer ({pairs} pairs, about {pairs * per:.0f} expected from separate "
+                                    f"tokens): each looks like one token's top-K cut in {m}; {hint}")
+
+
+def _shared(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[..., K] x [..., K] -> [...]: whether the two rows share an expert."""
+    return (a[..., :, None] == b[..., None, :]).any(axis=(-1, -2))
 
 
 def _row_index(shape: tuple[int, ...], r: int) -> list[int]:
@@ -415,7 +461,7 @@ class Request:
     source: str | None = None
 
 
-def request_sequences(reqs: list[Request], num_experts: int, source_name: str
+def request_sequences(reqs: list[Request], num_experts: int, source_name: str, hint: str = ""
                       ) -> tuple[list[TraceSequence], list[int] | None, list[str]]:
     """Sequences of ``reqs`` (one each, weights 1/K), the kept layers and notes.
 
@@ -444,7 +490,7 @@ def request_sequences(reqs: list[Request], num_experts: int, source_name: str
     out = []
     for r in reqs:
         ids = r.ids[:, keep]
-        check_ids(ids, num_experts, f"{r.where}: request {r.seq_id!r}")
+        check_ids(ids, num_experts, f"{r.where}: request {r.seq_id!r}", hint)
         T, L, K = ids.shape
         pl = r.prompt_len or 0
         tok = r.token_ids if r.token_ids is not None else np.full(T, -1, dtype=np.int64)

@@ -8,9 +8,13 @@ sequence per file):
   MoE layer, the rows of its tokens in order, each token's K experts in rank order. The file names no token, so
   ``--top-k K`` is required: each layer's rows are cut into tokens of K rows (every layer the same number of
   rows, a multiple of K; a file cut short mid-write leaves its last layers short of the last tokens, which are
-  dropped and counted). The prompt/continuation boundary is not recorded: phase unknown.
+  dropped and counted). The prompt/continuation boundary is not recorded: phase unknown. A wrong ``--top-k`` that
+  divides the row count is cross-checked where the rows can tell: a token's K ids are distinct (a K too large
+  mixes tokens), and neighbouring "tokens" that never share an expert over enough rows are one token's top-K cut
+  in pieces (a K too small) and refused.
 * ``phase,token,layer,rank,expert`` (the fork that adds token and phase indices): ``phase`` is ``prefill`` or
-  ``decode``, ``token`` the zero-based position, ``rank`` the expert's place in the top-K. Phase known.
+  ``decode``, ``token`` the zero-based position, ``rank`` the expert's place in the top-K. Phase known; K is
+  the file's (a ``--top-k`` that disagrees is refused).
 
 ``layer`` is the model's layer index (dense layers have no rows): the distinct values map in order to the trace's
 MoE layers and are recorded as ``moe_layers``. E is not recorded: ``--num-experts``. Weights are not recorded: 1/K.
@@ -28,6 +32,7 @@ from expertcast.data.importers.common import (
     ImportOptions,
     RowCollector,
     check_ids,
+    check_not_split,
     csv_int,
     csv_rows,
     files_of,
@@ -35,6 +40,7 @@ from expertcast.data.importers.common import (
 )
 from expertcast.data.importers.spec import FormatSpec
 from expertcast.data.trace_format import TraceSequence
+from expertcast.utils.errors import UsageError
 
 NAME = "llamacpp"
 UPSTREAM = ("layer", "expert")
@@ -80,12 +86,17 @@ def _read_indexed(files: list[Path], E: int, opts: ImportOptions) -> Imported:
                 raise ImportFormatError(f"{first}: token {t} layer {layer} has phases {sorted(phases)}")
             col.add(first, f.stem, t, layer, [g[r][0] for r in ranks], phase=phases.pop())
     seqs, L, layers = col.build(str(files[0] if len(files) == 1 else files[0].parent))
+    if opts.top_k is not None and opts.top_k != col.K:  # this header records the rank: K is the file's
+        raise UsageError(f"--top-k {opts.top_k}, but {files[0]} records {col.K} ranks per token ({NAME} layout, "
+                         f"{','.join(INDEXED)})")
     return Imported(seqs, L, E, int(col.K or 0), phase_known=True, model_id=opts.model_id,
                     moe_layers=None if layers == list(range(L)) else layers, records=col.records,
                     **col.dropped())
 
 
 def _read_upstream(files: list[Path], E: int, K: int, opts: ImportOptions) -> Imported:
+    hint = (f"the file records no token, so --top-k {K} must be the model's (a wrong K that divides a layer's row "
+            f"count cuts the rows into other tokens without error)")
     seqs = []
     layers_all: list[int] | None = None
     rows = dropped = dropped_seqs = 0
@@ -116,11 +127,13 @@ def _read_upstream(files: list[Path], E: int, K: int, opts: ImportOptions) -> Im
             dropped_seqs += 1
             continue
         ids = np.stack([np.asarray(per[li][:keep * K], dtype=np.int64).reshape(-1, K) for li in layers], axis=1)
-        check_ids(ids, E, f"{f}")
+        check_ids(ids, E, f"{f}", hint)
         seqs.append(TraceSequence(f.stem, np.full(len(ids), -1, dtype=np.int32), 0, ids.astype(np.int16),
                                   np.full(ids.shape, 1.0 / K, dtype=np.float16)))
     if not seqs:
         raise ImportFormatError(f"{files[0]}: no token has every layer's rows (--top-k {K} rows per token)")
+    check_not_split([q.expert_ids.astype(np.int64) for q in seqs], E, "position",
+                    str(files[0] if len(files) == 1 else files[0].parent), hint)
     L = len(layers_all or [])
     return Imported(seqs, L, E, K, phase_known=False, model_id=opts.model_id,
                     moe_layers=None if layers_all == list(range(L)) else layers_all, records=rows,

@@ -4,8 +4,11 @@ sglang#9499).
 SGLang returns a request's routing in the response's ``meta_info["routed_experts"]``: the base64 encoding of a
 flat array of expert ids in the order (position, layer, top-k slot), int32 unless ``meta_info
 ["routed_experts_dtype"]`` names another integer dtype (int8/16/32/64, uint8/16/32), covering the prompt and
-the completion. The array does not carry its shape: ``--num-layers L`` and ``--top-k K`` (the model's MoE layers
-and experts per token) reshape it to [T, L, K]. Accepted file: JSON lines, each a ``/generate`` response object
+the completion. The array does not carry its shape: ``--num-layers L`` and ``--top-k K`` (the model's layers
+and experts per token) reshape it to [T, L, K]; since any pair with the same product L x K reshapes it, the rows
+are cross-checked where they can tell: a row must hold K distinct ids (a K too large mixes two layers), dense
+layers are -1 in whole rows, and two neighbouring layers that never share an expert at any position over enough
+positions are one router's top-K cut in two (a K too small) and refused. Accepted file: JSON lines, each a ``/generate`` response object
 (or a JSON list of them, as a batched request returns)::
 
     {"text": "...", "meta_info": {"id": "...", "prompt_tokens": P, "completion_tokens": C,
@@ -29,6 +32,7 @@ from expertcast.data.importers.common import (
     ImportOptions,
     Request,
     b64_bytes,
+    check_not_split,
     id_field,
     int_value,
     request_sequences,
@@ -59,7 +63,10 @@ def read(path: Path, opts: ImportOptions) -> Imported:
             if not isinstance(r, dict) or not isinstance(r.get("meta_info"), dict):
                 raise ImportFormatError(f"{w}: expected a /generate response object with meta_info")
             reqs.append(_request(r, w, L, K))
-    seqs, kept, notes = request_sequences(reqs, E, str(path))
+    hint = (f"the payload does not record its shape, so --num-layers {L} and --top-k {K} must be the model's (another "
+            f"pair with the same product {L * K} reshapes it without error)")
+    seqs, kept, notes = request_sequences(reqs, E, str(path), hint)
+    check_not_split([s.expert_ids.astype(np.int64) for s in seqs], E, "layer", str(path), hint)
     known = all(r.prompt_len is not None for r in reqs)
     if not known and any(r.prompt_len is not None for r in reqs):
         raise ImportFormatError(f"{path}: some responses record prompt_tokens and some do not; the phase must be "
