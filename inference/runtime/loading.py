@@ -467,14 +467,15 @@ def resolve_model_dir(name_or_path: str | os.PathLike, revision: str | None = No
 
 
 def _config_and_dtype(model_dir: Path, dtype: str | torch.dtype | None, revision: str | None):
-    from expertcast.models.backbone import _torch_dtype, check_supported
+    from expertcast.models.backbone import check_supported
+    from expertcast.models.dtypes import parse_dtype
     from expertcast.models.spec import _config_dtype
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False, revision=revision)
     check_supported(config)
-    td = _torch_dtype(dtype)
-    return config, (_config_dtype(config) if td == "auto" else td)
+    td = parse_dtype(dtype)
+    return config, (_config_dtype(config) if td is None else td)
 
 
 def _plan(model_dir: Path, model: nn.Module, refs: list[MoELayerRef], layout: ExpertLayout,
