@@ -7,8 +7,9 @@ them all. The parsing helpers they share are public in :mod:`expertcast.data.imp
 
 Every import records in the trace's meta ``source_format``, ``source_sha256`` (the imported file, or the files of
 an imported folder) and ``phase_known`` (False: the source does not mark prefill, every position is stored as
-decode), and in ``generation`` the positions and sequences dropped for lacking some layers' records (a write cut
-short); sequences keep their ``source`` (prompt set / dataset) when the layout records one.
+decode), and in ``generation`` what a write cut short cost: the positions and sequences dropped for lacking some
+layers' records, and a JSON-lines file's last line cut mid-record (:class:`~expertcast.data.importers.common.
+JsonLines`); sequences keep their ``source`` (prompt set / dataset) when the layout records one.
 """
 
 from __future__ import annotations
@@ -187,9 +188,11 @@ def read_traces(path: str | os.PathLike, fmt: str = "auto", opts: ImportOptions 
         missing = next(s.seq_id for s in imp.sequences if s.source is None)
         raise ImportFormatError(f"{path}: some sequences record a source and some do not (e.g. {missing!r}); a "
                                 f"split by source needs all or none")
+    notes = [f"dropped the last line of {c} (cut short mid-write)" for c in imp.cut_lines]
     if imp.dropped_positions:
-        note = (f"dropped {imp.dropped_positions} position(s) lacking some layers' records (a write cut short)"
-                + (f", {imp.dropped_sequences} sequence(s) with none complete" if imp.dropped_sequences else ""))
+        notes.append(f"dropped {imp.dropped_positions} position(s) lacking some layers' records (a write cut short)"
+                     + (f", {imp.dropped_sequences} sequence(s) with none complete" if imp.dropped_sequences else ""))
+    for note in notes:
         imp.notes.append(note)
         warnings.warn(f"{path}: {note}", stacklevel=2)
     return fmt, imp
@@ -236,8 +239,9 @@ def import_traces(path: str | os.PathLike, out: str | os.PathLike, fmt: str = "a
     model_id = imp.model_id or "imported"
     digest = fingerprint(path, fmt)
     generation: dict[str, Any] = {"source": "import", "file": str(path), "format": fmt, "notes": list(imp.notes)}
-    if imp.dropped_positions or imp.dropped_sequences:
-        generation.update(dropped_positions=imp.dropped_positions, dropped_sequences=imp.dropped_sequences)
+    if imp.dropped_positions or imp.dropped_sequences or imp.cut_lines:
+        generation.update(dropped_positions=imp.dropped_positions, dropped_sequences=imp.dropped_sequences,
+                          cut_lines=list(imp.cut_lines))
     meta = TraceMeta(
         model_id=model_id, num_layers=imp.num_layers, num_experts=imp.num_experts, top_k=imp.top_k,
         expert_bytes=int(default_expert_bytes(model_id) if expert_bytes is None else expert_bytes),

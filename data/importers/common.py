@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from expertcast.data.trace_format import TraceSequence
 from expertcast.utils.errors import UsageError
+from expertcast.utils.io import iter_jsonl
 from expertcast.utils.jsonfields import int_field, is_int
 
 FLOAT16_MAX = 65504.0
@@ -109,6 +110,8 @@ class Imported:
     """Positions left out because they lack some layers' records (a write cut short), counted in the trace meta."""
     dropped_sequences: int = 0
     """Sequences left out because none of their positions has every layer."""
+    cut_lines: list[str] = field(default_factory=list)
+    """``file:line`` of each last line a write cut short mid-line (left out; its records are lost)."""
     notes: list[str] = field(default_factory=list)
     """What the summary line should say about the import (dropped dense layers, skipped records, ...)."""
 
@@ -288,6 +291,43 @@ def csv_rows(path: Path, header: tuple[str, ...]) -> Iterator[tuple[int, list[st
             if len(cells) != len(header):
                 raise ImportFormatError(f"{path}:{ln}: {len(cells)} columns, the header has {len(header)}")
             yield ln, cells
+
+
+def cut_line_number(path: Path) -> int | None:
+    """The number of the last line of a text file that does not end with a newline (a write cut short mid-line
+    leaves one), else None. Streams the file: its newlines are counted, nothing is kept."""
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return None
+        f.seek(-1, 2)
+        if f.read(1) == b"\n":
+            return None
+        f.seek(0)
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b"")) + 1
+
+
+class JsonLines:
+    """The values of a JSON-lines file (``(line number, value)``, :func:`expertcast.utils.io.iter_jsonl`), except a
+    last line that a write cut short: a file that does not end with a newline and whose last line is not valid
+    JSON ends one record early, and :attr:`cut` names that line (every other bad line is an ImportFormatError)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cut: int | None = None
+        self._last = cut_line_number(path)
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        try:
+            yield from iter_jsonl(self.path, error=ImportFormatError)
+        except ImportFormatError as e:
+            if self._last is None or not str(e).startswith(f"{self.path}:{self._last}: not valid JSON"):
+                raise
+            self.cut = self._last
+
+    def cut_lines(self) -> list[str]:
+        """``[file:line]`` of the cut line (empty when there is none), as :class:`Imported` keeps it."""
+        return [f"{self.path}:{self.cut}"] if self.cut else []
 
 
 def files_of(path: Path, ext: str) -> list[Path]:

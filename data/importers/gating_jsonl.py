@@ -20,13 +20,13 @@ from expertcast.data.importers.common import (
     Imported,
     ImportFormatError,
     ImportOptions,
+    JsonLines,
     RowCollector,
     id_field,
     int_value,
     str_field,
 )
 from expertcast.data.importers.spec import FormatSpec
-from expertcast.utils.io import iter_jsonl
 from expertcast.utils.jsonfields import require_keys
 
 NAME = "gating-jsonl"
@@ -40,7 +40,8 @@ def sniff(obj: Any) -> bool:
 def read(path: Path, opts: ImportOptions) -> Imported:
     E = int(opts.num_experts)
     col = RowCollector(E)
-    for ln, r in iter_jsonl(path, error=ImportFormatError):
+    lines = JsonLines(path)
+    for ln, r in lines:
         where = f"{path}:{ln}"
         if not isinstance(r, dict):
             raise ImportFormatError(f"{where}: expected a JSON object")
@@ -53,7 +54,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
     seqs, L, layers = col.build(str(path))
     return Imported(seqs, L, E, int(col.K or 0), phase_known=False, model_id=opts.model_id,
                     moe_layers=None if layers == list(range(L)) else layers, records=col.records,
-                    **col.dropped())
+                    cut_lines=lines.cut_lines(), **col.dropped())
 
 
 SPEC = FormatSpec(NAME, "routing-study JSONL: dataset, problem_id, token_idx, layer, experts", read, sniff=sniff,

@@ -31,6 +31,7 @@ from expertcast.data.importers.common import (
     Imported,
     ImportFormatError,
     ImportOptions,
+    JsonLines,
     check_num_experts,
     expert_list,
     id_field,
@@ -40,7 +41,6 @@ from expertcast.data.importers.common import (
 from expertcast.data.importers.spec import FormatSpec
 from expertcast.data.trace_format import TraceSequence
 from expertcast.utils.errors import UsageError
-from expertcast.utils.io import iter_jsonl
 from expertcast.utils.jsonfields import is_int, require_keys
 
 NAME = "jsonl"
@@ -90,7 +90,8 @@ def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int
     rows = 0
     no_weights = 0
     phased = 0
-    for ln, r in iter_jsonl(path, error=ImportFormatError):
+    lines = JsonLines(path)
+    for ln, r in lines:
         where = f"{path}:{ln}"
         sid, t, li, experts, weights, phase, token_id = _parse_row(r, where, num_experts, num_layers, K)
         K = len(experts)
@@ -130,7 +131,8 @@ def read_import_jsonl(path: str | os.PathLike, num_experts: int, num_layers: int
         warnings.warn(f"{path}: every token is prefill; decode-only metrics (simulate, forecasters) will refuse "
                       f"these traces", stacklevel=2)
     return out, {"rows": rows, "sequences": len(out), "num_layers": L, "top_k": K, "dropped_tokens": dropped,
-                 "dropped_sequences": dropped_seqs, "decode_tokens": decode, "phase_known": phased == rows}
+                 "dropped_sequences": dropped_seqs, "decode_tokens": decode, "phase_known": phased == rows,
+                 "cut_lines": lines.cut_lines()}
 
 
 def _sequence(path: Path, sid: str, toks: dict, complete: list[int], L: int, K: int) -> TraceSequence:
@@ -162,7 +164,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
     notes = [f"{c['rows']} rows"]
     return Imported(seqs, c["num_layers"], int(opts.num_experts or 0), c["top_k"], phase_known=c["phase_known"],
                     model_id=opts.model_id, records=c["rows"], notes=notes, dropped_positions=c["dropped_tokens"],
-                    dropped_sequences=c["dropped_sequences"])
+                    dropped_sequences=c["dropped_sequences"], cut_lines=c["cut_lines"])
 
 
 SPEC = FormatSpec(NAME, "expertcast's rows: one per (seq, token, layer)", read, sniff=sniff,

@@ -27,13 +27,13 @@ from expertcast.data.importers.common import (
     Imported,
     ImportFormatError,
     ImportOptions,
+    JsonLines,
     check_ids,
     int_grid,
     int_value,
 )
 from expertcast.data.importers.spec import FormatSpec
 from expertcast.data.trace_format import TraceSequence
-from expertcast.utils.io import iter_jsonl
 from expertcast.utils.jsonfields import require_keys
 
 NAME = "megatron"
@@ -49,7 +49,8 @@ def read(path: Path, opts: ImportOptions) -> Imported:
     steps: dict[int, dict[int, dict[int, tuple[np.ndarray, str]]]] = {}  # rank -> step -> layer -> (ids, where)
     K: int | None = None
     records = skipped = 0
-    for ln, r in iter_jsonl(path, error=ImportFormatError):
+    lines = JsonLines(path)
+    for ln, r in lines:
         where = f"{path}:{ln}"
         if not isinstance(r, dict):
             raise ImportFormatError(f"{where}: expected a JSON object")
@@ -112,7 +113,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
     notes = [f"skipped {skipped} MTP record(s)"] if skipped else []
     return Imported(seqs, L, E, K, phase_known=False, model_id=opts.model_id,
                     moe_layers=None if layers == list(range(L)) else layers, records=records, notes=notes,
-                    dropped_positions=dropped, dropped_sequences=dropped_seqs)
+                    dropped_positions=dropped, dropped_sequences=dropped_seqs, cut_lines=lines.cut_lines())
 
 
 SPEC = FormatSpec(NAME, "Megatron-LM RouterTracer JSONL, one record per (step, layer, rank)", read, sniff=sniff,

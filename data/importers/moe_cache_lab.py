@@ -32,6 +32,7 @@ from expertcast.data.importers.common import (
     Imported,
     ImportFormatError,
     ImportOptions,
+    JsonLines,
     RowCollector,
     files_of,
     int_value,
@@ -65,14 +66,15 @@ def read(path: Path, opts: ImportOptions) -> Imported:
     if E is None:
         raise UsageError(f"--num-experts is required for the {NAME} layout ({files[0]}'s metadata has no num_experts)")
     col = RowCollector(E)
+    cut: list[str] = []
     for f, meta in zip(files, metas, strict=True):
-        _events(f, meta, col)
+        cut += _events(f, meta, col)
     seqs, L, layers = col.build(str(path))
     models = {m["model_id"] for m in metas}
     return Imported(seqs, L, E, int(col.K or 0), phase_known=True,
                     model_id=opts.model_id or (models.pop() if len(models) == 1 else None),
                     moe_layers=None if layers == list(range(L)) else layers, records=col.records + len(files),
-                    **col.dropped())
+                    cut_lines=cut, **col.dropped())
 
 
 def _metadata(f: Path) -> dict:
@@ -96,14 +98,16 @@ def _metadata(f: Path) -> dict:
     raise ImportFormatError(f"{f} is empty: nothing to import")
 
 
-def _events(f: Path, meta: dict, col: RowCollector) -> None:
+def _events(f: Path, meta: dict, col: RowCollector) -> list[str]:
+    """Add ``f``'s routing records to ``col``; returns the file's cut line, if a write cut it short."""
     E = col.E
     width = meta.get("experts_per_token")
     if "num_experts" in meta and meta["num_experts"] != E:
         raise ImportFormatError(f"{f}: metadata num_experts {meta['num_experts']} but E={E}")
     last: dict[str, Any] = {"phase": None, "key": None, "max_prompt": -1}
     seen: set[tuple[int, int]] = set()
-    records = iter_jsonl(f, error=ImportFormatError)
+    lines = JsonLines(f)
+    records = iter(lines)
     next(records)  # the metadata record (checked by _metadata)
     n = 0
     for ln, r in records:
@@ -151,6 +155,7 @@ def _events(f: Path, meta: dict, col: RowCollector) -> None:
         col.add(where, f.stem, pos, layer, experts, probs or None, "prefill" if phase == "prompt" else "decode", tid)
     if not n:
         raise ImportFormatError(f"{f}: no routing_selection record after the metadata")
+    return lines.cut_lines()
 
 
 SPEC = FormatSpec(NAME, "moe-cache-lab routing-trace-v1 JSONL", read, sniff=sniff, folder_ext="jsonl")

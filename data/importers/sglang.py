@@ -30,6 +30,7 @@ from expertcast.data.importers.common import (
     Imported,
     ImportFormatError,
     ImportOptions,
+    JsonLines,
     Request,
     b64_bytes,
     check_not_split,
@@ -39,7 +40,6 @@ from expertcast.data.importers.common import (
     str_field,
 )
 from expertcast.data.importers.spec import FormatSpec
-from expertcast.utils.io import iter_jsonl
 
 NAME = "sglang"
 _DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
@@ -54,10 +54,11 @@ def sniff(obj: Any) -> bool:
 def read(path: Path, opts: ImportOptions) -> Imported:
     E, L, K = int(opts.num_experts), int(opts.num_layers), int(opts.top_k)
     reqs: list[Request] = []
-    lines = 0
-    for ln, rec in iter_jsonl(path, error=ImportFormatError):
+    count = 0
+    lines = JsonLines(path)
+    for ln, rec in lines:
         where = f"{path}:{ln}"
-        lines += 1
+        count += 1
         for i, r in enumerate(rec if isinstance(rec, list) else [rec]):
             w = where if not isinstance(rec, list) else f"{where}[{i}]"
             if not isinstance(r, dict) or not isinstance(r.get("meta_info"), dict):
@@ -72,7 +73,8 @@ def read(path: Path, opts: ImportOptions) -> Imported:
         raise ImportFormatError(f"{path}: some responses record prompt_tokens and some do not; the phase must be "
                                 f"known for all or none")
     return Imported(seqs, seqs[0].expert_ids.shape[1], E, K, phase_known=known, model_id=opts.model_id,
-                    moe_layers=kept, records=lines, notes=notes)
+                    moe_layers=kept, records=count, notes=notes,
+                    cut_lines=lines.cut_lines())
 
 
 def _request(r: dict, where: str, L: int, K: int) -> Request:

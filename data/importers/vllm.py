@@ -29,6 +29,7 @@ from expertcast.data.importers.common import (
     Imported,
     ImportFormatError,
     ImportOptions,
+    JsonLines,
     Request,
     b64_bytes,
     id_field,
@@ -40,7 +41,6 @@ from expertcast.data.importers.common import (
     token_ids_of,
 )
 from expertcast.data.importers.spec import FormatSpec
-from expertcast.utils.io import iter_jsonl
 
 NAME = "vllm"
 
@@ -66,10 +66,11 @@ def _routed(v: Any, where: str):
 def read(path: Path, opts: ImportOptions) -> Imported:
     E = int(opts.num_experts)
     reqs: list[Request] = []
-    lines = 0
-    for ln, rec in iter_jsonl(path, error=ImportFormatError):
+    count = 0
+    lines = JsonLines(path)
+    for ln, rec in lines:
         where = f"{path}:{ln}"
-        lines += 1
+        count += 1
         if not isinstance(rec, dict):
             raise ImportFormatError(f"{where}: expected a JSON object (one request)")
         rid = id_field(rec.get("request_id", rec.get("id")), "request_id (or id)", where)
@@ -109,8 +110,8 @@ def read(path: Path, opts: ImportOptions) -> Imported:
         raise ImportFormatError(f"{path}: some requests record their prompt length and some do not; the phase "
                                 f"must be known for all or none")
     _, L, K = seqs[0].expert_ids.shape
-    return Imported(seqs, L, E, K, phase_known=known, model_id=opts.model_id, moe_layers=kept, records=lines,
-                    notes=notes)
+    return Imported(seqs, L, E, K, phase_known=known, model_id=opts.model_id, moe_layers=kept, records=count,
+                    notes=notes, cut_lines=lines.cut_lines())
 
 
 SPEC = FormatSpec(NAME, "vLLM return-routed-experts: one request per line, [T, L, K]", read, sniff=sniff,
