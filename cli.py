@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("expertcast.commands.quickstart", "run the whole pipeline on the embedded default model (CPU)"),
     "build-default": ("expertcast.commands.build_default", "train (or load the cached) embedded default MoE model"),
     "collect": ("expertcast.commands.collect", "generate completions and record routing traces (two-pass)"),
-    "traces": ("expertcast.commands.traces", "traces import | stats"),
+    "traces": ("expertcast.commands.traces", "routing trace tools: import | stats | card | synth"),
     "simulate": ("expertcast.commands.simulate", "trace-driven expert-cache simulation"),
     "fit": ("expertcast.commands.fit", "LightningCLI training (forecaster or router adaptation) from a YAML"),
     "forecast-eval": ("expertcast.commands.forecast_eval", "recall@K of the forecaster vs baselines by horizon"),

@@ -96,7 +96,10 @@ def model_shape(resolved: str):
             config = AutoConfig.from_pretrained(resolved, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise UsageError(f"--model {resolved}: cannot read its config ({' '.join(str(e).split())[:200]})") from None
-    return config, MoESpec.from_config(config)
+    try:
+        return config, MoESpec.from_config(config)
+    except ValueError as e:  # UnsupportedModelError: another family, or config values that cannot run
+        raise UsageError(f"--model {resolved}: {' '.join(str(e).split())}") from None
 
 
 def load_replay_traces(args: Any, L: int, E: int, K: int):

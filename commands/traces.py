@@ -42,7 +42,7 @@ PROG = "expertcast traces"
 
 
 def build_parser() -> CommandParser:
-    from expertcast.data.importers import FORMATS
+    from expertcast.data.importers import registry
 
     p = CommandParser(prog=PROG, description="routing trace tools")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{import,stats,card,synth}")
@@ -53,9 +53,9 @@ def build_parser() -> CommandParser:
                                      "write them as a trace set. Layouts: docs/design.md, 'Trace importers'.")
     imp.add_argument("file", help="import file (a folder of per-sequence files for llamacpp, moe-cache-lab, moe-beyond)")
     imp.add_argument("--out", required=True, help="output trace folder (new, empty, or a trace set with --overwrite)")
-    imp.add_argument("--format", choices=["auto", *FORMATS], default="auto",
+    imp.add_argument("--format", choices=["auto", *registry()], default="auto",
                      help="layout of FILE (auto: detected from its extension and first record or header); "
-                          + "; ".join(f"{f.name}: {f.summary}" for f in FORMATS.values()))
+                          + "; ".join(f"{f.name}: {f.summary}" for f in registry().values()))
     imp.add_argument("--num-experts", type=positive_int, default=None,
                      help="E: routed experts per layer (required where the file does not record it)")
     imp.add_argument("--num-layers", type=positive_int, default=None,

@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import tempfile
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -508,12 +507,29 @@ def _as3d(x: Any, dtype) -> np.ndarray:
     return a.astype(dtype, copy=False)
 
 
+def check_finished(path: str | os.PathLike, manifest: dict[str, Any] | None = None) -> None:
+    """TraceFormatError unless the trace set ``path`` is finished: a set whose writer stopped before marking its
+    manifest complete (a killed ``collect`` or ``traces import``) holds only some of its sequences, and a replay
+    of those would pass for the whole set. The command that wrote it resumes it."""
+    p = Path(path)
+    manifest = read_manifest(p) if manifest is None else manifest
+    if manifest.get("shards") and not manifest.get("complete", False):
+        run = manifest.get("run") or {}
+        how = ("rerun the same `expertcast traces import` to resume it" if "import" in run else
+               "rerun the command that wrote it (same settings) to resume it")
+        raise TraceFormatError(f"trace set {p} is unfinished: its writer stopped after {len(manifest['shards'])} "
+                               f"shard(s) and never marked it complete, so it holds only part of its sequences; "
+                               f"{how}, or write it again with --overwrite")
+
+
 def iter_traces(path: str | os.PathLike, meta: TraceMeta | None = None) -> Iterator[TraceSequence]:
     """Lazily yield the sequences of trace set ``path``, one shard in memory at a time; every shard's
-    files are checked against the sha256 its manifest recorded."""
+    files are checked against the sha256 its manifest recorded. An unfinished set is refused
+    (:func:`check_finished`)."""
     p = Path(path)
     meta = meta or read_meta(p)
     manifest = read_manifest(p)
+    check_finished(p, manifest)
     shards = shard_paths(p)
     if not shards:
         raise TraceFormatError(f"trace set {p} holds no shards (empty split, or the run wrote nothing yet)")
@@ -531,14 +547,11 @@ def iter_traces(path: str | os.PathLike, meta: TraceMeta | None = None) -> Itera
 def load_traces(path: str | os.PathLike, max_sequences: int | None = None) -> tuple[TraceMeta, list[TraceSequence]]:
     """All sequences of trace set ``path`` (TraceFormatError on a missing/corrupt/empty set).
 
-    A set whose manifest is not marked complete (an interrupted collect) loads its finished shards
-    with a warning. Consumers that replay decode steps call :func:`require_decode_tokens` on the result.
+    A set whose manifest is not marked complete (an interrupted collect or import) is refused
+    (:func:`check_finished`). Consumers that replay decode steps call :func:`require_decode_tokens` on the result.
     """
     p = Path(path)
     meta = read_meta(p)
-    manifest = read_manifest(p)
-    if manifest.get("shards") and not manifest.get("complete", False):
-        warnings.warn(f"trace set {p} is incomplete (interrupted run?): loading its finished shards", stacklevel=2)
     seqs: list[TraceSequence] = []
     for s in iter_traces(p, meta):
         seqs.append(s)

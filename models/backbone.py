@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from expertcast.models.dtypes import parse_dtype
 from expertcast.models.names import is_export_dir, resolve_model
 from expertcast.models.presets import build_tiny, get_preset, is_preset
 from expertcast.models.spec import SUPPORTED_FAMILIES, UnsupportedModelError, unsupported_message
@@ -41,14 +42,7 @@ def check_supported(config: Any) -> None:
 
 
 def _torch_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype:
-    if dtype is None or dtype == "auto":
-        return "auto"
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    out = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(out, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r} (use 'auto', 'float32', 'bfloat16', 'float16')")
-    return out
+    return parse_dtype(dtype) or "auto"
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, bool]:

@@ -12,118 +12,57 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from expertcast.models.dtypes import parse_dtype
+from expertcast.models.families import (
+    UnsupportedModelError,
+    check_config,
+    family,
+    family_of,
+    registry,
+    supported_message,
+)
+
+__all__ = ["SPEC_FORMAT_VERSION", "MoESpec", "UnsupportedModelError", "expert_numel", "moe_layer_indices",
+           "unsupported_message"]
 
 SPEC_FORMAT_VERSION = 1
 
-SUPPORTED_FAMILIES: dict[str, str] = {
-    "qwen3_moe": "Qwen3MoeConfig",
-    "qwen2_moe": "Qwen2MoeConfig",
-    "mixtral": "MixtralConfig",
-    "olmoe": "OlmoeConfig",
-    "deepseek_v2": "DeepseekV2Config",
-    "deepseek_v3": "DeepseekV3Config",
-    "gpt_oss": "GptOssConfig",
-}
-"""transformers ``model_type`` -> config class of every MoE family expertcast supports."""
+
+def _supported() -> dict[str, str]:
+    return {k: s.config_class for k, s in registry().items()}
 
 
-class UnsupportedModelError(ValueError):
-    """The model is not an MoE causal LM of a supported family."""
+def __getattr__(name: str) -> Any:
+    if name == "SUPPORTED_FAMILIES":  # read from the family registry (models/families), never a second list
+        return _supported()
+    raise AttributeError(name)
 
 
 def unsupported_message(config: Any) -> str:
     mt = getattr(config, "model_type", None)
-    return (f"{type(config).__name__} (model_type {mt!r}) is not a supported MoE architecture; supported "
-            f"families: " + ", ".join(f"{k} ({v})" for k, v in SUPPORTED_FAMILIES.items()))
-
-
-def _dtype_of(d: Any) -> torch.dtype:
-    if d is None:
-        return torch.float32
-    if isinstance(d, torch.dtype):
-        return d
-    if isinstance(d, str):
-        name = d.removeprefix("torch.")
-        if name == "auto":
-            return torch.float32
-        out = getattr(torch, name, None)
-        if isinstance(out, torch.dtype):
-            return out
-    raise ValueError(f"unknown dtype {d!r}")
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
+    return f"{type(config).__name__} (model_type {mt!r}) is not a supported MoE architecture; {supported_message()}"
 
 
 def _config_dtype(config: Any) -> torch.dtype:
     d = getattr(config, "dtype", None)
     if d is None:
         d = getattr(config, "torch_dtype", None)
-    return _dtype_of(d)
+    return parse_dtype(d) or torch.float32
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
 
 
 def moe_layer_indices(config: Any) -> list[int]:
-    """Decoder-layer indices that hold a routed-expert MLP, by the rules of the family's
-    transformers modeling code."""
-    mt = getattr(config, "model_type", None)
-    n = int(config.num_hidden_layers)
-    if mt in ("qwen3_moe", "qwen2_moe"):
-        # Qwen{2,3}MoeDecoderLayer: MoE unless in mlp_only_layers, and every decoder_sparse_step-th layer.
-        dense = set(getattr(config, "mlp_only_layers", None) or [])
-        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-        ne = int(config.num_experts)
-        return [i for i in range(n) if i not in dense and ne > 0 and (i + 1) % step == 0]
-    if mt == "deepseek_v2":
-        # DeepseekV2DecoderLayer: dense MLP for layer_idx < first_k_dense_replace, MoE after (no moe_layer_freq).
-        k = int(getattr(config, "first_k_dense_replace", 0) or 0)
-        return list(range(k, n))
-    if mt == "deepseek_v3":
-        # DeepseekV3DecoderLayer: dense MLP for layer_idx < first_k_dense_replace, MoE after.
-        freq = int(getattr(config, "moe_layer_freq", 1) or 1)
-        if freq != 1:
-            raise ValueError(
-                f"DeepseekV3Config has moe_layer_freq={freq}, but transformers' DeepseekV3 builds an MoE layer "
-                f"at every index >= first_k_dense_replace (it ignores moe_layer_freq): the checkpoint's "
-                f"layout would not match the model transformers builds")
-        k = int(getattr(config, "first_k_dense_replace", 0) or 0)
-        return list(range(k, n))
-    if mt in ("mixtral", "olmoe", "gpt_oss"):
-        return list(range(n))
-    raise UnsupportedModelError(unsupported_message(config))
-
-
-def _num_experts(config: Any) -> int:
-    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
-        v = getattr(config, attr, None)
-        if v:
-            return int(v)
-    raise UnsupportedModelError(unsupported_message(config))
-
-
-def _expert_intermediate(config: Any) -> int:
-    mt = config.model_type
-    if mt in ("qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"):
-        return int(config.moe_intermediate_size)
-    return int(config.intermediate_size)  # mixtral, olmoe, gpt_oss
-
-
-def _shared_experts(config: Any) -> int:
-    mt = config.model_type
-    if mt == "qwen2_moe":
-        return 1 if int(getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0 else 0
-    if mt in ("deepseek_v2", "deepseek_v3"):
-        return int(getattr(config, "n_shared_experts", 0) or 0)
-    return 0
+    """Decoder-layer indices that hold a routed-expert MLP, by the rules of the family's transformers modeling
+    code (:class:`~expertcast.models.families.spec.FamilySpec`)."""
+    return family_of(config).moe_layers(config)
 
 
 def expert_numel(model_type: str, hidden_size: int, intermediate_size: int) -> int:
-    """Elements of ONE routed expert: SwiGLU gate, up and down projections (3·H·I), plus for
-    GPT-OSS the biases of gate_up (2·I) and down (H)."""
-    n = 3 * hidden_size * intermediate_size
-    if model_type == "gpt_oss":
-        n += 2 * intermediate_size + hidden_size
-    return n
+    """Elements of ONE routed expert of family ``model_type`` (:meth:`FamilySpec.expert_numel`)."""
+    return family(model_type).expert_numel(hidden_size, intermediate_size)
 
 
 @dataclass
@@ -178,23 +117,22 @@ class MoESpec:
     def from_config(cls, config: Any, dtype: str | torch.dtype | None = None, model_id: str | None = None) -> MoESpec:
         """Spec of a transformers config (no weights needed). ``dtype`` overrides the config's dtype
         (default float32 when the config names none)."""
-        mt = getattr(config, "model_type", None)
-        if mt not in SUPPORTED_FAMILIES:
-            raise UnsupportedModelError(unsupported_message(config))
-        dt = _dtype_of(dtype) if dtype is not None else _config_dtype(config)
-        H, Ie = int(config.hidden_size), _expert_intermediate(config)
+        fam = family_of(config)
+        check_config(config)
+        dt = (parse_dtype(dtype) or torch.float32) if dtype is not None else _config_dtype(config)
+        H, Ie = int(config.hidden_size), fam.expert_intermediate(config)
         elem = torch.empty((), dtype=dt).element_size()
         return cls(
-            model_id=model_id or getattr(config, "_name_or_path", "") or mt,
-            family=mt,
-            moe_layers=moe_layer_indices(config),
+            model_id=model_id or getattr(config, "_name_or_path", "") or fam.name,
+            family=fam.name,
+            moe_layers=fam.moe_layers(config),
             num_decoder_layers=int(config.num_hidden_layers),
-            num_experts=_num_experts(config),
+            num_experts=fam.num_experts(config),
             top_k=int(config.num_experts_per_tok),
-            num_shared_experts=_shared_experts(config),
+            num_shared_experts=fam.shared_experts(config),
             hidden_size=H,
             expert_intermediate_size=Ie,
-            expert_bytes=expert_numel(mt, H, Ie) * elem,
+            expert_bytes=fam.expert_numel(H, Ie) * elem,
             dtype=_dtype_name(dt),
         )
 
@@ -204,11 +142,10 @@ class MoESpec:
         holds fused ``experts``; expert bytes are the expert tensors' bytes divided by E. Raises
         when the model disagrees with its config (the config-only numbers would then be wrong)."""
         config = model.config
-        if getattr(config, "model_type", None) not in SUPPORTED_FAMILIES:
-            raise UnsupportedModelError(unsupported_message(config))
+        fam = family_of(config)
         layers = _decoder_layers(model)
         moe_layers, per_expert, dtype = [], None, None
-        E = _num_experts(config)
+        E = fam.num_experts(config)
         for i, layer in enumerate(layers):
             experts = getattr(getattr(layer, "mlp", None), "experts", None)
             if experts is None:

@@ -43,7 +43,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cot", help="trace set of CoT text (in-domain row and both cross-domain rows)")
     ap.add_argument("--gsm8k-train", help="trace set of GSM8K train prompts")
     ap.add_argument("--gsm8k-test", help="trace set of GSM8K test prompts")
-    ap.add_argument("--granite", help="the granite expert-trace JSON (imported with data.trace_import)")
+    ap.add_argument("--granite", help="the granite expert-trace JSON (imported with data.importers.granite)")
     ap.add_argument("--rows", default="cot->cot,gsm8k->cot,cot->gsm8k,granite")
     ap.add_argument("--sizes", default="10,50,all", help="fit sizes (all = every fit sequence)")
     ap.add_argument("--config", default=str(REPO / "configs" / "forecaster" / "tiny.yaml"))
@@ -79,7 +79,7 @@ def load_rows(args: argparse.Namespace) -> list[tuple[str, Any, list, list]]:
         elif name == "cot->gsm8k" and cot and args.gsm8k_test:
             out.append((name, cot[0], cot_fit, load_trace_dirs(args.gsm8k_test)[1]))
         elif name == "granite" and args.granite:
-            from expertcast.data.trace_import import GRANITE_1B_EXPERT_BYTES, read_expert_trace_json
+            from expertcast.data.importers.granite import GRANITE_1B_EXPERT_BYTES, read_expert_trace_json
 
             meta, seqs = read_expert_trace_json(args.granite, expert_bytes=GRANITE_1B_EXPERT_BYTES)
             out.append((name, meta, seqs[:-1], seqs[-1:]))

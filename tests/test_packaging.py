@@ -73,3 +73,14 @@ def test_cli_help_lists_subcommands(capsys):
     out = capsys.readouterr().out
     for name in SUBCOMMANDS:
         assert name in out
+
+
+def test_cli_help_names_every_subcommand_of_a_group(capsys):
+    """`expertcast --help` once listed `traces` as "import | stats" while it also has card and synth."""
+    from expertcast.cli import main
+    from expertcast.commands.traces import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd")
+    assert main(["--help"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("traces"))
+    assert all(name in line for name in sub.choices), line

@@ -1,5 +1,5 @@
 """Checks of fields read from JSON documents, shared by the readers of trace imports
-(:mod:`expertcast.data.trace_import`), cue sets (:mod:`expertcast.inference.saem.cues`) and forecaster exports
+(:mod:`expertcast.data.importers.common`), cue sets (:mod:`expertcast.inference.saem.cues`) and forecaster exports
 (:mod:`expertcast.models.forecaster_export`).
 
 JSON values are checked, never coerced: an integer field takes a JSON integer (not a string, a float or a

@@ -1,7 +1,7 @@
-"""What every importer of :mod:`expertcast.data.importers` shares: the options and result types, the strict
-value checks (ids, weights, integers; errors name ``file:line`` or ``file: record``) and the two assemblers,
-:class:`RowCollector` for layouts of one record per (token, layer) and :func:`request_sequences` for layouts
-of one [T, L, K] array per request (docs/design.md, "Trace importers")."""
+"""What every importer of :mod:`expertcast.data.importers` shares, public: the error type and value bounds, the
+options and result types, the strict value checks (integers, ids, weights; errors name ``file:line`` or ``file:
+record``) and the two assemblers, :class:`RowCollector` for layouts of one record per (token, layer) and
+:func:`request_sequences` for layouts of one [T, L, K] array per request (docs/design.md, "Trace importers")."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import binascii
 import csv
 import io
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,17 +18,67 @@ from typing import Any
 
 import numpy as np
 from expertcast.data.trace_format import TraceSequence
-from expertcast.data.trace_import import (
-    FLOAT16_MAX,
-    INT16_MAX,
-    INT32_MAX,
-    ImportFormatError,
-    _experts,
-    _int_field,
-    _weights,
-)
 from expertcast.utils.errors import UsageError
-from expertcast.utils.jsonfields import is_int
+from expertcast.utils.io import iter_jsonl
+from expertcast.utils.jsonfields import int_field, is_int
+
+FLOAT16_MAX = 65504.0
+INT16_MAX = 32767
+INT32_MAX = 2**31 - 1
+SNIFF_BYTES = 1 << 16
+"""Bytes read from the start of a text layout before anything is parsed (a binary file is refused there)."""
+
+
+class ImportFormatError(UsageError):
+    """An imported file is malformed (the message names the file and line or record)."""
+
+
+def int_value(v: Any, what: str, where: str, lo: int, hi: int) -> int:
+    """``v`` if it is a JSON integer in [lo, hi], else ImportFormatError."""
+    return int_field(v, what, where, lo, hi, ImportFormatError)
+
+
+def expert_list(v: Any, num_experts: int, where: str) -> list[int]:
+    """A record's expert ids: a non-empty JSON list of distinct integers in [0, E)."""
+    if not isinstance(v, list) or not v:
+        raise ImportFormatError(f"{where}: experts must be a non-empty list of integers, got {json.dumps(v)}")
+    out = []
+    for e in v:
+        if not is_int(e):
+            raise ImportFormatError(f"{where}: experts must be a list of integers, got {json.dumps(e)} in {json.dumps(v)}")
+        if not 0 <= e < num_experts:
+            raise ImportFormatError(f"{where}: expert id(s) {[x for x in v if is_int(x) and not 0 <= x < num_experts]} "
+                                    f"outside [0, E={num_experts})")
+        out.append(e)
+    if len(set(out)) != len(out):
+        raise ImportFormatError(f"{where}: repeated expert in {out}")
+    return out
+
+
+def weight_list(v: Any, k: int, where: str) -> list[float]:
+    """A record's K weights: finite JSON numbers in [0, 65504] (stored as float16)."""
+    if not isinstance(v, list):
+        raise ImportFormatError(f"{where}: weights must be a list of numbers, got {json.dumps(v)}")
+    for w in v:
+        if isinstance(w, bool) or not isinstance(w, (int, float)):
+            raise ImportFormatError(f"{where}: weights must be numbers, got {json.dumps(w)}")
+        if not math.isfinite(w):
+            raise ImportFormatError(f"{where}: weight {w} is not finite")
+        if not 0 <= w <= FLOAT16_MAX:
+            raise ImportFormatError(f"{where}: weight {w} outside [0, {FLOAT16_MAX:g}] (weights are stored as float16)")
+    if len(v) != k:
+        raise ImportFormatError(f"{where}: {len(v)} weights for {k} experts")
+    return [float(w) for w in v]
+
+
+def check_text(path: Path) -> None:
+    """ImportFormatError when the start of ``path`` holds a NUL byte: a binary file is no text layout (refused
+    before any line is read whole, so that a large binary file costs :data:`SNIFF_BYTES` of memory)."""
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    i = head.find(b"\0")
+    if i >= 0:
+        raise ImportFormatError(f"{path}: a binary file (NUL byte at offset {i}), not a text trace layout")
 
 
 @dataclass
@@ -55,6 +106,12 @@ class Imported:
     has_router_probs: bool = False
     records: int = 0
     """Records (lines, rows, requests or tensors) read."""
+    dropped_positions: int = 0
+    """Positions left out because they lack some layers' records (a write cut short), counted in the trace meta."""
+    dropped_sequences: int = 0
+    """Sequences left out because none of their positions has every layer."""
+    cut_lines: list[str] = field(default_factory=list)
+    """``file:line`` of each last line a write cut short mid-line (left out; its records are lost)."""
     notes: list[str] = field(default_factory=list)
     """What the summary line should say about the import (dropped dense layers, skipped records, ...)."""
 
@@ -66,11 +123,10 @@ def need(value: int | None, flag: str, fmt: str, what: str = "its records do not
     return value
 
 
-def num_experts_of(opts: ImportOptions, fmt: str) -> int:
-    E = need(opts.num_experts, "--num-experts", fmt, "its records do not name E")
-    if not 1 <= E <= INT16_MAX + 1:
+def check_num_experts(E: int | None) -> None:
+    """UsageError unless ``E`` (``--num-experts``; None: not given) fits the trace's int16 expert ids."""
+    if E is not None and not 1 <= E <= INT16_MAX + 1:
         raise UsageError(f"--num-experts must be in [1, {INT16_MAX + 1}] (expert ids are stored as int16), got {E}")
-    return E
 
 
 # -- strict values ---------------------------------------------------------------------------------------
@@ -95,19 +151,65 @@ def int_grid(v: Any, ndim: int, what: str, where: str) -> np.ndarray:
         raise ImportFormatError(f"{where}: {what} holds an integer too large for an expert id") from None
 
 
-def check_ids(ids: np.ndarray, num_experts: int, where: str) -> None:
-    """Expert ids [..., K]: in [0, E) and no expert twice in one row; ImportFormatError naming the first bad row."""
+def check_ids(ids: np.ndarray, num_experts: int, where: str, hint: str = "") -> None:
+    """Expert ids [..., K]: in [0, E) and no expert twice in one row; ImportFormatError naming the first bad row
+    (``hint``, e.g. which flags gave the rows their shape, ends the message)."""
     flat = ids.reshape(-1, ids.shape[-1])
     out = (flat < 0) | (flat >= num_experts)
+    tail = f"; {hint}" if hint else ""
     if out.any():
         r = int(np.argmax(out.any(axis=1)))
         raise ImportFormatError(f"{where}: expert id(s) {flat[r][out[r]].tolist()} outside [0, E={num_experts}) "
-                                f"(row {_row_index(ids.shape, r)})")
+                                f"(row {_row_index(ids.shape, r)}){tail}")
     srt = np.sort(flat, axis=1)
     rep = (np.diff(srt, axis=1) == 0).any(axis=1)
     if rep.any():
         r = int(np.argmax(rep))
-        raise ImportFormatError(f"{where}: repeated expert in {flat[r].tolist()} (row {_row_index(ids.shape, r)})")
+        raise ImportFormatError(f"{where}: repeated expert in {flat[r].tolist()} (row {_row_index(ids.shape, r)})"
+                                f"{tail}")
+
+
+SPLIT_EVIDENCE = 8.0
+"""Same-position expert coincidences two independent routers would show (K^2/E per position) before the absence
+of any counts as evidence that they are one router's top-K cut in two."""
+
+
+def check_not_split(seqs: list[np.ndarray], num_experts: int, axis: str, where: str, hint: str) -> None:
+    """Refuse rows that look like one router's top-K cut into neighbours by a wrong shape flag.
+
+    ``seqs``: [T, L, K] ids. Along ``axis`` (``"layer"``: layers l and l+1 at the same position; ``"position"``:
+    positions t and t+1 of a layer, in aligned blocks of m = 2..8), the neighbours of a row never share an expert
+    when they are the two halves of one top-K row (a router picks K distinct experts), whereas separate routers or
+    tokens do by chance. When they never do over enough rows that ``SPLIT_EVIDENCE`` coincidences were expected
+    (uniform routing: K^2/E per pair), the shape the flags gave is refused with ``hint`` (the file does not record
+    its shape)."""
+    K = seqs[0].shape[2]
+    per = K * K / num_experts
+    if axis == "layer":
+        L = seqs[0].shape[1]
+        for li in range(L - 1):
+            pairs = sum(len(a) for a in seqs)
+            if pairs * per < SPLIT_EVIDENCE:
+                return
+            if not any(_shared(a[:, li], a[:, li + 1]).any() for a in seqs):
+                raise ImportFormatError(f"{where}: layers {li} and {li + 1} never select a common expert at the same "
+                                        f"position over {pairs} positions (about {pairs * per:.0f} expected from two "
+                                        f"routers): they look like one router's top-K cut in two; {hint}")
+        return
+    for m in range(2, 9):
+        blocks = [a[: len(a) // m * m].reshape(-1, m, *a.shape[1:]) for a in seqs]
+        pairs = sum(b.shape[0] * (m - 1) * b.shape[2] for b in blocks)
+        if not pairs or pairs * per < SPLIT_EVIDENCE:
+            continue
+        if not any(_shared(b[:, i], b[:, i + 1]).any() for b in blocks for i in range(m - 1)):
+            raise ImportFormatError(f"{where}: in every block of {m} positions the positions never share an expert "
+                                    f"within a layer ({pairs} pairs, about {pairs * per:.0f} expected from separate "
+                                    f"tokens): each looks like one token's top-K cut in {m}; {hint}")
+
+
+def _shared(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[..., K] x [..., K] -> [...]: whether the two rows share an expert."""
+    return (a[..., :, None] == b[..., None, :]).any(axis=(-1, -2))
 
 
 def _row_index(shape: tuple[int, ...], r: int) -> list[int]:
@@ -141,7 +243,7 @@ def csv_int(s: str, what: str, where: str, lo: int = 0, hi: int = INT32_MAX) -> 
     t = s[1:] if s.startswith("-") else s
     if not t.isdigit() or not t.isascii():
         raise ImportFormatError(f"{where}: {what} must be an integer, got {s!r}")
-    return _int_field(int(s), what, where, lo, hi)
+    return int_value(int(s), what, where, lo, hi)
 
 
 def b64_bytes(v: Any, what: str, where: str) -> bytes:
@@ -191,6 +293,43 @@ def csv_rows(path: Path, header: tuple[str, ...]) -> Iterator[tuple[int, list[st
             yield ln, cells
 
 
+def cut_line_number(path: Path) -> int | None:
+    """The number of the last line of a text file that does not end with a newline (a write cut short mid-line
+    leaves one), else None. Streams the file: its newlines are counted, nothing is kept."""
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return None
+        f.seek(-1, 2)
+        if f.read(1) == b"\n":
+            return None
+        f.seek(0)
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b"")) + 1
+
+
+class JsonLines:
+    """The values of a JSON-lines file (``(line number, value)``, :func:`expertcast.utils.io.iter_jsonl`), except a
+    last line that a write cut short: a file that does not end with a newline and whose last line is not valid
+    JSON ends one record early, and :attr:`cut` names that line (every other bad line is an ImportFormatError)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cut: int | None = None
+        self._last = cut_line_number(path)
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        try:
+            yield from iter_jsonl(self.path, error=ImportFormatError)
+        except ImportFormatError as e:
+            if self._last is None or not str(e).startswith(f"{self.path}:{self._last}: not valid JSON"):
+                raise
+            self.cut = self._last
+
+    def cut_lines(self) -> list[str]:
+        """``[file:line]`` of the cut line (empty when there is none), as :class:`Imported` keeps it."""
+        return [f"{self.path}:{self.cut}"] if self.cut else []
+
+
 def files_of(path: Path, ext: str) -> list[Path]:
     """``path`` itself, or the ``*.ext`` files of the folder ``path`` in name order (ImportFormatError if none)."""
     if path.is_file():
@@ -220,14 +359,18 @@ class RowCollector:
         self._where: dict[str, list[str]] = {}
         self.records = 0
         self.with_weights = 0
+        self.dropped_positions = 0
+        """Trailing positions :meth:`build` dropped for lacking some layers' records (a write cut short)."""
+        self.dropped_sequences = 0
+        """Sequences :meth:`build` dropped because none of their positions had every layer."""
 
     def add(self, where: str, seq: str, pos: int, layer: int, experts: Any, weights: Any = None,
             phase: str | None = None, token_id: int = -1, source: str | None = None) -> None:
-        ids = _experts(experts, self.E, where)
+        ids = expert_list(experts, self.E, where)
         if self.K is not None and len(ids) != self.K:
             raise ImportFormatError(f"{where}: {len(ids)} experts, earlier records have K={self.K}")
         self.K = len(ids)
-        w = _weights(weights, len(ids), where) if weights is not None else None
+        w = weight_list(weights, len(ids), where) if weights is not None else None
         s = self._seqs.get(seq)
         if s is None:
             s = self._seqs[seq] = {"pos": [], "layer": [], "ids": [], "w": [], "phase": [], "tok": []}
@@ -250,13 +393,19 @@ class RowCollector:
         return sorted({v for s in self._seqs.values() for v in s["layer"]})
 
     def build(self, source_name: str) -> tuple[list[TraceSequence], int, list[int]]:
-        """(sequences in first-seen order, L, the source's layer value of each trace layer)."""
+        """(sequences in first-seen order, L, the source's layer value of each trace layer).
+
+        A write cut short leaves the last positions of a sequence without some layers' records: those trailing
+        positions are dropped (counted in :attr:`dropped_positions`; a sequence left with none in
+        :attr:`dropped_sequences`). A position lacking a layer before a complete one is no cut-short write and
+        is refused, as is a source with no complete position at all."""
         if not self.records or self.K is None:
             raise ImportFormatError(f"{source_name} holds no routing records")
         layers = self.layer_values()
         L, K = len(layers), self.K
         lmap = {v: i for i, v in enumerate(layers)}
         out = []
+        self.dropped_positions = self.dropped_sequences = 0
         for sid, s in self._seqs.items():
             where = self._where[sid]
             pos = np.asarray(s["pos"], dtype=np.int64)
@@ -275,20 +424,34 @@ class RowCollector:
                 raise ImportFormatError(f"{where[r]}: duplicate record for sequence {sid!r} position {int(pos[r])} "
                                         f"layer {s['layer'][r]}")
             T = len(toks)
+            sel = np.arange(len(flat))
             if len(flat) != T * L:
                 have = np.zeros(T * L, dtype=bool)
                 have[flat] = True
-                miss = int(np.argmin(have))
-                raise ImportFormatError(f"{source_name}: sequence {sid!r} position {int(toks[miss // L])} has no "
-                                        f"record for layer {layers[miss % L]} (every position needs all {L} layers)")
-            ids = np.asarray(s["ids"], dtype=np.int16)[order].reshape(T, L, K)
-            w = np.full((T * L, K), 1.0 / K, dtype=np.float32)
+                full = have.reshape(T, L).all(axis=1)
+                cut = int(np.argmin(full))  # the first position lacking a layer
+                if full[cut:].any():
+                    miss = int(np.argmin(have))
+                    raise ImportFormatError(
+                        f"{source_name}: sequence {sid!r} position {int(toks[miss // L])} has no record for layer "
+                        f"{layers[miss % L]}, and later positions have every layer (a hole, not a write cut short: "
+                        f"every position before the last complete one needs all {L} layers)")
+                self.dropped_positions += T - cut
+                if cut == 0:
+                    self.dropped_sequences += 1
+                    continue
+                T, sel = cut, np.nonzero(ti < cut)[0]
+                flat = flat[sel]
+                order = np.argsort(flat, kind="stable")
+            rows = sel[order]
+            ids = np.asarray(s["ids"], dtype=np.int16)[rows].reshape(T, L, K)
+            w = np.full((len(s["w"]), K), 1.0 / K, dtype=np.float32)
             wi = [i for i, x in enumerate(s["w"]) if x is not None]
             if wi:
                 w[np.asarray(wi)] = np.asarray([s["w"][i] for i in wi], dtype=np.float32)
-            w = w[order].reshape(T, L, K)
-            phases = np.asarray([p or "" for p in s["phase"]], dtype=object)[order].reshape(T, L)
-            tok = np.asarray(s["tok"], dtype=np.int64)[order].reshape(T, L)
+            w = w[rows].reshape(T, L, K)
+            phases = np.asarray([p or "" for p in s["phase"]], dtype=object)[rows].reshape(T, L)
+            tok = np.asarray(s["tok"], dtype=np.int64)[rows].reshape(T, L)
             prompt_len = _prompt_len(phases, toks, sid, source_name)
             if (tok != tok[:, :1]).any():
                 t = int(np.argmax((tok != tok[:, :1]).any(axis=1)))
@@ -296,7 +459,15 @@ class RowCollector:
                                         f"{sorted(set(tok[t].tolist()))} across layers")
             out.append(TraceSequence(sid, tok[:, 0].astype(np.int32), prompt_len, ids, w.astype(np.float16),
                                      source=self._sources[sid]))
+        if not out:
+            raise ImportFormatError(f"{source_name}: no position has every one of the {L} layers' records (nothing "
+                                    f"left to import once the positions a cut-short write left incomplete are "
+                                    f"dropped)")
         return out, L, layers
+
+    def dropped(self) -> dict[str, int]:
+        """What :meth:`build` left out, as :class:`Imported` counts it."""
+        return {"dropped_positions": self.dropped_positions, "dropped_sequences": self.dropped_sequences}
 
 
 def _prompt_len(phases: np.ndarray, toks: np.ndarray, sid: str, where: str) -> int:
@@ -330,7 +501,7 @@ class Request:
     source: str | None = None
 
 
-def request_sequences(reqs: list[Request], num_experts: int, source_name: str
+def request_sequences(reqs: list[Request], num_experts: int, source_name: str, hint: str = ""
                       ) -> tuple[list[TraceSequence], list[int] | None, list[str]]:
     """Sequences of ``reqs`` (one each, weights 1/K), the kept layers and notes.
 
@@ -359,7 +530,7 @@ def request_sequences(reqs: list[Request], num_experts: int, source_name: str
     out = []
     for r in reqs:
         ids = r.ids[:, keep]
-        check_ids(ids, num_experts, f"{r.where}: request {r.seq_id!r}")
+        check_ids(ids, num_experts, f"{r.where}: request {r.seq_id!r}", hint)
         T, L, K = ids.shape
         pl = r.prompt_len or 0
         tok = r.token_ids if r.token_ids is not None else np.full(T, -1, dtype=np.int64)

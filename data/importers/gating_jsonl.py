@@ -15,15 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from expertcast.data.importers.common import (
+    INT16_MAX,
+    INT32_MAX,
     Imported,
+    ImportFormatError,
     ImportOptions,
+    JsonLines,
     RowCollector,
     id_field,
-    num_experts_of,
+    int_value,
     str_field,
 )
-from expertcast.data.trace_import import INT16_MAX, INT32_MAX, ImportFormatError, _int_field
-from expertcast.utils.io import iter_jsonl
+from expertcast.data.importers.spec import FormatSpec
 from expertcast.utils.jsonfields import require_keys
 
 NAME = "gating-jsonl"
@@ -35,18 +38,24 @@ def sniff(obj: Any) -> bool:
 
 
 def read(path: Path, opts: ImportOptions) -> Imported:
-    E = num_experts_of(opts, NAME)
+    E = int(opts.num_experts)
     col = RowCollector(E)
-    for ln, r in iter_jsonl(path, error=ImportFormatError):
+    lines = JsonLines(path)
+    for ln, r in lines:
         where = f"{path}:{ln}"
         if not isinstance(r, dict):
             raise ImportFormatError(f"{where}: expected a JSON object")
         require_keys(r, _KEYS, ImportFormatError, lambda m, w=where: f"{w}: missing field(s) {', '.join(m)}")
         ds = str_field(r["dataset"], "dataset", where)
         sid = f"{ds}/{id_field(r['problem_id'], 'problem_id', where)}"
-        col.add(where, sid, _int_field(r["token_idx"], "token_idx", where, 0, INT32_MAX),
-                _int_field(r["layer"], "layer", where, 0, INT16_MAX), r["experts"], r.get("gating_probs"),
+        col.add(where, sid, int_value(r["token_idx"], "token_idx", where, 0, INT32_MAX),
+                int_value(r["layer"], "layer", where, 0, INT16_MAX), r["experts"], r.get("gating_probs"),
                 source=ds)
     seqs, L, layers = col.build(str(path))
     return Imported(seqs, L, E, int(col.K or 0), phase_known=False, model_id=opts.model_id,
-                    moe_layers=None if layers == list(range(L)) else layers, records=col.records)
+                    moe_layers=None if layers == list(range(L)) else layers, records=col.records,
+                    cut_lines=lines.cut_lines(), **col.dropped())
+
+
+SPEC = FormatSpec(NAME, "routing-study JSONL: dataset, problem_id, token_idx, layer, experts", read, sniff=sniff,
+                  requires={"num_experts": "its records do not name E"})

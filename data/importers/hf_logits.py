@@ -22,9 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from expertcast.data.importers.common import Imported, ImportOptions, int_grid, str_field
+from expertcast.data.importers.common import (
+    INT16_MAX,
+    INT32_MAX,
+    Imported,
+    ImportFormatError,
+    ImportOptions,
+    int_grid,
+    int_value,
+    str_field,
+)
+from expertcast.data.importers.spec import FormatSpec
 from expertcast.data.trace_format import TraceSequence
-from expertcast.data.trace_import import INT16_MAX, INT32_MAX, ImportFormatError, _int_field
 from expertcast.utils.jsonfields import check_format
 
 NAME = "hf-router-logits"
@@ -48,7 +57,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
     check_format(d, FORMAT, 1, ImportFormatError,
                  wrong_format=lambda got: f"{side}: format must be {FORMAT!r}, got {got!r}",
                  bad_version=lambda v: f"{side}: format_version {v} is not read here (only version 1)")
-    K = _int_field(d.get("top_k"), "top_k", str(side), 1, INT16_MAX)
+    K = int_value(d.get("top_k"), "top_k", str(side), 1, INT16_MAX)
     norm = d.get("norm_topk_prob")
     if not isinstance(norm, bool):
         raise ImportFormatError(f"{side}: norm_topk_prob must be true or false (the model config's flag), got "
@@ -122,7 +131,7 @@ def _sequence(sid: str, logits: np.ndarray, K: int, norm: bool, m: Any, where: s
     if norm:
         w = w / w.sum(axis=-1, keepdims=True)
     pl = m.get("prompt_len")
-    pl = None if pl is None else _int_field(pl, "prompt_len", where, 0, T)
+    pl = None if pl is None else int_value(pl, "prompt_len", where, 0, T)
     tok = np.full(T, -1, dtype=np.int32)
     if m.get("token_ids") is not None:
         t = int_grid(m["token_ids"], 1, "token_ids", where)
@@ -132,3 +141,7 @@ def _sequence(sid: str, logits: np.ndarray, K: int, norm: bool, m: Any, where: s
     source = str_field(m["source"], "source", where) if m.get("source") is not None else None
     return TraceSequence(sid, tok, pl or 0, ids.astype(np.int16), w.astype(np.float16), p.astype(np.float16),
                          source), pl is not None
+
+
+SPEC = FormatSpec(NAME, "transformers output_router_logits: safetensors + JSON sidecar", read, suffix=".safetensors",
+                  files=lambda p: [p, sidecar(p)])

@@ -26,8 +26,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from expertcast.data.importers.common import Imported, ImportOptions, RowCollector, files_of, str_field
-from expertcast.data.trace_import import INT16_MAX, INT32_MAX, ImportFormatError, _int_field
+from expertcast.data.importers.common import (
+    INT16_MAX,
+    INT32_MAX,
+    Imported,
+    ImportFormatError,
+    ImportOptions,
+    JsonLines,
+    RowCollector,
+    files_of,
+    int_value,
+    str_field,
+)
+from expertcast.data.importers.spec import FormatSpec
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import iter_jsonl
 from expertcast.utils.jsonfields import check_format, require_keys
@@ -55,13 +66,15 @@ def read(path: Path, opts: ImportOptions) -> Imported:
     if E is None:
         raise UsageError(f"--num-experts is required for the {NAME} layout ({files[0]}'s metadata has no num_experts)")
     col = RowCollector(E)
+    cut: list[str] = []
     for f, meta in zip(files, metas, strict=True):
-        _events(f, meta, col)
+        cut += _events(f, meta, col)
     seqs, L, layers = col.build(str(path))
     models = {m["model_id"] for m in metas}
     return Imported(seqs, L, E, int(col.K or 0), phase_known=True,
                     model_id=opts.model_id or (models.pop() if len(models) == 1 else None),
-                    moe_layers=None if layers == list(range(L)) else layers, records=col.records + len(files))
+                    moe_layers=None if layers == list(range(L)) else layers, records=col.records + len(files),
+                    cut_lines=cut, **col.dropped())
 
 
 def _metadata(f: Path) -> dict:
@@ -78,21 +91,23 @@ def _metadata(f: Path) -> dict:
         str_field(m.get("model_id"), "model_id", where)
         for k in ("num_experts", "experts_per_token"):
             if m.get(k) is not None:
-                _int_field(m[k], k, where, 1, INT16_MAX + 1)
+                int_value(m[k], k, where, 1, INT16_MAX + 1)
             else:
                 m.pop(k, None)
         return m
     raise ImportFormatError(f"{f} is empty: nothing to import")
 
 
-def _events(f: Path, meta: dict, col: RowCollector) -> None:
+def _events(f: Path, meta: dict, col: RowCollector) -> list[str]:
+    """Add ``f``'s routing records to ``col``; returns the file's cut line, if a write cut it short."""
     E = col.E
     width = meta.get("experts_per_token")
     if "num_experts" in meta and meta["num_experts"] != E:
         raise ImportFormatError(f"{f}: metadata num_experts {meta['num_experts']} but E={E}")
     last: dict[str, Any] = {"phase": None, "key": None, "max_prompt": -1}
     seen: set[tuple[int, int]] = set()
-    records = iter_jsonl(f, error=ImportFormatError)
+    lines = JsonLines(f)
+    records = iter(lines)
     next(records)  # the metadata record (checked by _metadata)
     n = 0
     for ln, r in records:
@@ -109,8 +124,8 @@ def _events(f: Path, meta: dict, col: RowCollector) -> None:
         phase = r["phase"]
         if phase not in ("prompt", "generated"):
             raise ImportFormatError(f"{where}: phase must be 'prompt' or 'generated', got {phase!r}")
-        pos = _int_field(r["token_position"], "token_position", where, 0, INT32_MAX)
-        layer = _int_field(r["layer"], "layer", where, 0, INT16_MAX)
+        pos = int_value(r["token_position"], "token_position", where, 0, INT32_MAX)
+        layer = int_value(r["layer"], "layer", where, 0, INT16_MAX)
         if last["phase"] == "generated" and phase == "prompt":
             raise ImportFormatError(f"{where}: a prompt record after generated records")
         key = (layer, pos) if phase == "prompt" else (pos, layer)
@@ -136,7 +151,11 @@ def _events(f: Path, meta: dict, col: RowCollector) -> None:
             if bad:
                 raise ImportFormatError(f"{where}: selected_probabilities {bad} outside [0, 1]")
         tid = r.get("token_id")
-        tid = -1 if tid is None else _int_field(tid, "token_id", where, 0, INT32_MAX)
+        tid = -1 if tid is None else int_value(tid, "token_id", where, 0, INT32_MAX)
         col.add(where, f.stem, pos, layer, experts, probs or None, "prefill" if phase == "prompt" else "decode", tid)
     if not n:
         raise ImportFormatError(f"{f}: no routing_selection record after the metadata")
+    return lines.cut_lines()
+
+
+SPEC = FormatSpec(NAME, "moe-cache-lab routing-trace-v1 JSONL", read, sniff=sniff, folder_ext="jsonl")

@@ -25,20 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from expertcast.data.importers.common import (
+    INT32_MAX,
     Imported,
+    ImportFormatError,
     ImportOptions,
+    JsonLines,
     Request,
     b64_bytes,
     id_field,
     int_grid,
+    int_value,
     npy_array,
-    num_experts_of,
     request_sequences,
     str_field,
     token_ids_of,
 )
-from expertcast.data.trace_import import INT32_MAX, ImportFormatError, _int_field
-from expertcast.utils.io import iter_jsonl
+from expertcast.data.importers.spec import FormatSpec
 
 NAME = "vllm"
 
@@ -62,12 +64,13 @@ def _routed(v: Any, where: str):
 
 
 def read(path: Path, opts: ImportOptions) -> Imported:
-    E = num_experts_of(opts, NAME)
+    E = int(opts.num_experts)
     reqs: list[Request] = []
-    lines = 0
-    for ln, rec in iter_jsonl(path, error=ImportFormatError):
+    count = 0
+    lines = JsonLines(path)
+    for ln, rec in lines:
         where = f"{path}:{ln}"
-        lines += 1
+        count += 1
         if not isinstance(rec, dict):
             raise ImportFormatError(f"{where}: expected a JSON object (one request)")
         rid = id_field(rec.get("request_id", rec.get("id")), "request_id (or id)", where)
@@ -75,7 +78,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
         usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
         prompt_ids = rec.get("prompt_token_ids")
         P = len(prompt_ids) if isinstance(prompt_ids, list) else (
-            _int_field(usage["prompt_tokens"], "usage.prompt_tokens", where, 0, INT32_MAX)
+            int_value(usage["prompt_tokens"], "usage.prompt_tokens", where, 0, INT32_MAX)
             if "prompt_tokens" in usage else None)
         units = rec.get("choices", rec.get("outputs"))
         if units is None:
@@ -90,7 +93,7 @@ def read(path: Path, opts: ImportOptions) -> Imported:
             sid = rid if len(units) == 1 else f"{rid}:{id_field(u.get('index'), 'index', where)}"
             out_ids = u.get("token_ids")
             C = len(out_ids) if isinstance(out_ids, list) else (
-                _int_field(usage["completion_tokens"], "usage.completion_tokens", where, 0, INT32_MAX)
+                int_value(usage["completion_tokens"], "usage.completion_tokens", where, 0, INT32_MAX)
                 if "completion_tokens" in usage and len(units) == 1 else None)
             T = ids.shape[0]
             if P is not None and C is not None and T != P + C - 1:
@@ -107,5 +110,9 @@ def read(path: Path, opts: ImportOptions) -> Imported:
         raise ImportFormatError(f"{path}: some requests record their prompt length and some do not; the phase "
                                 f"must be known for all or none")
     _, L, K = seqs[0].expert_ids.shape
-    return Imported(seqs, L, E, K, phase_known=known, model_id=opts.model_id, moe_layers=kept, records=lines,
-                    notes=notes)
+    return Imported(seqs, L, E, K, phase_known=known, model_id=opts.model_id, moe_layers=kept, records=count,
+                    notes=notes, cut_lines=lines.cut_lines())
+
+
+SPEC = FormatSpec(NAME, "vLLM return-routed-experts: one request per line, [T, L, K]", read, sniff=sniff,
+                  requires={"num_experts": "its records do not name E"})

@@ -32,18 +32,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig
+from expertcast.inference.runtime.memory import (  # the sizes and memory figures of a load (re-exported)
+    RSS_MARGIN_BYTES,
+    LoadPlan,
+    LoadReport,
+    device_free_bytes,
+    gb,
+    host_available_bytes,
+    peak_rss_bytes,
+)
 from expertcast.inference.runtime.store import (
     ExpertLayout,
     HostExpertStore,
@@ -314,145 +321,7 @@ def _complete(chunks: set[tuple[int, int]] | None) -> bool:
     return bool(chunks) and len(chunks) == next(iter(chunks))[1]
 
 
-# --------------------------------------------------------------------------------------------- memory
-def _proc_kib_field(path: str, name: str) -> int | None:
-    """The ``name:  N kB`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes; None
-    where the file or the line is missing (not Linux)."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(f"{name}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def host_available_bytes() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (None where unknown)."""
-    return _proc_kib_field("/proc/meminfo", "MemAvailable")
-
-
-def device_free_bytes(device: torch.device) -> int | None:
-    """Free bytes on ``device`` now: ``torch.cuda.mem_get_info`` on CUDA, host MemAvailable on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    if device.type == "cpu":
-        return host_available_bytes()
-    return None
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-@dataclass
-class LoadPlan:
-    """Sizes of an offloaded load, from config.json and the checkpoint headers (no weights read)."""
-
-    model_dir: str
-    device: str
-    dtype: str
-    num_layers: int
-    num_experts: int
-    top_k: int
-    expert_bytes: int
-    """Bytes of one routed expert (one store row / one slot) at the load dtype."""
-    expert_bytes_total: int
-    """L * E * expert_bytes: the host store."""
-    non_expert_bytes: int
-    """Parameters and buffers that stay on the device (attention, embeddings, norms, routers, shared
-    experts, dense layers)."""
-    num_slots: int
-    num_temp_slots: int
-    slot_bytes: int
-    """Device bytes of the slot pool (resident + temporary slots)."""
-    device_free: int | None
-    host_available: int | None
-    checkpoint_files: list[str] = field(default_factory=list)
-    checkpoint_layout: str = ""
-    """``per-expert`` (converted on load), ``fused`` or ``mixed``."""
-
-    @property
-    def full_load_fits(self) -> bool:
-        """The whole model (non-expert weights + all experts) fits the device's free memory now."""
-        total = self.non_expert_bytes + self.expert_bytes_total
-        return self.device_free is None or total <= self.device_free
-
-    def check_fits(self, mmap: bool, capacity_flag: str = "--capacity/--slots") -> None:
-        """Refuse (UsageError) when the slots do not fit the device or the experts do not fit the host."""
-        dev = self.non_expert_bytes + self.slot_bytes
-        if self.device_free is not None and self.device.startswith("cuda") and dev > self.device_free:
-            raise UsageError(
-                f"the slots do not fit {self.device}: {self.num_slots} slots + {self.num_temp_slots} temporary x "
-                f"{self.expert_bytes / 1e6:.2f} MB = {_gb(self.slot_bytes)} plus {_gb(self.non_expert_bytes)} of "
-                f"non-expert weights exceed the {_gb(self.device_free)} free; lower {capacity_flag}")
-        host = self.expert_bytes_total + (self.non_expert_bytes + self.slot_bytes if self.device == "cpu" else 0)
-        if not mmap and self.host_available is not None and host > self.host_available:
-            what = "the experts" if self.device != "cpu" else "the experts, the slots and the non-expert weights"
-            raise UsageError(
-                f"host memory cannot hold {what}: {_gb(host)} needed ({self.num_layers} layers x "
-                f"{self.num_experts} experts x {self.expert_bytes / 1e6:.2f} MB), {_gb(self.host_available)} "
-                f"available; memory-map the expert store (--mmap-store) or free memory")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "full_load_fits": self.full_load_fits}
-
-
-@dataclass
-class LoadReport:
-    """What :func:`load_offloaded` did and the memory it took."""
-
-    plan: LoadPlan
-    load_seconds: float
-    store_pinned: bool
-    store_mmap: str | None
-    unused_checkpoint_keys: list[str]
-    """Checkpoint tensors the model has no place for (e.g. multi-token-prediction layers)."""
-    peak_rss_bytes: int
-    """:func:`peak_rss_bytes` right after loading: the process's resident-set high-water mark since it
-    started, in bytes (the load's peak, plus whatever the process held before it)."""
-    device_peak_bytes: int | None
-    """torch.cuda.max_memory_allocated after loading (None on CPU)."""
-    source: str = "checkpoint"
-    """``checkpoint`` (streamed from safetensors) or ``host`` (a tiny preset or an adapter export, built in
-    host memory first)."""
-    store_kind: str = "ram"
-    disk_path: str | None = None
-    disk_io_mode: str | None = None
-    """``direct`` (O_DIRECT) or ``buffered+dontneed`` (the file system refused O_DIRECT)."""
-    readers: int | None = None
-    rss_bound_bytes: int | None = None
-    """Disk store: the stated host RSS bound, slots (CPU) + non-expert weights + one MoE layer's rows (the
-    writer's buffer) + :data:`RSS_MARGIN_BYTES`, whatever the size of the expert file. A model built in
-    host memory first (``source="host"``) held its experts in RAM once, beyond this bound."""
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "plan"}
-        d["plan"] = self.plan.to_dict()
-        d["unused_checkpoint_keys"] = self.unused_checkpoint_keys[:20]
-        d["num_unused_checkpoint_keys"] = len(self.unused_checkpoint_keys)
-        return d
-
-
-RSS_MARGIN_BYTES = 1 << 30
-"""The disk store's stated host RSS margin (1 GiB): interpreter, torch, transformers, workspace, KV cache."""
-
-
 # --------------------------------------------------------------------------------------------- entry points
-def peak_rss_bytes() -> int:
-    """Peak resident set of this process, in bytes: ``VmHWM`` of /proc/self/status, the high-water mark of
-    this program's own address space since it was exec'd (it never goes down: a measurement is the peak
-    up to now, including imports and whatever the process held before the thing being measured).
-    Without /proc, ``ru_maxrss`` (converted: KiB on Linux and the BSDs, bytes on macOS). ``ru_maxrss`` is not
-    used on Linux because it is carried over ``execve``: a subprocess started by a large parent would report
-    the parent's peak."""
-    hwm = _proc_kib_field("/proc/self/status", "VmHWM")
-    if hwm is not None:
-        return hwm
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
-
-
 def resolve_model_dir(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
     """A local model directory: as given, or the Hub snapshot (config, tokenizer, safetensors only)."""
     from expertcast.models.backbone import resolve_model_path
@@ -467,14 +336,15 @@ def resolve_model_dir(name_or_path: str | os.PathLike, revision: str | None = No
 
 
 def _config_and_dtype(model_dir: Path, dtype: str | torch.dtype | None, revision: str | None):
-    from expertcast.models.backbone import _torch_dtype, check_supported
+    from expertcast.models.backbone import check_supported
+    from expertcast.models.dtypes import parse_dtype
     from expertcast.models.spec import _config_dtype
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False, revision=revision)
     check_supported(config)
-    td = _torch_dtype(dtype)
-    return config, (_config_dtype(config) if td == "auto" else td)
+    td = parse_dtype(dtype)
+    return config, (_config_dtype(config) if td is None else td)
 
 
 def _plan(model_dir: Path, model: nn.Module, refs: list[MoELayerRef], layout: ExpertLayout,
@@ -736,8 +606,8 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
         file.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(file.parent).free
         if plan.expert_bytes_total > free:
-            raise UsageError(f"the expert store file {file} needs {_gb(plan.expert_bytes_total)}, its disk "
-                             f"has {_gb(free)} free")
+            raise UsageError(f"the expert store file {file} needs {gb(plan.expert_bytes_total)}, its disk "
+                             f"has {gb(free)} free")
     non_expert_entries, expert_entries, unused = split
     non_expert = _non_expert_tensors(model, refs, layout)
     reader = ShardReader()

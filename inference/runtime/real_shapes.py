@@ -142,20 +142,31 @@ class BuildReport:
 def shape_config(shape: str, layers: int | None = None, overrides: dict[str, Any] | None = None):
     """The transformers config of preset ``shape`` with ``overrides`` applied, truncated to ``layers`` decoder
     layers (None: all). UsageError (one line) for an unknown shape or a truncation that leaves no MoE layer."""
+    from expertcast.models.families import config_keys, config_problems
     from expertcast.models.presets import get_config, get_preset, list_presets
     from expertcast.models.spec import UnsupportedModelError, moe_layer_indices
     from expertcast.utils.errors import UsageError
 
     try:
-        get_preset(shape)
+        preset = get_preset(shape)
     except KeyError:
         raise UsageError(f"unknown shape {shape!r}; shapes: {', '.join(list_presets('real'))} "
                          f"(or a tiny preset: {', '.join(list_presets('tiny'))})") from None
     kwargs = dict(overrides or {})
+    known = config_keys(preset.model_type) | set(preset.config)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        import difflib
+
+        near = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+        raise UsageError(f"--set {', '.join(unknown)}: not a field of {preset.model_type}'s config class"
+                         + "".join(f" (did you mean {m[0]}?)" for m in near.values() if m)
+                         + " (a misspelled key would be written into config.json and ignored)")
     try:
         config = get_config(shape, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"shape {shape!r} with overrides {kwargs}: {' '.join(str(e).split())}") from None
+    except Exception as e:  # the config class's own validation: TypeError, ValueError, huggingface_hub's
+        first = " ".join(str(e).split())  # StrictDataclassFieldValidationError (an Exception)
+        raise UsageError(f"shape {shape!r} with overrides {kwargs}: {first}") from None
     n = int(config.num_hidden_layers)
     if layers is not None:
         if not 1 <= layers <= n:
@@ -167,6 +178,9 @@ def shape_config(shape: str, layers: int | None = None, overrides: dict[str, Any
         moe = moe_layer_indices(config)
     except UnsupportedModelError as e:
         raise UsageError(str(e)) from None
+    problems = [p for p in config_problems(config) if "no decoder layer" not in p]
+    if problems:
+        raise UsageError(f"shape {shape!r} with overrides {kwargs}: {'; '.join(problems)}")
     if not moe:
         raise UsageError(f"shape {shape!r} truncated to {config.num_hidden_layers} layers has no MoE layer "
                          f"(its dense layers come first): give more --layers")
@@ -332,9 +346,9 @@ def _write_shard(path: Path, tensors: list[PlannedTensor], seed: int, buffers: d
 
 # --------------------------------------------------------------------------------------------- build
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    from expertcast.models.presets import _as_dtype
+    from expertcast.models.dtypes import parse_dtype
 
-    out = _as_dtype(dtype)
+    out = parse_dtype(dtype)
     if out not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"--dtype {dtype}: a build writes bfloat16, float16 or float32")
     return out

@@ -28,3 +28,53 @@ def test_build_shape_command(tmp_path, capsys):
 def test_bad_set_is_a_one_line_error(tmp_path, capsys):
     rc = cli(["build-shape", "qwen3-30b-a3b", "--out", str(tmp_path / "x"), "--set", "nonsense"])
     assert rc == 2 and "--set 'nonsense': expected KEY=VALUE" in capsys.readouterr().err
+
+
+SMALL = ["hidden_size=64", "intermediate_size=128", "moe_intermediate_size=32", "vocab_size=512",
+         "num_attention_heads=4", "num_key_value_heads=2", "head_dim=16", "num_experts=16", "bos_token_id=1",
+         "eos_token_id=2"]
+
+
+def _error_lines(err: str) -> list[str]:
+    """The command's own stderr lines (a logging handler left by another test may add its own)."""
+    return [x for x in err.splitlines() if x.startswith("expertcast ") or x.startswith("Traceback (most recent")
+            and "Logging error" not in err]
+
+
+def _sets(*items: str) -> list[str]:
+    return [a for s in (*SMALL, *items) for a in ("--set", s)]
+
+
+def test_a_set_key_the_config_class_lacks_is_refused(tmp_path, capsys):
+    """A misspelled key was written into config.json (and ignored by the model) while the build ran."""
+    rc = cli(["build-shape", "qwen3-30b-a3b", "--out", str(tmp_path / "x"), "--layers", "1",
+              *_sets("hiden_size=256")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--set hiden_size: not a field of qwen3_moe's config class (did you mean hidden_size?)" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_set_values_that_disagree_or_mistype_are_one_line_errors(tmp_path, capsys):
+    rc = cli(["build-shape", "qwen3-30b-a3b", "--out", str(tmp_path / "x"), "--layers", "1",
+              *_sets("num_experts_per_tok=64")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "num_experts_per_tok=64 exceeds the 16 routed experts (num_experts)" in err
+    assert len(_error_lines(err)) == 1 and not (tmp_path / "x").exists()
+    rc = cli(["build-shape", "qwen3-30b-a3b", "--out", str(tmp_path / "x"), "--set", "hidden_size=abc"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "hidden_size" in err and "expected int" in err and len(_error_lines(err)) == 1
+
+
+def test_replay_refuses_a_model_whose_config_cannot_run(tmp_path, capsys):
+    """A folder whose config.json was edited to K > E: replay says so in one line instead of crashing."""
+    out = tmp_path / "m"
+    assert cli(["build-shape", "qwen3-30b-a3b", "--out", str(out), "--layers", "1", *_sets()]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 64
+    (out / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    rc = cli(["replay", "--model", str(out), "--synthetic", "random", "--synthetic-size", "1,12",
+              "--capacity", "0.5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "num_experts_per_tok=64 exceeds the 16 routed experts" in err, err
+    assert len(_error_lines(err)) == 1

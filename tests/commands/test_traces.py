@@ -142,3 +142,37 @@ def test_synth_refuses_bad_settings_in_one_line(tmp_path, capsys, argv, message)
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_a_killed_import_is_refused_by_consumers_and_resumed_by_the_import(tmp_path, capsys, monkeypatch):
+    """Killed after its first shard: simulate refuses the unfinished set (naming it so); rerunning the import
+    resumes it (the finished shard kept) and the set then replays whole."""
+    from pathlib import Path
+
+    from expertcast.commands.simulate import main as simulate_main
+    from expertcast.data.traces import TraceWriter
+
+    src = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "traces" / "vllm" / "requests.jsonl"
+    out = tmp_path / "t"
+    argv = ["import", str(src), "--out", str(out), "--num-experts", "8", "--shard-size", "1"]
+    real = TraceWriter.write_shard
+
+    def killed(self, index, *a, **k):
+        if index == 1:
+            raise KeyboardInterrupt
+        return real(self, index, *a, **k)
+
+    monkeypatch.setattr(TraceWriter, "write_shard", killed)
+    assert traces_main(argv) == 130
+    assert "interrupted" in capsys.readouterr().err
+    monkeypatch.setattr(TraceWriter, "write_shard", real)
+    assert not read_manifest(out)["complete"] and len(read_manifest(out)["shards"]) == 1
+    capsys.readouterr()
+    assert simulate_main(["--traces", str(out), "--policies", "lru", "--capacity", "0.5",
+                          "--out", str(tmp_path / "sim")]) == 2
+    assert "is unfinished: its writer stopped after 1 shard(s)" in capsys.readouterr().err
+    assert traces_main(argv) == 0
+    assert "resumed an unfinished import: 1 of 2 shard(s) were already written" in capsys.readouterr().out
+    assert read_manifest(out)["complete"] and len(load_traces(out)[1]) == 2
+    assert traces_main(argv) == 2
+    assert "already holds a trace set" in capsys.readouterr().err

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from expertcast.commands.traces import main as traces_main
+from expertcast.data.importers.common import ImportFormatError
+from expertcast.data.importers.jsonl import read_import_jsonl
 from expertcast.data.trace_format import TraceMeta, TraceSequence
-from expertcast.data.trace_import import ImportFormatError, read_import_jsonl
 from expertcast.data.trace_stats import trace_stats
 from expertcast.data.traces import (
     MANIFEST_FILE,
@@ -187,12 +188,18 @@ def test_writer_claims_its_folder(tmp_path, monkeypatch):
         write_traces(".", _meta(), _seqs(2))
 
 
-def test_incomplete_set_loads_finished_shards_with_warning(tmp_path):
+def test_an_unfinished_set_is_refused_by_every_reader(tmp_path):
+    """A writer that stopped before marking the set complete left part of it: replaying that part would pass for
+    the whole set, so the readers every consumer goes through refuse it, naming it unfinished."""
     with TraceWriter(tmp_path / "t", _meta()) as w:
         w.write_shard(0, _seqs(2))
-    with pytest.warns(UserWarning, match="incomplete"):
-        _, seqs = load_traces(tmp_path / "t")
-    assert len(seqs) == 2
+    with pytest.raises(TraceFormatError, match=r"is unfinished: its writer stopped after 1 shard\(s\)"):
+        load_traces(tmp_path / "t")
+    with pytest.raises(TraceFormatError, match="is unfinished"):
+        next(iter_traces(tmp_path / "t"))
+    with TraceWriter(tmp_path / "t", _meta()) as w:  # resumed and finished: readable
+        w.finalize()
+    assert len(load_traces(tmp_path / "t")[1]) == 2
 
 
 def test_clear_errors(tmp_path):

@@ -40,7 +40,8 @@ def test_check_format_and_keys():
 
 
 def test_readers_keep_their_messages(tmp_path):
-    from expertcast.data.trace_import import ImportFormatError, read_import_jsonl
+    from expertcast.data.importers.common import ImportFormatError
+    from expertcast.data.importers.jsonl import read_import_jsonl
     from expertcast.inference.saem.cues import CUESET_FORMAT, CUESET_FORMAT_VERSION, CueSet
     from expertcast.models.forecaster_export import EXPORT_FORMAT, ForecasterExportError, read_export_config
     from expertcast.utils.errors import UsageError

@@ -1,4 +1,4 @@
-"""Fixture paths of the trace importers' tests (tests/data/fixtures/traces/<layout>/, written by hand)."""
+"""Fixture paths of the trace importers' tests (tests/data/fixtures/traces/<layout>/: excerpts of each layout as its writer makes it)."""
 
 from __future__ import annotations
 

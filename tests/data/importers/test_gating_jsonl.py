@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from expertcast.data.importers import ImportOptions, read_traces
-from expertcast.data.trace_import import ImportFormatError
+from expertcast.data.importers.common import ImportFormatError
 
 
 def test_rows_import_with_sources_and_gates(fixtures):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from expertcast.data.importers import read_traces
-from expertcast.data.trace_import import ImportFormatError
+from expertcast.data.importers.common import ImportFormatError
 
 
 def test_topk_of_softmax(fixtures):

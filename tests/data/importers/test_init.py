@@ -7,8 +7,8 @@ import json
 
 import pytest
 from expertcast.commands.traces import main as traces_main
-from expertcast.data.importers import FORMATS, detect_format, fingerprint
-from expertcast.data.trace_import import ImportFormatError
+from expertcast.data.importers import detect_format, fingerprint, registry
+from expertcast.data.importers.common import ImportFormatError
 from expertcast.data.traces import load_traces
 
 # (fixture, layout, flags, summary)
@@ -22,7 +22,7 @@ CASES = [
     ("megatron/router_trace_rank0.jsonl", "megatron", ["--num-experts", "8"],
      "2 sequences (megatron layout, L=2, E=8, K=2, 6 tokens"),
     ("moe-cache-lab/trace.jsonl", "moe-cache-lab", [], "1 sequences (moe-cache-lab layout, L=2, E=8, K=2, 3 tokens, 1 "),
-    ("moe-beyond", "moe-beyond", ["--num-experts", "8"], "2 sequences (moe-beyond layout, L=2, E=8, K=2, 5 tokens"),
+    ("moe-beyond", "moe-beyond", ["--num-experts", "64"], "2 sequences (moe-beyond layout, L=2, E=64, K=6, 5 tokens"),
     ("gating-jsonl/routing.jsonl", "gating-jsonl", ["--num-experts", "8"],
      "2 sequences (gating-jsonl layout, L=2, E=8, K=2, 3 tokens"),
     ("hf-router-logits/logits.safetensors", "hf-router-logits", [],
@@ -31,7 +31,7 @@ CASES = [
 
 
 def test_every_layout_has_a_case():
-    assert {c[1] for c in CASES} | {"jsonl", "granite"} == set(FORMATS)
+    assert {c[1] for c in CASES} | {"jsonl", "granite"} == set(registry())
 
 
 @pytest.mark.parametrize("rel,fmt,flags,summary", CASES, ids=[c[0] for c in CASES])
@@ -54,7 +54,7 @@ def test_auto_detects_and_imports(fixtures, tmp_path, capsys, rel, fmt, flags, s
     ("llamacpp/bad_ranks.csv", ["--num-experts", "8"], r"bad_ranks.csv:8: token 1 layer 3 has ranks"),
     ("megatron/bad_shape.jsonl", ["--num-experts", "8"], r"bad_shape.jsonl:2: top_indices is \[3, 2\]"),
     ("moe-cache-lab/bad_order.jsonl", [], r"bad_order.jsonl:3: prompt records must come in ascending"),
-    ("moe-beyond-bad", ["--num-experts", "8"], r"prompt_1.csv:2: experts must be a list of integers"),
+    ("moe-beyond-bad", ["--num-experts", "64"], r"prompt_1_data.csv:2: experts must be a list of integers"),
     ("gating-jsonl/bad_ids.jsonl", ["--num-experts", "8"], r'bad_ids.jsonl:3: experts must be a list of integers'),
     ("hf-router-logits-bad/logits.safetensors", [], r"logits.json: norm_topk_prob must be true or false"),
 ])
@@ -77,3 +77,28 @@ def test_ambiguous_and_unknown_layouts(tmp_path):
     c.write_text("a,b\n1,2\n")
     with pytest.raises(ImportFormatError, match="unknown CSV trace layout"):
         detect_format(c)
+
+
+@pytest.mark.parametrize("fill,argv,message", [
+    (b"\0", [], "a binary file (NUL byte at offset 0)"),
+    (b"\0", ["--format", "jsonl", "--num-experts", "8"], "a binary file (NUL byte at offset 0)"),
+    (b"a", [], "unknown trace layout (no JSON object on its first line)"),
+])
+def test_a_large_file_that_is_no_layout_is_refused_without_reading_it_whole(tmp_path, capsys, fill, argv, message):
+    """64 MiB on one line: the refusal reads a few KiB (`truncate -s 1G s.jsonl` once peaked at 3.2 GB)."""
+    import tracemalloc
+
+    src = tmp_path / "s.jsonl"
+    with open(src, "wb") as f:
+        if fill == b"\0":
+            f.truncate(64 << 20)
+        else:
+            f.write(fill * (64 << 20))
+    tracemalloc.start()
+    try:
+        assert traces_main(["import", str(src), "--out", str(tmp_path / "o"), *argv]) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert message in capsys.readouterr().err
+    assert peak < (8 << 20), peak

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from expertcast.data.importers import ImportOptions, read_traces
-from expertcast.data.trace_import import ImportFormatError
+from expertcast.data.importers.common import ImportFormatError
 from expertcast.utils.errors import UsageError
 
 

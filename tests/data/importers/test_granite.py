@@ -1,4 +1,4 @@
-"""Real-like synthetic routing (near-uniform in aggregate, locally sticky) and the granite expert-trace importer."""
+"""The granite per-prompt expert-trace JSON (``--format granite``): the shared real trace, and errors naming the key."""
 
 from __future__ import annotations
 
@@ -8,36 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from expertcast.data.synthetic import StickyRoutingProcess
-from expertcast.data.trace_import import ImportFormatError, import_expert_trace_json, read_expert_trace_json
-from expertcast.data.trace_stats import trace_stats
+from expertcast.data.importers import ImportOptions, import_traces
+from expertcast.data.importers.common import ImportFormatError
+from expertcast.data.importers.granite import read_expert_trace_json
 
-DATA = Path(os.environ.get("EXPERTCAST_DATA_DIR", Path(__file__).resolve().parents[3] / "shared" / "data"))
+DATA = Path(os.environ.get("EXPERTCAST_DATA_DIR", Path(__file__).resolve().parents[4] / "shared" / "data"))
 GRANITE = DATA / "traces" / "granite-3.0-1b-a400m" / "moe_expert_trace.json"
-
-
-def _summary(meta, seqs) -> dict:
-    rows, _ = trace_stats(meta, seqs)
-    return next(r for r in rows if r.get("layer") == "all" and r.get("phase") == "decode")
-
-
-def test_sticky_process_has_real_routing_statistics():
-    """Top-6 of 64: normalised entropy of expert use ~0.99 in aggregate, step overlap ~0.27 (random: 0.094)."""
-    proc = StickyRoutingProcess.realistic(num_layers=4, num_experts=64, top_k=6, seed=0)
-    seqs = proc.sample(60, 100, seed=1)
-    s = _summary(proc.meta(), seqs)
-    assert 0.985 <= s["entropy"] <= 0.995, s
-    assert 0.24 <= s["overlap"] <= 0.30, s
-    # each sequence has favourites (what recent frequency reads), which differ between sequences
-    per_seq = [np.bincount(q.expert_ids[:, 0].ravel(), minlength=64) / q.expert_ids[:, 0].size for q in seqs[:10]]
-    assert np.mean([_norm_entropy(f) for f in per_seq]) < s["entropy"] - 0.05
-    assert all(q.expert_ids.shape == (100, 4, 6) for q in seqs)
-    assert all(len(set(row.tolist())) == 6 for q in seqs[:5] for row in q.expert_ids.reshape(-1, 6))
-
-
-def _norm_entropy(f: np.ndarray) -> float:
-    f = f[f > 0]
-    return float(-(f * np.log(f)).sum() / np.log(64))
 
 
 @pytest.mark.skipif(not GRANITE.is_file(), reason="shared data not present")
@@ -54,7 +30,7 @@ def test_granite_trace_imports_as_three_sequences(tmp_path):
         assert np.allclose(s.expert_weights.astype(np.float32), 1 / 8)
     from expertcast.data.traces import load_traces
 
-    import_expert_trace_json(GRANITE, tmp_path / "granite", expert_bytes=3145728)
+    import_traces(GRANITE, tmp_path / "granite", "granite", ImportOptions(), expert_bytes=3145728)
     meta2, back = load_traces(tmp_path / "granite")
     assert meta2.expert_bytes == 3145728 and sorted(s.seq_id for s in back) == sorted(raw["prompts"])
 
