@@ -8,6 +8,7 @@ inputs it needs loaded, whether it can drive a live generation. Each policy modu
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,3 +75,9 @@ class PolicySpec:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "engines": sorted(self.engines), "needs": sorted(self.needs), "live": self.live}
+
+
+def object_names(cls: type) -> list[str]:
+    """The loaded objects policy class ``cls`` takes: the keyword-only parameters of its constructor."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.kind == p.KEYWORD_ONLY]

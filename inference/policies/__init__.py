@@ -11,7 +11,6 @@ module and the exception, and :func:`policy_import_errors` returns them (``exper
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import warnings
 from collections.abc import Mapping
@@ -20,7 +19,7 @@ from typing import Any
 
 from expertcast.inference.cache.options import PolicyOptions
 from expertcast.inference.cache.policy import Policy
-from expertcast.inference.cache.spec import PolicySpec
+from expertcast.inference.cache.spec import PolicySpec, object_names
 from expertcast.utils.errors import UsageError
 
 POLICY_MODULES: tuple[str, ...] = (
@@ -109,12 +108,6 @@ def policy_class(name: str) -> type[Policy]:
     except (ImportError, AttributeError) as exc:
         raise UsageError(f"policy {name!r} is registered as {spec.target} but cannot be imported "
                          f"({type(exc).__name__}: {exc})") from exc
-
-
-def object_names(cls: type[Policy]) -> list[str]:
-    """The loaded objects ``cls`` takes: the keyword-only parameters of its constructor."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return [p.name for p in params if p.kind == p.KEYWORD_ONLY]
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:

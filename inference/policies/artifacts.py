@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from expertcast.inference.cache.spec import object_names
+
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache.options import PolicyOptions
     from expertcast.inference.cache.spec import PolicySpec
@@ -64,8 +66,6 @@ LOADERS = {"forecaster": load_forecaster_export, "traces": load_calibration, "ro
 def load_artifacts(spec: PolicySpec, opts: PolicyOptions, given: dict[str, Any] | None = None) -> dict[str, Any]:
     """The constructor's objects of policy ``spec``: ``given`` (objects the caller loaded) completed from the
     file options of ``opts``; only objects the constructor takes are returned."""
-    from expertcast.inference.policies import object_names
-
     takes = set(object_names(spec.load()))
     out = dict(given or {})
     for name, kind in opts.file_options().items():

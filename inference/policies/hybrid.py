@@ -38,8 +38,8 @@ from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.driver import StepInfo
     from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.schedule import StepInfo
 
 PARTS = ("forecast", "routers", "stage")
 

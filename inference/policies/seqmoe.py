@@ -68,8 +68,8 @@ from expertcast.models.forecaster import ExpertForecaster, ForecasterState, trig
 from expertcast.utils.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.driver import StepInfo
     from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.schedule import StepInfo
 
 
 PREFETCH_RULES = ("headroom", "benefit", "floor")

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import expertcast.inference.runtime.experts as experts
+import expertcast.inference.runtime.graph as graph
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
@@ -41,7 +43,6 @@ from expertcast.inference.cache.driver import CPU, SLOT, TEMP, Driver
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy, check_policy_compatible
 from expertcast.inference.policies import spec_of
-from expertcast.inference.runtime import experts, graph
 from expertcast.inference.runtime.residency import RuntimeTransport
 from expertcast.inference.runtime.run_state import (
     GenerationResult,

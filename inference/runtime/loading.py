@@ -32,9 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +42,7 @@ from typing import Any
 
 import torch
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig
+from expertcast.inference.runtime.stats import peak_rss_bytes, proc_kib_field
 from expertcast.inference.runtime.store import (
     ExpertLayout,
     HostExpertStore,
@@ -315,21 +314,9 @@ def _complete(chunks: set[tuple[int, int]] | None) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- memory
-def _proc_kib_field(path: str, name: str) -> int | None:
-    """The ``name:  N kB`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes; None
-    where the file or the line is missing (not Linux)."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(f"{name}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def host_available_bytes() -> int | None:
     """``MemAvailable`` of /proc/meminfo (None where unknown)."""
-    return _proc_kib_field("/proc/meminfo", "MemAvailable")
+    return proc_kib_field("/proc/meminfo", "MemAvailable")
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -439,20 +426,6 @@ RSS_MARGIN_BYTES = 1 << 30
 
 
 # --------------------------------------------------------------------------------------------- entry points
-def peak_rss_bytes() -> int:
-    """Peak resident set of this process, in bytes: ``VmHWM`` of /proc/self/status, the high-water mark of
-    this program's own address space since it was exec'd (it never goes down: a measurement is the peak
-    up to now, including imports and whatever the process held before the thing being measured).
-    Without /proc, ``ru_maxrss`` (converted: KiB on Linux and the BSDs, bytes on macOS). ``ru_maxrss`` is not
-    used on Linux because it is carried over ``execve``: a subprocess started by a large parent would report
-    the parent's peak."""
-    hwm = _proc_kib_field("/proc/self/status", "VmHWM")
-    if hwm is not None:
-        return hwm
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
-
-
 def resolve_model_dir(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
     """A local model directory: as given, or the Hub snapshot (config, tokenizer, safetensors only)."""
     from expertcast.models.backbone import resolve_model_path

@@ -3,7 +3,10 @@ memory it holds (:class:`MemoryReport`)."""
 
 from __future__ import annotations
 
+import resource
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -101,7 +104,7 @@ class MemoryReport:
     disk_store_bytes: int = 0
     """Disk store: bytes of the packed (4096-padded) rows in its file."""
     process_peak_rss: int | None = None
-    """:func:`~expertcast.inference.runtime.loading.peak_rss_bytes` when measured: the process's resident-set
+    """:func:`peak_rss_bytes` when measured: the process's resident-set
     high-water mark in bytes since it started (``VmHWM``), so it includes everything the process held
     before (imports, an earlier model), not the offloaded model alone."""
 
@@ -117,7 +120,6 @@ class MemoryReport:
     def measure(cls, om: Any) -> MemoryReport:
         """The report of an :class:`~expertcast.inference.runtime.engine.OffloadedModel` now."""
         import torch
-        from expertcast.inference.runtime.loading import peak_rss_bytes
 
         expert_param_ids = {id(getattr(r.module, p.name)) for r in om.refs for p in om.layout.parts}
         non_expert = expert_left = 0
@@ -144,3 +146,29 @@ class MemoryReport:
         d["device_total"] = self.device_total
         d["expected_device_weights"] = self.expected_device
         return d
+
+
+def proc_kib_field(path: str, name: str) -> int | None:
+    """The ``name:  N kB`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes; None
+    where the file or the line is missing (not Linux)."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{name}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process, in bytes: ``VmHWM`` of /proc/self/status, the high-water mark of
+    this program's own address space since it was exec'd (it never goes down: a measurement is the peak
+    up to now, including imports and whatever the process held before the thing being measured).
+    Without /proc, ``ru_maxrss`` (converted: KiB on Linux and the BSDs, bytes on macOS). ``ru_maxrss`` is not
+    used on Linux because it is carried over ``execve``: a subprocess started by a large parent would report
+    the parent's peak."""
+    hwm = proc_kib_field("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere

@@ -3,7 +3,7 @@ traffic and modelled speed (docs/design.md, cache semantics).
 
 How a replay is formed:
 * Batches: the sequences are taken in order, ``batch_size`` consecutive sequences at a time, and run
-  in lockstep by the schedule of :class:`~expertcast.inference.cache.driver.BatchSchedule` (prompts first,
+  in lockstep by the schedule of :class:`~expertcast.inference.cache.schedule.BatchSchedule` (prompts first,
   position by position; then decode steps; finished sequences drop out). The next batch starts when
   the whole batch is done. The cache persists across batches (one long serving session). A
   layer-execution accesses the union of the active members' top-K selections, in first-appearance
@@ -53,9 +53,10 @@ from expertcast.inference.cache.cost_model import (
     ModelledTransport,
 )
 from expertcast.inference.cache.counters import Counters
-from expertcast.inference.cache.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
+from expertcast.inference.cache.driver import Driver, Transport
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy
+from expertcast.inference.cache.schedule import BatchSchedule, StepInfo, stream_schedule
 from expertcast.inference.policies import kernels
 
 WARMUP_NOTE = "decode-only; prefill replayed through the policy uncounted"
@@ -88,7 +89,7 @@ class AccessStream:
     batches: list[list[int]] = field(default_factory=list)
     sequences: list[TraceSequence] | None = None
     schedules: list[BatchSchedule] = field(default_factory=list)
-    """The lockstep schedule of each batch (:class:`~expertcast.inference.cache.driver.BatchSchedule`)."""
+    """The lockstep schedule of each batch (:class:`~expertcast.inference.cache.schedule.BatchSchedule`)."""
     _next: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -155,7 +156,7 @@ def validate_traces(meta: TraceMeta, sequences: Sequence[TraceSequence]) -> None
 
 def build_stream(meta: TraceMeta, sequences: Sequence[TraceSequence], batch_size: int = 1) -> AccessStream:
     """Flatten ``sequences`` into an :class:`AccessStream` (batches of ``batch_size`` consecutive
-    sequences in lockstep, scheduled by :func:`expertcast.inference.cache.driver.stream_schedule`)."""
+    sequences in lockstep, scheduled by :func:`expertcast.inference.cache.schedule.stream_schedule`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     validate_traces(meta, sequences)
