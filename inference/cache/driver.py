@@ -79,7 +79,14 @@ from typing import Any
 
 import numpy as np
 from expertcast.inference.cache.counters import Counters
-from expertcast.inference.cache.expert_cache import COMPUTE, FETCH, USED, ExpertCache, acquire_slot
+from expertcast.inference.cache.expert_cache import (
+    COMPUTE,
+    FETCH,
+    USED,
+    CacheConfig,
+    ExpertCache,
+    acquire_slot,
+)
 from expertcast.inference.cache.policy import MissAction, Policy
 from expertcast.inference.cache.schedule import BatchSchedule, StepInfo
 
@@ -171,6 +178,18 @@ class Driver:
         """Per slot: its proactive load was issued on a counted step (its first use counts as ``prefetch_used``)."""
 
     # -- run / batch / step ------------------------------------------------------------------------
+    @classmethod
+    def check_run(cls, policy: Policy, config: CacheConfig, future: Any = None) -> None:
+        """The once-per-run calls of :meth:`reset` on a scratch cache of ``config``: a policy made for another
+        model or cache, or a warm start larger than its pools, fails here, before a caller builds anything else
+        (the runtime: before the model is touched)."""
+        cls(policy, ExpertCache(config), Transport()).reset(future)
+
+    def set_future(self, future: Any) -> None:
+        """Give an oracle policy the accesses still to come (a no-op for the others); :meth:`reset` gives them
+        again."""
+        self.policy.set_future(future)
+
     def reset(self, future: Any = None) -> None:
         """Empty the cache, reset the policy (and give an oracle ``future``), place its warm start."""
         cache, policy = self.cache, self.policy

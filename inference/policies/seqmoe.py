@@ -206,6 +206,11 @@ class SeqMoEPolicy(Policy):
         self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
         self._table_bytes = 0
         self.disc = self.gamma ** np.arange(self.horizon)
+        self.forecasting = True
+        """Run the forecaster (False: a composing policy uses this one's eviction and prefetch steps with its own
+        priority only, :meth:`add_priority`; no forecast is made, nothing is prefetched)."""
+        self.priority_extra: np.ndarray | None = None
+        """float [L, E] added to every CacheScore (:meth:`add_priority`), None: the forecast's score alone."""
 
     @property
     def demand_only(self) -> bool:
@@ -252,7 +257,20 @@ class SeqMoEPolicy(Policy):
         self._latest: np.ndarray | None = None
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._row_tables: list[np.ndarray | None] = []
+        self.priority_extra = None
         self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0}
+
+    def add_priority(self, extra: np.ndarray | None) -> None:
+        """From now on the priority of (layer, expert) is its CacheScore plus ``extra`` float [L, E] (in expected
+        uses, like the CacheScore; None: the CacheScore alone), for eviction, the prefetch benefit and admission
+        alike. A composing policy's own terms (``hybrid``: docs/design.md, "Forecaster"); cleared by reset."""
+        self.priority_extra = extra
+
+    def stop_forecasting(self) -> None:
+        """Never run the forecaster (it still fixes the trigger layer): no forecast tables, no recurrent state,
+        no prefetch; the priority is :meth:`add_priority`'s term alone (a demand-only policy)."""
+        self.forecasting = False
+        self.prefetch = False
 
     # ------------------------------------------------------------------------------------------ device step
     def device_program(self) -> DeviceProgram | None:
@@ -260,11 +278,12 @@ class SeqMoEPolicy(Policy):
         by the forecast CacheScore, ties to the least recent layer-execution, a plan of :meth:`plan_keys` per
         layer when prefetching, forecasts from this policy's public forecast steps. None for a subclass that
         redefines a decision hook (its decisions are not these)."""
-        if overrides_any(self, SeqMoEPolicy, _DEVICE_HOOKS):
+        if overrides_any(self, SeqMoEPolicy, _DEVICE_HOOKS) or not self.forecasting or self.priority_extra is not None:
             return None
         return DeviceProgram(EVICT_FORECAST, self.max_tasks if self.prefetch else 0,
                              read_keys=lambda: DeviceKeys(self.last_use.reshape(-1).copy()),
-                             write_keys=self._set_device_keys, forecaster=self)
+                             write_keys=self._set_device_keys, forecaster=self,
+                             plan_rule=self.prefetch_rule if self.prefetch else None)
 
     def _set_device_keys(self, keys: DeviceKeys) -> None:
         self.last_use = np.asarray(keys.recency, np.float64).reshape(self.L, self.E).copy()
@@ -284,6 +303,11 @@ class SeqMoEPolicy(Policy):
     def begin_batch(self, batch: Any) -> None:
         self.members = list(batch)
         B = len(self.members)
+        if not self.forecasting:  # the forecaster never runs: no forecast tables, no recurrent state to step
+            self._traced = False
+            self._row_tables = [None] * B
+            self._state = self._latest = None
+            return
         self._traced = all(hasattr(m, "expert_ids") and hasattr(m, "expert_weights") for m in self.members)
         self.calibration.clear_pending()
         self._row_tables = [None] * B
@@ -320,7 +344,7 @@ class SeqMoEPolicy(Policy):
         """Simulator hook: all sequences of the replay are known up front, so their forecast tables are
         computed together (:func:`precompute_forecasts_many`), as many as fit ``forecast_cache_mb``.
         Sequences already cached (an earlier capacity) are skipped; the rest fall back to :meth:`_table_for`."""
-        if not self.precompute:
+        if not (self.precompute and self.forecasting):
             return
         todo = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")
                 and self._table_key(s) not in self._tables]
@@ -447,22 +471,26 @@ class SeqMoEPolicy(Policy):
             self.install_scores(self.forecast_scores(t, F))
 
     def _trigger(self, t: int) -> None:
-        self.trigger(t, self._forecast(t))
+        if self.forecasting:
+            self.trigger(t, self._forecast(t))
 
     # ------------------------------------------------------------------------------------------ scores
     def _scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
-        """CacheScore of (layers[i], experts[i]) at the current time."""
+        """CacheScore of (layers[i], experts[i]) at the current time (plus :attr:`priority_extra`)."""
         if not self.has_forecast:
-            return np.zeros(len(layers))
-        t, cur, phase = self._now
-        x_now = t * self.L + cur
-        fx = self.first_exec[layers]
-        ahead = (fx > x_now) | ((fx == x_now) & (phase == 0))
-        return np.where(ahead, self.score_before[layers, experts], self.score_after[layers, experts])
+            score = np.zeros(len(layers))
+        else:
+            t, cur, phase = self._now
+            x_now = t * self.L + cur
+            fx = self.first_exec[layers]
+            ahead = (fx > x_now) | ((fx == x_now) & (phase == 0))
+            score = np.where(ahead, self.score_before[layers, experts], self.score_after[layers, experts])
+        return score if self.priority_extra is None else score + self.priority_extra[layers, experts]
 
     def _load_scores(self) -> np.ndarray:
-        """float [L, E]: the score an expert loaded now would have (its CacheScore from its next execution)."""
-        return self.score_before
+        """float [L, E]: the score an expert loaded now would have (its CacheScore from its next execution, plus
+        :attr:`priority_extra`)."""
+        return self.score_before if self.priority_extra is None else self.score_before + self.priority_extra
 
     def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
         cl = candidates[:, 0].astype(np.int64)

@@ -130,9 +130,7 @@ class OffloadedModel:
         if not spec.runs_on("driver"):
             raise ValueError(f"policy {policy.name!r} runs only on the simulator's compiled engine, not in the runtime")
         self._future = future
-        policy.reset(self.cache_config)  # policy/config mismatches surface before the model is touched
-        policy.set_future(future)
-        policy.warm_start(ExpertCache(self.cache_config))
+        Driver.check_run(policy, self.cache_config, future)  # mismatches surface before the model is touched
 
         if store is None:
             store = HostExpertStore.from_model(model, pin_memory=self.device.type == "cuda", mmap_path=mmap_path,
@@ -201,7 +199,7 @@ class OffloadedModel:
     def set_future(self, future: Any) -> None:
         """Give an oracle policy the access stream of the coming run (then :meth:`reset`)."""
         self._future = future
-        self.policy.set_future(future)
+        self.driver.set_future(future)
 
     def close(self) -> None:
         """Stop the transfer thread and detach from the model (the expert weights stay released)."""

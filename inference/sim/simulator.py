@@ -294,7 +294,9 @@ def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
     """Compiled engine for policies exposing ``kernel_params()`` (classic policies, oracles)."""
     _check_stream(stream, config)
     policy.reset(config)
-    params = policy.kernel_params() if hasattr(policy, "kernel_params") else None
+    from expertcast.inference.policies import spec_of
+
+    params = policy.kernel_params() if spec_of(policy).runs_on("kernel") else None
     if params is None:
         raise ValueError(f"policy {policy.name!r} has no compiled fast path; use engine='python'")
     cost = cost or CostConfig()
@@ -396,20 +398,19 @@ def run_policy(stream: AccessStream, policy: Policy, config: CacheConfig, cost: 
     """Replay with the fastest engine that supports ``policy`` (``engine='auto'``), or the one named."""
     if engine not in ("auto", "kernel", "python"):
         raise ValueError(f"engine must be auto, kernel or python, got {engine!r}")
-    from expertcast.inference.policies.static import StaticFrequencyPolicy
+    from expertcast.inference.policies import spec_of
 
-    if isinstance(policy, StaticFrequencyPolicy) and policy.freq is None:
+    spec = spec_of(policy)
+    if "calibration" in spec.needs and policy.calibration_source is None:
         from expertcast.inference.policies.static import selection_counts
 
         policy.calibrate(selection_counts(stream.sequences or [], config.num_layers, config.num_experts),
                          "in-sample")
     if engine == "python":
         return replay(stream, policy, config, cost, progress=progress)
-    if isinstance(policy, StaticFrequencyPolicy) and engine == "auto":
+    if spec.runs_on("placement") and engine == "auto":
         return replay_static(stream, policy, config, cost)  # nothing moves: the driver's result, vectorized
-    from expertcast.inference.policies import spec_of
-
-    if spec_of(policy).runs_on("kernel"):
+    if spec.runs_on("kernel"):
         policy.reset(config)
         return replay_kernel(stream, policy, config, cost)
     if engine == "kernel":
@@ -421,14 +422,14 @@ def run_policy(stream: AccessStream, policy: Policy, config: CacheConfig, cost: 
 # The public API
 # ------------------------------------------------------------------------------------------------
 def _as_policy(spec: str | Policy, calibration=None) -> Policy:
-    from expertcast.inference.policies import make_policy, object_names, parse_policy_spec, policy_class
+    from expertcast.inference.policies import make_policy, parse_policy_spec, policy_spec
 
     if isinstance(spec, Policy):
         if not hasattr(spec, "label"):
             spec.label = spec.name
         return spec
     name, kwargs = parse_policy_spec(spec)
-    if calibration is not None and "calibration" not in kwargs and "calibration" in object_names(policy_class(name)):
+    if calibration is not None and "calibration" not in kwargs and "calibration" in policy_spec(name).needs:
         kwargs["calibration"] = calibration  # a calibrated policy (static) without its own calibration
     return make_policy(name, **kwargs)
 

@@ -223,7 +223,8 @@ class Batch:
 
     def policy(self, name: str):
         if name == "seqmoe":
-            return make_policy("seqmoe", forecaster=self.forecaster, precompute=False, min_confidence=0.05)
+            return make_policy("seqmoe", forecaster=self.forecaster, precompute=False, min_confidence=0.05,
+                               prefetch_rule="floor")
         return make_policy(name)
 
     def run(self, name: str, path: str, pool: str = "per-layer", slots: int = SLOTS, record: bool = False,
