@@ -177,27 +177,8 @@ class HybridPolicy(Policy):
 
     @property
     def stats(self) -> dict:
+        """The forecast part's counters, with ``stage_refreshes``."""
         return self.core.stats
-
-    @property
-    def model(self) -> Any:
-        return self.core.model
-
-    @property
-    def device(self) -> str:
-        return self.core.device
-
-    @property
-    def L(self) -> int:
-        return self.core.L
-
-    @property
-    def E(self) -> int:
-        return self.core.E
-
-    @property
-    def K(self) -> int:
-        return self.core.K
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -223,6 +204,7 @@ class HybridPolicy(Policy):
     def reset(self, config: CacheConfig) -> None:
         super().reset(config)
         self.core.reset(config)
+        self.L, self.E, self.K = self.core.L, self.core.E, self.core.K
         self.extra = np.zeros((self.L, self.E))
         """float [L, E]: the router and stage terms of the priority."""
         self._router_term = np.zeros((self.L, self.E))
