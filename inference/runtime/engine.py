@@ -153,7 +153,8 @@ class OffloadedModel:
                                                                           modules=[r.module for r in self.refs],
                                                                           announce=True)
         if self.decode_path == "graph":
-            num_temp_slots = max(num_temp_slots, graph.GraphDecoder.scratch_rows(self.K, getattr(policy, "max_tasks", 0)))
+            plan_width = graph.device_program_of(policy).plan_width
+            num_temp_slots = max(num_temp_slots, graph.GraphDecoder.scratch_rows(self.K, plan_width))
         if disk:  # a layer's temporary-slot reads (static's misses) fill the reader pool (docs/design.md, "Compute order")
             num_temp_slots = max(num_temp_slots, int(readers))
         self.pool = SlotPool(self.layout, self.cache.num_slots, self.device, num_temp=num_temp_slots,
