@@ -50,15 +50,16 @@ EMPTY, USED, FETCH, COMPUTE = (int(s) for s in SlotState)
 @dataclass(frozen=True)
 class Budget:
     """How many experts a cache keeps resident, with its unit: a fraction of all experts
-    (:meth:`fraction`), a slot count (:meth:`slots`: per layer, or in total for a shared pool) or explicit
-    per-layer slot counts (:meth:`per_layer`). Parsed once where a number or a flag enters (:meth:`parse`,
+    (:meth:`fraction`), a slot count (:meth:`slots`: per layer, or in total for a shared pool), explicit
+    per-layer slot counts (:meth:`per_layer`) or the bytes of expert weights it may hold (:meth:`bytes`, resolved
+    with the cache's ``expert_bytes``, whatever the experts' format). Parsed once where a number or a flag enters (:meth:`parse`,
     :meth:`from_flags`); :attr:`requested`, :attr:`tag` and :attr:`label` are how outputs and messages name it."""
 
     kind: str
-    """``fraction``, ``slots`` or ``per-layer``."""
+    """``fraction``, ``slots``, ``per-layer`` or ``bytes``."""
     value: float | int | tuple[int, ...]
 
-    KINDS = ("fraction", "slots", "per-layer")
+    KINDS = ("fraction", "slots", "per-layer", "bytes")
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
@@ -73,6 +74,14 @@ class Budget:
     def slots(cls, n: int) -> Budget:
         """``n`` slots per layer (per-layer pool) or in total (shared pool)."""
         return cls("slots", int(n))
+
+    @classmethod
+    def bytes(cls, n: int) -> Budget:
+        """``n`` bytes of resident expert weights: ``n // expert_bytes`` slots in all, shared, or split evenly over
+        the layers of a per-layer pool (each ``n // (L * expert_bytes)``)."""
+        if int(n) < 1:
+            raise UsageError(f"a byte budget is a positive number of bytes, got {n}")
+        return cls("bytes", int(n))
 
     @classmethod
     def per_layer(cls, counts: Sequence[int]) -> Budget:
@@ -96,12 +105,15 @@ class Budget:
     @classmethod
     def from_flags(cls, cap: Mapping[str, Any]) -> Budget:
         """The Budget of a command's capacity flags as :func:`expertcast.commands.common.capacities_from_args`
-        gives them: ``{"capacity": f}`` (a fraction) or ``{"slots": n}``."""
+        gives them: ``{"capacity": f}`` (a fraction), ``{"slots": n}`` or ``{"bytes": n}``."""
         if set(cap) == {"capacity"}:
             return cls.fraction(cap["capacity"])
         if set(cap) == {"slots"}:
             return cls.slots(cap["slots"])
-        raise UsageError(f"a capacity is {{'capacity': fraction}} or {{'slots': count}}, got {dict(cap)!r}")
+        if set(cap) == {"bytes"}:
+            return cls.bytes(cap["bytes"])
+        raise UsageError(f"a capacity is {{'capacity': fraction}}, {{'slots': count}} or {{'bytes': n}}, "
+                         f"got {dict(cap)!r}")
 
     @property
     def requested(self) -> float | int | list[int]:
@@ -110,16 +122,20 @@ class Budget:
 
     @property
     def tag(self) -> str:
-        """A short folder-safe name for output paths: ``c0.25``, ``s8`` or ``p2-4-3``."""
+        """A short folder-safe name for output paths: ``c0.25``, ``s8``, ``p2-4-3`` or ``b1073741824``."""
         if self.kind == "fraction":
             return f"c{self.value:g}"
+        if self.kind == "bytes":
+            return f"b{self.value}"
         return f"s{self.value}" if self.kind == "slots" else "p" + "-".join(map(str, self.value))  # type: ignore[arg-type]
 
     @property
     def label(self) -> str:
-        """``capacity 0.25``, ``slots=8`` or ``slots_per_layer``: how messages name it."""
+        """``capacity 0.25``, ``slots=8``, ``slots_per_layer`` or ``budget 1 GiB``: how messages name it."""
         if self.kind == "fraction":
             return f"capacity {self.value:g}"
+        if self.kind == "bytes":
+            return f"budget {self.value / 2**30:.4g} GiB"
         return f"slots={self.value}" if self.kind == "slots" else "slots_per_layer"
 
 
@@ -171,6 +187,12 @@ class CacheConfig:
         elif b.kind == "slots":
             n = int(b.value)  # type: ignore[arg-type]
             budgets = np.full(L, n, np.int32) if self.pool == "per-layer" else np.array([n], np.int32)
+        elif b.kind == "bytes":
+            if self.expert_bytes < 1:
+                raise UsageError(f"{what}: a byte budget needs the size of one expert (expert_bytes)")
+            total = int(b.value) // int(self.expert_bytes)  # type: ignore[arg-type]
+            what = f"{what} of {self.expert_bytes}-byte experts"
+            budgets = np.full(L, total // L, np.int32) if self.pool == "per-layer" else np.array([total], np.int32)
         else:
             if self.pool != "per-layer":
                 raise UsageError("slots_per_layer needs pool='per-layer'")

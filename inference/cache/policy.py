@@ -18,7 +18,7 @@ MoE layer ``l``::
 Experts are addressed as ``(layer, expert)``. Candidates for eviction never include experts of the
 running layer's selection, nor slots in state Fetch/Compute (the driver filters them: docs/design.md,
 cache semantics). Oracles receive the future through :meth:`Policy.set_future`. Where each member of
-the batch is comes from the driver (:class:`~expertcast.inference.cache.driver.StepInfo`): no policy
+the batch is comes from the driver (:class:`~expertcast.inference.cache.schedule.StepInfo`): no policy
 rebuilds the lockstep schedule.
 """
 
@@ -33,8 +33,8 @@ import numpy as np
 from expertcast.inference.cache.options import PolicyOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.driver import StepInfo
     from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.schedule import StepInfo
 
 
 class MissAction(IntEnum):

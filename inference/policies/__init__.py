@@ -19,8 +19,7 @@ from typing import Any
 
 from expertcast.inference.cache.options import PolicyOptions
 from expertcast.inference.cache.policy import Policy
-from expertcast.inference.cache.spec import PolicySpec
-from expertcast.inference.policies.artifacts import object_names
+from expertcast.inference.cache.spec import PolicySpec, object_names
 from expertcast.utils.errors import UsageError
 
 POLICY_MODULES: tuple[str, ...] = (
@@ -166,6 +165,19 @@ def parse_policy_options(spec: str, extra: Mapping[str, Any] | None = None) -> P
     """``"lrfu:lam=0.1"`` -> ``LRFUPolicy.Options(lam=0.1)``; UsageError for an unknown policy, an unknown
     key (naming the valid ones), a repeated key, a malformed part or a value of the wrong type/range.
     ``extra``: typed values a command adds after the text's (``--forecaster``), checked alike."""
+    policy, values = split_policy_text(spec)
+    cls = options_class(policy)
+    for k, v in (extra or {}).items():
+        if k in values:
+            raise UsageError(f"{policy} option {k} is given twice in {spec!r}")
+        values[k] = v
+    return cls.parse(policy, values)
+
+
+def split_policy_text(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"lrfu:lam=0.1"`` -> ``("lrfu", {"lam": "0.1"})``: the one reader of a policy's text form (the values
+    still text; :meth:`~expertcast.inference.cache.options.PolicyOptions.build` types them). UsageError for an
+    unknown policy, a part that is not key=value or a repeated key."""
     name, _, rest = str(spec).partition(":")
     cls = options_class(name)
     policy = name.strip().lower()
@@ -179,8 +191,4 @@ def parse_policy_options(spec: str, extra: Mapping[str, Any] | None = None) -> P
         if k in values:
             raise UsageError(f"{policy} option {k} is given twice in {spec!r}")
         values[k] = v
-    for k, v in (extra or {}).items():
-        if k in values:
-            raise UsageError(f"{policy} option {k} is given twice in {spec!r}")
-        values[k] = v
-    return cls.parse(policy, values)
+    return policy, values

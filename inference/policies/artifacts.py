@@ -21,6 +21,8 @@ import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from expertcast.inference.cache.spec import object_names
+
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache.options import PolicyOptions
     from expertcast.inference.cache.spec import PolicySpec

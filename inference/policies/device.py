@@ -23,6 +23,9 @@ EVICT_FORECAST = "forecast"
 """Evict the lowest forecast CacheScore of the key's next execution, ties to the least recent
 layer-execution: SeqMoE."""
 EVICTION_RULES = (EVICT_RECENCY, EVICT_FORECAST)
+PLAN_FLOOR = "floor"
+"""The device engine's proactive plan: each layer's ``plan_width`` most likely experts of its next execution at or
+above the policy's floor (``plan_keys``; seqmoe's ``prefetch_rule=floor``, SeqMoE 6.1)."""
 
 
 @dataclass
@@ -46,6 +49,8 @@ class DeviceProgram:
         forecaster: forecast rule only: the policy whose public forecast steps
             (``forecast_rows``, ``forecast``, ``forecast_from_tables``, ``forecast_scores``, ``install_scores``)
             the device engine's background planner calls.
+        plan_rule: the rule the policy chooses its proactive loads by (seqmoe's ``prefetch_rule``; None without a
+            plan). The device engine plans by :data:`PLAN_FLOOR` only and refuses another rule by name.
     """
 
     eviction: str
@@ -53,6 +58,7 @@ class DeviceProgram:
     read_keys: Callable[[], DeviceKeys]
     write_keys: Callable[[DeviceKeys], None]
     forecaster: Any = None
+    plan_rule: str | None = None
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_RULES:

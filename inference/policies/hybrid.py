@@ -10,7 +10,9 @@ Every (layer, expert) gets one priority, in units of expected uses (docs/design.
 
 The lowest-P evictable resident is evicted (ties: least recently used); a forecast prefetch is admitted only when
 its P beats the resident it would displace, and ranked by that expected benefit under the link budget, exactly as
-``seqmoe`` (this class is SeqMoE with a wider score). ``parts`` switches the terms: ``forecast+routers+stage``,
+``seqmoe``: the policy holds a :class:`~expertcast.inference.policies.seqmoe.SeqMoEPolicy` (:attr:`HybridPolicy.core`),
+runs its hooks and adds the router and stage terms to its priority through its public
+:meth:`~expertcast.inference.policies.seqmoe.SeqMoEPolicy.add_priority`. ``parts`` switches the terms: ``forecast+routers+stage``,
 any subset (``+``-separated), or ``auto`` = the forecaster plus every part whose inputs were given (router
 scores: ``replay``; cues: ``cue_set``/``cues``). Without ``forecast`` the forecaster is loaded (it fixes the
 trigger layer) but not run, and nothing is prefetched: the policy is demand-only.
@@ -34,12 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from expertcast.inference.cache.options import option
+from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.driver import StepInfo
     from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.schedule import StepInfo
 
 PARTS = ("forecast", "routers", "stage")
 
@@ -67,7 +70,7 @@ def parse_parts(parts: str, has_routers: bool, has_stage: bool, routers_later: b
     return chosen
 
 
-class HybridPolicy(SeqMoEPolicy):
+class HybridPolicy(Policy):
     """Forecaster + router + stage-boundary priorities in one eviction/prefetch score (registered as ``hybrid``).
 
     Args (loaded objects; the options are :class:`HybridPolicy.Options`, every ``seqmoe`` option included):
@@ -100,8 +103,10 @@ class HybridPolicy(SeqMoEPolicy):
 
     def __init__(self, options: Options | None = None, *, forecaster: Any = None, replay: Any = None,
                  cue_set: Any = None, tokenizer: Any = None, decoder: Any = None) -> None:
-        super().__init__(options, forecaster=forecaster)
+        super().__init__(options)
         o = self.options
+        self.core = SeqMoEPolicy(o, forecaster=forecaster)
+        """The forecast part's eviction and prefetch steps, whose priority this policy widens."""
         parts = o.parts
         self.parts_spec = str(parts).strip().lower()
         """``parts`` as given (``auto`` lets live routers add the routers part)."""
@@ -110,7 +115,7 @@ class HybridPolicy(SeqMoEPolicy):
         self.router_weight = float(o.router_weight)
         self.stage_weight = float(o.stage_weight)
         if "forecast" not in self.parts:
-            self.prefetch = False
+            self.core.stop_forecasting()
         self._router = None
         if "routers" in self.parts:
             from expertcast.inference.policies.router import TemporalRetentionPolicy
@@ -164,9 +169,42 @@ class HybridPolicy(SeqMoEPolicy):
         if self._stage is not None:
             self._stage.use_tokenizer(tokenizer)
 
+    # ------------------------------------------------------------------------------------------ the core's
+    @property
+    def demand_only(self) -> bool:
+        """No proactive loads: ``prefetch=false`` or no forecast part."""
+        return not self.core.prefetch
+
+    @property
+    def stats(self) -> dict:
+        """The forecast part's counters, with ``stage_refreshes``."""
+        return self.core.stats
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """The forecast part's link estimate (a runtime may set the measured one before a reset)."""
+        return self.core.link_bytes_per_s
+
+    @link_bytes_per_s.setter
+    def link_bytes_per_s(self, value: float) -> None:
+        self.core.link_bytes_per_s = value
+
+    @property
+    def layer_compute_ms(self) -> float:
+        return self.core.layer_compute_ms
+
+    @layer_compute_ms.setter
+    def layer_compute_ms(self, value: float) -> None:
+        self.core.layer_compute_ms = value
+
+    def check_compatible(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:
+        self.core.check_compatible(num_layers, num_experts, top_k, what)
+
     # ------------------------------------------------------------------------------------------ lifecycle
     def reset(self, config: CacheConfig) -> None:
         super().reset(config)
+        self.core.reset(config)
+        self.L, self.E, self.K = self.core.L, self.core.E, self.core.K
         self.extra = np.zeros((self.L, self.E))
         """float [L, E]: the router and stage terms of the priority."""
         self._router_term = np.zeros((self.L, self.E))
@@ -175,18 +213,13 @@ class HybridPolicy(SeqMoEPolicy):
             if part is not None:
                 part.reset(config)
         self.stats.update({"stage_refreshes": 0})
+        self.core.add_priority(self.extra)
 
     def begin_batch(self, batch: Any) -> None:
         if self._router is not None and self._router.replay is None:
             raise ValueError(ROUTERS_MISSING)
         members = list(batch)
-        if "forecast" in self.parts:
-            super().begin_batch(members)
-        else:  # the forecaster never runs: no forecast tables, no recurrent state to step
-            self.members = members
-            self._traced = False
-            self._row_tables = [None] * len(members)
-            self._state = self._latest = None
+        self.core.begin_batch(members)
         for part in (self._router, self._stage):
             if part is not None:
                 part.begin_batch(members)
@@ -195,11 +228,10 @@ class HybridPolicy(SeqMoEPolicy):
         self._combine()
 
     def prepare_sequences(self, sequences: Sequence[Any]) -> None:
-        if "forecast" in self.parts:
-            super().prepare_sequences(sequences)
+        self.core.prepare_sequences(sequences)
 
     def on_step(self, t: int, info: StepInfo) -> None:
-        super().on_step(t, info)
+        self.core.on_step(t, info)
         for part in (self._router, self._stage):
             if part is not None:
                 part.on_step(t, info)
@@ -211,6 +243,7 @@ class HybridPolicy(SeqMoEPolicy):
     # ------------------------------------------------------------------------------------------ the priority
     def _combine(self) -> None:
         self.extra = self.router_weight * self._router_term + self.stage_weight * self._stage_term
+        self.core.add_priority(self.extra)
 
     def _read_router(self, t: int, layer: int) -> None:
         """s^T_{t,layer} of the members processing a token (after this layer's routing), scaled to sum K."""
@@ -229,30 +262,34 @@ class HybridPolicy(SeqMoEPolicy):
         self._combine()
         self.stats["stage_refreshes"] += 1
 
-    def _scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
-        base = super()._scores(layers, experts) if "forecast" in self.parts else np.zeros(len(layers))
-        return base + self.extra[layers, experts]
-
-    def _load_scores(self) -> np.ndarray:
-        return (self.score_before if "forecast" in self.parts else 0.0) + self.extra
-
-    def _trigger(self, t: int) -> None:
-        if "forecast" in self.parts:
-            super()._trigger(t)
-
     # ------------------------------------------------------------------------------------------ hooks
+    def observe_routing(self, t: int, layer: int, expert_ids: np.ndarray, weights: np.ndarray) -> None:
+        self.core.observe_routing(t, layer, expert_ids, weights)
+
     def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
         if self._stage is not None:
             self._refresh_stage(t)
-        return super().before_layer(t, layer, cache)
+        return self.core.before_layer(t, layer, cache)
 
     def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: ExpertCache):
         if self._router is not None:
             self._read_router(t, layer)
-        return super().on_miss(t, layer, expert, n_tokens, cache)
+        return self.core.on_miss(t, layer, expert, n_tokens, cache)
+
+    def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
+        return self.core.choose_victim(t, layer, candidates, cache)
+
+    def after_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        return self.core.after_layer(t, layer, cache)
+
+    def on_insert(self, layer: int, expert: int, proactive: bool) -> None:
+        self.core.on_insert(layer, expert, proactive)
+
+    def on_evict(self, layer: int, expert: int) -> None:
+        self.core.on_evict(layer, expert)
 
     def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:
-        super().on_access(t, layer, selected, counts, cache)
+        self.core.on_access(t, layer, selected, counts, cache)
         if self._router is not None:
             self._read_router(t, layer)
         if self._stage is not None:
@@ -261,5 +298,6 @@ class HybridPolicy(SeqMoEPolicy):
 
 SPECS = (
     PolicySpec("hybrid", HybridPolicy, HybridPolicy.Options, needs={"forecaster", "tokenizer"},
+               parts={"router_scores", "cues"},
                help="forecaster + router + stage-boundary priorities in one score"),
 )

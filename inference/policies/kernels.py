@@ -333,7 +333,7 @@ def build_batch_stream(flat_ids, seq_off, step_seq, step_pos, L, K, E):
     """Flatten scheduled steps into the access stream.
 
     The schedule (which member processes which position at each step) comes from
-    :func:`expertcast.inference.cache.driver.stream_schedule`, the one definition of the lockstep batch
+    :func:`expertcast.inference.cache.schedule.stream_schedule`, the one definition of the lockstep batch
     schedule; this kernel only gathers the routing.
 
     Args:

@@ -43,8 +43,8 @@ from expertcast.inference.cache.spec import PolicySpec
 from expertcast.utils.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.driver import StepInfo
     from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.schedule import StepInfo
 
 REPLAY_FORMAT = "expertcast-router-replay"
 REPLAY_FORMAT_VERSION = 1

@@ -32,7 +32,7 @@ routing the selection with its token counts is used.
 
 Forecasts depend only on the routing history, never on cache decisions. When the batch's sequences
 are known in advance (simulator replay), ``precompute=True`` computes each sequence's forecasts at
-every position once (sequential steps, rollouts batched over positions) and reuses them across
+every position once (:mod:`~expertcast.inference.policies.forecast_tables`) and reuses them across
 capacities; the results equal the online path's (a test checks it).
 """
 
@@ -50,6 +50,11 @@ from expertcast.inference.cache.options import DEVICE_PATTERN, PolicyOptions, op
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.device import EVICT_FORECAST, DeviceKeys, DeviceProgram, overrides_any
+from expertcast.inference.policies.forecast_tables import (
+    combine_members,
+    precompute_forecasts,
+    precompute_forecasts_many,
+)
 from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
     SparedMissCalibration,
@@ -59,18 +64,12 @@ from expertcast.inference.policies.prefetch import (
     generate_tasks,
     plan_within_headroom,
 )
-from expertcast.models.forecaster import (
-    ExpertForecaster,
-    ForecasterState,
-    activation_vector,
-    trigger_offset,
-    trigger_sequence,
-)
+from expertcast.models.forecaster import ExpertForecaster, ForecasterState, trigger_offset
 from expertcast.utils.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.cache.driver import StepInfo
     from expertcast.inference.cache.expert_cache import CacheConfig, ExpertCache
+    from expertcast.inference.cache.schedule import StepInfo
 
 
 PREFETCH_RULES = ("headroom", "benefit", "floor")
@@ -119,125 +118,6 @@ def _load_model(forecaster: Any, device: str) -> tuple[ExpertForecaster, str]:
         return forecaster.model.to(device).eval(), str(forecaster.path)
     raise ValueError("seqmoe needs a forecaster: an export directory (seqmoe:forecaster=PATH, or --forecaster PATH "
                      "with `expertcast simulate`), a ForecasterExport or an ExpertForecaster")
-
-
-@torch.no_grad()
-def precompute_forecasts(model: ExpertForecaster, expert_ids: np.ndarray, expert_weights: np.ndarray, horizon: int,
-                         chunk: int = 256) -> np.ndarray:
-    """Activation probabilities of every forecast of one sequence.
-
-    Args:
-        expert_ids / expert_weights: [T, L, K] routing of the sequence.
-    Returns:
-        float32 [T', H, L, E]: entry [i, j] is P(active) of element i+1+j forecast after element i
-        (T' = number of elements, see :func:`~expertcast.models.forecaster.trigger_sequence`).
-    """
-    c = model.config
-    dev = model.head.weight.device
-    ids = torch.from_numpy(np.asarray(expert_ids, dtype=np.int64))
-    w = torch.from_numpy(np.asarray(expert_weights, dtype=np.float32))
-    el = trigger_sequence(activation_vector(ids, w, c.num_experts), c.p).to(dev)  # [T', L, E]
-    n = el.shape[0]
-    out = np.zeros((n, horizon, c.num_layers, c.num_experts), np.float32)
-    state = model.init_state(1)
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        states, logits = [], []
-        for i in range(a, b):
-            lg, _ = model.step(el[i:i + 1], state, all_horizons=True)
-            states.append(state.clone())
-            logits.append(lg)
-        batch_state = ForecasterState.cat(states)
-        roll = model.rollout(torch.cat(logits), batch_state, horizon)  # [b-a, H, L, E]
-        out[a:b] = model.probs(roll).cpu().numpy()
-    return out
-
-
-@torch.no_grad()
-def precompute_forecasts_many(model: ExpertForecaster, routing: Sequence[tuple[np.ndarray, np.ndarray]], horizon: int,
-                              chunk_rows: int = 1024) -> list[np.ndarray]:
-    """:func:`precompute_forecasts` for many sequences at once: one batched recurrent step per element index
-    (all sequences together, shorter ones padded and their padded outputs discarded) and rollouts batched over
-    (sequence, element) rows, ``chunk_rows`` at a time. The Python/launch overhead of a step is then paid once
-    per element index instead of once per element of every sequence (the replay's profile was dominated by it).
-
-    Args:
-        routing: per sequence (expert_ids [T, L, K], expert_weights [T, L, K]).
-    Returns:
-        per sequence float32 [T', H, L, E], as :func:`precompute_forecasts` (equal up to float rounding of
-        batched matrix products).
-    """
-    c = model.config
-    dev = model.head.weight.device
-    if not routing:
-        return []
-    els = []
-    for ids, w in routing:
-        ids_t = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-        w_t = torch.from_numpy(np.asarray(w, dtype=np.float32))
-        els.append(trigger_sequence(activation_vector(ids_t, w_t, c.num_experts), c.p))
-    if c.direct_horizons >= horizon:
-        return _precompute_direct(model, els, horizon)
-    lengths = np.array([len(e) for e in els])
-    B, n_max = len(els), int(lengths.max())
-    x = torch.zeros(B, n_max, c.num_layers, c.num_experts)
-    for b, e in enumerate(els):
-        x[b, : len(e)] = e
-    x = x.to(dev)
-    outs = [np.zeros((int(n), horizon, c.num_layers, c.num_experts), np.float32) for n in lengths]
-    state = model.init_state(B, dev)
-    per_chunk = max(1, chunk_rows // B)
-    for a in range(0, n_max, per_chunk):
-        b_end = min(n_max, a + per_chunk)
-        states, logits, rows = [], [], []
-        for i in range(a, b_end):
-            lg, _ = model.step(x[:, i], state, all_horizons=True)
-            live = np.flatnonzero(lengths > i)
-            states.append(state.select(live.tolist()))
-            logits.append(lg[torch.from_numpy(live).to(dev)])
-            rows.extend((int(s), i) for s in live)
-        roll = model.rollout(torch.cat(logits), ForecasterState.cat(states), horizon)  # [rows, H, L, E]
-        probs = model.probs(roll).cpu().numpy()
-        for r, (s, i) in enumerate(rows):
-            outs[s][i] = probs[r]
-    return outs
-
-
-@torch.no_grad()
-def _precompute_direct(model: ExpertForecaster, els: list[torch.Tensor], horizon: int,
-                       max_rows: int = 16384) -> list[np.ndarray]:
-    """:func:`precompute_forecasts_many` when the direct heads cover ``horizon``: no rollout, so every forecast of
-    a sequence comes from one parallel (chunked-scan) forward pass over its elements ``els`` ([T', L, E] each),
-    equal to the recurrent steps up to float rounding. Sequences are batched up to ``max_rows`` padded elements
-    (causal: padding at the end never changes earlier outputs)."""
-    c = model.config
-    dev = model.head.weight.device
-    outs: list[np.ndarray] = [np.zeros((0,))] * len(els)
-    order = sorted(range(len(els)), key=lambda i: len(els[i]))
-    a = 0
-    while a < len(order):
-        b = a + 1
-        while b < len(order) and len(els[order[b]]) * (b - a + 1) <= max_rows:
-            b += 1
-        group = order[a:b]
-        n_max = max(len(els[i]) for i in group)
-        x = torch.zeros(len(group), n_max, c.num_layers, c.num_experts)
-        for r, i in enumerate(group):
-            x[r, : len(els[i])] = els[i]
-        logits = model(x.to(dev), all_horizons=True)[:, :, :horizon]  # [G, n, H, L, E]
-        probs = model.probs(logits).cpu().numpy()
-        for r, i in enumerate(group):
-            outs[i] = np.ascontiguousarray(probs[r, : len(els[i])])
-        a = b
-    return outs
-
-
-def combine_members(per_member: Sequence[np.ndarray]) -> np.ndarray:
-    """P(active for any member) = 1 - prod_b (1 - P_b) of per-member [H, L, E] probabilities."""
-    miss = np.ones_like(per_member[0])
-    for pm in per_member:
-        miss *= 1.0 - np.clip(pm, 0.0, 1.0)
-    return 1.0 - miss
 
 
 @dataclass
@@ -326,6 +206,11 @@ class SeqMoEPolicy(Policy):
         self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
         self._table_bytes = 0
         self.disc = self.gamma ** np.arange(self.horizon)
+        self.forecasting = True
+        """Run the forecaster (False: a composing policy uses this one's eviction and prefetch steps with its own
+        priority only, :meth:`add_priority`; no forecast is made, nothing is prefetched)."""
+        self.priority_extra: np.ndarray | None = None
+        """float [L, E] added to every CacheScore (:meth:`add_priority`), None: the forecast's score alone."""
 
     @property
     def demand_only(self) -> bool:
@@ -372,7 +257,20 @@ class SeqMoEPolicy(Policy):
         self._latest: np.ndarray | None = None
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._row_tables: list[np.ndarray | None] = []
+        self.priority_extra = None
         self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0}
+
+    def add_priority(self, extra: np.ndarray | None) -> None:
+        """From now on the priority of (layer, expert) is its CacheScore plus ``extra`` float [L, E] (in expected
+        uses, like the CacheScore; None: the CacheScore alone), for eviction, the prefetch benefit and admission
+        alike. A composing policy's own terms (``hybrid``: docs/design.md, "Forecaster"); cleared by reset."""
+        self.priority_extra = extra
+
+    def stop_forecasting(self) -> None:
+        """Never run the forecaster (it still fixes the trigger layer): no forecast tables, no recurrent state,
+        no prefetch; the priority is :meth:`add_priority`'s term alone (a demand-only policy)."""
+        self.forecasting = False
+        self.prefetch = False
 
     # ------------------------------------------------------------------------------------------ device step
     def device_program(self) -> DeviceProgram | None:
@@ -380,11 +278,12 @@ class SeqMoEPolicy(Policy):
         by the forecast CacheScore, ties to the least recent layer-execution, a plan of :meth:`plan_keys` per
         layer when prefetching, forecasts from this policy's public forecast steps. None for a subclass that
         redefines a decision hook (its decisions are not these)."""
-        if overrides_any(self, SeqMoEPolicy, _DEVICE_HOOKS):
+        if overrides_any(self, SeqMoEPolicy, _DEVICE_HOOKS) or not self.forecasting or self.priority_extra is not None:
             return None
         return DeviceProgram(EVICT_FORECAST, self.max_tasks if self.prefetch else 0,
                              read_keys=lambda: DeviceKeys(self.last_use.reshape(-1).copy()),
-                             write_keys=self._set_device_keys, forecaster=self)
+                             write_keys=self._set_device_keys, forecaster=self,
+                             plan_rule=self.prefetch_rule if self.prefetch else None)
 
     def _set_device_keys(self, keys: DeviceKeys) -> None:
         self.last_use = np.asarray(keys.recency, np.float64).reshape(self.L, self.E).copy()
@@ -404,6 +303,11 @@ class SeqMoEPolicy(Policy):
     def begin_batch(self, batch: Any) -> None:
         self.members = list(batch)
         B = len(self.members)
+        if not self.forecasting:  # the forecaster never runs: no forecast tables, no recurrent state to step
+            self._traced = False
+            self._row_tables = [None] * B
+            self._state = self._latest = None
+            return
         self._traced = all(hasattr(m, "expert_ids") and hasattr(m, "expert_weights") for m in self.members)
         self.calibration.clear_pending()
         self._row_tables = [None] * B
@@ -440,7 +344,7 @@ class SeqMoEPolicy(Policy):
         """Simulator hook: all sequences of the replay are known up front, so their forecast tables are
         computed together (:func:`precompute_forecasts_many`), as many as fit ``forecast_cache_mb``.
         Sequences already cached (an earlier capacity) are skipped; the rest fall back to :meth:`_table_for`."""
-        if not self.precompute:
+        if not (self.precompute and self.forecasting):
             return
         todo = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")
                 and self._table_key(s) not in self._tables]
@@ -567,22 +471,26 @@ class SeqMoEPolicy(Policy):
             self.install_scores(self.forecast_scores(t, F))
 
     def _trigger(self, t: int) -> None:
-        self.trigger(t, self._forecast(t))
+        if self.forecasting:
+            self.trigger(t, self._forecast(t))
 
     # ------------------------------------------------------------------------------------------ scores
     def _scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
-        """CacheScore of (layers[i], experts[i]) at the current time."""
+        """CacheScore of (layers[i], experts[i]) at the current time (plus :attr:`priority_extra`)."""
         if not self.has_forecast:
-            return np.zeros(len(layers))
-        t, cur, phase = self._now
-        x_now = t * self.L + cur
-        fx = self.first_exec[layers]
-        ahead = (fx > x_now) | ((fx == x_now) & (phase == 0))
-        return np.where(ahead, self.score_before[layers, experts], self.score_after[layers, experts])
+            score = np.zeros(len(layers))
+        else:
+            t, cur, phase = self._now
+            x_now = t * self.L + cur
+            fx = self.first_exec[layers]
+            ahead = (fx > x_now) | ((fx == x_now) & (phase == 0))
+            score = np.where(ahead, self.score_before[layers, experts], self.score_after[layers, experts])
+        return score if self.priority_extra is None else score + self.priority_extra[layers, experts]
 
     def _load_scores(self) -> np.ndarray:
-        """float [L, E]: the score an expert loaded now would have (its CacheScore from its next execution)."""
-        return self.score_before
+        """float [L, E]: the score an expert loaded now would have (its CacheScore from its next execution, plus
+        :attr:`priority_extra`)."""
+        return self.score_before if self.priority_extra is None else self.score_before + self.priority_extra
 
     def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
         cl = candidates[:, 0].astype(np.int64)

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from expertcast.inference.cache.driver import BatchSchedule, StepInfo
 from expertcast.inference.cache.options import PolicyOptions, option
 from expertcast.inference.cache.policy import MissAction, Policy
+from expertcast.inference.cache.schedule import BatchSchedule, StepInfo
 from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.saem.cpu_exec import LatencyModel
 from expertcast.inference.saem.cues import CueSet

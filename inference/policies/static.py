@@ -117,6 +117,6 @@ class StaticFrequencyPolicy(Policy):
 
 
 SPECS = (
-    PolicySpec("static", StaticFrequencyPolicy, StaticFrequencyPolicy.Options, engines={"driver"},
-               help="fixed placement of the most frequent experts"),
+    PolicySpec("static", StaticFrequencyPolicy, StaticFrequencyPolicy.Options, engines={"driver", "placement"},
+               needs={"calibration"}, help="fixed placement of the most frequent experts"),
 )

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import expertcast.inference.runtime.experts as experts
+import expertcast.inference.runtime.graph as graph
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceMeta, TraceSequence
@@ -41,7 +43,6 @@ from expertcast.inference.cache.driver import CPU, SLOT, TEMP, Driver
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy, check_policy_compatible
 from expertcast.inference.policies import spec_of
-from expertcast.inference.runtime import experts, graph
 from expertcast.inference.runtime.residency import RuntimeTransport
 from expertcast.inference.runtime.run_state import (
     GenerationResult,
@@ -129,9 +130,7 @@ class OffloadedModel:
         if not spec.runs_on("driver"):
             raise ValueError(f"policy {policy.name!r} runs only on the simulator's compiled engine, not in the runtime")
         self._future = future
-        policy.reset(self.cache_config)  # policy/config mismatches surface before the model is touched
-        policy.set_future(future)
-        policy.warm_start(ExpertCache(self.cache_config))
+        Driver.check_run(policy, self.cache_config, future)  # mismatches surface before the model is touched
 
         if store is None:
             store = HostExpertStore.from_model(model, pin_memory=self.device.type == "cuda", mmap_path=mmap_path,
@@ -154,7 +153,8 @@ class OffloadedModel:
                                                                           modules=[r.module for r in self.refs],
                                                                           announce=True)
         if self.decode_path == "graph":
-            num_temp_slots = max(num_temp_slots, graph.GraphDecoder.scratch_rows(self.K, getattr(policy, "max_tasks", 0)))
+            plan_width = graph.device_program_of(policy).plan_width
+            num_temp_slots = max(num_temp_slots, graph.GraphDecoder.scratch_rows(self.K, plan_width))
         if disk:  # a layer's temporary-slot reads (static's misses) fill the reader pool (docs/design.md, "Compute order")
             num_temp_slots = max(num_temp_slots, int(readers))
         self.pool = SlotPool(self.layout, self.cache.num_slots, self.device, num_temp=num_temp_slots,
@@ -200,7 +200,7 @@ class OffloadedModel:
     def set_future(self, future: Any) -> None:
         """Give an oracle policy the access stream of the coming run (then :meth:`reset`)."""
         self._future = future
-        self.policy.set_future(future)
+        self.driver.set_future(future)
 
     def close(self) -> None:
         """Stop the transfer thread and detach from the model (the expert weights stay released)."""

@@ -199,24 +199,18 @@ def check_export_fits(policy_name: str, router_mode: str | None, where: str) -> 
 
 def live_router_policy(spec: str) -> tuple[str, dict[str, Any]]:
     """``router-full[:R=N]`` -> (name, constructor options) for a live evaluation, whose routers come from
-    the ``--model`` export (so ``replay=`` is refused); UsageError for anything else."""
-    name, _, rest = str(spec).partition(":")
-    name = name.strip().lower()
+    the ``--model`` export (so ``replay=`` is refused); UsageError for anything else. The text is read and typed
+    as every policy's (:func:`~expertcast.inference.policies.split_policy_text`, the options' own checks)."""
+    from expertcast.inference.policies import options_class, split_policy_text
+
+    name = str(spec).partition(":")[0].strip().lower()
     if name not in router_policy_names():
         raise UsageError(f"--policy {spec}: not a router policy ({', '.join(router_policy_names())})")
-    opts: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        k, eq, v = (x.strip() for x in part.partition("="))
-        if k != "R" or not eq:
-            raise UsageError(f"--policy {spec}: a live router policy takes only R=N (its routers come from the "
-                             f"--model export; replay= is for `expertcast simulate`)")
-        try:
-            opts["R"] = int(v)
-        except ValueError:
-            raise UsageError(f"--policy {spec}: R must be a whole number >= 1, got {v!r}") from None
-        if opts["R"] < 1:
-            raise UsageError(f"--policy {spec}: R must be >= 1, got {v}")
-    return name, opts
+    name, values = split_policy_text(spec)
+    if set(values) - {"R"}:
+        raise UsageError(f"--policy {spec}: a live router policy takes only R=N (its routers come from the "
+                         f"--model export; replay= is for `expertcast simulate`)")
+    return name, options_class(name).build(name, values).given_values()
 
 
 def is_router_policy(spec: str) -> bool:
@@ -284,11 +278,11 @@ def attach_live_routers(policy: Any, model: nn.Module, export: str) -> None:
     from pathlib import Path
 
     from expertcast.inference.policies import spec_of
-    from expertcast.inference.policies.hybrid import HybridPolicy
     from expertcast.models.router_export import load_routers, read_adaptation_export
 
-    hybrid = isinstance(policy, HybridPolicy)  # router scores are one optional part of its priority
-    if not (hybrid or "router_scores" in spec_of(policy).needs) or isinstance(policy.replay, LiveRouterScores):
+    spec = spec_of(policy)
+    hybrid = "router_scores" in spec.parts  # router scores are one optional part of its priority
+    if not (hybrid or "router_scores" in spec.needs) or isinstance(policy.replay, LiveRouterScores):
         return
     if hybrid:
         reason = hybrid_routers_off(policy, export)

@@ -1,5 +1,5 @@
 """Book-keeping of one :meth:`OffloadedModel.generate` / :meth:`OffloadedModel.replay` call: the batch's
-lockstep schedule (:class:`~expertcast.inference.cache.driver.BatchSchedule`, ends learned from EOS), the
+lockstep schedule (:class:`~expertcast.inference.cache.schedule.BatchSchedule`, ends learned from EOS), the
 phase of each forward, the token rows to compute, the tokens fed at each step and the recorded
 routing. It only observes; :class:`~expertcast.inference.runtime.engine.OffloadedModel` acts on what
 it reports."""
@@ -13,7 +13,7 @@ from enum import Enum
 import numpy as np
 import torch
 from expertcast.data.trace_format import TraceSequence
-from expertcast.inference.cache.driver import BatchSchedule, StepInfo
+from expertcast.inference.cache.schedule import BatchSchedule, StepInfo
 
 
 @dataclass

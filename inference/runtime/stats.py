@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 from expertcast.inference.cache.counters import Counters
+from expertcast.inference.runtime.memory import peak_rss_bytes
 
 
 @dataclass
@@ -101,7 +102,7 @@ class MemoryReport:
     disk_store_bytes: int = 0
     """Disk store: bytes of the packed (4096-padded) rows in its file."""
     process_peak_rss: int | None = None
-    """:func:`~expertcast.inference.runtime.loading.peak_rss_bytes` when measured: the process's resident-set
+    """:func:`peak_rss_bytes` when measured: the process's resident-set
     high-water mark in bytes since it started (``VmHWM``), so it includes everything the process held
     before (imports, an earlier model), not the offloaded model alone."""
 
@@ -117,7 +118,6 @@ class MemoryReport:
     def measure(cls, om: Any) -> MemoryReport:
         """The report of an :class:`~expertcast.inference.runtime.engine.OffloadedModel` now."""
         import torch
-        from expertcast.inference.runtime.loading import peak_rss_bytes
 
         expert_param_ids = {id(getattr(r.module, p.name)) for r in om.refs for p in om.layout.parts}
         non_expert = expert_left = 0
@@ -144,3 +144,4 @@ class MemoryReport:
         d["device_total"] = self.device_total
         d["expected_device_weights"] = self.expected_device
         return d
+

@@ -3,7 +3,7 @@ traffic and modelled speed (docs/design.md, cache semantics).
 
 How a replay is formed:
 * Batches: the sequences are taken in order, ``batch_size`` consecutive sequences at a time, and run
-  in lockstep by the schedule of :class:`~expertcast.inference.cache.driver.BatchSchedule` (prompts first,
+  in lockstep by the schedule of :class:`~expertcast.inference.cache.schedule.BatchSchedule` (prompts first,
   position by position; then decode steps; finished sequences drop out). The next batch starts when
   the whole batch is done. The cache persists across batches (one long serving session). A
   layer-execution accesses the union of the active members' top-K selections, in first-appearance
@@ -53,9 +53,10 @@ from expertcast.inference.cache.cost_model import (
     ModelledTransport,
 )
 from expertcast.inference.cache.counters import Counters
-from expertcast.inference.cache.driver import BatchSchedule, Driver, StepInfo, Transport, stream_schedule
+from expertcast.inference.cache.driver import Driver, Transport
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy
+from expertcast.inference.cache.schedule import BatchSchedule, StepInfo, stream_schedule
 from expertcast.inference.policies import kernels
 
 WARMUP_NOTE = "decode-only; prefill replayed through the policy uncounted"
@@ -88,7 +89,7 @@ class AccessStream:
     batches: list[list[int]] = field(default_factory=list)
     sequences: list[TraceSequence] | None = None
     schedules: list[BatchSchedule] = field(default_factory=list)
-    """The lockstep schedule of each batch (:class:`~expertcast.inference.cache.driver.BatchSchedule`)."""
+    """The lockstep schedule of each batch (:class:`~expertcast.inference.cache.schedule.BatchSchedule`)."""
     _next: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -155,7 +156,7 @@ def validate_traces(meta: TraceMeta, sequences: Sequence[TraceSequence]) -> None
 
 def build_stream(meta: TraceMeta, sequences: Sequence[TraceSequence], batch_size: int = 1) -> AccessStream:
     """Flatten ``sequences`` into an :class:`AccessStream` (batches of ``batch_size`` consecutive
-    sequences in lockstep, scheduled by :func:`expertcast.inference.cache.driver.stream_schedule`)."""
+    sequences in lockstep, scheduled by :func:`expertcast.inference.cache.schedule.stream_schedule`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     validate_traces(meta, sequences)
@@ -293,7 +294,9 @@ def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
     """Compiled engine for policies exposing ``kernel_params()`` (classic policies, oracles)."""
     _check_stream(stream, config)
     policy.reset(config)
-    params = policy.kernel_params() if hasattr(policy, "kernel_params") else None
+    from expertcast.inference.policies import spec_of
+
+    params = policy.kernel_params() if spec_of(policy).runs_on("kernel") else None
     if params is None:
         raise ValueError(f"policy {policy.name!r} has no compiled fast path; use engine='python'")
     cost = cost or CostConfig()
@@ -395,20 +398,19 @@ def run_policy(stream: AccessStream, policy: Policy, config: CacheConfig, cost: 
     """Replay with the fastest engine that supports ``policy`` (``engine='auto'``), or the one named."""
     if engine not in ("auto", "kernel", "python"):
         raise ValueError(f"engine must be auto, kernel or python, got {engine!r}")
-    from expertcast.inference.policies.static import StaticFrequencyPolicy
+    from expertcast.inference.policies import spec_of
 
-    if isinstance(policy, StaticFrequencyPolicy) and policy.freq is None:
+    spec = spec_of(policy)
+    if "calibration" in spec.needs and policy.calibration_source is None:
         from expertcast.inference.policies.static import selection_counts
 
         policy.calibrate(selection_counts(stream.sequences or [], config.num_layers, config.num_experts),
                          "in-sample")
     if engine == "python":
         return replay(stream, policy, config, cost, progress=progress)
-    if isinstance(policy, StaticFrequencyPolicy) and engine == "auto":
+    if spec.runs_on("placement") and engine == "auto":
         return replay_static(stream, policy, config, cost)  # nothing moves: the driver's result, vectorized
-    from expertcast.inference.policies import spec_of
-
-    if spec_of(policy).runs_on("kernel"):
+    if spec.runs_on("kernel"):
         policy.reset(config)
         return replay_kernel(stream, policy, config, cost)
     if engine == "kernel":
@@ -420,14 +422,14 @@ def run_policy(stream: AccessStream, policy: Policy, config: CacheConfig, cost: 
 # The public API
 # ------------------------------------------------------------------------------------------------
 def _as_policy(spec: str | Policy, calibration=None) -> Policy:
-    from expertcast.inference.policies import make_policy, object_names, parse_policy_spec, policy_class
+    from expertcast.inference.policies import make_policy, parse_policy_spec, policy_spec
 
     if isinstance(spec, Policy):
         if not hasattr(spec, "label"):
             spec.label = spec.name
         return spec
     name, kwargs = parse_policy_spec(spec)
-    if calibration is not None and "calibration" not in kwargs and "calibration" in object_names(policy_class(name)):
+    if calibration is not None and "calibration" not in kwargs and "calibration" in policy_spec(name).needs:
         kwargs["calibration"] = calibration  # a calibrated policy (static) without its own calibration
     return make_policy(name, **kwargs)
 

@@ -86,7 +86,7 @@ BAD = [
     ("--policy", "belady", "oracle"),
     ("--policy", "router-temporal:replay=/nonexistent", "replay= is for `expertcast simulate`"),
     ("--policy", "router-full:replay=ROUTER_REPLAY", "replay= is for `expertcast simulate`"),
-    ("--policy", "router-full:R=0", "R must be >= 1"),
+    ("--policy", "router-full:R=0", "option R=0: must be >= 1"),
     ("--policy", "router-full", "--model must be such an export"),
     ("--policy", "lrfu:lamda=0.1", "no option 'lamda'"),
     ("--policy", "lrfu:lam=fast", "expected a number"),

@@ -4,15 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from expertcast.inference.runtime.graph.state import DeviceResidency
 from expertcast.utils.errors import UsageError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.runtime.graph.decode import GraphDecoder
-
 
 AOTI_CONFIG = {"aot_inductor.allow_stack_allocation": True}
 """Inductor options of :class:`AOTLayer`: the intermediates of a call live on the C++ stack (a layer makes a few
@@ -34,7 +30,7 @@ class AOTLayer:
     Call: ``(layer int64 [] , h [T, H], idx int64 [T, K], w [T, K]) -> y [T, H]`` like ``run_layer``.
     """
 
-    def __init__(self, decoder: GraphDecoder):
+    def __init__(self, decoder: Any):
         if decoder.device.type != "cpu":
             raise UsageError("the AOTInductor-compiled layer function runs on the CPU (CUDA: capture a CUDA Graph)")
         self.decoder = decoder
@@ -88,7 +84,7 @@ class _BoundLayer(torch.nn.Module):
     ``forward(layer, h, idx, w, store_rows, pool_buffer, *state_fields)``. While it runs, the decoder's state,
     pool views and row copier point at the inputs."""
 
-    def __init__(self, decoder: GraphDecoder, fields: list[str]):
+    def __init__(self, decoder: Any, fields: list[str]):
         super().__init__()
         self.decoder = decoder  # not a Module: not registered, no parameters or buffers
         self.fields = fields

@@ -20,9 +20,9 @@ class RowCopier:
         self.dst = pool_buffer  # [R, row_numel]
         self.cuda = pool_buffer.device.type == "cuda"
         if self.cuda:
-            from expertcast.inference.runtime.graph import triton as _graph_triton
+            from expertcast.inference.runtime.graph.triton import copy_rows
 
-            self._kernel = _graph_triton.copy_rows
+            self._kernel = copy_rows
 
     def copy(self, src_keys: torch.Tensor, dst_rows: torch.Tensor, mask: torch.Tensor) -> None:
         if self.cuda:

@@ -14,13 +14,10 @@ call does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from expertcast.utils.errors import UsageError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.runtime.graph.decode import GraphDecoder
 
 
 @dataclass
@@ -42,7 +39,7 @@ class CudaGraphLayer:
         warmup: uncaptured calls of each shape before it is captured.
     """
 
-    def __init__(self, decoder: GraphDecoder, warmup: int = 2):
+    def __init__(self, decoder: Any, warmup: int = 2):
         if decoder.device.type != "cuda":
             raise UsageError("CUDA Graph capture of the decode layer needs a CUDA device (CPU: compile 'aoti')")
         self.fn = decoder.run_layer

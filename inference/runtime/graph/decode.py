@@ -44,7 +44,7 @@ applies at the step boundary, and with prefetch its plans are admitted one layer
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,9 +57,6 @@ from expertcast.inference.runtime.graph.planner import GraphPlanner, Published
 from expertcast.inference.runtime.graph.state import ACC, DEM, PRO, DeviceResidency, first_in_order
 from expertcast.utils.errors import UsageError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from expertcast.inference.runtime.engine import OffloadedModel
-
 __all__ = ["COMPILE_BACKENDS", "DECODE_PATHS", "MAX_BATCH", "GraphDecoder", "choose_decode_path", "device_program_of"]
 """``DECODE_PATHS`` and ``choose_decode_path`` live in :mod:`.path`; importable from here too."""
 
@@ -69,7 +66,8 @@ MAX_BATCH = 4
 
 
 class GraphDecoder:
-    """The graph-compatible decode path of an :class:`OffloadedModel` (see the module docstring).
+    """The graph-compatible decode path of an :class:`~expertcast.inference.runtime.engine.OffloadedModel` (see the
+    module docstring).
 
     Args:
         om: the offloaded model (its cache, slot pool, host store, policy and stats are shared).
@@ -79,7 +77,7 @@ class GraphDecoder:
     The policy's device step is ``device_program_of(om.policy)``; nothing else of the policy is read.
     """
 
-    def __init__(self, om: OffloadedModel, blocking: bool = False):
+    def __init__(self, om: Any, blocking: bool = False):
         program = device_program_of(om.policy)
         if program is None:
             raise UsageError(f"policy {om.policy.name!r} has no device step: the graph decode path cannot run it")

@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 import torch
-from expertcast.inference.policies.device import DeviceProgram
+from expertcast.inference.policies.device import PLAN_FLOOR, DeviceProgram
 from expertcast.utils.errors import UsageError
 
 DECODE_PATHS = ("eager", "graph", "auto")
@@ -36,8 +36,13 @@ def choose_decode_path(requested: str, policy: Any, device: torch.device, link_g
     if requested == "eager":
         return "eager", "the eager path was asked for"
     why_not = None
-    if device_program_of(policy) is None:
+    program = device_program_of(policy)
+    if program is None:
         why_not = f"policy {policy.name!r} decides on the host (the graph path covers lru and seqmoe)"
+    elif program.plan_width and program.plan_rule != PLAN_FLOOR:
+        why_not = (f"policy {policy.name!r} prefetches by prefetch_rule={program.plan_rule}; the device plan is the "
+                   f"{PLAN_FLOOR} rule's (each layer's most likely experts at or above min_confidence): give "
+                   f"prefetch_rule={PLAN_FLOOR} or prefetch=false")
     elif link_gbps is not None:
         why_not = "an emulated host-device link (link_gbps) throttles host-driven transfers only"
     elif device.type == "cuda" and not (_has_triton() and pinned_store):

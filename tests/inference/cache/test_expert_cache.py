@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache, SlotState
+from expertcast.utils.errors import UsageError
 
 
 def test_capacity_resolution_per_layer_and_shared():
@@ -82,3 +83,20 @@ def test_budget_carries_its_unit():
         ["c0.25", "s8", "p2-4"]
     assert CacheConfig(48, 128, 8, budget=Budget.fraction(0.15)).total_slots == \
         CacheConfig(48, 128, 8, budget=Budget.slots(19)).total_slots
+
+
+def test_byte_budget_resolves_with_the_expert_size():
+    """A budget in bytes of expert weights: n // expert_bytes slots, shared or split evenly over the layers;
+    it needs the experts' size and names itself in GiB."""
+    gib = Budget.bytes(2**30)
+    assert gib == Budget.from_flags({"bytes": 2**30}) and gib.tag == "b1073741824" and gib.label == "budget 1 GiB"
+    per = CacheConfig(3, 16, 2, budget=Budget.bytes(20 * 1000 + 999), expert_bytes=1000)  # 20 experts' worth
+    assert per.pool_capacities.tolist() == [6, 6, 6]
+    shared = CacheConfig(3, 16, 2, pool="shared", budget=Budget.bytes(20 * 1000), expert_bytes=1000)
+    assert shared.pool_capacities.tolist() == [20]
+    with pytest.raises(UsageError, match="needs the size of one expert"):
+        CacheConfig(3, 16, 2, budget=Budget.bytes(10**6))
+    with pytest.raises(UsageError, match="below top-K=2"):
+        CacheConfig(3, 16, 2, budget=Budget.bytes(3 * 1000), expert_bytes=1000)
+    with pytest.raises(UsageError, match="positive number of bytes"):
+        Budget.bytes(0)

@@ -18,6 +18,7 @@ from expertcast.inference.policies import (
     parse_policy_options,
     parse_policy_spec,
     policy_class,
+    policy_spec,
     registry,
     spec_of,
 )
@@ -135,3 +136,23 @@ def test_typed_values_are_checked_as_text_is_and_objects_pass_through(tmp_path):
         parse_policy_options("lrfu:lam=0.1", {"lam": 0.2})
     o = parse_policy_options("lrfu", {"lam": 0.5})
     assert o.given_values() == {"lam": 0.5} and o.label() == "lrfu(lam=0.5)"
+
+
+def test_static_declares_its_calibration_and_placement_engine():
+    """static's calibration is a declared need and its vectorized replay an engine: the simulator reads the spec
+    (no class check) and calibrates in-sample where none was given; a policy without the need is not calibrated."""
+    from expertcast.data import synthetic
+    from expertcast.inference.policies.static import StaticFrequencyPolicy
+    from expertcast.inference.sim.simulator import simulate
+
+    spec = policy_spec("static")
+    assert "calibration" in spec.needs and spec.runs_on("placement") and spec.runs_on("driver")
+    assert [n for n, s in registry().items() if "calibration" in s.needs] == ["static"]
+    assert [n for n, s in registry().items() if s.runs_on("placement")] == ["static"]
+    pol = StaticFrequencyPolicy()  # the defaults are the Options'
+    assert pol.options == spec.options() and pol.calibration_source is None
+    tr = synthetic.markov_traces(num_sequences=2, num_tokens=30, num_layers=2, num_experts=8, top_k=2, seed=0)
+    fast = simulate(tr, [pol], [0.5], progress=False, belady_fraction=False)
+    assert pol.calibration_source == "in-sample"
+    slow = simulate(tr, [make_policy("static")], [0.5], progress=False, belady_fraction=False, engine="python")
+    assert fast[0]["hit"] == slow[0]["hit"] and fast[0]["demand_misses"] == slow[0]["demand_misses"]

@@ -164,3 +164,20 @@ def test_routers_part_without_scores_is_refused_at_the_first_batch_and_auto_gain
     assert recs[0]["hit"] == recs[1]["hit"] and recs[0]["demand_misses"] == recs[1]["demand_misses"]
     with pytest.raises(ValueError, match="leave the routers part off"):
         make_policy("hybrid", forecaster=fc, parts="forecast").use_routers(rp)
+
+
+def test_hybrid_composes_seqmoe_and_declares_its_parts():
+    """hybrid holds a SeqMoEPolicy and widens its priority through its public add_priority (no subclass, no private
+    step overridden); its spec declares the inputs of its optional parts, which callers read instead of its class."""
+    from expertcast.inference.policies import policy_spec
+
+    assert not issubclass(HybridPolicy, SeqMoEPolicy)
+    assert not [n for n in vars(HybridPolicy) if n.startswith("_") and not n.startswith("__") and hasattr(SeqMoEPolicy, n)]
+    spec = policy_spec("hybrid")
+    assert spec.parts == {"router_scores", "cues"} and spec.takes("router_scores") and "router_scores" not in spec.needs
+    pol = make_policy("hybrid", forecaster=_forecaster(), parts="forecast")
+    cfg = CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="per-layer", budget=Budget.fraction(0.5))
+    pol.reset(cfg)
+    assert isinstance(pol.core, SeqMoEPolicy) and pol.core.priority_extra is pol.extra
+    demand = make_policy("hybrid", forecaster=_forecaster(), parts="stage", cues="Wait", decoder=lambda i: b"x")
+    assert demand.demand_only and not demand.core.forecasting

@@ -9,7 +9,8 @@ import torch
 from expertcast.data.synthetic import ModeMarkovProcess
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
-from expertcast.inference.policies.seqmoe import SeqMoEPolicy, precompute_forecasts, precompute_forecasts_many
+from expertcast.inference.policies.forecast_tables import precompute_forecasts, precompute_forecasts_many
+from expertcast.inference.policies.seqmoe import SeqMoEPolicy
 from expertcast.inference.sim.simulator import simulate
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.forecaster_export import save_forecaster

@@ -325,3 +325,18 @@ def test_eval_runs_hybrid_with_live_routers(exports, tmp_path, capsys, data_dir)
                      str(tmp_path / "bad"), *base], capsys)
     last = err.strip().splitlines()[-1]
     assert rc == 2 and last.startswith("expertcast eval: error:") and "the routers part cannot run" in last, err
+
+
+def test_live_router_specs_read_by_the_policy_option_parser():
+    """A live router policy's text is read and typed by the one policy option parser: R typed and bounded by the
+    options, replay= refused (the routers come from the --model export)."""
+    from expertcast.inference.runtime.live_routers import live_router_policy
+    from expertcast.utils.errors import UsageError
+
+    assert live_router_policy("router-full:R=3") == ("router-full", {"R": 3})
+    assert live_router_policy("Router-Temporal") == ("router-temporal", {})
+    for spec, msg in [("router-full:R=0", "option R=0: must be >= 1"), ("router-full:R=x", "expected an integer"),
+                      ("router-full:R", "must be key=value"), ("router-full:R=2,R=3", "given twice"),
+                      ("router-spatio:replay=/x", "takes only R=N"), ("lru", "not a router policy")]:
+        with pytest.raises(UsageError, match=msg):
+            live_router_policy(spec)

@@ -223,7 +223,8 @@ class Batch:
 
     def policy(self, name: str):
         if name == "seqmoe":
-            return make_policy("seqmoe", forecaster=self.forecaster, precompute=False, min_confidence=0.05)
+            return make_policy("seqmoe", forecaster=self.forecaster, precompute=False, min_confidence=0.05,
+                               prefetch_rule="floor")
         return make_policy(name)
 
     def run(self, name: str, path: str, pool: str = "per-layer", slots: int = SLOTS, record: bool = False,
@@ -414,3 +415,21 @@ def test_aoti_compiled_layer_one_artefact_per_batch_size():
     for k in COUNTER_NAMES:
         assert np.array_equal(getattr(st, k), getattr(ref_st, k)), k
     assert resident == ref_resident
+
+
+def test_graph_path_refuses_a_prefetch_rule_it_does_not_plan_by():
+    """The device plan is the floor rule's: seqmoe with another prefetch_rule is refused by name on the graph path
+    (auto: the eager path, saying why), never run with a plan its options did not ask for."""
+    from expertcast.models.forecaster import untrained_forecaster
+
+    fc = untrained_forecaster(2, 16, 4)
+    for rule in ("headroom", "benefit"):
+        pol = make_policy("seqmoe", forecaster=fc, prefetch_rule=rule)
+        with pytest.raises(UsageError, match=f"prefetch_rule={rule}.*give prefetch_rule=floor or prefetch=false"):
+            choose_decode_path("graph", pol, CPU, None, pinned_store=False)
+        path, why = choose_decode_path("auto", pol, CPU, None, pinned_store=False)
+        assert path == "eager" and f"prefetch_rule={rule}" in why
+        quiet = make_policy("seqmoe", forecaster=fc, prefetch_rule=rule, prefetch=False)  # no plan: nothing to refuse
+        assert choose_decode_path("graph", quiet, CPU, None, pinned_store=False)[0] == "graph"
+    floor = make_policy("seqmoe", forecaster=fc, prefetch_rule="floor")
+    assert choose_decode_path("graph", floor, CPU, None, pinned_store=False)[0] == "graph"
