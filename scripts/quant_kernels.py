@@ -1,6 +1,6 @@
 """The calibrated kernel table of the expert formats (docs/results.md, "Quantized experts").
 
-Per projection shape and token count (1 and 64): the median ms of the bf16 GEMM (``torch.mm``), of torch's
+Per projection shape and token count (1 and 64): the least ms (of --repeats runs: the one least disturbed on a shared machine) of the bf16 GEMM (``torch.mm``), of torch's
 weight-only kernel for the format (``aten::_weight_int8pack_mm``, ``aten::_weight_int4pack_mm_for_cpu``) and of
 dequantize + bf16 GEMM, and the path the runtime picks (the faster: ``choice``). Shapes: DeepSeek-V2-Lite's
 expert (gate_up [2816, 2048], down [2048, 1408]) and the default model's (gate_up [256, 128], down [128, 128]).
