@@ -266,7 +266,7 @@ class KernelTable:
         key = (w.fmt.name, w.N, w.K, self._bucket(x.shape[0]))
         row = self.rows.get(key)
         if row is None:
-            for r in measure(w, self.TOKENS, repeats=3):
+            for r in measure(w, self.TOKENS, repeats=5):
                 self.rows[(w.fmt.name, w.N, w.K, r["tokens"])] = r
             row = self.rows[key]
         return row["choice"]
