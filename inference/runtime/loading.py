@@ -495,7 +495,8 @@ class LoadReport:
     readers: int | None = None
     rss_bound_bytes: int | None = None
     """Disk store: the stated host RSS bound, slots (CPU) + non-expert weights + one MoE layer's rows (the
-    writer's buffer) + :data:`RSS_MARGIN_BYTES`, whatever the size of the expert file. A model built in
+    writer's buffer; quantized experts: plus that layer's unquantized rows) + :data:`RSS_MARGIN_BYTES`, whatever
+    the size of the expert file. A model built in
     host memory first (``source="host"``) held its experts in RAM once, beyond this bound."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -761,6 +762,8 @@ class OffloadOptions:
         if disk:  # host RSS: slots (on the CPU) + non-expert weights + one layer's rows being written + margin
             on_host = plan.slot_bytes + plan.non_expert_bytes if dev.type == "cpu" else 2 * om.transfer.readers * om.store.stride
             bound = on_host + plan.num_experts * plan.expert_bytes + RSS_MARGIN_BYTES
+            if om.layout.quantized:  # the writer quantizes from one layer's unquantized rows (QuantizingFill)
+                bound += plan.num_experts * om.layout.base.expert_bytes
         return LoadReport(plan=plan, load_seconds=time.perf_counter() - t0, store_pinned=om.store.is_pinned,
                           store_mmap=str(self.mmap_path) if self.mmap_path is not None else None,
                           unused_checkpoint_keys=unused, peak_rss_bytes=peak_rss_bytes(),
