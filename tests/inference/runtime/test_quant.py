@@ -264,3 +264,24 @@ def test_build_shape_fp8_command(tmp_path, capsys):
     assert any(k.endswith("weight_scale_inv") for k in ents) and not (tmp_path / ".f8.unquantized").exists()
     plan = plan_offload(out, 0.5, expert_dtype="int4")
     assert plan.expert_format == "int4" and plan.expert_bytes < plan_offload(out, 0.5).expert_bytes / 3
+
+
+def test_restore_of_a_quantized_runtime_gives_the_dequantized_weights():
+    """``OffloadedModel.restore()`` of an int4 runtime puts back the experts' dequantized weights (full load of
+    the quantized model's values), and the quantized graph decode path is refused."""
+    from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.inference.runtime.store import HostExpertStore
+    from expertcast.models.presets import build_tiny
+
+    model = build_tiny("qwen3_moe-tiny", seed=0, dtype=torch.bfloat16)
+    store = HostExpertStore.from_model(model, fmt="int4")
+    with pytest.raises(UsageError, match="graph"):
+        OffloadedModel(model, make_policy("lru"), 4, store=store, decode_path="graph")
+    om = OffloadedModel(model, make_policy("lru"), 4, store=store)
+    assert om.memory_report().expert_bytes == store.layout.expert_bytes < store.layout.base.expert_bytes / 3
+    restored = om.restore()
+    mod = restored.model.layers[0].mlp.experts
+    want = dequantize_row(store.layout, store.rows[0, 5])
+    b = store.layout.base.parts
+    assert torch.equal(mod.gate_up_proj[5].reshape(-1), want[b[0].offset:b[0].offset + b[0].numel])
+    assert torch.equal(mod.down_proj[5].reshape(-1), want[b[1].offset:b[1].offset + b[1].numel])
