@@ -223,9 +223,10 @@ def replay(args: Any) -> int:
     caps = capacities_from_args(args, multiple=True) if (args.capacity or args.slots) else [{"capacity": 0.25}]
     policies = args.policy or ["lru"]
     store_kw = _store_kwargs(args)
-    from expertcast.inference.runtime.quant import ExpertFormat
+    from expertcast.inference.runtime import quant
 
-    xfmt = ExpertFormat.parse(getattr(args, "expert_dtype", "bfloat16")).name
+    xfmt = quant.ExpertFormat.parse(getattr(args, "expert_dtype", "bfloat16")).name
+    quant.set_kernel_mode(quant.TABLE.mode)  # this run's kernel table (measured as its shapes first run)
     if xfmt != "bfloat16":
         store_kw["expert_dtype"] = xfmt
     built = read_provenance(resolved) if Path(resolved).is_dir() else None
@@ -266,8 +267,6 @@ def replay(args: Any) -> int:
                           f"({link['reads']} reads at queue depth {link['queue_depth']}), "
                           f"{link['layer_compute_ms']:.3f} ms of expert compute per layer")
             if xfmt != "bfloat16" and not rows:
-                from expertcast.inference.runtime import quant
-
                 print(f"replay: experts stored as {xfmt}: {om.layout.expert_bytes / 1e6:.2f} MB per expert "
                       f"(kernel mode {quant.TABLE.mode}; the kernels that ran are in the JSON's quant_kernels)")
             try:
