@@ -28,3 +28,18 @@ def test_build_shape_command(tmp_path, capsys):
 def test_bad_set_is_a_one_line_error(tmp_path, capsys):
     rc = cli(["build-shape", "qwen3-30b-a3b", "--out", str(tmp_path / "x"), "--set", "nonsense"])
     assert rc == 2 and "--set 'nonsense': expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_build_shape_fp8_command(tmp_path, capsys):
+    from expertcast.commands.build_shape import main
+    from expertcast.inference.runtime.loading import checkpoint_tensors, plan_offload
+
+    out = tmp_path / "f8"
+    assert main(["olmoe-tiny", "--out", str(out), "--layers", "1", "--expert-dtype", "fp8"]) == 0
+    assert "fp8:" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    ents = checkpoint_tensors(out)
+    assert any(k.endswith("weight_scale_inv") for k in ents) and not (tmp_path / ".f8.unquantized").exists()
+    plan = plan_offload(out, 0.5, expert_dtype="int4")
+    assert plan.expert_format == "int4" and plan.expert_bytes < plan_offload(out, 0.5).expert_bytes / 3
