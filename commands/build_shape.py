@@ -8,11 +8,14 @@ renamed into place. The free disk space is checked first.
 
     expertcast build-shape deepseek-v2-lite --out /data/ds-v2-lite [--layers N] [--seed 0] [--dtype bfloat16]
     expertcast build-shape qwen3-30b-a3b --out /data/qwen3-30b-shape --layers 4
+    expertcast build-shape deepseek-v2-lite --out /data/ds-fp8 --layers 2 --expert-dtype fp8   # FP8 block-scaled
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 from expertcast.commands.common import CommandParser, add_config_arg, parse_and_run, positive_int
@@ -32,6 +35,9 @@ def build_parser() -> CommandParser:
                     help="keep the first N decoder layers (None = all), for runs that fit in RAM")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (with each tensor's name)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="weights' dtype")
+    ap.add_argument("--expert-dtype", default="bfloat16", choices=("bfloat16", "fp8"),
+                    help="fp8: write a block-scaled FP8 checkpoint (e4m3 projections + weight_scale_inv 128x128 "
+                         "blocks, as DeepSeek-V3 ships; built at --dtype, then converted)")
     ap.add_argument("--set", dest="overrides", action="append", default=None, metavar="KEY=VALUE",
                     help="replace a config field (VALUE read as JSON, else as text), e.g. hidden_size=256 for a "
                          "reduced-width variant; recorded in the provenance")
@@ -64,8 +70,21 @@ def run(args: Any) -> int:
     if not args.shard_gb > 0:
         raise UsageError(f"--shard-gb {args.shard_gb}: must be positive")
     overrides = parse_overrides(args.overrides)
-    r = build_shape(args.shape, args.out, layers=args.layers, seed=args.seed, dtype=args.dtype, overrides=overrides,
-                    shard_bytes=int(args.shard_gb * 1e9), overwrite=args.overwrite, progress=True)
+    fp8 = getattr(args, "expert_dtype", "bfloat16") == "fp8"
+    out = Path(args.out)
+    if fp8 and out.exists() and not args.overwrite:
+        raise UsageError(f"--out {out} exists (--overwrite replaces an earlier build)")
+    build_to = out.with_name(f".{out.name}.unquantized") if fp8 else out
+    r = build_shape(args.shape, build_to, layers=args.layers, seed=args.seed, dtype=args.dtype, overrides=overrides,
+                    shard_bytes=int(args.shard_gb * 1e9), overwrite=args.overwrite or fp8, progress=True)
+    if fp8:
+        from expertcast.inference.runtime.quant_checkpoint import write_fp8_checkpoint
+
+        try:
+            write_fp8_checkpoint(build_to, out, overwrite=args.overwrite)
+        finally:
+            shutil.rmtree(build_to, ignore_errors=True)
+        print(f"fp8: {out} holds e4m3 projections with 128x128 weight_scale_inv blocks (quantization_config fp8)")
     print(f"built {r.shape} -> {r.out}: {r.checkpoint_bytes / 1e9:.2f} GB in {r.num_shards} shard(s), "
           f"{r.seconds:.1f} s")
     print(f"parameters: {_count(r.num_params)} total, {_count(r.routed_expert_params)} in routed experts "

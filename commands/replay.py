@@ -70,6 +70,9 @@ def build_parser() -> CommandParser:
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                     help="model dtype (auto = the checkpoint's)")
+    ap.add_argument("--expert-dtype", default="bfloat16",
+                    help="experts' format in the stores, slots and reads: bfloat16 (unquantized), int8, int4 "
+                         "(group 64), int4-g32/g128, int8-g128")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (None = torch's default)")
     ap.add_argument("--json", default=None, help="write the rows and the run's provenance as JSON here")
     ap.add_argument("--csv", default=None, help="write the rows as CSV here")
@@ -176,6 +179,14 @@ def _store_kwargs(args: Any) -> dict[str, Any]:
     return kw
 
 
+def _quant_kernels() -> list[dict]:
+    """The kernel table of the run's quantized projections: per shape and token count the measured ms and
+    the path that ran (empty for unquantized experts)."""
+    from expertcast.inference.runtime import quant
+
+    return quant.TABLE.to_list()
+
+
 # -- run ---------------------------------------------------------------------------------------------------
 def replay(args: Any) -> int:
     import torch
@@ -215,6 +226,12 @@ def replay(args: Any) -> int:
     caps = capacities_from_args(args, multiple=True) if (args.capacity or args.slots) else [{"capacity": 0.25}]
     policies = args.policy or ["lru"]
     store_kw = _store_kwargs(args)
+    from expertcast.inference.runtime import quant
+
+    xfmt = quant.ExpertFormat.parse(getattr(args, "expert_dtype", "bfloat16")).name
+    quant.set_kernel_mode(quant.TABLE.mode)  # this run's kernel table (measured as its shapes first run)
+    if xfmt != "bfloat16":
+        store_kw["expert_dtype"] = xfmt
     built = read_provenance(resolved) if Path(resolved).is_dir() else None
     decode = sum(s.num_tokens - s.prompt_len for s in seqs)
     print(f"replay: model {resolved} ({spec.family}, L={L} MoE layers, E={E}, K={K}, "
@@ -252,6 +269,9 @@ def replay(args: Any) -> int:
                     print(f"replay: {name}: link measured on the disk store: {link['bytes_per_s'] / 1e9:.2f} GB/s "
                           f"({link['reads']} reads at queue depth {link['queue_depth']}), "
                           f"{link['layer_compute_ms']:.3f} ms of expert compute per layer")
+            if xfmt != "bfloat16" and not rows:
+                print(f"replay: experts stored as {xfmt}: {om.layout.expert_bytes / 1e6:.2f} MB per expert "
+                      f"(kernel mode {quant.TABLE.mode}; the kernels that ran are in the JSON's quant_kernels)")
             try:
                 st = om.replay(seqs)
             finally:
@@ -259,7 +279,7 @@ def replay(args: Any) -> int:
             m = st.metrics()
             n = max(st.decoded_tokens, 1)
             rows.append({"policy": pspec_text if pspec_text != name else name, "capacity": budget.requested,
-                         "store": args.store, "sequences": len(seqs), "decoded_tokens": st.decoded_tokens,
+                         "store": args.store, "expert_dtype": xfmt, "sequences": len(seqs), "decoded_tokens": st.decoded_tokens,
                          "tokens_per_s": st.tokens_per_s, "hit": m["hit"], "demand_misses": m["demand_misses"],
                          "misses_per_token": m["demand_misses"] / n, "late_prefetches": m["late_prefetches"],
                          "mb_per_token": m["mb_per_token"], "stall_ms_per_token": m["stall_ms_per_token"],
@@ -277,6 +297,7 @@ def replay(args: Any) -> int:
             "rows": rows, "load": load.to_dict() if load is not None else None, "model": resolved, "model_build": built, "spec": spec.to_dict(),
             "traces": source, "trace_model": meta.model_id, "trace_fingerprint": sequences_fingerprint(seqs),
             "mapping": mapping.to_dict(), "settings": {k: v for k, v in vars(args).items()},
+            "quant_kernels": _quant_kernels(),
             "code": code_version()})
         print(f"json: {args.json}", file=sys.stderr)
     return 0

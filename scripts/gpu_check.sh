@@ -16,7 +16,8 @@
 # qwen3_moe-tiny: on CUDA it captures and replays the decode layers' CUDA Graphs; completions equal the eager
 # path's), router-fsdp2 (`expertcast fit` of configs/router/qwen3-30b-a3b.yaml's FSDP2 strategy as shipped, on
 # one GPU with qwen3_moe-tiny: layers sharded, run finished, export written), graph (scripts/gpu_check_graph.py,
-# the CUDA-graph decode path).
+# the CUDA-graph decode path), quant (scripts/gpu_check_quant.py: int8/int4 offloaded == full-load quantized on
+# CUDA, the CUDA int4 kernel and FP8 _scaled_mm at the DeepSeek-V2-Lite expert shapes vs bf16).
 # --dry-run: nothing needs CUDA; every step resolves its inputs and runs its code on the CPU at tiny sizes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -187,6 +188,11 @@ if ! skipped graph; then
   if [ -f scripts/gpu_check_graph.py ]; then
     run_step graph "$OUT/graph.log" $PY scripts/gpu_check_graph.py --out "$OUT/graph" --layers "$LAYERS" $( [ $DRY = 1 ] && echo --dry-run )
   else say SKIP graph "scripts/gpu_check_graph.py not present"; fi
+fi
+
+# -- 9. expert formats on CUDA (scripts/gpu_check_quant.py prints its own PASS/FAIL/SKIP lines) ----------------
+if ! skipped quant; then
+  run_step quant "$OUT/quant.log" $PY scripts/gpu_check_quant.py $( [ $DRY = 1 ] && echo --dry-run )
 fi
 
 exit $FAILED

@@ -19,8 +19,11 @@ INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
+FP8 = torch.float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"
+"""Block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3-FP8): ``X.weight`` (e4m3) beside ``X.weight_scale_inv``."""
 
 
 # --------------------------------------------------------------------------------------------- checkpoint

@@ -41,10 +41,11 @@ from expertcast.inference.runtime.store import (
     _SAFETENSORS_DTYPES,
     ExpertLayout,
     _read_safetensors_header,
+    check_readable,
+    restore_rows,
 )
 from expertcast.inference.runtime.transfer import Transfer, TransferEngine, WorkerWaits
 from expertcast.utils.errors import UsageError
-from torch import nn
 
 DISK_FORMAT = "expertcast-disk-store"
 DISK_FORMAT_VERSION = 1
@@ -176,7 +177,7 @@ class DiskExpertStore:
         if int(meta.get("format_version", -1)) != DISK_FORMAT_VERSION:
             raise UsageError(f"{self.path}: disk store format version {meta.get('format_version')} is not supported "
                              f"(expected {DISK_FORMAT_VERSION})")
-        self.layout = ExpertLayout.from_dict(json.loads(meta["layout"]))
+        self.layout = check_readable(ExpertLayout.from_dict(json.loads(meta["layout"])), self.path)
         self.layer_names: list[str] = json.loads(meta["layers"])
         self.stride = int(meta["row_stride_bytes"])
         info = header["rows"]
@@ -273,12 +274,9 @@ class DiskExpertStore:
         return self.layout.views(self.read_row(layer, expert))
 
     def restore_into(self, refs) -> None:
-        """Put the fused weights back into the modules (reads every expert: the whole model in RAM)."""
-        for i, r in enumerate(refs):
-            rows = torch.stack([self.read_row(i, e) for e in range(self._E)])
-            for p in self.layout.parts:
-                full = rows[:, p.offset:p.offset + p.numel].reshape((self._E, *p.shape)).clone()
-                setattr(r.module, p.name, nn.Parameter(full, requires_grad=False))
+        """Put the fused weights back into the modules (reads every expert: the whole model in RAM; a quantized
+        store gives back its dequantized weights)."""
+        restore_rows(self.layout, refs, self.read_row)
 
     def close(self) -> None:
         fd, self.fd = getattr(self, "fd", -1), -1

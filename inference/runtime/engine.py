@@ -145,10 +145,12 @@ class OffloadedModel:
             raise UsageError("link_gbps emulates a link; the disk store's reads are real (drop --link-gbps)")
         if disk and decode_path == "graph":
             raise UsageError("decode path 'graph' cannot run: its miss copies read host rows, the disk store has none")
+        if self.layout.quantized and decode_path == "graph":
+            raise UsageError(f"decode path 'graph' cannot run {self.layout.fmt} experts (its grouped GEMM reads bf16 slots)")
         release_model_experts(self.refs, self.layout)
         model.to(self.device)
         self.cache = ExpertCache(self.cache_config)
-        self.decode_path, self.decode_path_reason = graph.choose_decode_path("eager" if disk else decode_path, policy, self.device, link_gbps,
+        self.decode_path, self.decode_path_reason = graph.choose_decode_path("eager" if disk or self.layout.quantized else decode_path, policy, self.device, link_gbps,
                                                                           self.store.is_pinned,
                                                                           modules=[r.module for r in self.refs],
                                                                           announce=True)
@@ -165,7 +167,7 @@ class OffloadedModel:
         self.transport = RuntimeTransport(self.store, self.pool, self.transfer)
         self.stats = RuntimeStats(self.L, self.layout.expert_bytes)
         self.driver = Driver(policy, self.cache, self.transport, self.stats)
-        self.workspace = experts.Workspace(self.device, self.layout.dtype)
+        self.workspace = experts.Workspace(self.device, self.layout.act_dtype)
         self.graph = graph.GraphDecoder(self) if self.decode_path == "graph" else None
         self.cpu_exec_ms = cpu_exec_ms
         self.cpu_parallel = bool(cpu_parallel)
@@ -224,7 +226,7 @@ class OffloadedModel:
             for a in (experts.RUNTIME_ATTR, experts.LAYER_ATTR):
                 if hasattr(r.module, a):
                     delattr(r.module, a)
-            for p in self.layout.parts:
+            for p in (self.layout.base or self.layout).parts:
                 getattr(r.module, p.name).data = getattr(r.module, p.name).data.to(self.device)
         prev = (self._impl_before or {}).get("", None)
         prev = "grouped_mm" if prev in (None, experts.IMPLEMENTATION_NAME) else prev
@@ -582,7 +584,7 @@ class OffloadedModel:
         w = self.pool.views(self.pool.num_slots)  # a temporary slot: compute time does not depend on its bytes
         cfg = self.model.config
         H = int(getattr(cfg, "get_text_config", lambda: cfg)().hidden_size)
-        x = torch.randn(1, H).to(self.layout.dtype).to(self.device)
+        x = torch.randn(1, H).to(self.layout.act_dtype).to(self.device)
         times = []
         for _ in range(repeats + 1):
             t1 = time.perf_counter()
@@ -627,7 +629,7 @@ class OffloadedModel:
         cfg = self.model.config
         H = int(getattr(cfg, "get_text_config", lambda: cfg)().hidden_size)
         host_w = self.store.views(0, 0)
-        dtype = next(iter(host_w.values())).dtype
+        dtype = self.layout.act_dtype
         g = torch.Generator().manual_seed(0)
         xs = {int(n): torch.randn(int(n), H, generator=g).to(dtype) for n in token_counts}
         emulate = self.cpu_exec_ms if self.device.type == "cpu" else None

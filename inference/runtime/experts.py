@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from expertcast.inference.runtime.quant import QWeight
 from torch import nn
 
 IMPLEMENTATION_NAME = "expertcast_offload"
@@ -54,7 +55,16 @@ class Workspace:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
-def _expert_mlp(module: nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor], out: torch.Tensor,
+def _project(x: torch.Tensor, W: torch.Tensor | QWeight, transposed: bool, out: torch.Tensor | None) -> torch.Tensor:
+    """``x`` through one projection: a weight tensor ([N, K], or [K, N] when ``transposed``), or a quantized
+    :class:`~.quant.QWeight` (its calibrated kernel; docs/design.md, "Expert formats")."""
+    if isinstance(W, QWeight):
+        return W.mm(x, out=out)
+    W = W if transposed else W.t()
+    return torch.mm(x, W, out=out) if out is not None else torch.mm(x, W)
+
+
+def _expert_mlp(module: nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor | QWeight], out: torch.Tensor,
                 gate_up_out: torch.Tensor | None) -> None:
     """One expert on rows ``x`` [n, H] with weights ``w``; writes ``out`` [n, H]."""
     t = module.is_transposed
@@ -62,13 +72,12 @@ def _expert_mlp(module: nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor], 
         W1, b1 = w["gate_up_proj"], w.get("gate_up_proj_bias")
     else:
         W1, b1 = w["up_proj"], w.get("up_proj_bias")
-    W1 = W1 if t else W1.t()
-    h = torch.mm(x, W1, out=gate_up_out) if gate_up_out is not None else torch.mm(x, W1)
+    h = _project(x, W1, t, gate_up_out)
     if b1 is not None:
         h.add_(b1)
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    W2, b2 = w["down_proj"], w.get("down_proj_bias")
-    torch.mm(h, W2 if t else W2.t(), out=out)
+    _project(h, w["down_proj"], t, out)
+    b2 = w.get("down_proj_bias")
     if b2 is not None:
         out.add_(b2)
 
@@ -186,7 +195,7 @@ def grouped_expert_compute(
             w = weights_of(e)
             if gu_width is None:
                 W1 = w["gate_up_proj" if module.has_gate else "up_proj"]
-                gu_width = W1.shape[1] if module.is_transposed else W1.shape[0]
+                gu_width = W1.N if isinstance(W1, QWeight) else W1.shape[1] if module.is_transposed else W1.shape[0]
             gu = workspace.get("gu", S, gu_width)[start:end]
             _expert_mlp(module, x[start:end], w, y[start:end], gu)
         if after_expert is not None:
@@ -211,6 +220,47 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
             f"{type(self).__name__} uses the {IMPLEMENTATION_NAME!r} experts implementation but is not bound to "
             "an OffloadedModel; build one with expertcast.inference.runtime.engine.OffloadedModel")
     return runtime.forward_layer(self, getattr(self, LAYER_ATTR), hidden_states, top_k_index, top_k_weights)
+
+
+QUANTIZED_NAME = "expertcast_quantized"
+"""The full-load quantized experts implementation: every expert resident in its format, no runtime."""
+QROWS_ATTR = "_expertcast_qrows"
+
+
+def quantized_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``ExpertsInterface`` entry point of a model quantized with :func:`quantize_model_experts`: the same
+    grouped compute and kernels as the offloaded runtime, on rows that are all resident."""
+    lay, rows, ws = getattr(self, QROWS_ATTR)
+    views = [lay.views(rows[e]) for e in range(lay.num_experts)]
+    return grouped_expert_compute(self, hidden_states, top_k_index, top_k_weights, views.__getitem__, ws)
+
+
+def quantize_model_experts(model: nn.Module, fmt: str) -> nn.Module:
+    """Full-load reference of a model whose experts are stored in ``fmt`` (docs/design.md, "Expert formats"):
+    each experts module's fused weights are replaced by its packed rows in the format (on the module's
+    device) and computed by :func:`quantized_experts_forward`. Returns ``model``."""
+    from expertcast.inference.runtime.store import (
+        _pack_layer,
+        find_experts_modules,
+        layout_of,
+        quantized_layout,
+        release_model_experts,
+    )
+    from transformers.integrations.moe import ExpertsInterface
+
+    refs = find_experts_modules(model)
+    for r in refs:
+        base = layout_of(r.module)
+        lay = quantized_layout(base, fmt)
+        dev = getattr(r.module, base.parts[0].name).device
+        rows = torch.empty((lay.num_experts, lay.row_numel), dtype=lay.dtype)
+        _pack_layer(r.module, lay, rows)
+        release_model_experts([r], base)
+        setattr(r.module, QROWS_ATTR, (lay, rows.to(dev), Workspace(dev, lay.act_dtype)))
+    ExpertsInterface.register(QUANTIZED_NAME, quantized_experts_forward)
+    model.set_experts_implementation(QUANTIZED_NAME)
+    return model
 
 
 def register() -> str:

@@ -41,6 +41,13 @@ from typing import Any
 
 import torch
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig
+from expertcast.inference.runtime.checkpoint import (
+    FP8,
+    SCALE_SUFFIX,
+    ShardReader,
+    TensorEntry,
+    checkpoint_tensors,
+)
 from expertcast.inference.runtime.memory import (  # the sizes and memory figures of a load (re-exported)
     RSS_MARGIN_BYTES,
     LoadPlan,
@@ -50,7 +57,7 @@ from expertcast.inference.runtime.memory import (  # the sizes and memory figure
     host_available_bytes,
     peak_rss_bytes,
 )
-from expertcast.inference.runtime.checkpoint import ShardReader, TensorEntry, checkpoint_tensors
+from expertcast.inference.runtime.quant import ExpertFormat
 from expertcast.inference.runtime.store import (
     ExpertLayout,
     HostExpertStore,
@@ -58,6 +65,8 @@ from expertcast.inference.runtime.store import (
     UnsupportedModelError,
     find_experts_modules,
     layout_of,
+    quantize_rows,
+    quantized_layout,
     write_store_file,
 )
 from expertcast.utils.errors import UsageError
@@ -179,10 +188,11 @@ class ExpertFiller:
     """Copies the checkpoint's expert tensors of one MoE layer into that layer's packed rows [E, N]."""
 
     def __init__(self, layout: ExpertLayout, reader: ShardReader,
-                 by_layer: dict[int, list[tuple[TensorEntry, ExpertTarget]]]):
+                 by_layer: dict[int, list[tuple[TensorEntry, ExpertTarget]]], fp8: Fp8Scales | None = None):
         self.layout = layout
         self.reader = reader
         self.by_layer = by_layer
+        self.fp8 = fp8 or Fp8Scales({}, None)
         self._parts = {p.name: p for p in layout.parts}
 
     def fill(self, layer: int, rows: torch.Tensor) -> None:
@@ -214,9 +224,15 @@ class ExpertFiller:
         if tuple(shape) != tuple(dst.shape):
             raise UsageError(f"checkpoint tensor {entry.key} has shape {list(entry.shape)}, the model expects "
                              f"{list(dst.shape)} per expert (is config.json the checkpoint's?)")
+        if entry.dtype == FP8:
+            if tgt.expert is None:
+                raise UnsupportedModelError(f"checkpoint tensor {entry.key}: fused fp8 expert tensors are not supported "
+                                            "(per-expert fp8 weights with weight_scale_inv are)")
+            dst.copy_(self.fp8.read(entry, self.reader))  # dequantized per tensor (docs/design.md, "Expert formats")
+            return
         if entry.dtype not in _FLOAT_DTYPES:
-            raise UnsupportedModelError(f"checkpoint tensor {entry.key} is {entry.dtype} (quantized experts are not "
-                                        "supported: dequantize the checkpoint first)")
+            raise UnsupportedModelError(f"checkpoint tensor {entry.key} is {entry.dtype}: quantized experts are read "
+                                        "from block-scaled fp8 checkpoints only")
         start = e * dst.numel() * entry.dtype.itemsize if tgt.expert is None else 0
         if entry.dtype == dst.dtype and dst.is_contiguous():
             self.reader.read_into(entry, dst, start)  # straight into the store row, no temporary
@@ -224,6 +240,63 @@ class ExpertFiller:
             tmp = torch.empty(dst.shape, dtype=entry.dtype)
             self.reader.read_into(entry, tmp, start)
             dst.copy_(tmp)
+
+
+class Fp8Scales:
+    """The ``weight_scale_inv`` blocks of a block-scaled FP8 checkpoint, by weight key (``block``: [rows, cols])."""
+
+    def __init__(self, scales: dict[str, TensorEntry], block: tuple[int, int] | None):
+        self.scales = scales
+        self.block = block
+
+    def read(self, entry: TensorEntry, reader: ShardReader) -> torch.Tensor:
+        """The fp8 tensor ``entry`` dequantized to float32 (one tensor in memory at a time)."""
+        from expertcast.inference.runtime.quant import dequantize_fp8_blocks
+
+        scale = self.scales.get(entry.key)
+        if scale is None or self.block is None:
+            raise UsageError(f"checkpoint tensor {entry.key} is fp8 without {entry.key}{SCALE_SUFFIX} (or the config "
+                             "has no quantization_config.weight_block_size)")
+        return dequantize_fp8_blocks(reader.read(entry), reader.read(scale).float(), self.block)
+
+
+class QuantizingFill:
+    """``fill(i, buf)`` of a quantized layout: the unquantized rows of layer ``i`` from ``fill_base`` (one layer
+    at a time), quantized into ``buf`` [E, lay.row_numel] (docs/design.md, "Expert formats")."""
+
+    def __init__(self, lay: ExpertLayout, fill_base: Callable[[int, torch.Tensor], None]):
+        self.lay = lay
+        self.fill_base = fill_base
+        self._tmp: torch.Tensor | None = None
+
+    def __call__(self, i: int, buf: torch.Tensor) -> None:
+        base = self.lay.base
+        if self._tmp is None:
+            self._tmp = torch.empty((base.num_experts, base.row_numel), dtype=base.dtype)
+        self.fill_base(i, self._tmp)
+        quantize_rows(self.lay, self._tmp, buf)
+
+
+def _store_fill(lay: ExpertLayout, fill: Callable[[int, torch.Tensor], None]) -> Callable[[int, torch.Tensor], None]:
+    return QuantizingFill(lay, fill) if lay.quantized else fill
+
+
+def check_quantization(config: Any, where: object) -> tuple[int, int] | None:
+    """The FP8 block ([rows, cols]) of a block-scaled fp8 checkpoint's config, None for an unquantized one;
+    any other quantization is refused with one line naming its method."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else vars(qc))
+    method = qc.get("quant_method")
+    block = qc.get("weight_block_size")
+    if method == "fp8" and isinstance(block, (list, tuple)) and len(block) == 2:
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise UsageError(f"{where}: fp8 format {qc.get('fmt')!r} is not supported (e4m3 is)")
+        return int(block[0]), int(block[1])
+    what = f"{method!r}" + (" without weight_block_size" if method == "fp8" else "")
+    raise UsageError(f"{where}: quantization method {what} is not supported (expertcast loads unquantized and "
+                     "block-scaled fp8 checkpoints)")
 
 
 def _complete(chunks: set[tuple[int, int]] | None) -> bool:
@@ -263,13 +336,14 @@ def _plan(model_dir: Path, model: nn.Module, refs: list[MoELayerRef], layout: Ex
     L, E = len(refs), layout.num_experts
     cc = CacheConfig(num_layers=L, num_experts=E, top_k=top_k, pool=pool, budget=capacity,
                      expert_bytes=layout.expert_bytes)
-    skip = _expert_param_ids(refs, layout)
+    skip = _expert_param_ids(refs, layout.base or layout)
     tensors_ = [*(p for p in model.parameters() if id(p) not in skip), *model.buffers()]
     non_expert = sum(t.numel() * t.element_size() for t in tensors_)  # as MemoryReport counts them
     kinds = {"fused" if tgt.expert is None else "per-expert" for ts in expert_entries.values() for _, tgt in ts}
     slots = cc.total_slots
     return LoadPlan(
-        model_dir=str(model_dir), device=str(device), dtype=str(layout.dtype).removeprefix("torch."),
+        model_dir=str(model_dir), device=str(device), dtype=str(layout.act_dtype).removeprefix("torch."),
+        expert_format=layout.fmt,
         num_layers=L, num_experts=E, top_k=top_k, expert_bytes=layout.expert_bytes,
         expert_bytes_total=L * E * layout.expert_bytes, non_expert_bytes=non_expert, num_slots=slots,
         num_temp_slots=num_temp_slots, slot_bytes=(slots + num_temp_slots) * layout.expert_bytes,
@@ -278,12 +352,14 @@ def _plan(model_dir: Path, model: nn.Module, refs: list[MoELayerRef], layout: Ex
         checkpoint_layout=kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "none"))
 
 
-def _prepare(name_or_path, capacity, device, dtype, pool, num_temp_slots, revision):
-    """Skeleton, experts modules, layout, checkpoint entries split by destination, and the plan."""
+def _prepare(name_or_path, capacity, device, dtype, pool, num_temp_slots, revision, expert_dtype="bfloat16"):
+    """Skeleton, experts modules, layout (unquantized), checkpoint entries split by destination (with the fp8
+    scales), and the plan (sized in ``expert_dtype``)."""
     from expertcast.inference.runtime.engine import _top_k_of
 
     model_dir = resolve_model_dir(name_or_path, revision)
     config, td = _config_and_dtype(model_dir, dtype, revision)
+    block = check_quantization(config, model_dir)
     tensors = checkpoint_tensors(model_dir)
     model = build_skeleton(config, td)
     refs = find_experts_modules(model)
@@ -291,18 +367,21 @@ def _prepare(name_or_path, capacity, device, dtype, pool, num_temp_slots, revisi
     for r in refs[1:]:
         if layout_of(r.module) != layout:
             raise UnsupportedModelError(f"experts module {r.name} differs in shape/dtype from {refs[0].name}")
-    split = _split_entries(tensors, KeyMapper(model, refs, _non_expert_tensors(model, refs, layout)))
-    plan = _plan(model_dir, model, refs, layout, tensors, split[1], capacity, torch.device(device), pool,
-                 num_temp_slots, _top_k_of(model))
+    ne, ex, unused, scales = _split_entries(tensors, KeyMapper(model, refs, _non_expert_tensors(model, refs, layout)),
+                                            fp8=block is not None)
+    split = (ne, ex, unused, Fp8Scales(scales, block))
+    plan = _plan(model_dir, model, refs, quantized_layout(layout, expert_dtype), tensors, split[1], capacity,
+                 torch.device(device), pool, num_temp_slots, _top_k_of(model))
     return model_dir, model, refs, layout, split, plan
 
 
 def plan_offload(name_or_path: str | os.PathLike, capacity: Budget | float | int, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype | None = "auto", pool: str = "per-layer", num_temp_slots: int = 2,
-                 revision: str | None = None) -> LoadPlan:
+                 revision: str | None = None, expert_dtype: str = "bfloat16") -> LoadPlan:
     """The sizes of offloading ``name_or_path`` at ``capacity`` (a :class:`Budget`, or its number form: a
     fraction of L*E, or int slots) on ``device``, read from config.json and the safetensors headers (no weights)."""
-    return _prepare(name_or_path, Budget.parse(capacity), device, dtype, pool, num_temp_slots, revision)[-1]
+    return _prepare(name_or_path, Budget.parse(capacity), device, dtype, pool, num_temp_slots, revision,
+                    ExpertFormat.parse(expert_dtype).name)[-1]
 
 
 def _place(model: nn.Module, key: str, value: torch.Tensor) -> None:
@@ -316,7 +395,7 @@ def _place(model: nn.Module, key: str, value: torch.Tensor) -> None:
 
 
 def _load_non_expert(model: nn.Module, non_expert: dict[str, torch.Tensor], entries: dict[str, TensorEntry],
-                     reader: ShardReader, device: torch.device) -> None:
+                     reader: ShardReader, device: torch.device, fp8: Fp8Scales | None = None) -> None:
     """Read every non-expert tensor onto ``device`` (skeleton dtype), tie embeddings where the config
     says so, move the computed buffers; refuse a checkpoint that lacks one."""
     for key, entry in entries.items():
@@ -324,7 +403,8 @@ def _load_non_expert(model: nn.Module, non_expert: dict[str, torch.Tensor], entr
         if tuple(entry.shape) != tuple(want.shape):
             raise UsageError(f"checkpoint tensor {entry.key} has shape {list(entry.shape)}, the model expects "
                              f"{list(want.shape)} for {key} (is config.json the checkpoint's?)")
-        _place(model, key, reader.read(entry).to(device=device, dtype=want.dtype))
+        t = fp8.read(entry, reader) if entry.dtype == FP8 and fp8 is not None else reader.read(entry)
+        _place(model, key, t.to(device=device, dtype=want.dtype))
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
     state = model.state_dict(keep_vars=True)
@@ -345,11 +425,16 @@ def _release_experts(refs: list[MoELayerRef], layout: ExpertLayout, device: torc
                                                    requires_grad=False))
 
 
-def _split_entries(tensors: dict[str, TensorEntry], mapper: KeyMapper):
+def _split_entries(tensors: dict[str, TensorEntry], mapper: KeyMapper, fp8: bool = False):
+    """(non-expert entries, expert entries by layer, unused keys, fp8 scales by weight key)."""
     non_expert: dict[str, TensorEntry] = {}
     experts: dict[int, list[tuple[TensorEntry, ExpertTarget]]] = {}
     unused: list[str] = []
+    scales: dict[str, TensorEntry] = {}
     for key, entry in tensors.items():
+        if fp8 and key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in tensors:
+            scales[key.removesuffix(SCALE_SUFFIX)] = entry
+            continue
         tgt = mapper.map(key)
         if tgt is None:
             unused.append(key)
@@ -357,18 +442,19 @@ def _split_entries(tensors: dict[str, TensorEntry], mapper: KeyMapper):
             experts.setdefault(tgt.layer, []).append((entry, tgt))
         else:
             non_expert[tgt] = entry
-    return non_expert, experts, sorted(unused)
+    return non_expert, experts, sorted(unused), scales
 
 
-def _fill_store(layout: ExpertLayout, refs: list[MoELayerRef], filler: ExpertFiller, pin: bool,
+def _fill_store(layout: ExpertLayout, refs: list[MoELayerRef], fill: Callable[[int, torch.Tensor], None], pin: bool,
                 mmap_path: str | os.PathLike | None) -> HostExpertStore:
+    """The host store of ``layout`` (the store's, quantized or not) filled layer by layer by ``fill``."""
     L = len(refs)
     if mmap_path is not None:
-        write_store_file(Path(mmap_path), [r.name for r in refs], layout, filler.fill)
+        write_store_file(Path(mmap_path), [r.name for r in refs], layout, fill)
         return HostExpertStore.open_mmap(mmap_path)
     rows = torch.empty((L, layout.num_experts, layout.row_numel), dtype=layout.dtype, pin_memory=pin)
     for i in range(L):
-        filler.fill(i, rows[i])
+        fill(i, rows[i])
     return HostExpertStore(rows, layout)
 
 
@@ -423,6 +509,9 @@ class OffloadOptions:
     """Reader threads of the disk store's reader pool."""
     disk_io: str = "auto"
     """Disk store I/O: ``auto`` (O_DIRECT where accepted, else buffered + DONTNEED), ``direct`` or ``buffered``."""
+    expert_dtype: str = "bfloat16"
+    """The experts' format in the stores, slots and transfers (:class:`~.quant.ExpertFormat`: ``bfloat16`` =
+    unquantized, the model's dtype; ``int8``, ``int4``, ...; docs/design.md, "Expert formats")."""
 
     def build(self, model: nn.Module, store: Any = None):
         """The OffloadedModel over ``model`` (with the filled ``store``, or packing one from the model's
@@ -434,9 +523,12 @@ class OffloadOptions:
             from expertcast.inference.runtime.store import _pack_layer
 
             refs = find_experts_modules(model)
-            lay = layout_of(refs[0].module)
+            lay = quantized_layout(layout_of(refs[0].module), self.expert_dtype)
             write_disk_store(self.disk_path, [r.name for r in refs], lay, lambda i, buf: _pack_layer(refs[i].module, lay, buf))
             store = DiskExpertStore(self.disk_path, io=self.disk_io)
+        elif store is None and ExpertFormat.parse(self.expert_dtype).quantized:
+            store = HostExpertStore.from_model(model, pin_memory=self.device.type == "cuda", mmap_path=self.mmap_path,
+                                               fmt=self.expert_dtype)
         return OffloadedModel(model, self.policy, self.capacity, pool=self.pool, device=self.device,
                               link_gbps=self.link_gbps, mmap_path=self.mmap_path, num_temp_slots=self.num_temp_slots,
                               future=self.future, store=store, cpu_exec_ms=self.cpu_exec_ms,
@@ -450,6 +542,8 @@ class OffloadOptions:
         if disk:  # host RSS: slots (on the CPU) + non-expert weights + one layer's rows being written + margin
             on_host = plan.slot_bytes + plan.non_expert_bytes if dev.type == "cpu" else 2 * om.transfer.readers * om.store.stride
             bound = on_host + plan.num_experts * plan.expert_bytes + RSS_MARGIN_BYTES
+            if om.layout.quantized:  # the writer quantizes from one layer's unquantized rows (QuantizingFill)
+                bound += plan.num_experts * om.layout.base.expert_bytes
         return LoadReport(plan=plan, load_seconds=time.perf_counter() - t0, store_pinned=om.store.is_pinned,
                           store_mmap=str(self.mmap_path) if self.mmap_path is not None else None,
                           unused_checkpoint_keys=unused, peak_rss_bytes=peak_rss_bytes(),
@@ -465,7 +559,8 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
                    pool: str = "per-layer", link_gbps: float | None = None, mmap_path: str | os.PathLike | None = None,
                    num_temp_slots: int = 2, future: Any = None, cpu_exec_ms: Callable[[int], float] | None = None,
                    seed: int = 0, revision: str | None = None, decode_path: str = "eager", store: str = "ram",
-                   disk_path: str | os.PathLike | None = None, readers: int = 4, disk_io: str = "auto"):
+                   disk_path: str | os.PathLike | None = None, readers: int = 4, disk_io: str = "auto",
+                   expert_dtype: str = "bfloat16"):
     """(OffloadedModel, tokenizer, :class:`LoadReport`) of ``name_or_path`` loaded straight to the host store.
 
     Args:
@@ -482,6 +577,8 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
             file ``disk_path`` (4096-aligned rows) and reads them back with direct I/O through a pool of
             ``readers`` threads (see :class:`OffloadOptions`); host RSS stays within
             ``LoadReport.rss_bound_bytes`` whatever the file's size.
+        expert_dtype: the experts' format (``bfloat16``, ``int8``, ``int4``, ``int4-g32`` ...): quantized layer
+            by layer on the way into the store; block-scaled fp8 checkpoints are dequantized per tensor first.
     Raises:
         UsageError: the slots do not fit the device, the experts do not fit the host, or the
             checkpoint does not match its config.
@@ -502,14 +599,14 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
                           num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms,
                           decode_path=decode_path, store_kind=store,
                           disk_path=Path(disk_path).expanduser() if disk_path is not None else None,
-                          readers=readers, disk_io=disk_io)
+                          readers=readers, disk_io=disk_io, expert_dtype=ExpertFormat.parse(expert_dtype).name)
     name = str(name_or_path)
     adapter_export = is_export_dir(name) and export_model_dir(name) is None
     if (is_preset(name) and get_preset(name).size == "tiny") or adapter_export:
         return _load_in_host(name, opts, dtype=dtype, seed=seed, t0=t0)
     dev = opts.device
     model_dir, model, refs, layout, split, plan = _prepare(name_or_path, capacity, dev, dtype, pool,
-                                                            num_temp_slots, revision)
+                                                            num_temp_slots, revision, opts.expert_dtype)
     plan.check_fits(mmap=opts.mmap_path is not None or opts.store_kind == "disk")
     file = opts.mmap_path if opts.mmap_path is not None else opts.disk_path
     if file is not None:
@@ -518,19 +615,20 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
         if plan.expert_bytes_total > free:
             raise UsageError(f"the expert store file {file} needs {gb(plan.expert_bytes_total)}, its disk "
                              f"has {gb(free)} free")
-    non_expert_entries, expert_entries, unused = split
+    non_expert_entries, expert_entries, unused, fp8 = split
     non_expert = _non_expert_tensors(model, refs, layout)
+    store_lay = quantized_layout(layout, opts.expert_dtype)
     reader = ShardReader()
     try:
-        _load_non_expert(model, non_expert, non_expert_entries, reader, dev)
-        filler = ExpertFiller(layout, reader, expert_entries)
+        _load_non_expert(model, non_expert, non_expert_entries, reader, dev, fp8)
+        fill = _store_fill(store_lay, ExpertFiller(layout, reader, expert_entries, fp8).fill)
         if opts.store_kind == "disk":
             from expertcast.inference.runtime.disk_store import DiskExpertStore, write_disk_store
 
-            write_disk_store(opts.disk_path, [r.name for r in refs], layout, filler.fill)
+            write_disk_store(opts.disk_path, [r.name for r in refs], store_lay, fill)
             store = DiskExpertStore(opts.disk_path, io=opts.disk_io)
         else:
-            store = _fill_store(layout, refs, filler, dev.type == "cuda", opts.mmap_path)
+            store = _fill_store(store_lay, refs, fill, dev.type == "cuda", opts.mmap_path)
     finally:
         reader.close()
     _release_experts(refs, layout, dev)
@@ -549,7 +647,8 @@ def _load_in_host(name: str, opts: OffloadOptions, *, dtype: str | torch.dtype |
     om = opts.build(model)
     mem = om.memory_report()
     L, E, eb, dev = om.L, om.E, om.layout.expert_bytes, opts.device
-    plan = LoadPlan(model_dir=name, device=str(dev), dtype=str(om.layout.dtype).removeprefix("torch."),
+    plan = LoadPlan(model_dir=name, device=str(dev), dtype=str(om.layout.act_dtype).removeprefix("torch."),
+                    expert_format=om.layout.fmt,
                     num_layers=L, num_experts=E, top_k=om.K, expert_bytes=eb, expert_bytes_total=L * E * eb,
                     non_expert_bytes=mem.device_non_expert_bytes, num_slots=om.cache.num_slots,
                     num_temp_slots=opts.num_temp_slots, slot_bytes=om.pool.nbytes,

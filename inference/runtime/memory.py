@@ -72,6 +72,8 @@ class LoadPlan:
     checkpoint_files: list[str] = field(default_factory=list)
     checkpoint_layout: str = ""
     """``per-expert`` (converted on load), ``fused`` or ``mixed``."""
+    expert_format: str = "bfloat16"
+    """The experts' format in the store and the slots (``expert_bytes`` is its row)."""
 
     @property
     def full_load_fits(self) -> bool:
@@ -124,7 +126,8 @@ class LoadReport:
     readers: int | None = None
     rss_bound_bytes: int | None = None
     """Disk store: the stated host RSS bound, slots (CPU) + non-expert weights + one MoE layer's rows (the
-    writer's buffer) + :data:`RSS_MARGIN_BYTES`, whatever the size of the expert file. A model built in
+    writer's buffer; quantized experts: plus that layer's unquantized rows) + :data:`RSS_MARGIN_BYTES`,
+    whatever the size of the expert file. A model built in
     host memory first (``source="host"``) held its experts in RAM once, beyond this bound."""
 
     def to_dict(self) -> dict[str, Any]:

@@ -119,7 +119,7 @@ class MemoryReport:
         """The report of an :class:`~expertcast.inference.runtime.engine.OffloadedModel` now."""
         import torch
 
-        expert_param_ids = {id(getattr(r.module, p.name)) for r in om.refs for p in om.layout.parts}
+        expert_param_ids = {id(getattr(r.module, p.name)) for r in om.refs for p in (om.layout.base or om.layout).parts}
         non_expert = expert_left = 0
         for p in om.model.parameters():
             if id(p) in expert_param_ids:

@@ -19,6 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from expertcast.inference.runtime.quant import (
+    PART_ALIGN,
+    ExpertFormat,
+    QWeight,
+    native_int4_pack,
+    packed_shapes,
+    quantize,
+)
+from expertcast.utils.errors import UsageError
 from torch import nn
 
 STORE_FORMAT_VERSION = 1
@@ -27,7 +36,7 @@ STORE_FORMAT_VERSION = 1
 _EXPERT_PARAMS = ("gate_up_proj", "up_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj", "down_proj_bias")
 
 _SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.uint8: "U8",
 }
 _DTYPES_FROM_ST = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
@@ -43,6 +52,9 @@ class ExpertPart:
     name: str
     shape: tuple[int, ...]
     offset: int
+    dtype: str = ""
+    """Quantized rows (uint8 bytes): the part's own dtype (``offset`` and :attr:`span` are then bytes); "" in
+    an unquantized row (the layout's dtype)."""
 
     @property
     def numel(self) -> int:
@@ -51,10 +63,24 @@ class ExpertPart:
             n *= s
         return n
 
+    @property
+    def span(self) -> int:
+        """Row elements the part occupies (its numel, or its bytes in a quantized row)."""
+        return self.numel * (getattr(torch, self.dtype).itemsize if self.dtype else 1)
+
+    def view(self, row: torch.Tensor) -> torch.Tensor:
+        t = row[self.offset:self.offset + self.span]
+        return (t.view(getattr(torch, self.dtype)) if self.dtype else t).view(self.shape)
+
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """How one expert's tensors are packed in a row, plus the flags of its experts module."""
+    """How one expert's tensors are packed in a row, plus the flags of its experts module.
+
+    A quantized layout (:func:`quantized_layout`; docs/design.md, "Expert formats") packs bytes (``dtype``
+    uint8): per projection ``<name>.q`` and ``<name>.s`` (quantized weight and scales), biases as they were;
+    ``base`` is the unquantized layout it came from (the model's dtype and shapes), ``fmt`` the format and
+    ``pack`` the int4 packing."""
 
     parts: tuple[ExpertPart, ...]
     dtype: torch.dtype
@@ -62,39 +88,149 @@ class ExpertLayout:
     is_transposed: bool
     has_gate: bool
     has_bias: bool
+    fmt: str = "bfloat16"
+    pack: str = ""
+    base: ExpertLayout | None = None
 
     @property
     def row_numel(self) -> int:
-        return sum(p.numel for p in self.parts)
+        return max((p.offset + p.span for p in self.parts), default=0) if self.base is not None else sum(
+            p.numel for p in self.parts)
 
     @property
     def expert_bytes(self) -> int:
         return self.row_numel * torch.empty((), dtype=self.dtype).element_size()
 
-    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named views of a packed row [row_numel] (no copy)."""
-        return {p.name: row[p.offset:p.offset + p.numel].view(p.shape) for p in self.parts}
+    @property
+    def quantized(self) -> bool:
+        return self.base is not None
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The dtype the expert computes in (the model's; a quantized row's own dtype is uint8)."""
+        return self.base.dtype if self.base is not None else self.dtype
+
+    @property
+    def format(self) -> ExpertFormat:
+        return ExpertFormat.parse(self.fmt)
+
+    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor | QWeight]:
+        """Named views of a packed row [row_numel] (no copy); a quantized row's projections are :class:`QWeight`."""
+        if self.base is None:
+            return {p.name: row[p.offset:p.offset + p.numel].view(p.shape) for p in self.parts}
+        out: dict = {}
+        fmt = self.format
+        parts = {p.name: p for p in self.parts}
+        for b in self.base.parts:
+            if b.name in parts:  # a bias
+                out[b.name] = parts[b.name].view(row)
+                continue
+            N, K = _nk(b, self.base.is_transposed)
+            out[b.name] = QWeight(fmt, N, K, parts[f"{b.name}.q"].view(row), parts[f"{b.name}.s"].view(row),
+                                  self.pack, self.base.dtype)
+        return out
 
     def to_dict(self) -> dict:
-        return {
-            "parts": [{"name": p.name, "shape": list(p.shape), "offset": p.offset} for p in self.parts],
+        d = {
+            "parts": [{"name": p.name, "shape": list(p.shape), "offset": p.offset, **({"dtype": p.dtype} if p.dtype else {})}
+                      for p in self.parts],
             "dtype": str(self.dtype).removeprefix("torch."),
             "num_experts": self.num_experts,
             "is_transposed": self.is_transposed,
             "has_gate": self.has_gate,
             "has_bias": self.has_bias,
         }
+        if self.base is not None:
+            d.update(fmt=self.fmt, pack=self.pack, base=self.base.to_dict())
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ExpertLayout:
         return cls(
-            parts=tuple(ExpertPart(p["name"], tuple(p["shape"]), int(p["offset"])) for p in d["parts"]),
+            parts=tuple(ExpertPart(p["name"], tuple(p["shape"]), int(p["offset"]), p.get("dtype", ""))
+                        for p in d["parts"]),
             dtype=getattr(torch, d["dtype"]),
             num_experts=int(d["num_experts"]),
             is_transposed=bool(d["is_transposed"]),
             has_gate=bool(d["has_gate"]),
             has_bias=bool(d["has_bias"]),
+            fmt=d.get("fmt", "bfloat16"),
+            pack=d.get("pack", ""),
+            base=cls.from_dict(d["base"]) if d.get("base") else None,
         )
+
+
+def check_readable(lay: ExpertLayout, path: object) -> ExpertLayout:
+    """``lay`` when this machine reads its rows; a store whose int4 rows were packed for another CPU kernel
+    (another vector width) is refused with one line."""
+    if lay.pack and lay.pack != "nibble" and lay.pack != native_int4_pack():
+        raise UsageError(f"{path}: int4 rows packed as {lay.pack!r}, this machine packs {native_int4_pack()!r}: "
+                         "rebuild the expert store here")
+    return lay
+
+
+def _nk(part: ExpertPart, transposed: bool) -> tuple[int, int]:
+    """(N, K) of a projection part: out x in (``y = x @ W.T``); transposed modules store [K, N]."""
+    a, b = part.shape
+    return (b, a) if transposed else (a, b)
+
+
+def quantized_layout(base: ExpertLayout, fmt: ExpertFormat | str, pack: str | None = None) -> ExpertLayout:
+    """The layout of ``base``'s experts in ``fmt`` (``base`` itself for ``bfloat16``): bytes, each part on a
+    :data:`~.quant.PART_ALIGN` boundary."""
+    fmt = ExpertFormat.parse(fmt)
+    if not fmt.quantized:
+        return base
+    if base.quantized:
+        raise ValueError(f"layout is already quantized ({base.fmt})")
+    pack = (pack or native_int4_pack()) if fmt.kind == "int4" else ""
+    parts, off = [], 0
+
+    def add(name: str, shape: tuple[int, ...], dt: torch.dtype) -> None:
+        nonlocal off
+        p = ExpertPart(name, tuple(shape), off, str(dt).removeprefix("torch."))
+        parts.append(p)
+        off += -(-p.span // PART_ALIGN) * PART_ALIGN
+
+    for b in base.parts:
+        if b.name.endswith("_bias"):
+            add(b.name, b.shape, base.dtype)
+            continue
+        N, K = _nk(b, base.is_transposed)
+        (qs, qd), (ss, sd) = packed_shapes(fmt, N, K)
+        add(f"{b.name}.q", qs, qd)
+        add(f"{b.name}.s", ss, sd)
+    return ExpertLayout(tuple(parts), torch.uint8, base.num_experts, base.is_transposed, base.has_gate,
+                        base.has_bias, fmt=fmt.name, pack=pack, base=base)
+
+
+def quantize_rows(lay: ExpertLayout, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Quantize unquantized rows ``src`` [E, base.row_numel] into ``dst`` [E, lay.row_numel] (uint8)."""
+    base, fmt = lay.base, lay.format
+    parts = {p.name: p for p in lay.parts}
+    dst.zero_()  # alignment padding is deterministic
+    for e in range(src.shape[0]):
+        row = dst[e]
+        for b in base.parts:
+            w = src[e, b.offset:b.offset + b.numel].view(b.shape)
+            if b.name in parts:
+                parts[b.name].view(row).copy_(w)
+                continue
+            q, s = quantize(w.t() if base.is_transposed else w, fmt, lay.pack)
+            parts[f"{b.name}.q"].view(row).copy_(q)
+            parts[f"{b.name}.s"].view(row).copy_(s)
+
+
+def dequantize_row(lay: ExpertLayout, row: torch.Tensor) -> torch.Tensor:
+    """One quantized row -> the unquantized row [base.row_numel] of the model's dtype (its dequantized weights)."""
+    base = lay.base
+    out = torch.empty(base.row_numel, dtype=base.dtype)
+    views = lay.views(row)
+    for b in base.parts:
+        v = views[b.name]
+        w = v.dequantize(base.dtype) if isinstance(v, QWeight) else v
+        out[b.offset:b.offset + b.numel].view(b.shape).copy_(w.t() if isinstance(v, QWeight) and base.is_transposed else w)
+    return out
 
 
 @dataclass(frozen=True)
@@ -162,7 +298,12 @@ def layout_of(module: nn.Module) -> ExpertLayout:
 
 
 def _pack_layer(module: nn.Module, layout: ExpertLayout, out: torch.Tensor) -> None:
-    """Copy every expert of ``module`` into ``out`` [E, row_numel]."""
+    """Copy every expert of ``module`` into ``out`` [E, row_numel] (quantized per ``layout``'s format)."""
+    if layout.quantized:
+        src = torch.empty((layout.num_experts, layout.base.row_numel), dtype=layout.base.dtype)
+        _pack_layer(module, layout.base, src)
+        quantize_rows(layout, src, out)
+        return
     with torch.no_grad():
         for p in layout.parts:
             src = getattr(module, p.name).detach()
@@ -189,20 +330,21 @@ class HostExpertStore:
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_model(cls, model: nn.Module, *, pin_memory: bool = False, mmap_path: str | os.PathLike | None = None,
-                   refs: list[MoELayerRef] | None = None) -> HostExpertStore:
+                   refs: list[MoELayerRef] | None = None, fmt: ExpertFormat | str = "bfloat16") -> HostExpertStore:
         """Copy the experts of ``model`` to the host.
 
         Args:
             pin_memory: page-lock the host rows (for asynchronous CUDA copies).
             mmap_path: write the rows to this safetensors file and memory-map it instead of holding
                 them in anonymous host memory.
+            fmt: the expert format of the rows (:class:`~.quant.ExpertFormat`; quantized on the way in).
         """
         refs = refs if refs is not None else find_experts_modules(model)
         layouts = [layout_of(r.module) for r in refs]
         for r, lay in zip(refs, layouts, strict=True):
             if lay != layouts[0]:
                 raise UnsupportedModelError(f"experts module {r.name} differs in shape/dtype from {refs[0].name}")
-        lay = layouts[0]
+        lay = quantized_layout(layouts[0], fmt)
         L = len(refs)
         if mmap_path is not None:
             path = Path(mmap_path)
@@ -224,7 +366,7 @@ class HostExpertStore:
         if int(meta.get("format_version", -1)) != STORE_FORMAT_VERSION:
             raise ValueError(f"{path}: expert store format version {meta.get('format_version')} is not supported "
                              f"(expected {STORE_FORMAT_VERSION})")
-        lay = ExpertLayout.from_dict(json.loads(meta["layout"]))
+        lay = check_readable(ExpertLayout.from_dict(json.loads(meta["layout"])), path)
         info = header.get("rows")
         if info is None:
             raise ValueError(f"{path}: expert store has no 'rows' tensor")
@@ -278,11 +420,20 @@ class HostExpertStore:
         return self.layout.views(self.rows[layer, expert])
 
     def restore_into(self, refs: list[MoELayerRef]) -> None:
-        """Put the fused weights back into the modules (undoes :func:`release_model_experts`)."""
-        for i, r in enumerate(refs):
-            for p in self.layout.parts:
-                full = self.rows[i, :, p.offset:p.offset + p.numel].reshape((self.num_experts, *p.shape)).clone()
-                setattr(r.module, p.name, nn.Parameter(full, requires_grad=False))
+        """Put the fused weights back into the modules (undoes :func:`release_model_experts`; a quantized
+        store gives back its dequantized weights)."""
+        restore_rows(self.layout, refs, lambda i, e: self.rows[i, e])
+
+
+def restore_rows(lay: ExpertLayout, refs: list[MoELayerRef], row_of: Callable[[int, int], torch.Tensor]) -> None:
+    """Fused parameters of every module of ``refs`` rebuilt from the packed rows ``row_of(layer, expert)``."""
+    base = lay.base or lay
+    for i, r in enumerate(refs):
+        rows = torch.stack([row_of(i, e) if lay.base is None else dequantize_row(lay, row_of(i, e))
+                            for e in range(lay.num_experts)])
+        for p in base.parts:
+            full = rows[:, p.offset:p.offset + p.numel].reshape((lay.num_experts, *p.shape)).clone()
+            setattr(r.module, p.name, nn.Parameter(full, requires_grad=False))
 
 
 def release_model_experts(refs: list[MoELayerRef], layout: ExpertLayout) -> int:
@@ -290,7 +441,7 @@ def release_model_experts(refs: list[MoELayerRef], layout: ExpertLayout) -> int:
     device beside the slot pool. Returns the bytes released."""
     freed = 0
     for r in refs:
-        for p in layout.parts:
+        for p in (layout.base or layout).parts:
             t = getattr(r.module, p.name)
             freed += t.numel() * t.element_size()
             setattr(r.module, p.name, nn.Parameter(torch.empty(0, dtype=t.dtype, device=t.device), requires_grad=False))

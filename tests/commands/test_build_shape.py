@@ -78,3 +78,18 @@ def test_replay_refuses_a_model_whose_config_cannot_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "num_experts_per_tok=64 exceeds the 16 routed experts" in err, err
     assert len(_error_lines(err)) == 1
+
+
+def test_build_shape_fp8_command(tmp_path, capsys):
+    from expertcast.commands.build_shape import main
+    from expertcast.inference.runtime.loading import checkpoint_tensors, plan_offload
+
+    out = tmp_path / "f8"
+    assert main(["olmoe-tiny", "--out", str(out), "--layers", "1", "--expert-dtype", "fp8"]) == 0
+    assert "fp8:" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    ents = checkpoint_tensors(out)
+    assert any(k.endswith("weight_scale_inv") for k in ents) and not (tmp_path / ".f8.unquantized").exists()
+    plan = plan_offload(out, 0.5, expert_dtype="int4")
+    assert plan.expert_format == "int4" and plan.expert_bytes < plan_offload(out, 0.5).expert_bytes / 3

@@ -44,6 +44,7 @@ def test_replay_maps_the_trace_and_reports_every_cell(granite_like, tmp_path, ca
     ([], "the trace has 6 MoE layers, the model 4"),
     (["--truncate-trace", "--store", "disk"], "--store disk"),
     (["--truncate-trace", "--disk-path", "x"], "--disk-path and --readers apply to --store disk"),
+    (["--truncate-trace", "--expert-dtype", "int3"], "expert format 'int3'"),
 ])
 def test_refusals_are_one_line(granite_like, capsys, extra, match):
     rc = cli(["replay", "--model", "qwen3_moe-tiny", "--traces", str(granite_like), *extra])
@@ -77,3 +78,20 @@ def test_disk_store_replays_the_same_routing_as_ram(tmp_path, capsys):
     disk = json.loads((tmp_path / "disk.json").read_text())["rows"][0]
     assert disk["demand_misses"] == ram["demand_misses"] > 0 and disk["hit"] == ram["hit"]
     assert disk["read_mb_per_token"] == disk["mb_per_token"] and disk["rss_bound_gb"] > 0
+
+
+def test_quantized_experts_replay_the_same_routing_with_fewer_bytes(tmp_path, capsys):
+    """``--expert-dtype int4`` (docs/design.md, "Expert formats"): the same forced routing counts the same misses
+    as bfloat16, each miss moves the int4 row (>= 3x fewer bytes), and the JSON names the kernel that ran."""
+    args = ["replay", "--model", "qwen3_moe-tiny", "--synthetic", "markov", "--synthetic-size", "2,16",
+            "--capacity", "0.25", "--threads", "1", "--dtype", "bfloat16"]
+    assert cli([*args, "--json", str(tmp_path / "bf.json")]) == 0
+    assert cli([*args, "--expert-dtype", "int4", "--json", str(tmp_path / "q.json")]) == 0
+    assert "experts stored as int4" in capsys.readouterr().out
+    bf = json.loads((tmp_path / "bf.json").read_text())
+    q = json.loads((tmp_path / "q.json").read_text())
+    a, b = bf["rows"][0], q["rows"][0]
+    assert a["expert_dtype"] == "bfloat16" and b["expert_dtype"] == "int4" and bf["quant_kernels"] == []
+    assert b["demand_misses"] == a["demand_misses"] > 0 and b["mb_per_token"] * 3 < a["mb_per_token"]
+    assert {k["kernel"] for k in q["quant_kernels"]} <= {"aten::_weight_int4pack_mm_for_cpu", "dequantize+mm"}
+    assert q["quant_kernels"] and q["load"]["plan"]["expert_format"] == "int4"

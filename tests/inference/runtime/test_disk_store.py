@@ -342,15 +342,21 @@ def test_cuda_disk_reads_equal_ram(tiny_store):
     assert st.reads == st.D + st.P > 0
 
 
-def test_checkpoint_streams_to_disk_store_token_identical(tmp_path):
+@pytest.mark.parametrize("expert_dtype", ["bfloat16", "int8", "int4"])
+def test_checkpoint_streams_to_disk_store_token_identical(expert_dtype, tmp_path):
     """A saved checkpoint loads straight to the disk store (``load_offloaded(store="disk")``): greedy tokens
-    equal the full-load model's, the experts are not in host RAM, the report names the I/O mode, the
-    readers and the RSS bound, and every counted load is one read."""
+    equal the full-load model's (of the same quantized model for int8/int4: every expert resident in its
+    format), the experts are not in host RAM, the report names the I/O mode, the readers and the RSS bound,
+    and every counted load is one read of the format's row."""
+    from expertcast.inference.runtime.experts import quantize_model_experts
     from expertcast.inference.runtime.loading import RSS_MARGIN_BYTES, load_offloaded
     from expertcast.models.backbone import load_moe_model, save_tiny
 
     d = save_tiny("qwen3_moe-tiny", tmp_path / "ckpt", seed=1)
-    full, _ = load_moe_model(d)
+    q = expert_dtype != "bfloat16"
+    full, _ = load_moe_model(d, dtype="bfloat16" if q else "auto")
+    if q:
+        quantize_model_experts(full, expert_dtype)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(5, 500, (1, 9), generator=g)
     am = torch.ones_like(ids)
@@ -359,7 +365,8 @@ def test_checkpoint_streams_to_disk_store_token_identical(tmp_path):
     with pytest.raises(UsageError, match="disk_path"):
         load_offloaded(d, make_policy("lru"), 4, store="disk")
     om, _, report = load_offloaded(d, make_policy("lru"), 4, store="disk", disk_path=tmp_path / "x.safetensors",
-                                   readers=3)
+                                   readers=3, expert_dtype=expert_dtype, **({"dtype": "bfloat16"} if q else {}))
+    assert om.store.layout.fmt == expert_dtype
     out = om.generate(ids, am, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
     assert torch.equal(out.sequences, ref)
     st = om.stats

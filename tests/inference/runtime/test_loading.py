@@ -76,13 +76,26 @@ def _greedy(model, ids, am):
                           pad_token_id=0)
 
 
-def _check_identical(model_dir, **load_kw):
-    """Full load vs offloaded load of ``model_dir``: same tokens for batch 1 and 2; returns the runtime."""
-    full, _ = load_moe_model(model_dir)
+FORMATS = ("bfloat16", "int8", "int4")
+"""Expert formats (docs/design.md, "Expert formats"): a quantized run is compared with a full load of the same
+quantized model (every expert resident in its format, the same kernels), in bfloat16 so torch's int kernels run."""
+
+
+def _check_identical(model_dir, expert_dtype="bfloat16", **load_kw):
+    """Full load vs offloaded load of ``model_dir`` (experts in ``expert_dtype``): same tokens for batch 1 and 2;
+    returns the runtime."""
+    from expertcast.inference.runtime.experts import quantize_model_experts
+
+    if expert_dtype != "bfloat16":
+        load_kw = {"dtype": "bfloat16", "expert_dtype": expert_dtype, **load_kw}
+        full = quantize_model_experts(load_moe_model(model_dir, dtype="bfloat16")[0], expert_dtype)
+    else:
+        full, _ = load_moe_model(model_dir)
     refs = [_greedy(full, ids, am) for ids, am in _batches()]
     K = full.config.num_experts_per_tok
     del full
     om, tok, report = load_offloaded(model_dir, make_policy("lru"), K, **load_kw)  # int: K slots per layer
+    assert om.layout.fmt == report.plan.expert_format == expert_dtype
     assert tok is not None and report.source == "checkpoint"
     for (ids, am), ref in zip(_batches(), refs, strict=True):
         out = om.generate(ids, am, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
@@ -96,10 +109,11 @@ def _check_identical(model_dir, **load_kw):
     return om, report
 
 
+@pytest.mark.parametrize("expert_dtype", FORMATS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_offloads_from_checkpoint_token_identical(family, tmp_path):
+def test_family_offloads_from_checkpoint_token_identical(family, expert_dtype, tmp_path):
     d = save_tiny(FAMILIES[family], tmp_path / family, seed=0)
-    om, report = _check_identical(d)
+    om, report = _check_identical(d, expert_dtype)
     expected_layout = "fused" if family == "gpt_oss" else "per-expert"  # save_pretrained un-fuses the others
     assert report.plan.checkpoint_layout == expected_layout
     assert report.unused_checkpoint_keys == []
@@ -127,7 +141,8 @@ def test_sharded_checkpoint_with_renamed_keys(tmp_path):
     assert report.plan.checkpoint_files == sorted(files)
 
 
-def test_fused_checkpoint_and_mmap_store(tmp_path):
+@pytest.mark.parametrize("expert_dtype", FORMATS)
+def test_fused_checkpoint_and_mmap_store(expert_dtype, tmp_path):
     """A checkpoint holding transformers-5 fused tensors (``experts.gate_up_proj`` [E, 2I, H]) is read one
     expert slice at a time; the store is streamed into a memory-mapped file."""
     d = save_tiny("qwen3_moe-tiny", tmp_path / "fused", seed=4)
@@ -136,7 +151,7 @@ def test_fused_checkpoint_and_mmap_store(tmp_path):
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "model.safetensors"),
               metadata={"format": "pt"})
     assert any(k.endswith("experts.gate_up_proj") for k in checkpoint_tensors(d))
-    om, report = _check_identical(d, mmap_path=tmp_path / "store" / "experts.safetensors")
+    om, report = _check_identical(d, expert_dtype, mmap_path=tmp_path / "store" / "experts.safetensors")
     assert report.plan.checkpoint_layout == "fused"
     assert om.store.mmap_path is not None and om.memory_report().host_mmap
 
