@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from expertcast.inference.runtime.loading import (
+from expertcast.inference.runtime.checkpoint import (
     INDEX_FILE,
     SCALE_SUFFIX,
     SINGLE_FILE,
