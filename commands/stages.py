@@ -107,19 +107,21 @@ def _cue_set(cues: str | None, model: str | None):
 
 
 # -- calibrate ----------------------------------------------------------------------------------------
-def check_cue_set_target(path: Path, overwrite: bool) -> None:
-    """Refuse a cue-set output ``path`` that is a folder, or an existing file that is no cue set
-    (unless ``overwrite``); an existing cue set may be replaced."""
+def check_cue_set_target(path: Path, overwrite: bool):
+    """Claim the cue-set output ``path`` (:func:`~expertcast.utils.outdir.claim_output_file`): a new file, an
+    existing cue set (replaced), anything else only with ``overwrite``; never a folder."""
     from expertcast.inference.saem.cues import CueSet
+    from expertcast.utils.outdir import claim_output_file
 
-    if path.is_dir():
-        raise UsageError(f"--out {path} is a folder; give the cue-set JSON file to write (e.g. {path / 'cues.json'})")
-    if path.exists() and not overwrite:
+    def is_cue_set(p: Path) -> bool:
         try:
-            CueSet.load(path)
+            CueSet.load(p)
         except (UsageError, OSError):
-            raise UsageError(f"--out {path} exists and is not a cue set; refusing to replace it "
-                             f"(choose another --out or pass --overwrite)") from None
+            return False
+        return True
+
+    return claim_output_file(path, "--out", "stages calibrate", overwrite=overwrite, recognise=is_cue_set,
+                             what="a cue set", hint="choose another --out or pass --overwrite")
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -151,9 +153,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                 title="segmentation of the calibration traces",
                 columns=["set", "cues", "stages", "stage_len_median", "stage_len_mean", "noise", "tcseq",
                          "tcseq_uniform", "tcseq_shuffled"])
-    check_cue_set_target(out, args.overwrite)  # again: the file may have appeared while calibrating
+    target = check_cue_set_target(out, args.overwrite)  # again: the file may have appeared while calibrating
     replacing = out.exists()
     cs.save(out)  # atomic
+    target.written()
     print(("replaced the cue set" if replacing else "wrote") + f" {out} (per-candidate scores inside)")
     print(f"kept {len(cs.cues)} cues: {cs.cues}")
     return 0
