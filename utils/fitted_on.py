@@ -40,6 +40,8 @@ class FittedOn:
     """Sequence ids of its fit and validation sets; None: it records none."""
     model: Mapping[str, Any] | None
     """Identity of the model whose routing it learnt (``model_identity``'s dict, or ``{"path": model id}``)."""
+    verb: str = "fitted"
+    """How it learnt from them, for messages (a cue set is ``calibrated``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"what": self.what, "ids": None if self.ids is None else len(self.ids),
@@ -95,7 +97,9 @@ def describe_model(ident: Mapping[str, Any] | None) -> str:
 
 def check_fitted_on(fitted: FittedOn, evaluated_ids: Iterable[str] | None, model: Mapping[str, Any] | None, *,
                     scored: str = "the evaluated sequences", allow_overlap: bool = False,
-                    allow_model_mismatch: bool = False) -> dict[str, Any]:
+                    allow_model_mismatch: bool = False,
+                    mismatch_hint: str = "fit it on this model's traces or pass --allow-model-mismatch (reported "
+                                         "in the output)") -> dict[str, Any]:
     """Refuse scoring ``fitted`` on its own fit sequences or on another model's routing (module docstring).
 
     ``evaluated_ids``: the sequence ids scored (None: the entry point scores no recorded sequences, e.g. live
@@ -110,9 +114,9 @@ def check_fitted_on(fitted: FittedOn, evaluated_ids: Iterable[str] | None, model
     match = same_model(fitted.model, model)
     if match is False and not allow_model_mismatch:
         raise ModelMismatchError(
-            f"{fitted.what} was fitted on the routing of model {describe_model(fitted.model)} but {scored} come from "
-            f"model {describe_model(model)} (another model's routing; a router-adapted model routes unlike its base); "
-            f"fit it on this model's traces or pass --allow-model-mismatch (reported in the output)")
+            f"{fitted.what} was {fitted.verb} on model {describe_model(fitted.model)} but {scored} come from model "
+            f"{describe_model(model)} (another model's routing; a router-adapted model routes unlike its base); "
+            f"{mismatch_hint}")
     out.update(model_match=match, model_mismatch_allowed=match is False,
                fitted_model=dict(fitted.model) if fitted.model else None, scored_model=dict(model) if model else None)
     return out
@@ -147,3 +151,29 @@ def trace_set_model(trace_dir: str | os.PathLike | None, model_id: str | None) -
         if isinstance(run, Mapping):
             ident = run.get("model")
     return model_of(ident, model_id)
+
+
+# -- what each export records ------------------------------------------------------------------------------
+def forecaster_fitted_on(export_dir: str | os.PathLike) -> FittedOn:
+    """A forecaster export's record (verified first): its ``training`` block's train and validation ids and
+    ``model`` (the trace set's model identity, recorded by ``expertcast fit``), else ``source.model_id``."""
+    from expertcast.models.forecaster_export import read_export_config, training_ids
+
+    cfg = read_export_config(export_dir)
+    ids = training_ids(export_dir)
+    training = cfg.get("training") if isinstance(cfg.get("training"), dict) else {}
+    source = cfg.get("source") if isinstance(cfg.get("source"), dict) else {}
+    return FittedOn(f"the forecaster {export_dir}", None if ids is None else frozenset(ids),
+                    model_of(training.get("model"), source.get("model_id")))
+
+
+def router_fitted_on(export_dir: str | os.PathLike) -> FittedOn:
+    """A router-adaptation export's record (verified first): its training text ids and its base model
+    (``export.json`` ``base``). The adapted model itself is another model: its routing matches neither."""
+    from expertcast.models.router_export import read_adaptation_export
+
+    info = read_adaptation_export(export_dir)
+    training = info.get("training") if isinstance(info.get("training"), dict) else {}
+    ids = (frozenset(training.get("train_ids") or []) | frozenset(training.get("val_ids") or [])
+           if "train_ids" in training else None)
+    return FittedOn(f"the router export {export_dir}", ids, model_of(info.get("base")))
