@@ -177,7 +177,14 @@ def data_training_info(datamodule: Any, fingerprint: str) -> dict[str, Any]:
     method and the exact ``train_ids`` / ``val_ids``."""
     fn = getattr(datamodule, "training_info", None)
     if callable(fn):
-        return dict(fn())
+        info = dict(fn())
+        traces = info.get("traces")
+        if isinstance(traces, list) and traces and "model" not in info:
+            from expertcast.utils.fitted_on import trace_set_model
+
+            # the routing's model, for the guard against scoring another model's (utils/fitted_on.py)
+            info["model"] = trace_set_model(traces[0], None)
+        return info
     hp = dict(getattr(datamodule, "hparams", {}) or {})
     info: dict[str, Any] = {k: hp[k] for k in ("source", "dataset_config", "text_field", "limit") if k in hp}
     info.update(dataset_split=hp.get("split"), data_fingerprint=fingerprint,

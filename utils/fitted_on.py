@@ -139,18 +139,25 @@ def guard_note(results: Mapping[str, Mapping[str, Any]]) -> str | None:
 
 def trace_set_model(trace_dir: str | os.PathLike | None, model_id: str | None) -> dict[str, Any] | None:
     """The identity of the model a trace set's routing comes from: the ``model`` its manifest's run settings
-    record (``expertcast collect``), else its ``model_id``."""
-    import json
-
+    record (``expertcast collect``), else ``model_id`` (None: the one its ``trace_meta.json`` records)."""
     ident = None
     if trace_dir is not None:
-        try:
-            run = json.loads((Path(trace_dir) / "manifest.json").read_text(encoding="utf-8")).get("run")
-        except (OSError, ValueError, AttributeError):
-            run = None
+        run = _json(Path(trace_dir) / "manifest.json").get("run")
         if isinstance(run, Mapping):
             ident = run.get("model")
+        if model_id is None:
+            model_id = _json(Path(trace_dir) / "trace_meta.json").get("model_id")
     return model_of(ident, model_id)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
 
 
 # -- what each export records ------------------------------------------------------------------------------

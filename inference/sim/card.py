@@ -297,11 +297,14 @@ def finite_or_none(x: Any) -> Any:
 
 
 def check_splits(seqs: Sequence[TraceSequence], fit: Sequence[TraceSequence] | None, forecaster: str | None,
-                 fit_what: str = "the fit set") -> dict[str, Any]:
+                 fit_what: str = "the fit set", routing: dict[str, Any] | None = None) -> dict[str, Any]:
     """Refuse (:class:`~expertcast.utils.errors.OverlapError`) evaluated sequence ids shared with the fit set or
-    with the export's training ids (:func:`~expertcast.utils.provenance.check_overlap`, no override: a card is
-    never contaminated); the checks' results for the header."""
+    with the export's training ids, and (:class:`~expertcast.utils.fitted_on.ModelMismatchError`) an export fitted on
+    another model's routing than ``routing`` (the carded traces' model identity), through the one guard
+    :func:`~expertcast.utils.fitted_on.check_fitted_on`, with no override: a card is never contaminated; the
+    checks' results for the header."""
     from expertcast.utils.errors import OverlapError
+    from expertcast.utils.fitted_on import ModelMismatchError, check_fitted_on, forecaster_fitted_on
     from expertcast.utils.provenance import check_overlap
 
     ids = [s.seq_id for s in seqs]
@@ -310,11 +313,10 @@ def check_splits(seqs: Sequence[TraceSequence], fit: Sequence[TraceSequence] | N
         if fit is not None:
             out["fit"] = check_overlap(ids, [s.seq_id for s in fit], what=fit_what)
         if forecaster:
-            from expertcast.models.forecaster_export import training_ids
-
-            out["forecaster"] = check_overlap(ids, training_ids(forecaster), what=f"the forecaster {forecaster}")
-    except OverlapError as e:  # the card has no override: say so instead of check_overlap's --allow-overlap hint
-        raise OverlapError(str(e).split(" or pass --allow-overlap")[0] + " (a card has no override)") from None
+            out["forecaster"] = check_fitted_on(forecaster_fitted_on(forecaster), ids, routing,
+                                                scored="the carded traces")
+    except (OverlapError, ModelMismatchError) as e:  # no override: say so instead of the guard's --allow-* hint
+        raise type(e)(str(e).split(" or pass --allow-")[0] + " (a card has no override)") from None
     return out
 
 
@@ -339,7 +341,10 @@ def make_card(meta: TraceMeta, seqs: Sequence[TraceSequence], settings: CardSett
             validate_traces(meta, fit)
         except ValueError as e:
             raise ValueError(f"fit set: {e}") from None
-    overlap = check_splits(seqs, fit, forecaster)
+    from expertcast.utils.fitted_on import trace_set_model
+
+    overlap = check_splits(seqs, fit, forecaster,
+                           routing=trace_set_model((sources or {}).get("traces"), meta.model_id))
     export_hash = None
     if forecaster:
         from expertcast.models.forecaster_export import verify_export
