@@ -92,13 +92,17 @@ UPLOAD_LIMIT_MB = 2048.0
 their folder (W&B records the paths, the metadata still holds the export manifest's sha256 of every file)."""
 
 
-def log_export(run: Any, export_dir: str | Path, kind: str, name: str | None = None,
-               upload_limit_mb: float = UPLOAD_LIMIT_MB) -> Any:
-    """Log the export folder ``export_dir`` as an artifact of type ``kind`` (``forecaster``, ``router``,
-    ``model``) holding its files (hidden ones, the output-folder marker and lock, left out); its metadata
-    holds every top-level JSON file of the export by file name (config, training block, manifest with the
-    sha256 of every file). Returns the artifact."""
-    d = Path(export_dir)
+def export_artifact(export_dir: str | Path, kind: str, upload_limit_mb: float = UPLOAD_LIMIT_MB) -> Any:
+    """The one artifact of an export (docs/design.md, "W&B lineage"): type ``INPUT_TYPES[kind]``
+    (``forecaster-export``, ``router-export``), named ``<type>-<first 16 hex of its export_hash>``, holding the
+    export's files (hidden ones, the output-folder marker and lock, left out; above ``upload_limit_mb`` a
+    reference to the folder), metadata every top-level JSON file by name (config, training block, manifest) plus
+    ``{path, sha256, kind}``. ``fit`` logs it and every consumer uses it by that name, so the same content is
+    the same artifact version and a consumer's run leads back to the fit's."""
+    from expertcast.utils.provenance import EXPORT_MANIFEST, verify_export_manifest
+
+    d = Path(export_dir).resolve()
+    digest = verify_export_manifest(d) if (d / EXPORT_MANIFEST).is_file() else input_digest(d, kind)
     files = sorted(p for p in d.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(d).parts))
     meta: dict[str, Any] = {}
     for f in (p for p in files if p.parent == d and p.suffix == ".json"):
@@ -106,12 +110,36 @@ def log_export(run: Any, export_dir: str | Path, kind: str, name: str | None = N
             meta[f.stem] = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-    art = _wandb().Artifact(_artifact_name(name or f"{kind}-{d.resolve().name}"), type=kind, metadata=meta)
+    kind_type = INPUT_TYPES[kind]
+    meta.update(path=str(d), sha256=digest, kind=kind)
+    art = _wandb().Artifact(export_artifact_name(kind, digest), type=kind_type, metadata=meta)
     if sum(p.stat().st_size for p in files) / 2**20 <= upload_limit_mb:
         for f in files:  # the export's files, not the output-folder marker and lock
             art.add_file(str(f), name=str(f.relative_to(d)))
     else:
-        art.add_reference(f"file://{d.resolve()}", checksum=False)
+        art.add_reference(f"file://{d}", checksum=False)
+    return art
+
+
+def export_artifact_name(kind: str, digest: str) -> str:
+    """``<type>-<first 16 hex of the export hash>``: the name fit logs an export under and consumers use."""
+    return _artifact_name(f"{INPUT_TYPES[kind]}-{digest[:16]}")
+
+
+def log_export(run: Any, export_dir: str | Path, kind: str, name: str | None = None,
+               upload_limit_mb: float = UPLOAD_LIMIT_MB) -> Any:
+    """Log the export folder ``export_dir`` (``kind``: ``forecaster``, ``router`` or ``model``, a
+    router-adaptation export holding its fine-tuned model) as its :func:`export_artifact`, an output of ``run``.
+    Another ``kind`` (no export type of its own) is logged under ``name`` (default ``<kind>-<folder>``) with its
+    files. Returns the artifact."""
+    kind = "router" if kind == "model" else kind
+    if kind in ("forecaster", "router"):
+        art = export_artifact(export_dir, kind, upload_limit_mb)
+    else:
+        d = Path(export_dir)
+        art = _wandb().Artifact(_artifact_name(name or f"{kind}-{d.resolve().name}"), type=kind)
+        for f in sorted(p for p in d.rglob("*") if p.is_file() and not p.name.startswith(".")):
+            art.add_file(str(f), name=str(f.relative_to(d)))
     run.log_artifact(art)
     return art
 
@@ -163,22 +191,31 @@ def _identity_files(p: Path, kind: str) -> list[Path]:
 
 def use_input(run: Any, path: str | Path, kind: str, digest: str | None = None) -> Any:
     """Declare ``path`` (an export, trace set or cue set of ``kind``, a key of :data:`INPUT_TYPES`) an input of
-    ``run``: an artifact of type ``INPUT_TYPES[kind]`` named ``<type>-<first 16 hex of digest>`` (``digest``:
-    the hash the command's outputs record, default :func:`input_digest`), metadata ``{path, sha256, kind}``,
-    holding the input's identity files (its content is not uploaded). Online ``run.use_artifact``; offline,
+    ``run``: an export as its :func:`export_artifact` (what ``fit`` logged), anything else an artifact of type
+    ``INPUT_TYPES[kind]`` named ``<type>-<first 16 hex of digest>`` (``digest``: the hash the command's outputs
+    record, default :func:`input_digest`), metadata ``{path, sha256, kind}``, holding the input's identity files
+    (a trace set's content is not uploaded). Online ``run.use_artifact``; offline,
     where wandb refuses ``use_artifact``, the artifact is logged marked for use after its commit (what
     ``use_artifact`` does with a new artifact), so ``wandb sync`` records the use. Returns the artifact."""
+    from expertcast.utils.provenance import EXPORT_MANIFEST
+
     p = Path(path).resolve()
-    digest = digest or input_digest(p, kind)
-    kind_type = INPUT_TYPES[kind]
-    art = _wandb().Artifact(_artifact_name(f"{kind_type}-{digest[:16]}"), type=kind_type,
-                            metadata={"path": str(p), "sha256": digest, "kind": kind})
-    for f in _identity_files(p, kind):
-        art.add_file(str(f), name=f.name)
+    if kind in ("forecaster", "router") and (p / EXPORT_MANIFEST).is_file():
+        art = export_artifact(p, kind)  # the very artifact `fit` logged: same name, same files, same version
+    else:
+        digest = digest or input_digest(p, kind)
+        kind_type = INPUT_TYPES[kind]
+        art = _wandb().Artifact(_artifact_name(f"{kind_type}-{digest[:16]}"), type=kind_type,
+                                metadata={"path": str(p), "sha256": digest, "kind": kind})
+        for f in _identity_files(p, kind):
+            art.add_file(str(f), name=f.name)
     if run.offline:
         run._log_artifact(art, is_user_created=True, use_after_commit=True)
     else:
-        run.use_artifact(art)
+        try:  # by name: the version the fit logged (its files are the same, so its digest is too)
+            art = run.use_artifact(f"{art.name}:latest")
+        except Exception:  # never logged online (a fit offline, an export made by hand): this content's version
+            run.use_artifact(art)
     return art
 
 
@@ -268,6 +305,14 @@ def log_export_to_loggers(loggers: Iterable[Any], export_dir: str | Path) -> Non
             log_export(lg.experiment, export_dir, export_kind(export_dir))
 
 
+def use_inputs_of_loggers(loggers: Iterable[Any], inputs: Iterable[tuple[str | Path, str, str | None]]) -> None:
+    """After a fit: declare its inputs (the trace sets it was fitted on) to every W&B logger of the trainer."""
+    inputs = list(inputs)
+    for lg in loggers:
+        if type(lg).__name__ == "WandbLogger" and inputs:
+            use_inputs(lg.experiment, inputs)
+
+
 def log_checkpoints_to_loggers(loggers: Iterable[Any], ckpt_dir: str | Path, **metadata: Any) -> None:
     """After a fit (``expertcast fit --wandb-checkpoints``): log the checkpoints of ``ckpt_dir`` (``*.ckpt``)
     as one artifact of type ``model-checkpoint`` to every W&B logger of the trainer, named after the run
@@ -317,8 +362,9 @@ def _wandb_records(path: Path) -> Iterable[bytes]:
 
 def offline_run_contents(run_dir: str | Path) -> dict[str, Any]:
     """What an offline run directory (``wandb/offline-run-*``) holds: its table and image files, the
-    artifacts its transaction log records (name, type, files, metadata keys; ``used``: an input of the run,
-    :func:`use_input`, with the ``sha256`` and ``path`` of its metadata; else logged by the run) and the step
+    artifacts its transaction log records (name, type, files, metadata keys, ``digest``: W&B's content digest, equal
+    for the same version; ``used``: an input of the run, :func:`use_input`, else logged by the run; the ``sha256`` and
+    ``path`` of its metadata) and the step
     axes of its metrics (``define_metric``: metric -> step metric)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
@@ -337,7 +383,8 @@ def offline_run_contents(run_dir: str | Path) -> dict[str, Any]:
                 meta = json.loads(a.metadata or "{}")
                 out["artifacts"].append({"name": a.name, "type": a.type, "files": [c.path for c in a.manifest.contents],
                                          "metadata": sorted(meta), "used": bool(a.use_after_commit),
-                                         "sha256": meta.get("sha256"), "path": meta.get("path")})
+                                         "sha256": meta.get("sha256"), "path": meta.get("path"),
+                                         "digest": a.digest})
             elif kind == "metric" and rec.metric.name:
                 out["step_axes"][rec.metric.name] = rec.metric.step_metric or None
     return out

@@ -275,7 +275,8 @@ def test_wandb_checkpoints_are_logged_as_an_artifact_when_asked(traces, tmp_path
     rc, res = run_fit(args)
     assert rc == 0
     [run] = sorted(res.run_dir.glob("wandb/offline-run-*"))
-    got = offline_contents(run, lambda c: {a["type"] for a in c["artifacts"]} >= {"model-checkpoint", "forecaster"})
+    got = offline_contents(run, lambda c: {a["type"] for a in c["artifacts"]} >= {"model-checkpoint",
+                                                                                  "forecaster-export"})
     [art] = [a for a in got["artifacts"] if a["type"] == "model-checkpoint"]
     assert sorted(art["files"]) == sorted(p.name for p in (res.run_dir / "checkpoints").glob("*.ckpt"))
     assert "last.ckpt" in art["files"] and not art["used"]
