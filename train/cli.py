@@ -52,6 +52,7 @@ from expertcast.train.fit_run import (
     launch_rank,
     link_tokenizer,
     new_run_dir,
+    plain_progress,
     read_run_info,
     settings_hash,
     shared_run_dir,
@@ -177,11 +178,14 @@ class FitCLI(LightningCLI):
         run_dir = self.plan.run_dir
         try:
             callbacks = [_build_callback(c, run_dir) for c in (self._held["callbacks"] or [])]
+            logger = _build_logger(self._held["logger"], run_dir)
+            callbacks = _without_logger_callbacks(callbacks, logger)
             if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
                 kwargs["enable_checkpointing"] = False  # the resumable checkpoints are ResumeCheckpoint's
             return super().instantiate_trainer(default_root_dir=str(run_dir),
-                                               logger=_build_logger(self._held["logger"], run_dir),
-                                               callbacks=[*callbacks, self.plan.callback], **kwargs)
+                                               logger=logger,
+                                               callbacks=[*callbacks, self.plan.callback, *plain_progress()],
+                                               **kwargs)
         except BaseException:
             _update_run(run_dir, status="failed")
             self.plan.release()
@@ -372,6 +376,18 @@ def wandb_run_id(run_dir: Path) -> str:
     if launch_rank() == 0:
         atomic_write_text(f, run_id + "\n")
     return run_id
+
+
+def _without_logger_callbacks(callbacks: list[Any], logger: Any) -> list[Any]:
+    """``callbacks`` less a LearningRateMonitor when there is no logger (``--trainer.logger false`` with a config
+    that monitors the learning rate: it has nothing to log to, and Lightning would stop the fit at its start)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    if logger not in (None, False, []) or not any(isinstance(c, LearningRateMonitor) for c in callbacks):
+        return callbacks
+    print("expertcast fit: no logger (trainer.logger false): the config's LearningRateMonitor is left out",
+          file=sys.stderr, flush=True)
+    return [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
 
 
 def _build_callback(raw: Any, run_dir: Path) -> Any:
