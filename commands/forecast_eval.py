@@ -242,8 +242,8 @@ def overlap_note(overlap: dict[str, dict[str, Any]]) -> str | None:
         if o.get("model_match") is False:
             from expertcast.utils.fitted_on import describe_model
 
-            parts.append(f"{who} fitted on model {describe_model(o.get('fitted_model'))}, evaluated on "
-                         f"{describe_model(o.get('scored_model'))} (--allow-model-mismatch)")
+            parts.append(f"{who} fitted on model {describe_model(o.get('fitted_model'), True)}, evaluated on "
+                         f"{describe_model(o.get('scored_model'), True)} (--allow-model-mismatch)")
     return "; ".join(parts) or None
 
 
@@ -319,9 +319,10 @@ def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str) ->
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, (name, t) in enumerate(tables.items()):
+    from expertcast.utils.io import series_colors
+
+    for (name, t), color in zip(tables.items(), series_colors(len(tables)), strict=True):
         hs = np.arange(1, t.horizons + 1)
-        color = f"C{i}"
         style = "o" if t.horizons == 1 else "-o"
         ax.plot(hs, 100 * t.recall("k"), style, color=color, label=f"{name} top-K")
         ax.plot(hs, 100 * t.recall("k3"), "x" if t.horizons == 1 else "--", color=color, alpha=0.6,

@@ -106,6 +106,7 @@ def build_parser() -> CommandParser:
                     help="accept a forecaster trained on some replayed sequences (the overlap is reported)")
     ap.add_argument("--allow-model-mismatch", action="store_true",
                     help="accept a forecaster or cue set fitted on another model's routing (reported)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar over the (policy, capacity) runs")
     ap.add_argument("--out", default="runs/simulate", help="output folder")
     add_wandb_args(ap)
     ap.add_argument("--overwrite", action="store_true", help="discard this folder's earlier simulate output first")
@@ -521,7 +522,8 @@ def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, set
     try:
         records = simulate((meta, seqs), policies, capacities or None, pool=args.pool, slots_per_layer=spl,
                            batch_size=args.batch_size, cost=cost, belady_fraction=not args.no_belady_fraction,
-                           engine=args.engine, calibration=counts, done=done, on_record=save)
+                           engine=args.engine, calibration=counts, done=done, on_record=save,
+                           progress=not args.no_progress)
     except ValueError as e:  # a policy refusing this cache or trace (e.g. router R above the budget B)
         raise UsageError(f"simulation stopped: {e}") from None
     note = overlap_note(overlaps)
@@ -558,6 +560,6 @@ def overlap_note(overlaps: dict[str, dict[str, Any]]) -> str | None:
                 parts.append(f"{label.split('(')[0]}'s forecaster was trained on {o['overlap']} of the "
                              f"{o['evaluated']} replayed sequences (--allow-overlap)")
             if o.get("model_match") is False:
-                parts.append(f"{label.split('(')[0]} was fitted on model {describe_model(o.get('fitted_model'))}, "
-                             f"replayed on {describe_model(o.get('scored_model'))} (--allow-model-mismatch)")
+                parts.append(f"{label.split('(')[0]} was fitted on model {describe_model(o.get('fitted_model'), True)}, "
+                             f"replayed on {describe_model(o.get('scored_model'), True)} (--allow-model-mismatch)")
     return "; ".join(parts) or None

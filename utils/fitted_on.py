@@ -87,12 +87,17 @@ def same_model(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool
     return _same_path(str(a["path"]), str(b["path"]))
 
 
-def describe_model(ident: Mapping[str, Any] | None) -> str:
+def describe_model(ident: Mapping[str, Any] | None, short: bool = False) -> str:
+    """A model identity for a message: its path (``short``: without the machine's folders, for titles) and
+    what fixes its weights (the first 12 hex of its files' hash, its preset and seed, its Hub revision)."""
+    from expertcast.utils.paths import display_path
+
     if not ident:
         return "an unrecorded model"
     s = _strong(ident)
     tail = "" if s is None else f" ({s[0]} {str(s[1])[:12] if s[0] == 'files' else ' '.join(map(str, s[1:]))})"
-    return f"{ident.get('path')!r}{tail}"
+    path = display_path(ident.get("path")) if short else ident.get("path")
+    return f"{path!r}{tail}"
 
 
 def check_fitted_on(fitted: FittedOn, evaluated_ids: Iterable[str] | None, model: Mapping[str, Any] | None, *,
@@ -132,8 +137,8 @@ def guard_note(results: Mapping[str, Mapping[str, Any]]) -> str | None:
             parts.append(f"{label} was fitted on {r['overlap']} of the {r['evaluated']} scored sequences "
                          f"(--allow-overlap)")
         if r.get("model_match") is False:
-            parts.append(f"{label} was fitted on model {describe_model(r.get('fitted_model'))}, scored on "
-                         f"{describe_model(r.get('scored_model'))} (--allow-model-mismatch)")
+            parts.append(f"{label} was fitted on model {describe_model(r.get('fitted_model'), True)}, scored on "
+                         f"{describe_model(r.get('scored_model'), True)} (--allow-model-mismatch)")
     return "; ".join(parts) or None
 
 

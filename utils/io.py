@@ -76,6 +76,18 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def series_colors(n: int) -> list[tuple[float, float, float, float]]:
+    """``n`` distinct colours (RGBA) for the ``n`` series of one plot, never repeating (matplotlib's default cycle
+    repeats after 10): tab10 up to 10 series, tab20 up to 20, else ``n`` evenly spaced hues of ``turbo``."""
+    import matplotlib
+
+    if n <= 10:
+        return [matplotlib.colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:
+        return [matplotlib.colormaps["tab20"](i) for i in range(n)]
+    return [matplotlib.colormaps["turbo"](i / (n - 1)) for i in range(n)]
+
+
 def _json_default(o: Any) -> Any:
     try:
         import numpy as np

@@ -472,16 +472,18 @@ def plot_card(card: dict[str, Any], path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from expertcast.utils.io import save_figure
+    from expertcast.utils.io import save_figure, series_colors
+    from expertcast.utils.paths import display_path
 
     h = card["header"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     policies = list(dict.fromkeys(r["policy"] for r in card["cache"]))
+    colors = series_colors(len(policies))
     for i, pol in enumerate(policies):
         for pool, style in (("per-layer", "-o"), ("shared", "--s")):
             pts = sorted((r["capacity"], r["hit"]) for r in card["cache"] if r["policy"] == pol and r["pool"] == pool)
             if pts:
-                a1.plot([c for c, _ in pts], [100 * v for _, v in pts], style, color=f"C{i % 10}",
+                a1.plot([c for c, _ in pts], [100 * v for _, v in pts], style, color=colors[i],
                         label=f"{pol} ({pool})", alpha=0.9 if pool == "per-layer" else 0.6)
     a1.set_xlabel("capacity (fraction of L*E experts)")
     a1.set_ylabel("hit (%)")
@@ -489,8 +491,8 @@ def plot_card(card: dict[str, Any], path) -> None:
     a1.grid(alpha=0.3)
     a1.legend(fontsize=6, ncol=2)
     hs = [int(k.split(" h")[1]) for k in card["recall"][0] if k.startswith("R@K h")]
-    for i, r in enumerate(card["recall"]):
-        a2.plot(hs, [100 * r[f"R@K h{x}"] for x in hs], "-o", color=f"C{i % 10}", label=r["predictor"])
+    for r, color in zip(card["recall"], series_colors(len(card["recall"])), strict=True):
+        a2.plot(hs, [100 * r[f"R@K h{x}"] for x in hs], "-o", color=color, label=r["predictor"])
     a2.set_xscale("log", base=2)
     a2.set_xticks(hs, [str(x) for x in hs])
     a2.set_xlabel("horizon (decode steps ahead)")
@@ -499,7 +501,8 @@ def plot_card(card: dict[str, Any], path) -> None:
     a2.grid(alpha=0.3)
     a2.legend(fontsize=7)
     sh = h["shape"]
-    fig.suptitle(f"{h['model_id']} ({h['source_format']}): L={sh['L']} E={sh['E']} K={sh['K']}, {h['sequences']} "
+    fig.suptitle(f"{display_path(h['model_id'])} ({h['source_format']}): L={sh['L']} E={sh['E']} K={sh['K']}, "
+                 f"{h['sequences']} "
                  f"sequences, {h['tokens']} tokens", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
