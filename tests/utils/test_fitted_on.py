@@ -54,3 +54,22 @@ def test_trace_set_model_reads_the_collect_identity(tmp_path):
     assert trace_set_model(tmp_path, None) == {"path": "/m", "files_sha256": "cc"}
     (tmp_path / "manifest.json").write_text(json.dumps({"shards": {}}))
     assert trace_set_model(tmp_path, None) == {"path": "/m"}
+
+
+def test_a_router_adapted_model_never_matches_its_base(tmp_path):
+    """A router-adaptation export records its base; the adapted model (the export's own files) routes otherwise:
+    a forecaster fitted on the base's routing is refused beside it."""
+    from expertcast.models.backbone import model_identity
+    from expertcast.train.router_module import RouterAdaptationModule
+    from expertcast.utils.fitted_on import router_fitted_on
+
+    export = RouterAdaptationModule(model="qwen3_moe-tiny", mode="temporal", init="random", seed=1).export(
+        tmp_path / "temporal")
+    fitted = router_fitted_on(export)
+    assert fitted.model["path"] == "qwen3_moe-tiny" and fitted.ids is None  # exported outside `fit`: no ids
+    base = model_identity("qwen3_moe-tiny")
+    adapted = model_identity(str(export))
+    assert same_model(fitted.model, base) is True and same_model(base, adapted) is False
+    forecaster = FittedOn("the forecaster F", frozenset(), base)
+    with pytest.raises(ModelMismatchError, match="router-adapted"):
+        check_fitted_on(forecaster, ["x"], adapted)
