@@ -146,6 +146,10 @@ def _sigterm_exits() -> Iterator[None]:
 
 def _run(a) -> int:
     from expertcast.utils.io import report
+    from expertcast.utils.outdir import claim_output_file
+
+    a.json, a.csv = (claim_output_file(p, flag, f"collect {flag}") if p else None
+                     for flag, p in (("--json", a.json), ("--csv", a.csv)))
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -100,6 +100,10 @@ def check_store_args(a: Any) -> None:
             raise UsageError("--store disk and --mmap-store exclude each other (the disk store is its own file)")
         if getattr(a, "link_gbps", None) is not None:
             raise UsageError("--link-gbps emulates a link; --store disk reads the real disk (drop --link-gbps)")
+        if getattr(a, "disk_path", None) is not None:  # a new file, or an earlier disk store only
+            from expertcast.utils.outdir import DISK_STORE_KIND, claim_output_file
+
+            claim_output_file(a.disk_path, "--disk-path", DISK_STORE_KIND)
     elif getattr(a, "disk_path", None) is not None:
         raise UsageError("--disk-path needs --store disk")
 
@@ -527,6 +531,10 @@ class ModelSession:
                                                   decode_path=a.decode_path, store=kind, disk_path=disk,
                                                   readers=getattr(a, "readers", 4))
             pad_left(self.tok)
+            if getattr(a, "disk_path", None) and kind == "disk":
+                from expertcast.utils.outdir import DISK_STORE_KIND, OutputFile
+
+                OutputFile(Path(a.disk_path).expanduser(), DISK_STORE_KIND).written()
             self.model, self.store, self.load_report = om.model, om.store, report.to_dict()
             if measure_latency:
                 om.use_measured_latency()
@@ -874,7 +882,7 @@ def _progress(args: Any, batches: list[Any], info: dict[str, Any]):
 def _start_wandb(args: Any, info: dict[str, Any]):
     if not args.wandb:
         return None
-    from expertcast.recipes.lineage import use_inputs
+    from expertcast.data.lineage import use_inputs
     from expertcast.utils.tracking import start_wandb_run
 
     cap = next(iter(info["capacity"].values()))
@@ -888,9 +896,9 @@ def wandb_inputs(args: Any, files: dict[str, str]) -> list[tuple[str, str, str |
     """The ``(path, kind, digest)`` inputs of the evaluation for W&B lineage: a router-adaptation export given
     as ``--model`` (a router policy runs its routers), and the file options of any other policy (forecaster
     export, cue set, ...)."""
+    from expertcast.data.lineage import policy_inputs
     from expertcast.inference.policies import parse_policy_options
     from expertcast.models.names import is_export_dir
-    from expertcast.recipes.lineage import policy_inputs
 
     model = [(args.model, "router", None)] if is_export_dir(args.model) else []
     if "routers" in files:

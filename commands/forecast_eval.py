@@ -58,6 +58,8 @@ def build_parser() -> CommandParser:
                          "all: every sequence (overlap with the export's training ids needs --allow-overlap)")
     ap.add_argument("--allow-overlap", action="store_true",
                     help="evaluate even sequences the export was trained or validated on (reported)")
+    ap.add_argument("--allow-model-mismatch", action="store_true",
+                    help="evaluate on another model's routing than the export was fitted on (reported)")
     ap.add_argument("--fit-traces", default=None,
                     help="traces to fit the baselines on (unset: the export's training sequences)")
     ap.add_argument("--horizons", type=positive_int, default=8, help="forecast steps ahead to score")
@@ -174,8 +176,12 @@ def run(args) -> int:
     if not evals:
         raise UsageError(_nothing_to_evaluate(args, split, trained))
     ids = [s.seq_id for s in evals]
-    overlap = {"forecaster": check_overlap(ids, trained, what=f"the forecaster {args.forecaster}",
-                                           allow_overlap=args.allow_overlap)}
+    from expertcast.utils.fitted_on import check_fitted_on, forecaster_fitted_on, trace_set_model
+
+    overlap = {"forecaster": check_fitted_on(forecaster_fitted_on(args.forecaster), ids,
+                                             trace_set_model(_first(args.traces), meta.model_id),
+                                             scored=f"the traces {args.traces}", allow_overlap=args.allow_overlap,
+                                             allow_model_mismatch=args.allow_model_mismatch)}
     train, train_src = baseline_sequences(args, exp, seqs, trained, split)
     if not train:
         raise UsageError("no sequences to fit the baselines on (the export's training traces are not at hand); "
@@ -213,6 +219,10 @@ def run(args) -> int:
     return 0
 
 
+def _first(paths: Any) -> Any:
+    return paths[0] if isinstance(paths, (list, tuple)) else paths
+
+
 def _nothing_to_evaluate(args, split: str, trained: set[str] | None) -> str:
     if split == "held-out":
         return (f"every sequence of {args.traces} was used to train or validate {args.forecaster} "
@@ -230,6 +240,11 @@ def overlap_note(overlap: dict[str, dict[str, Any]]) -> str | None:
         elif o.get("overlap"):
             parts.append(f"{who} trained on {o['overlap']} of the {o['evaluated']} evaluated sequences "
                          f"(--allow-overlap)")
+        if o.get("model_match") is False:
+            from expertcast.utils.fitted_on import describe_model
+
+            parts.append(f"{who} fitted on model {describe_model(o.get('fitted_model'), True)}, evaluated on "
+                         f"{describe_model(o.get('scored_model'), True)} (--allow-model-mismatch)")
     return "; ".join(parts) or None
 
 
@@ -305,9 +320,10 @@ def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str) ->
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, (name, t) in enumerate(tables.items()):
+    from expertcast.utils.io import series_colors
+
+    for (name, t), color in zip(tables.items(), series_colors(len(tables)), strict=True):
         hs = np.arange(1, t.horizons + 1)
-        color = f"C{i}"
         style = "o" if t.horizons == 1 else "-o"
         ax.plot(hs, 100 * t.recall("k"), style, color=color, label=f"{name} top-K")
         ax.plot(hs, 100 * t.recall("k3"), "x" if t.horizons == 1 else "--", color=color, alpha=0.6,

@@ -198,8 +198,12 @@ def replay(args: Any) -> int:
     from expertcast.inference.runtime.real_shapes import read_provenance
     from expertcast.inference.sim.simulator import build_stream
     from expertcast.utils.io import atomic_write_json, report
+    from expertcast.utils.outdir import DISK_STORE_KIND, claim_output_file
     from expertcast.utils.provenance import code_version
 
+    outs = {flag: claim_output_file(path, flag, kind) for flag, path, kind in
+            (("--json", args.json, "replay --json"), ("--csv", args.csv, "replay --csv"),
+             ("--disk-path", args.disk_path, DISK_STORE_KIND)) if path}
     if args.threads:
         torch.set_num_threads(args.threads)
     resolved = resolve_model(args.model)
@@ -256,6 +260,8 @@ def replay(args: Any) -> int:
                                                  pool=args.pool, future=future, seed=args.seed, **store_kw)
                     model, store = om.model, om.store
                     load_s = load.load_seconds
+                    if "--disk-path" in outs:
+                        outs["--disk-path"].written()
                 else:
                     om = OffloadedModel(model, policy, budget, pool=args.pool, device=args.device, future=future,
                                         store=store)
@@ -292,6 +298,8 @@ def replay(args: Any) -> int:
     cols = COLUMNS + [c for c in READ_COLUMNS if args.store == "disk" and any(c in r for r in rows)]
     report(rows, title=f"forced-routing replay on {Path(resolved).name} ({args.store} store, {args.device})",
            csv_path=args.csv, columns=cols)
+    if args.csv:
+        outs["--csv"].written()
     if args.json:
         atomic_write_json(args.json, {
             "rows": rows, "load": load.to_dict() if load is not None else None, "model": resolved, "model_build": built, "spec": spec.to_dict(),
@@ -299,5 +307,6 @@ def replay(args: Any) -> int:
             "mapping": mapping.to_dict(), "settings": {k: v for k, v in vars(args).items()},
             "quant_kernels": _quant_kernels(),
             "code": code_version()})
+        outs["--json"].written()
         print(f"json: {args.json}", file=sys.stderr)
     return 0

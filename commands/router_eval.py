@@ -798,7 +798,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, B: int) -> None:
 
 def _log_wandb(rows: list[dict[str, Any]], cfg: StudyConfig, png: Path | None = None, exports: list[Path] = ()) -> None:
     import wandb
-    from expertcast.recipes.lineage import use_inputs
+    from expertcast.data.lineage import use_inputs
     from expertcast.utils.tracking import start_wandb_run
 
     run = start_wandb_run(cfg.wandb_project, {**asdict(cfg)}, job_type="router-eval", name=f"router-eval-s{cfg.seed}")

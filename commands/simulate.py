@@ -105,6 +105,9 @@ def build_parser() -> CommandParser:
                     help="forecaster export for the `seqmoe` policies (same as seqmoe:forecaster=PATH)")
     ap.add_argument("--allow-overlap", action="store_true",
                     help="accept a forecaster trained on some replayed sequences (the overlap is reported)")
+    ap.add_argument("--allow-model-mismatch", action="store_true",
+                    help="accept a forecaster or cue set fitted on another model's routing (reported)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar over the (policy, capacity) runs")
     ap.add_argument("--out", default="runs/simulate", help="output folder")
     add_wandb_args(ap)
     ap.add_argument("--overwrite", action="store_true", help="discard this folder's earlier simulate output first")
@@ -343,17 +346,26 @@ def _policy_files(options: list, policies: list) -> dict[str, dict[str, dict[str
     return out
 
 
-def _overlaps(options: list, policies: list, seqs, allow: bool) -> dict[str, dict[str, Any]]:
-    """``{run label: check_overlap result}`` for every policy that reads a forecaster export."""
-    from expertcast.models.forecaster_export import training_ids
-    from expertcast.utils.provenance import check_overlap
+def _overlaps(options: list, policies: list, seqs, args, meta) -> dict[str, dict[str, Any]]:
+    """``{run label: check_fitted_on result}`` for every policy that reads a forecaster export or a cue set: its
+    fit sequences must not be replayed (``--allow-overlap``), nor another model's routing
+    (``--allow-model-mismatch``)."""
+    from expertcast.utils.fitted_on import check_fitted_on, forecaster_fitted_on, trace_set_model
 
     ids = [s.seq_id for s in seqs]
+    routing = trace_set_model(args.traces, meta.model_id)
     out = {}
     for o, pol in zip(options, policies, strict=True):
-        path = o.files().get("forecaster")
-        if path:
-            out[pol.label] = check_overlap(ids, training_ids(path), what=f"the forecaster {path}", allow_overlap=allow)
+        files = o.files()
+        fitted = None
+        if files.get("forecaster"):
+            fitted = forecaster_fitted_on(files["forecaster"])
+        elif getattr(pol, "cue_set", None) is not None and files.get("cue_set"):
+            fitted = pol.cue_set.fitted_on(f"the cue set {files['cue_set']}")
+        if fitted is not None:
+            out[pol.label] = check_fitted_on(fitted, ids, routing, scored=f"the replayed traces {args.traces or ''}",
+                                             allow_overlap=args.allow_overlap,
+                                             allow_model_mismatch=args.allow_model_mismatch)
     return out
 
 
@@ -443,7 +455,7 @@ def run(args) -> int:
         raise UsageError(str(e)) from None
     counts, calibration_fp, fit = _calibration(args, meta, seqs)
     policies = _make_policies(options, counts, meta)
-    overlaps = _overlaps(options, policies, seqs, args.allow_overlap)
+    overlaps = _overlaps(options, policies, seqs, args, meta)
     settings = run_settings(args, meta, seqs, cost, calibration_fp)
     if fit is not None:
         overlaps[FIT_SET] = {"overlap": fit["overlap"], "evaluated": fit["evaluated"], "allowed": args.allow_overlap,
@@ -463,7 +475,7 @@ def run(args) -> int:
 def _inputs(args, settings, options, policies_files, policies, calibration_fp) -> list[tuple[str, str, str | None]]:
     """The ``(path, kind, digest)`` inputs of the run for W&B lineage: the replayed traces, the calibration or
     fit set, ``--forecaster`` and every policy's file options, with the hashes the outputs record."""
-    from expertcast.recipes.lineage import policy_inputs
+    from expertcast.data.lineage import policy_inputs
 
     out = []
     if args.traces:
@@ -511,7 +523,8 @@ def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, set
     try:
         records = simulate((meta, seqs), policies, capacities or None, pool=args.pool, slots_per_layer=spl,
                            batch_size=args.batch_size, cost=cost, belady_fraction=not args.no_belady_fraction,
-                           engine=args.engine, calibration=counts, done=done, on_record=save)
+                           engine=args.engine, calibration=counts, done=done, on_record=save,
+                           progress=not args.no_progress)
     except ValueError as e:  # a policy refusing this cache or trace (e.g. router R above the budget B)
         raise UsageError(f"simulation stopped: {e}") from None
     note = overlap_note(overlaps)
@@ -532,16 +545,22 @@ def _simulate(od, args, meta, seqs, policies, capacities, spl, cost, counts, set
 
 
 def overlap_note(overlaps: dict[str, dict[str, Any]]) -> str | None:
-    """One line naming each allowed train/test overlap, or None when there is none."""
+    """One line naming each allowed train/test overlap and model mismatch, or None when there is none."""
+    from expertcast.utils.fitted_on import describe_model
+
     parts = []
     for label, o in overlaps.items():
         if label == FIT_SET:
             if o["overlap"]:
                 parts.append(f"the fit set shares {o['overlap']} of the {o['evaluated']} replayed sequences "
                              f"(--allow-overlap)")
-        elif o.get("overlap") is None:
-            parts.append(f"{label.split('(')[0]}'s forecaster records no training ids (--allow-overlap)")
-        elif o["overlap"]:
-            parts.append(f"{label.split('(')[0]}'s forecaster was trained on {o['overlap']} of the {o['evaluated']} "
-                         f"replayed sequences (--allow-overlap)")
+        else:
+            if o.get("overlap") is None:
+                parts.append(f"{label.split('(')[0]}'s forecaster records no training ids (--allow-overlap)")
+            elif o["overlap"]:
+                parts.append(f"{label.split('(')[0]}'s forecaster was trained on {o['overlap']} of the "
+                             f"{o['evaluated']} replayed sequences (--allow-overlap)")
+            if o.get("model_match") is False:
+                parts.append(f"{label.split('(')[0]} was fitted on model {describe_model(o.get('fitted_model'), True)}, "
+                             f"replayed on {describe_model(o.get('scored_model'), True)} (--allow-model-mismatch)")
     return "; ".join(parts) or None

@@ -35,6 +35,7 @@ from expertcast.commands.common import (
 )
 from expertcast.recipes.lineage import log_results
 from expertcast.utils.errors import UsageError
+from expertcast.utils.fitted_on import guard_note
 from expertcast.utils.tracking import add_wandb_args
 
 PROG = "expertcast stages"
@@ -48,6 +49,14 @@ def unit_fraction(text: str) -> float:
     v = nonneg_float(text)
     if v > 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text}")
+    return v
+
+
+def below_one(text: str) -> float:
+    """argparse type: a number in [0, 1)."""
+    v = nonneg_float(text)
+    if v >= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text}")
     return v
 
 
@@ -108,22 +117,25 @@ def _cue_set(cues: str | None, model: str | None):
 
 
 # -- calibrate ----------------------------------------------------------------------------------------
-def check_cue_set_target(path: Path, overwrite: bool) -> None:
-    """Refuse a cue-set output ``path`` that is a folder, or an existing file that is no cue set
-    (unless ``overwrite``); an existing cue set may be replaced."""
+def check_cue_set_target(path: Path, overwrite: bool):
+    """Claim the cue-set output ``path`` (:func:`~expertcast.utils.outdir.claim_output_file`): a new file, an
+    existing cue set (replaced), anything else only with ``overwrite``; never a folder."""
     from expertcast.inference.saem.cues import CueSet
+    from expertcast.utils.outdir import claim_output_file
 
-    if path.is_dir():
-        raise UsageError(f"--out {path} is a folder; give the cue-set JSON file to write (e.g. {path / 'cues.json'})")
-    if path.exists() and not overwrite:
+    def is_cue_set(p: Path) -> bool:
         try:
-            CueSet.load(path)
+            CueSet.load(p)
         except (UsageError, OSError):
-            raise UsageError(f"--out {path} exists and is not a cue set; refusing to replace it "
-                             f"(choose another --out or pass --overwrite)") from None
+            return False
+        return True
+
+    return claim_output_file(path, "--out", "stages calibrate", overwrite=overwrite, recognise=is_cue_set,
+                             what="a cue set", hint="choose another --out or pass --overwrite")
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from expertcast.data.trace_split import split_by_hash
     from expertcast.inference.saem.cues import (
         CalibrationConfig,
         calibrate,
@@ -131,19 +143,29 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         sequences_from_traces,
     )
     from expertcast.inference.saem.stages import TokenDecoder
+    from expertcast.utils.fitted_on import trace_set_model
     from expertcast.utils.io import print_table
 
     out = Path(args.out)
     check_cue_set_target(out, args.overwrite)
     meta, seqs = _load_traces(args.traces, args.max_sequences)
+    if args.heldout > 0:  # the forecaster's hash split: held-out sequences never seed the cue set's statistics
+        seqs, held = split_by_hash(seqs, args.heldout, seed=args.split_seed)
+        print(f"calibrating on {len(seqs)} sequences; {len(held)} held out for `stages eval` (--heldout "
+              f"{args.heldout}, seed {args.split_seed})")
+        if not seqs:
+            raise UsageError(f"--heldout {args.heldout} leaves no sequence of {args.traces} to calibrate on")
     tok, tok_name = _tokenizer(args.model, meta.model_id, "the traces' model")
     cands = load_candidates(args.candidates)
     cfg = CalibrationConfig(min_stage_tokens=args.min_stage_tokens, min_rate_per_1k=args.min_rate,
                             max_noise=args.max_noise, tcseq_tolerance=args.tcseq_tolerance, max_cues=args.max_cues,
                             ignore_case=args.ignore_case, control=args.control)
     cs = calibrate(sequences_from_traces(seqs), TokenDecoder(tok), meta.num_experts, cands, cfg,
-                   model_id=meta.model_id, tokenizer_id=tok_name, progress=True)
+                   model_id=meta.model_id, tokenizer_id=tok_name, progress=True,
+                   model=trace_set_model(args.traces, meta.model_id))
     cs.calibration["traces"] = str(Path(args.traces).resolve())
+    cs.calibration["split"] = {"method": "sha256(seed, sequence id)", "seed": args.split_seed,
+                               "heldout_fraction": args.heldout}
     rows = [{"cue": c, **{k: v for k, v in s.items() if k != "kept"}, "kept": s["kept"]} for c, s in cs.scores.items()]
     rows.sort(key=lambda r: (not r["kept"], -r["rate_per_1k"]))
     print_table(rows, title=f"cue calibration on {len(seqs)} traces ({meta.model_id})")
@@ -152,9 +174,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                 title="segmentation of the calibration traces",
                 columns=["set", "cues", "stages", "stage_len_median", "stage_len_mean", "noise", "tcseq",
                          "tcseq_uniform", "tcseq_shuffled"])
-    check_cue_set_target(out, args.overwrite)  # again: the file may have appeared while calibrating
+    target = check_cue_set_target(out, args.overwrite)  # again: the file may have appeared while calibrating
     replacing = out.exists()
     cs.save(out)  # atomic
+    target.written()
     print(("replaced the cue set" if replacing else "wrote") + f" {out} (per-candidate scores inside)")
     print(f"kept {len(cs.cues)} cues: {cs.cues}")
     return 0
@@ -164,12 +187,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from expertcast.inference.saem.cues import segmentation_stats, sequences_from_traces, stage_starts
     from expertcast.inference.saem.stages import StageDetector, TokenDecoder
+    from expertcast.utils.fitted_on import trace_set_model
     from expertcast.utils.io import atomic_write_json, report
     from expertcast.utils.outdir import claim_output_dir
 
     meta, seqs = _load_traces(args.traces, args.max_sequences)
     cs, cue_path = _cue_set(args.cues, args.model or meta.model_id)
-    cs.check_model(meta.model_id, f"cue set {cue_path}", f"the traces {args.traces}")
+    cs.check_model(meta.model_id, f"cue set {cue_path}", f"the traces {args.traces}",
+                   model=trace_set_model(args.traces, meta.model_id))
     cs.check_compatible(meta.num_layers, meta.num_experts)
     tok, _ = _tokenizer(args.model, cs.tokenizer or meta.model_id, "the cue set's tokenizer")
     dec = TokenDecoder(tok)
@@ -283,10 +308,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     cost = CostConfig(expert_bytes=int(eb), cpu_parallel=not args.cpu_serial)
     traces = cs = dec = None
     inputs: list[tuple[str, str, str | None]] = []
+    guard = None
     if args.traces:
         meta, seqs = _load_traces(args.traces, args.max_sequences)
         cs, cue_path = _cue_set(args.cues, args.model or meta.model_id)
-        cs.check_model(meta.model_id, f"cue set {cue_path}", f"the traces {args.traces}")
+        seqs, guard = _held_out(args, cs, cue_path, meta, seqs)
         cs.check_compatible(meta.num_layers, meta.num_experts)
         tok, _ = _tokenizer(args.model, cs.tokenizer or meta.model_id, "the cue set's tokenizer")
         traces, dec = (meta, seqs), TokenDecoder(tok)
@@ -299,13 +325,47 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                              slots=[c["slots"] for c in caps if "slots" in c], policies=policies, cost=cost,
                              traces=traces, tag=tag, cue_set=cs, decoder=dec, synthetic=args.synthetic,
                              partial=lambda t: out.file(f"partial-{t}.json"))
-        write_results(rows, out.file("saem_eval.json"), out.file("saem_eval.csv"), out.file("saem_eval.png"), eb)
+        note = None if guard is None else guard_note({"the cue set": guard})
+        if note:
+            print(f"stages eval: {note}")
+        write_results(rows, out.file("saem_eval.json"), out.file("saem_eval.csv"), out.file("saem_eval.png"), eb,
+                      note=note)
+        if guard is not None:
+            from expertcast.utils.io import atomic_write_json
+
+            atomic_write_json(out.file("guard.json"), {"cue_set": guard})
         print(f"wrote {out.path}")
         if args.wandb:
             log_results(args.wandb_project, "stages-eval", f"stages-eval-{tag}", {k: v for k, v in vars(args).items()
                         if k != "fn"}, tables={"saem_eval": rows}, images={"saem_eval": out.path / "saem_eval.png"},
                         inputs=inputs)
     return 0
+
+
+def _held_out(args: argparse.Namespace, cs: Any, cue_path: Path, meta: Any, seqs: list[Any]):
+    """(sequences to evaluate, the guard's result): ``--split held-out`` keeps the sequences the cue set was not
+    calibrated on; then :func:`~expertcast.utils.fitted_on.check_fitted_on` refuses an overlap (``--split all``, or
+    a cue set recording no ids) unless ``--allow-overlap``, and another model's routing unless
+    ``--allow-model-mismatch``."""
+    from expertcast.utils.fitted_on import check_fitted_on, trace_set_model
+
+    fitted = cs.fitted_on(f"the cue set {cue_path}")
+    if args.split == "held-out" and fitted.ids is not None:
+        kept = [s for s in seqs if s.seq_id not in fitted.ids]
+        if not kept:
+            raise UsageError(f"every sequence of {args.traces} was used to calibrate {cue_path} ({len(fitted.ids)} "
+                             f"ids): calibrate with --heldout FRACTION, evaluate other traces, or pass --split all "
+                             f"--allow-overlap")
+        if len(kept) < len(seqs):
+            print(f"stages eval: {len(kept)} held-out sequences of {args.traces} ({len(seqs) - len(kept)} calibrated "
+                  f"the cue set)")
+        seqs = kept
+    guard = check_fitted_on(fitted, [s.seq_id for s in seqs], trace_set_model(args.traces, meta.model_id),
+                            scored=f"the traces {args.traces}", allow_overlap=args.allow_overlap,
+                            allow_model_mismatch=args.allow_model_mismatch,
+                            mismatch_hint="calibrate a cue set on this model's traces (expertcast stages calibrate) "
+                                          "or pass --allow-model-mismatch (reported in the output)")
+    return seqs, guard
 
 
 def evaluate_saem(*, batch_sizes: Sequence[int], capacities: Sequence[float] = (), slots: Sequence[int] = (),
@@ -342,12 +402,15 @@ def evaluate_saem(*, batch_sizes: Sequence[int], capacities: Sequence[float] = (
     return rows
 
 
-def write_results(rows: list[dict[str, Any]], json_path: Path, csv_path: Path, png_path: Path, expert_bytes: int) -> None:
-    """The table in the terminal, JSON, CSV and the plot of :func:`evaluate_saem`'s rows."""
+def write_results(rows: list[dict[str, Any]], json_path: Path, csv_path: Path, png_path: Path, expert_bytes: int,
+                  note: str | None = None) -> None:
+    """The table in the terminal, JSON, CSV and the plot of :func:`evaluate_saem`'s rows (``note``: the guard's
+    allowed overlap or model mismatch, in the title)."""
     from expertcast.utils.io import report
 
     report(rows, title=f"SAEM: stage-aware vs LRU vs static (per-layer pools, decode-only; costs of a "
-           f"{int(expert_bytes) / 1e6:.2f} MB expert)", json_path=json_path, csv_path=csv_path,
+           f"{int(expert_bytes) / 1e6:.2f} MB expert)" + (f" [{note}]" if note else ""), json_path=json_path,
+           csv_path=csv_path,
            columns=["traces", "batch", "capacity", "slots_per_layer", "policy", "hit", "cpu_share",
                     "transfers_per_token", "proactive_per_token", "speed_pct", "speedup_vs_lru", "oracle_eff_hit",
                     "oracle_eff_speed", "updates"])
@@ -424,6 +487,10 @@ def build_parser() -> CommandParser:
     p.add_argument("--ignore-case", action="store_true", help="match cues case-insensitively")
     p.add_argument("--control", choices=("uniform", "shuffled"), default="uniform",
                    help="segmentation a cue's TCseq is compared with (shuffled: same stage lengths)")
+    p.add_argument("--heldout", type=below_one, default=0.0,
+                   help="fraction of the sequences held out by a hash of their id (the forecaster's split), never "
+                        "calibrated on: `stages eval` on the same traces scores only those")
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the --heldout hash split")
     p.set_defaults(fn=_cmd_calibrate)
 
     p = sub.add_parser("stats", help="stage statistics and TCseq vs controls")
@@ -458,6 +525,13 @@ def build_parser() -> CommandParser:
     p.add_argument("--cpu-serial", action="store_true",
                    help="CPU-executed experts start after the layer's transfers, not in parallel with them")
     p.add_argument("--synthetic", action="store_true", help="also run on synthetic traces with planted stages")
+    p.add_argument("--split", choices=("held-out", "all"), default="held-out",
+                   help="held-out: only the sequences of --traces the cue set was not calibrated on; all: every one "
+                        "(an overlap needs --allow-overlap)")
+    p.add_argument("--allow-overlap", action="store_true",
+                   help="score sequences the cue set was calibrated on (or a cue set recording none); reported")
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="score another model's routing with this cue set; reported")
     out_args(p, "eval")
     add_wandb_args(p)
     p.set_defaults(fn=_cmd_eval)

@@ -188,7 +188,10 @@ def _stats(a) -> int:
     from expertcast.data.trace_stats import plot_frequencies, trace_stats
     from expertcast.data.traces import iter_traces, read_manifest, read_meta
     from expertcast.utils.io import report
+    from expertcast.utils.outdir import claim_output_file
 
+    a.json, a.csv, plot = (claim_output_file(p, flag, f"traces stats {flag}") if p else None
+                           for flag, p in (("--json", a.json), ("--csv", a.csv), ("--plot", a.plot)))
     meta = read_meta(a.dir)
     n_seq = 0
 
@@ -209,8 +212,9 @@ def _stats(a) -> int:
              f"{n_seq} sequences{'' if complete else ' (INCOMPLETE run)'}")
     report(rows, title=title, json_path=a.json, csv_path=a.csv,
            columns=["phase", "layer", "tokens", "experts_used", "top1_share", "min_share", "entropy", "overlap"])
-    if a.plot:
-        plot_frequencies(freqs, meta, a.plot)
+    if plot:
+        plot_frequencies(freqs, meta, plot.path)
+        plot.written()
         print(f"plot: {a.plot}")
     return 0
 

@@ -124,7 +124,9 @@ def plot_frequencies(freqs: dict[str, np.ndarray], meta: TraceMeta, path: str) -
         ax.set_yticks(ticks)
         ax.set_yticklabels([str(meta.moe_layers[t]) if meta.moe_layers else str(t) for t in ticks])
         fig.colorbar(im, ax=ax)
-    fig.suptitle(f"{meta.model_id}  L={meta.num_layers} E={meta.num_experts} K={meta.top_k}")
+    from expertcast.utils.paths import display_path
+
+    fig.suptitle(f"{display_path(meta.model_id)}  L={meta.num_layers} E={meta.num_experts} K={meta.top_k}")
     fig.tight_layout()
     import io
 

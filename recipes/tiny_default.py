@@ -59,7 +59,7 @@ from expertcast.recipes.tiny_default_eval import heldout_arith_accuracy, routing
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_json, replace_dir
 from expertcast.utils.locks import FileLock
-from expertcast.utils.paths import cache_dir
+from expertcast.utils.paths import cache_dir, display_path
 from expertcast.utils.provenance import sha256_file
 
 DEFAULT_NAME = "tiny-default-v1"
@@ -519,7 +519,7 @@ def build_default_model(cfg: TinyDefaultConfig, out_dir: Path, *, files: dict[st
             "recipe_hash": cfg.recipe_hash(),
             "recipe": cfg.to_dict(),
             "recipe_version": RECIPE_VERSION,
-            "data_files": {k: str(p) for k, p in files.items()},
+            "data_files": {k: display_path(p) for k, p in files.items()},  # no machine's folders in a shipped file
             "data_sha256": data_hashes(files),
             "spec": spec.to_dict(),
             "parameters": n_params,

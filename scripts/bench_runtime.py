@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                          "torch.compile(fullgraph=True); none: not compiled; auto: aoti on CPU, inductor on CUDA)")
     args = ap.parse_args(argv)
     args.command = " ".join(["scripts/bench_runtime.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.json:  # a new file, or this script's earlier figures only
+        from expertcast.utils.outdir import claim_output_file
+
+        args.json = claim_output_file(args.json, "--json", "bench_runtime --json")
     if args.overhead:
         return overhead_main(args)
     if args.quick:
@@ -485,7 +489,8 @@ def overhead_main(args) -> int:
     print(f"graph/eager = {ratio:.3f} (range {min(ratios):.3f}-{max(ratios):.3f}; target <= 0.2), graph {graph:.1f} us "
           f"(target < 30 us): {'met' if res['target_met'] else 'NOT met'}; load average {res['load_avg']}")
     if args.json:
-        atomic_write_json(Path(args.json), res)
+        atomic_write_json(args.json.path, res)
+        args.json.written()
     return 0
 
 

@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python-steps", type=int, default=300, help="steps replayed by the Python baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.json:  # a new file, or this script's earlier figures only
+        from expertcast.utils.outdir import claim_output_file
+
+        args.json = claim_output_file(args.json, "--json", "bench_simulator --json")
 
     t0 = time.perf_counter()
     tr = qwen_like_traces(args.steps, args.sequences)

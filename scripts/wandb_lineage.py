@@ -6,7 +6,9 @@ sets, declared by ``use_input``) and logged (its outputs: exports, checkpoints),
 ``RUN_DIR``: an offline run folder (``wandb/offline-run-*``), or a folder holding such runs (``$WANDB_DIR``
 or its ``wandb/``), each listed. Columns: run, direction (used / logged), type, name, sha256 (the content hash
 the command's outputs record; logged artifacts: none), path (the input's folder or file; logged: its files).
-Plain text, never cut, so that hashes can be compared with a command's summary.
+Plain text, never cut, so that hashes can be compared with a command's summary. Then the graph's edges across
+the listed runs: ``RUN_A -> ARTIFACT -> RUN_B`` for each artifact one run logged and another used (by name:
+``fit`` logs an export as ``<type>-<16 hex of its export hash>``, every consumer uses that name).
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ def lineage_rows(run_dir: Path) -> list[dict[str, str]]:
     return sorted(rows, key=lambda r: r["direction"] != "used")
 
 
+def edges(rows: list[dict[str, str]]) -> list[str]:
+    """``logger -> artifact -> user`` for every artifact name one run logged and another used."""
+    logged = {}
+    for r in rows:
+        if r["direction"] == "logged":
+            logged.setdefault(r["name"], []).append(r["run"])
+    return [f"{src} -> {r['name']} -> {r['run']}" for r in rows if r["direction"] == "used"
+            for src in logged.get(r["name"], []) if src != r["run"]]
+
+
 def format_table(rows: list[dict[str, str]]) -> str:
     widths = {c: max([len(c), *(len(r[c]) for r in rows)]) for c in COLUMNS}
     lines = ["  ".join(c.ljust(widths[c]) for c in COLUMNS)]
@@ -56,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         for d in found:
             rows += lineage_rows(d)
     print(format_table(rows) if rows else "no artifacts used or logged")
+    graph = edges(rows)
+    if graph:
+        print("edges:\n" + "\n".join(f"  {e}" for e in graph))
     return 0
 
 

@@ -47,6 +47,8 @@ def test_readme_pipeline_runs_verbatim_in_a_fresh_folder(tmp_path, data_dir):
     assert (tmp_path / "exports/router/export_manifest.json").is_file()
     assert (tmp_path / "runs/router-eval/table2.csv").is_file()
     assert json.loads((tmp_path / "runs/cues.json").read_text())["cues"]
-    assert (tmp_path / "runs/stages").is_dir()
+    cues = json.loads((tmp_path / "runs/cues.json").read_text())
+    guard = json.loads((tmp_path / "runs/stages/guard.json").read_text())["cue_set"]
+    assert guard["overlap"] == 0 and guard["evaluated"] + len(cues["calibration"]["sequence_ids"]) == 4  # COT_N
     summary = json.loads((tmp_path / "runs/eval/summary.json").read_text())
     assert summary

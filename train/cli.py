@@ -33,6 +33,7 @@ from typing import Any
 
 import lightning as pl
 import yaml
+from expertcast.data.lineage import use_inputs_of_loggers
 from expertcast.train.fit_run import (
     CKPT_DIR,
     CKPT_KEY,
@@ -52,6 +53,7 @@ from expertcast.train.fit_run import (
     launch_rank,
     link_tokenizer,
     new_run_dir,
+    plain_progress,
     read_run_info,
     settings_hash,
     shared_run_dir,
@@ -59,8 +61,13 @@ from expertcast.train.fit_run import (
     write_run_info,
 )
 from expertcast.utils.errors import UsageError
+from expertcast.utils.io import atomic_write_text
 from expertcast.utils.outdir import OutputDir, claim_output_dir, read_marker
-from expertcast.utils.tracking import finish_wandb_loggers, log_checkpoints_to_loggers, log_export_to_loggers
+from expertcast.utils.tracking import (
+    finish_wandb_loggers,
+    log_checkpoints_to_loggers,
+    log_export_to_loggers,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, instantiate_class
 
@@ -171,11 +178,14 @@ class FitCLI(LightningCLI):
         run_dir = self.plan.run_dir
         try:
             callbacks = [_build_callback(c, run_dir) for c in (self._held["callbacks"] or [])]
+            logger = _build_logger(self._held["logger"], run_dir)
+            callbacks = _without_logger_callbacks(callbacks, logger)
             if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
                 kwargs["enable_checkpointing"] = False  # the resumable checkpoints are ResumeCheckpoint's
             return super().instantiate_trainer(default_root_dir=str(run_dir),
-                                               logger=_build_logger(self._held["logger"], run_dir),
-                                               callbacks=[*callbacks, self.plan.callback], **kwargs)
+                                               logger=logger,
+                                               callbacks=[*callbacks, self.plan.callback, *plain_progress()],
+                                               **kwargs)
         except BaseException:
             _update_run(run_dir, status="failed")
             self.plan.release()
@@ -344,7 +354,40 @@ def _build_logger(raw: Any, run_dir: Path) -> Any:
     init = _as_init(raw)
     if "save_dir" in inspect.signature(_import(init["class_path"])).parameters:
         init["init_args"]["save_dir"] = str(run_dir)
+    if init["class_path"].rpartition(".")[2] == "WandbLogger" and not init["init_args"].get("id"):
+        # one W&B run per run directory: a resumed fit continues it (docs/design.md, "W&B lineage")
+        init["init_args"]["id"] = wandb_run_id(run_dir)
+        init["init_args"].setdefault("resume", "allow")
     return instantiate_class((), init)
+
+
+WANDB_ID_FILE = "wandb_run_id"
+"""In the run directory: the id of its W&B run, reused by ``--resume``."""
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The W&B run id of ``run_dir`` (written there on first use; a resumed run reads it back)."""
+    import secrets
+
+    f = Path(run_dir) / WANDB_ID_FILE
+    if f.is_file() and f.read_text(encoding="utf-8").strip():
+        return f.read_text(encoding="utf-8").strip()
+    run_id = secrets.token_hex(4)
+    if launch_rank() == 0:
+        atomic_write_text(f, run_id + "\n")
+    return run_id
+
+
+def _without_logger_callbacks(callbacks: list[Any], logger: Any) -> list[Any]:
+    """``callbacks`` less a LearningRateMonitor when there is no logger (``--trainer.logger false`` with a config
+    that monitors the learning rate: it has nothing to log to, and Lightning would stop the fit at its start)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    if logger not in (None, False, []) or not any(isinstance(c, LearningRateMonitor) for c in callbacks):
+        return callbacks
+    print("expertcast fit: no logger (trainer.logger false): the config's LearningRateMonitor is left out",
+          file=sys.stderr, flush=True)
+    return [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
 
 
 def _build_callback(raw: Any, run_dir: Path) -> Any:
@@ -441,6 +484,9 @@ def _train(cli: FitCLI, plan: RunPlan, args: list[str]) -> FitResult:
         export_hash = _write_export(cli, plan)
     if trainer.is_global_zero:
         _update_run(plan.run_dir, status="finished", global_step=int(trainer.global_step), export_hash=export_hash)
+        traces = getattr(cli.datamodule, "traces", None)  # the forecaster's trace set(s), by their fingerprint
+        traces = [traces] if isinstance(traces, (str, os.PathLike)) else list(traces or [])
+        use_inputs_of_loggers(trainer.loggers, [(t, "traces", None) for t in traces])
         log_export_to_loggers(trainer.loggers, plan.export_dir)  # a W&B logger gets the export as an artifact
         if cli.options.log_checkpoints:
             log_checkpoints_to_loggers(trainer.loggers, plan.run_dir / CKPT_DIR, step=int(trainer.global_step),

@@ -177,7 +177,14 @@ def data_training_info(datamodule: Any, fingerprint: str) -> dict[str, Any]:
     method and the exact ``train_ids`` / ``val_ids``."""
     fn = getattr(datamodule, "training_info", None)
     if callable(fn):
-        return dict(fn())
+        info = dict(fn())
+        traces = info.get("traces")
+        if isinstance(traces, list) and traces and "model" not in info:
+            from expertcast.utils.fitted_on import trace_set_model
+
+            # the routing's model, for the guard against scoring another model's (utils/fitted_on.py)
+            info["model"] = trace_set_model(traces[0], None)
+        return info
     hp = dict(getattr(datamodule, "hparams", {}) or {})
     info: dict[str, Any] = {k: hp[k] for k in ("source", "dataset_config", "text_field", "limit") if k in hp}
     info.update(dataset_split=hp.get("split"), data_fingerprint=fingerprint,
@@ -411,3 +418,66 @@ def check_fit_resume(saved: Mapping[str, Any] | None, current: Mapping[str, Any]
         msg = str(e).split("; use --overwrite")[0]
         raise ResumeMismatchError(f"{msg}; resume with the run's own config and data, or drop --resume to start "
                                   f"a new run") from None
+
+
+# -- progress in a plain log ----------------------------------------------------------------------------
+class PlainProgress(pl.Callback):
+    """Progress of a fit as plain lines when stdout is no terminal (nohup, SLURM, a pipe), where the progress bar
+    renders nothing: ``expertcast fit: step S/N (P%), epoch E, <losses>, <steps/s>, <elapsed>`` at every tenth of
+    the steps and at least every ``every_s`` seconds, and one line per finished validation."""
+
+    def __init__(self, every_s: float = 60.0, stream: Any = None):
+        self.every_s = every_s
+        self.stream = stream
+        self._t0 = self._last = 0.0
+        self._mark = -1
+
+    def _print(self, text: str) -> None:
+        print(f"expertcast fit: {text}", file=self.stream or sys.stdout, flush=True)
+
+    @staticmethod
+    def _metrics(trainer: pl.Trainer, part: str) -> str:
+        got = []
+        for k, v in sorted(trainer.callback_metrics.items()):
+            if part in k and getattr(v, "numel", lambda: 0)() == 1:
+                got.append(f"{k} {float(v):.4g}")
+        return ", ".join(got[:4])
+
+    @staticmethod
+    def _total(trainer: pl.Trainer) -> int | None:
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        return int(total) if total and total != float("inf") else None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t0 = self._last = time.monotonic()
+        total = self._total(trainer)
+        if trainer.is_global_zero:
+            self._print(f"training from step {trainer.global_step}" + (f" to {total}" if total else "")
+                        + " (plain progress lines: stdout is no terminal)")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not trainer.is_global_zero:
+            return
+        step, total, now = int(trainer.global_step), self._total(trainer), time.monotonic()
+        mark = 10 * step // total if total else -1
+        if not (mark > self._mark or now - self._last >= self.every_s):
+            return
+        self._mark, self._last = max(mark, self._mark), now
+        elapsed = now - self._t0
+        parts = [f"step {step}" + (f"/{total} ({100 * step / total:.0f}%)" if total else ""),
+                 f"epoch {trainer.current_epoch}", self._metrics(trainer, "loss"),
+                 f"{elapsed:.0f} s elapsed"]
+        self._print(", ".join(p for p in parts if p))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            got = self._metrics(trainer, "val")
+            if got:
+                self._print(f"validation at step {trainer.global_step}: {got}")
+
+
+def plain_progress(stream: Any = None) -> list[pl.Callback]:
+    """``[PlainProgress()]`` when ``stream`` (default stdout) is no terminal, else ``[]`` (the bar shows)."""
+    s = stream or sys.stdout
+    return [] if getattr(s, "isatty", lambda: False)() else [PlainProgress()]

@@ -76,6 +76,18 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def series_colors(n: int) -> list[tuple[float, float, float, float]]:
+    """``n`` distinct colours (RGBA) for the ``n`` series of one plot, never repeating (matplotlib's default cycle
+    repeats after 10): tab10 up to 10 series, tab20 up to 20, else ``n`` evenly spaced hues of ``turbo``."""
+    import matplotlib
+
+    if n <= 10:
+        return [matplotlib.colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:
+        return [matplotlib.colormaps["tab20"](i) for i in range(n)]
+    return [matplotlib.colormaps["turbo"](i / (n - 1)) for i in range(n)]
+
+
 def _json_default(o: Any) -> Any:
     try:
         import numpy as np
@@ -145,12 +157,22 @@ def print_table(rows: Sequence[dict[str, Any]], title: str | None = None, column
 
 def report(rows: Sequence[dict[str, Any]], *, title: str, json_path: str | os.PathLike | None = None,
            csv_path: str | os.PathLike | None = None, columns: Sequence[str] | None = None) -> None:
-    """Table in the terminal, plus JSON (a list of records) and CSV when paths are given."""
+    """Table in the terminal, plus JSON (a list of records) and CSV when paths are given (a path claimed with
+    :func:`expertcast.utils.outdir.claim_output_file` is recorded as written)."""
     print_table(rows, title=title, columns=columns)
     if json_path:
         atomic_write_json(json_path, list(rows))
+        _record(json_path)
     if csv_path:
         write_csv(csv_path, rows)
+        _record(csv_path)
+
+
+def _record(path: Any) -> None:
+    """Mark a claimed output file (:class:`~expertcast.utils.outdir.OutputFile`) as written; a plain path: nothing."""
+    written = getattr(path, "written", None)
+    if callable(written):
+        written()
 
 
 def iter_jsonl(path: str | os.PathLike, *, limit: int | None = None,

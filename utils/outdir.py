@@ -12,6 +12,12 @@ Every command that writes a folder claims it first with :func:`claim_output_dir`
 
 Commands register what they write with :meth:`OutputDir.track` (a file or a sub-folder name relative
 to the folder), so ``--overwrite`` knows what is theirs.
+
+A file-valued output flag (``--json``, ``--csv``, ``--plot``, ``--disk-path``, a cue set's ``--out``) follows
+the same rules through :func:`claim_output_file`: only a new path, or expertcast's own earlier output of the
+same kind. What expertcast wrote is listed (kind, size, mtime) in ``.expertcast-files.json`` beside the file
+(:meth:`OutputFile.written`); a file that is not listed, or was changed since, is somebody else's and is never
+replaced.
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ from expertcast.utils.locks import FileLock
 
 MARKER = ".expertcast-output.json"
 LOCK = ".expertcast.lock"
-_INTERNAL = {MARKER, LOCK}
+FILES = ".expertcast-files.json"
+"""Beside file outputs: ``{name: {"kind", "size", "mtime_ns"}}`` of the files expertcast wrote there."""
+_INTERNAL = {MARKER, LOCK, FILES}
+DISK_STORE_KIND = "disk-store"
+"""The kind of an expert disk store file (``--store disk --disk-path``): every command's store is the same kind."""
 
 
 def _protected(path: Path) -> str | None:
@@ -196,3 +206,74 @@ def claim_output_dir(path: str | os.PathLike, kind: str, *, overwrite: bool = Fa
             held.release()
         raise
     return OutputDir(p, kind, held)
+
+
+# -- file-valued output flags -----------------------------------------------------------------------------
+def _files_registry(folder: Path) -> dict[str, Any]:
+    try:
+        reg = json.loads((folder / FILES).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return reg if isinstance(reg, dict) else {}
+
+
+def _stamp(path: Path) -> dict[str, int]:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+class OutputFile:
+    """A claimed output file (:func:`claim_output_file`); call :meth:`written` once the file is in place."""
+
+    def __init__(self, path: Path, kind: str):
+        self.path = path
+        self.kind = kind
+
+    def written(self) -> None:
+        """Record the file as this kind's output, so that a later run of the same kind may replace it."""
+        from expertcast.utils.io import atomic_write_json
+
+        if not self.path.is_file():
+            return
+        folder = self.path.parent
+        reg = _files_registry(folder)
+        reg[self.path.name] = {"kind": self.kind, **_stamp(self.path)}
+        atomic_write_json(folder / FILES, reg)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def claim_output_file(path: str | os.PathLike, flag: str, kind: str, *, overwrite: bool = False,
+                      recognise: Any = None, what: str | None = None,
+                      hint: str = "choose a new path or remove the file first") -> OutputFile:
+    """Check the file-valued output flag ``flag`` (e.g. ``"--json"``) of a ``kind`` command (e.g.
+    ``"replay --json"``) before any work starts: ``path`` must be new, or this kind's earlier output (listed in
+    ``.expertcast-files.json`` with its size and mtime unchanged, or accepted by ``recognise(path) -> bool`` for a
+    self-describing format such as a cue set). ``overwrite`` replaces any existing file (never a folder). Raises
+    :class:`OutputDirError` in one line naming the flag and the file (``what``, e.g. ``"a cue set"``: what the
+    file must be; ``hint`` how to get past it); nothing is written or removed."""
+    p = Path(path).expanduser()
+    if p.name in _INTERNAL or p.name.startswith(f".{MARKER}."):
+        raise OutputDirError(f"{flag} {p}: that name is expertcast's own bookkeeping file; choose another path")
+    if p.is_dir():
+        raise OutputDirError(f"{flag} {p} is a folder; give the file to write")
+    if p.exists() or p.is_symlink():
+        if not p.is_file():
+            raise OutputDirError(f"{flag} {p} exists and is not a regular file; choose a new path")
+        if not overwrite:
+            entry = _files_registry(p.parent).get(p.name)
+            ours = isinstance(entry, dict) and entry.get("kind") == kind and not p.is_symlink() and \
+                {k: entry.get(k) for k in ("size", "mtime_ns")} == _stamp(p)
+            if not ours and not (recognise is not None and recognise(p)):
+                if what is not None:
+                    why = f"is not {what}"
+                elif isinstance(entry, dict) and entry.get("kind") != kind:
+                    why = f"was written by `expertcast {entry.get('kind')}`"
+                else:
+                    why = "was not written by expertcast as this output (or was changed since)"
+                raise OutputDirError(f"{flag} {p} exists and {why}; refusing to replace it ({hint})")
+    return OutputFile(p, kind)

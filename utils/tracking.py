@@ -7,9 +7,12 @@ to be uploaded later with ``wandb sync``.
 * :func:`log_table` logs rows (list of dicts) as a ``wandb.Table``; :func:`log_image` a PNG;
 * :func:`log_export` logs an export folder (forecaster, routers, fine-tuned model) as an artifact whose
   metadata holds the export's JSON files (its config, training block, manifest);
-* :func:`log_export_to_loggers` finds the W&B run of a Lightning fit, :func:`log_checkpoints_to_loggers` logs
-  its checkpoints there; :func:`define_step_axis` gives a run's series their step axis (``define_metric``);
-* a command's own run with its inputs (lineage): :mod:`expertcast.recipes.lineage`;
+* :func:`log_results` does all three for one command in a run of its own (simulate, forecast-eval,
+  stages eval, ...); :func:`log_export_to_loggers` finds the W&B run of a Lightning fit,
+  :func:`log_checkpoints_to_loggers` logs its checkpoints there;
+* :func:`use_input` declares an export, trace set or cue set a command consumed as an input artifact of its
+  run (lineage), named by its kind and the content hash the command's outputs record;
+  :func:`define_step_axis` gives a run's series their step axis (``define_metric``);
 * :func:`offline_run_contents` reads an offline run back (tables, images, artifacts used and logged, step
   axes); ``scripts/wandb_lineage.py RUN_DIR`` prints its lineage.
 """
@@ -89,13 +92,17 @@ UPLOAD_LIMIT_MB = 2048.0
 their folder (W&B records the paths, the metadata still holds the export manifest's sha256 of every file)."""
 
 
-def log_export(run: Any, export_dir: str | Path, kind: str, name: str | None = None,
-               upload_limit_mb: float = UPLOAD_LIMIT_MB) -> Any:
-    """Log the export folder ``export_dir`` as an artifact of type ``kind`` (``forecaster``, ``router``,
-    ``model``) holding its files (hidden ones, the output-folder marker and lock, left out); its metadata
-    holds every top-level JSON file of the export by file name (config, training block, manifest with the
-    sha256 of every file). Returns the artifact."""
-    d = Path(export_dir)
+def export_artifact(export_dir: str | Path, kind: str, upload_limit_mb: float = UPLOAD_LIMIT_MB) -> Any:
+    """The one artifact of an export (docs/design.md, "W&B lineage"): type ``INPUT_TYPES[kind]``
+    (``forecaster-export``, ``router-export``), named ``<type>-<first 16 hex of its export_hash>``, holding the
+    export's files (hidden ones, the output-folder marker and lock, left out; above ``upload_limit_mb`` a
+    reference to the folder), metadata every top-level JSON file by name (config, training block, manifest) plus
+    ``{path, sha256, kind}``. ``fit`` logs it and every consumer uses it by that name, so the same content is
+    the same artifact version and a consumer's run leads back to the fit's."""
+    from expertcast.utils.provenance import EXPORT_MANIFEST, sha256_files, verify_export_manifest
+
+    d = Path(export_dir).resolve()
+    digest = verify_export_manifest(d) if (d / EXPORT_MANIFEST).is_file() else sha256_files(d)
     files = sorted(p for p in d.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(d).parts))
     meta: dict[str, Any] = {}
     for f in (p for p in files if p.parent == d and p.suffix == ".json"):
@@ -103,12 +110,36 @@ def log_export(run: Any, export_dir: str | Path, kind: str, name: str | None = N
             meta[f.stem] = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-    art = wandb_module().Artifact(artifact_name(name or f"{kind}-{d.resolve().name}"), type=kind, metadata=meta)
+    kind_type = INPUT_TYPES[kind]
+    meta.update(path=str(d), sha256=digest, kind=kind)
+    art = wandb_module().Artifact(exportartifact_name(kind, digest), type=kind_type, metadata=meta)
     if sum(p.stat().st_size for p in files) / 2**20 <= upload_limit_mb:
         for f in files:  # the export's files, not the output-folder marker and lock
             art.add_file(str(f), name=str(f.relative_to(d)))
     else:
-        art.add_reference(f"file://{d.resolve()}", checksum=False)
+        art.add_reference(f"file://{d}", checksum=False)
+    return art
+
+
+def exportartifact_name(kind: str, digest: str) -> str:
+    """``<type>-<first 16 hex of the export hash>``: the name fit logs an export under and consumers use."""
+    return artifact_name(f"{INPUT_TYPES[kind]}-{digest[:16]}")
+
+
+def log_export(run: Any, export_dir: str | Path, kind: str, name: str | None = None,
+               upload_limit_mb: float = UPLOAD_LIMIT_MB) -> Any:
+    """Log the export folder ``export_dir`` (``kind``: ``forecaster``, ``router`` or ``model``, a
+    router-adaptation export holding its fine-tuned model) as its :func:`export_artifact`, an output of ``run``.
+    Another ``kind`` (no export type of its own) is logged under ``name`` (default ``<kind>-<folder>``) with its
+    files. Returns the artifact."""
+    kind = "router" if kind == "model" else kind
+    if kind in ("forecaster", "router"):
+        art = export_artifact(export_dir, kind, upload_limit_mb)
+    else:
+        d = Path(export_dir)
+        art = wandb_module().Artifact(artifact_name(name or f"{kind}-{d.resolve().name}"), type=kind)
+        for f in sorted(p for p in d.rglob("*") if p.is_file() and not p.name.startswith(".")):
+            art.add_file(str(f), name=str(f.relative_to(d)))
     run.log_artifact(art)
     return art
 
@@ -121,6 +152,11 @@ def export_kind(export_dir: str | Path) -> str:
         return "model"
     names = " ".join(p.name for p in d.iterdir()) if d.is_dir() else ""
     return next((k for k in ("forecaster", "router") if k in names), "export")
+
+
+INPUT_TYPES = {"forecaster": "forecaster-export", "router": "router-export", "traces": "trace-set",
+               "cue_set": "cue-set", "router_replay": "router-replay"}
+"""W&B artifact type of each kind of input (the policies' file-option kinds, plus ``router``: a router export)."""
 
 
 def define_step_axis(run: Any, axis: str, metrics: Iterable[str]) -> None:
@@ -212,8 +248,9 @@ def _wandb_records(path: Path) -> Iterable[bytes]:
 
 def offline_run_contents(run_dir: str | Path) -> dict[str, Any]:
     """What an offline run directory (``wandb/offline-run-*``) holds: its table and image files, the
-    artifacts its transaction log records (name, type, files, metadata keys; ``used``: an input of the run,
-    :func:`use_input`, with the ``sha256`` and ``path`` of its metadata; else logged by the run) and the step
+    artifacts its transaction log records (name, type, files, metadata keys, ``digest``: W&B's content digest, equal
+    for the same version; ``used``: an input of the run, :func:`use_input`, else logged by the run; the ``sha256`` and
+    ``path`` of its metadata) and the step
     axes of its metrics (``define_metric``: metric -> step metric)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
@@ -232,7 +269,8 @@ def offline_run_contents(run_dir: str | Path) -> dict[str, Any]:
                 meta = json.loads(a.metadata or "{}")
                 out["artifacts"].append({"name": a.name, "type": a.type, "files": [c.path for c in a.manifest.contents],
                                          "metadata": sorted(meta), "used": bool(a.use_after_commit),
-                                         "sha256": meta.get("sha256"), "path": meta.get("path")})
+                                         "sha256": meta.get("sha256"), "path": meta.get("path"),
+                                         "digest": a.digest})
             elif kind == "metric" and rec.metric.name:
                 out["step_axes"][rec.metric.name] = rec.metric.step_metric or None
     return out

@@ -340,20 +340,25 @@ class CueSet:
             raise UsageError(f"cue set of {self.model_id!r} holds expert frequencies for L={L}, E={E} but the {what} "
                              f"has L={num_layers}, E={num_experts}: calibrated on another model")
 
-    def check_model(self, model_id: str | None, source: str = "cue set", what: str = "the traces") -> None:
-        """Raise a UsageError naming both models when the cue set was calibrated on a model other than
-        ``model_id`` (the same string, or two paths of one folder, count as the same model)."""
-        if not self.model_id or not model_id or _same_model(self.model_id, model_id):
-            return
-        raise UsageError(f"{source} was calibrated on model {self.model_id!r} but {what} come from model "
-                         f"{model_id!r}; calibrate a cue set on this model's traces (expertcast stages calibrate)")
+    def fitted_on(self, source: str = "cue set") -> Any:
+        """What the cue set was calibrated on (:class:`~expertcast.utils.fitted_on.FittedOn`): the calibration
+        sequence ids (None: a cue set written before they were recorded) and the model identity."""
+        from expertcast.utils.fitted_on import FittedOn, model_of
 
+        ids = self.calibration.get("sequence_ids")
+        return FittedOn(source, frozenset(ids) if isinstance(ids, list) else None,
+                        model_of(self.calibration.get("model"), self.model_id), verb="calibrated")
 
-def _same_model(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    def check_model(self, model_id: str | None, source: str = "cue set", what: str = "the traces",
+                    model: dict[str, Any] | None = None, allow_mismatch: bool = False) -> dict[str, Any]:
+        """Refuse (:class:`~expertcast.utils.fitted_on.ModelMismatchError`, naming both models) a cue set
+        calibrated on a model other than ``model`` (an identity) or ``model_id`` (the same string, or two paths of
+        one folder, count as the same model), unless ``allow_mismatch``; the guard's result for the output."""
+        from expertcast.utils.fitted_on import check_fitted_on, model_of
+
+        return check_fitted_on(self.fitted_on(source), None, model or model_of(None, model_id), scored=what,
+                               allow_model_mismatch=allow_mismatch,
+                               mismatch_hint="calibrate a cue set on this model's traces (expertcast stages calibrate)")
 
 
 @dataclass
@@ -420,9 +425,10 @@ def expert_frequency(seqs: Sequence[CalibSequence], num_experts: int) -> np.ndar
 def calibrate(seqs: Sequence[CalibSequence], decoder: Callable[[int], bytes], num_experts: int,
               candidates: Sequence[str] = DEFAULT_CANDIDATES, config: CalibrationConfig | None = None,
               model_id: str | None = None, tokenizer_id: str | None = None,
-              progress: bool = False) -> CueSet:
+              progress: bool = False, model: dict[str, Any] | None = None) -> CueSet:
     """Score every candidate alone, prune, and grow the cue set greedily (best TCseq margin first)
-    while the set's noise and TCseq stay within the thresholds."""
+    while the set's noise and TCseq stay within the thresholds. The cue set records the calibration sequence
+    ids and ``model`` (the traces' model identity) for :meth:`CueSet.fitted_on`."""
     cfg = config or CalibrationConfig()
     if cfg.control not in ("uniform", "shuffled"):
         raise UsageError(f"calibration control must be 'uniform' or 'shuffled', got {cfg.control!r}")
@@ -489,7 +495,8 @@ def calibrate(seqs: Sequence[CalibSequence], decoder: Callable[[int], bytes], nu
     return CueSet(
         cues=cues, model_id=model_id, tokenizer=tokenizer_id, ignore_case=cfg.ignore_case,
         candidates=list(candidates), scores=scores,
-        calibration={"config": asdict(cfg), "sequences": len(seqs), "decode_tokens": n_tok,
+        calibration={"config": asdict(cfg), "sequences": len(seqs), "sequence_ids": [s.seq_id for s in seqs],
+                     **({"model": dict(model)} if model else {}), "decode_tokens": n_tok,
                      "selected": final.summary(), "all_candidates": full.summary(), "greedy": history},
         expert_frequency=expert_frequency(seqs, num_experts).tolist(),
     )

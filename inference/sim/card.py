@@ -297,11 +297,14 @@ def finite_or_none(x: Any) -> Any:
 
 
 def check_splits(seqs: Sequence[TraceSequence], fit: Sequence[TraceSequence] | None, forecaster: str | None,
-                 fit_what: str = "the fit set") -> dict[str, Any]:
+                 fit_what: str = "the fit set", routing: dict[str, Any] | None = None) -> dict[str, Any]:
     """Refuse (:class:`~expertcast.utils.errors.OverlapError`) evaluated sequence ids shared with the fit set or
-    with the export's training ids (:func:`~expertcast.utils.provenance.check_overlap`, no override: a card is
-    never contaminated); the checks' results for the header."""
+    with the export's training ids, and (:class:`~expertcast.utils.fitted_on.ModelMismatchError`) an export fitted on
+    another model's routing than ``routing`` (the carded traces' model identity), through the one guard
+    :func:`~expertcast.utils.fitted_on.check_fitted_on`, with no override: a card is never contaminated; the
+    checks' results for the header."""
     from expertcast.utils.errors import OverlapError
+    from expertcast.utils.fitted_on import ModelMismatchError, check_fitted_on, forecaster_fitted_on
     from expertcast.utils.provenance import check_overlap
 
     ids = [s.seq_id for s in seqs]
@@ -310,11 +313,10 @@ def check_splits(seqs: Sequence[TraceSequence], fit: Sequence[TraceSequence] | N
         if fit is not None:
             out["fit"] = check_overlap(ids, [s.seq_id for s in fit], what=fit_what)
         if forecaster:
-            from expertcast.models.forecaster_export import training_ids
-
-            out["forecaster"] = check_overlap(ids, training_ids(forecaster), what=f"the forecaster {forecaster}")
-    except OverlapError as e:  # the card has no override: say so instead of check_overlap's --allow-overlap hint
-        raise OverlapError(str(e).split(" or pass --allow-overlap")[0] + " (a card has no override)") from None
+            out["forecaster"] = check_fitted_on(forecaster_fitted_on(forecaster), ids, routing,
+                                                scored="the carded traces")
+    except (OverlapError, ModelMismatchError) as e:  # no override: say so instead of the guard's --allow-* hint
+        raise type(e)(str(e).split(" or pass --allow-")[0] + " (a card has no override)") from None
     return out
 
 
@@ -339,7 +341,10 @@ def make_card(meta: TraceMeta, seqs: Sequence[TraceSequence], settings: CardSett
             validate_traces(meta, fit)
         except ValueError as e:
             raise ValueError(f"fit set: {e}") from None
-    overlap = check_splits(seqs, fit, forecaster)
+    from expertcast.utils.fitted_on import trace_set_model
+
+    overlap = check_splits(seqs, fit, forecaster,
+                           routing=trace_set_model((sources or {}).get("traces"), meta.model_id))
     export_hash = None
     if forecaster:
         from expertcast.models.forecaster_export import verify_export
@@ -467,16 +472,18 @@ def plot_card(card: dict[str, Any], path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from expertcast.utils.io import save_figure
+    from expertcast.utils.io import save_figure, series_colors
+    from expertcast.utils.paths import display_path
 
     h = card["header"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     policies = list(dict.fromkeys(r["policy"] for r in card["cache"]))
+    colors = series_colors(len(policies))
     for i, pol in enumerate(policies):
         for pool, style in (("per-layer", "-o"), ("shared", "--s")):
             pts = sorted((r["capacity"], r["hit"]) for r in card["cache"] if r["policy"] == pol and r["pool"] == pool)
             if pts:
-                a1.plot([c for c, _ in pts], [100 * v for _, v in pts], style, color=f"C{i % 10}",
+                a1.plot([c for c, _ in pts], [100 * v for _, v in pts], style, color=colors[i],
                         label=f"{pol} ({pool})", alpha=0.9 if pool == "per-layer" else 0.6)
     a1.set_xlabel("capacity (fraction of L*E experts)")
     a1.set_ylabel("hit (%)")
@@ -484,8 +491,8 @@ def plot_card(card: dict[str, Any], path) -> None:
     a1.grid(alpha=0.3)
     a1.legend(fontsize=6, ncol=2)
     hs = [int(k.split(" h")[1]) for k in card["recall"][0] if k.startswith("R@K h")]
-    for i, r in enumerate(card["recall"]):
-        a2.plot(hs, [100 * r[f"R@K h{x}"] for x in hs], "-o", color=f"C{i % 10}", label=r["predictor"])
+    for r, color in zip(card["recall"], series_colors(len(card["recall"])), strict=True):
+        a2.plot(hs, [100 * r[f"R@K h{x}"] for x in hs], "-o", color=color, label=r["predictor"])
     a2.set_xscale("log", base=2)
     a2.set_xticks(hs, [str(x) for x in hs])
     a2.set_xlabel("horizon (decode steps ahead)")
@@ -494,7 +501,8 @@ def plot_card(card: dict[str, Any], path) -> None:
     a2.grid(alpha=0.3)
     a2.legend(fontsize=7)
     sh = h["shape"]
-    fig.suptitle(f"{h['model_id']} ({h['source_format']}): L={sh['L']} E={sh['E']} K={sh['K']}, {h['sequences']} "
+    fig.suptitle(f"{display_path(h['model_id'])} ({h['source_format']}): L={sh['L']} E={sh['E']} K={sh['K']}, "
+                 f"{h['sequences']} "
                  f"sequences, {h['tokens']} tokens", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)

@@ -57,11 +57,12 @@ def plot_hit_vs_capacity(records: Sequence[dict[str, Any]], path: str | os.PathL
         _line(ax, xs, ys, color="black", lw=2.5, ls="--", label="demand-only ceiling")
         if len(xs) > 1:
             ax.fill_between(xs, ys, 1.0, color="0.9", zorder=0)
-    for p in dict.fromkeys(r["policy"] for r in records):
-        if p == "belady" and bel:
-            continue
+    from expertcast.utils.io import series_colors
+
+    shown = [p for p in dict.fromkeys(r["policy"] for r in records) if not (p == "belady" and bel)]
+    for p, color in zip(shown, series_colors(len(shown)), strict=True):  # 11 policies: 11 colours
         pts = sorted((r[x_key], r["hit"]) for r in records if r["policy"] == p)
-        _line(ax, [a for a, _ in pts], [b for _, b in pts], marker="o", label=p)
+        _line(ax, [a for a, _ in pts], [b for _, b in pts], marker="o", label=p, color=color)
     if x_key != "capacity":
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(x_label)

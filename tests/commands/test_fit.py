@@ -275,8 +275,25 @@ def test_wandb_checkpoints_are_logged_as_an_artifact_when_asked(traces, tmp_path
     rc, res = run_fit(args)
     assert rc == 0
     [run] = sorted(res.run_dir.glob("wandb/offline-run-*"))
-    got = offline_contents(run, lambda c: {a["type"] for a in c["artifacts"]} >= {"model-checkpoint", "forecaster"})
+    got = offline_contents(run, lambda c: {a["type"] for a in c["artifacts"]} >= {"model-checkpoint",
+                                                                                  "forecaster-export"})
     [art] = [a for a in got["artifacts"] if a["type"] == "model-checkpoint"]
     assert sorted(art["files"]) == sorted(p.name for p in (res.run_dir / "checkpoints").glob("*.ckpt"))
     assert "last.ckpt" in art["files"] and not art["used"]
     assert {"step", "export_hash", "files"} <= set(art["metadata"])
+
+
+def test_shipped_config_without_logger_fits_and_prints_progress_lines(traces, tmp_path, capsys):
+    """`fit --config configs/forecaster/tiny.yaml --trainer.logger false` keeps the config's callbacks: its
+    LearningRateMonitor (nothing to log to) is left out with a note instead of a traceback; stdout is no terminal
+    here (as under nohup or SLURM), so progress comes as plain lines, not a bar that renders nothing."""
+    args = fit_args(tmp_path / "runs", traces["a"], 1)
+    i = args.index("--trainer.callbacks")
+    del args[i:i + 2]
+    rc, res = run_fit([*args, "--trainer.max_steps", "4"])
+    cap = capsys.readouterr()
+    assert rc == 0 and res.status == "finished", cap.err[-2000:]
+    assert "Traceback" not in cap.err and "LearningRateMonitor is left out" in cap.err
+    lines = [ln for ln in cap.out.splitlines() if re.match(r"expertcast fit: step \d+/4 \(\d+%\), epoch \d+", ln)]
+    assert lines and "train/loss" in lines[-1], cap.out[-2000:]
+    assert re.search(r"expertcast fit: step 4/4 \(100%\)", cap.out), cap.out[-2000:]

@@ -53,7 +53,9 @@ def test_default_evaluates_only_sequences_the_export_never_saw(data, tmp_path):
     assert _run(data, tmp_path) == 0
     s = _summary(tmp_path)
     assert s["split"] == "held-out" and s["sequences"] == 3
-    assert s["overlap"]["forecaster"] == {"overlap": 0, "evaluated": 3, "allowed": False}
+    assert s["overlap"]["forecaster"] == {"overlap": 0, "evaluated": 3, "allowed": False, "model_match": True,
+                                          "model_mismatch_allowed": False, "fitted_model": {"path": "synthetic-zipf"},
+                                          "scored_model": {"path": "synthetic-zipf"}}
     assert s["overlap"]["baselines"]["overlap"] == 0 and len(s["export_hash"]) == 64
     assert {r["predictor"] for r in s["rows"]} == {"forecaster", "repeat-last", "frequency", "transition",
                                                    "recent-freq", "recent-count", "mlp-reference"}
@@ -70,7 +72,39 @@ def test_overlap_is_an_error_unless_allowed_then_reported(data, tmp_path, capsys
     assert _run(data, tmp_path, "--split", "all", "--allow-overlap") == 0
     assert "forecaster trained on 5 of the 8 evaluated sequences (--allow-overlap)" in capsys.readouterr().out
     s = _summary(tmp_path)
-    assert s["overlap"]["forecaster"] == {"overlap": 5, "evaluated": 8, "allowed": True}
+    assert {k: s["overlap"]["forecaster"][k] for k in ("overlap", "evaluated", "allowed", "model_match")} == \
+        {"overlap": 5, "evaluated": 8, "allowed": True, "model_match": True}
+
+
+def test_another_models_routing_is_refused_unless_allowed_then_reported(data, tmp_path, capsys):
+    """The export records the routing's model (a base model); traces of a router-adapted model (another folder,
+    other files) route differently: refused, or with --allow-model-mismatch reported in the title and JSON."""
+    from expertcast.data.traces import iter_traces, read_meta
+
+    base, adapted = tmp_path / "base", tmp_path / "adapted"
+    for d, w in ((base, b"base"), (adapted, b"adapted")):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(w)
+    torch.manual_seed(0)
+    model = ExpertForecaster(ForecasterConfig(num_layers=2, num_experts=8, top_k=2, hidden_size=16, head_dim=8,
+                                              state_size=4, num_blocks=1, direct_horizons=2)).eval()
+    from expertcast.models.backbone import model_identity
+
+    training = {"traces": [str(data["traces"])], "split": {"seed": 0, "val_fraction": 0.2},
+                "train_ids": data["ids"][:4], "val_ids": data["ids"][4:5], "model": model_identity(str(base))}
+    export = save_forecaster(model, tmp_path / "export", source={"model_id": str(base)}, training=training)
+    meta = read_meta(data["traces"])
+    meta.model_id = str(adapted)
+    traces = write_traces(tmp_path / "adapted-traces", meta, list(iter_traces(data["traces"], read_meta(data["traces"]))))
+    argv = ["--forecaster", str(export), "--traces", str(traces), "--horizons", "2", "--mlp-steps", "0"]
+    assert main([*argv, "--out", str(tmp_path / "o1")]) == 2
+    err = _err(capsys)
+    assert "was fitted on model" in err and "adapted" in err and "--allow-model-mismatch" in err
+    assert main([*argv, "--out", str(tmp_path / "out"), "--allow-model-mismatch"]) == 0
+    assert "(--allow-model-mismatch)" in capsys.readouterr().out
+    fc = _summary(tmp_path)["overlap"]["forecaster"]
+    assert fc["model_match"] is False and fc["scored_model"]["path"] == str(adapted)
+    assert fc["fitted_model"]["files_sha256"] == model_identity(str(base))["files_sha256"]
 
 
 def test_an_export_without_training_ids_needs_allow_overlap(data, tmp_path, capsys):

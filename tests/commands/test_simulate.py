@@ -280,3 +280,27 @@ def test_config_file_values_and_flag_override_equal_the_command_line(tmp_path, c
     a, b = (json.loads((tmp_path / d / SETTINGS_FILE).read_text()) for d in "ab")
     assert a.pop("config")["path"] == str(cfg.resolve()) and "config" not in b
     assert a == b
+
+
+def test_no_progress_is_accepted_like_the_other_commands(tmp_path, capsys):
+    assert main([*SMALL, "--policies", "lru", "--capacity", "0.5", "--no-progress", "--out", str(tmp_path / "o")]) == 0
+    assert "simulate:" not in capsys.readouterr().err  # no progress bar
+
+
+def test_a_forecaster_of_another_models_routing_is_refused_unless_allowed(tmp_path, capsys):
+    """The export was fitted on the routing of 'synthetic-zipf'; traces of a router-adapted model are another
+    model's routing: refused, or with --allow-model-mismatch reported in the title and simulate.settings.json."""
+    tr = zipf_traces(4, 40, num_layers=2, num_experts=8, top_k=2, seed=5)
+    tr.meta.model_id = "org/router-adapted"
+    traces = write_traces(tmp_path / "adapted", tr.meta, tr.sequences)
+    exp = _export(tmp_path / "exp", ["other-0"])
+    argv = ["--traces", str(traces), "--policies", f"lru,seqmoe:forecaster={exp},horizon=2", "--capacity", "0.5"]
+    assert main([*argv, "--out", str(tmp_path / "o1")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'synthetic-zipf'" in err and "'org/router-adapted'" in err
+    assert "--allow-model-mismatch" in err
+    assert main([*argv, "--allow-model-mismatch", "--out", str(tmp_path / "o2")]) == 0
+    assert "(--allow-model-mismatch)" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "o2" / "simulate.settings.json").read_text())["train_overlap"]
+    [got] = [v for k, v in saved.items() if k.startswith("seqmoe")]
+    assert got["model_match"] is False and got["scored_model"] == {"path": "org/router-adapted"}

@@ -67,6 +67,10 @@ def setup(tmp_path_factory):
     return root, model, traces, gold
 
 
+IN_SAMPLE = ["--split", "all", "--allow-overlap"]
+"""The cue set below is calibrated on every trace: its eval is in-sample, explicitly (reported in guard.json)."""
+
+
 def test_calibrate_stats_detect_eval(setup, capsys):
     root, model, traces, gold = setup
     cues = model / "cues.json"
@@ -92,7 +96,7 @@ def test_calibrate_stats_detect_eval(setup, capsys):
     full = [r for r in det if r["cue_set"].startswith("all candidates") and r["tolerance_tokens"] == 4][0]
     assert full["recall"] == pytest.approx(1.0) and 0.2 < full["precision"] < 0.8  # Wait = gold, So = not
     out = out / "eval"
-    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2",
+    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", *IN_SAMPLE,
                  "--capacity", "0.03,0.25", "--policies", "stage,stage-oracle,lru,static",
                  "--out", str(out)]) == 0
     rows = json.loads((out / "saem_eval.json").read_text())
@@ -108,18 +112,18 @@ def test_calibrate_stats_detect_eval(setup, capsys):
     partial = json.loads((out / "partial-cot.json").read_text())
     assert len(partial["records"]) == len(rows) and partial["settings"]["cues"] == ["So"]
     capsys.readouterr()
-    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2",
+    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", *IN_SAMPLE,
                  "--capacity", "0.03,0.25", "--policies", "stage,stage-oracle,lru,static",
                  "--out", str(out)]) == 0
     assert json.loads((out / "saem_eval.json").read_text()) == rows
     # other settings (another expert size) must not silently reuse those records
     capsys.readouterr()
-    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", "--capacity", "0.25",
+    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", *IN_SAMPLE, "--capacity", "0.25",
                  "--policies", "lru", "--expert-bytes", "1000000", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "other settings: cost:" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
     # --overwrite starts over with the new settings
-    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", "--slots", "2",
+    assert main(["eval", "--traces", str(traces), "--model", str(model), "--batch-sizes", "2", *IN_SAMPLE, "--slots", "2",
                  "--policies", "lru", "--expert-bytes", "1000000", "--out", str(out), "--overwrite"]) == 0
     (row,) = json.loads((out / "saem_eval.json").read_text())
     assert row["slots_per_layer"] == 2 and row["capacity"] == pytest.approx(2 / E)
@@ -248,7 +252,7 @@ def test_eval_wandb_run_declares_its_traces_and_cue_set(setup, tmp_path, wandb_d
 
     root, model, traces, _ = setup
     cues = tmp_path / "cues.json"
-    assert main(["calibrate", "--traces", str(traces), "--model", str(model), "--out", str(cues),
+    assert main(["calibrate", "--traces", str(traces), "--model", str(model), "--out", str(cues), "--heldout", "0.5",
                  "--min-rate", "1", "--min-stage-tokens", "4"]) == 0
     assert main(["eval", "--traces", str(traces), "--model", str(model), "--cues", str(cues), "--batch-sizes", "2",
                  "--capacity", "0.25", "--policies", "stage,lru", "--out", str(tmp_path / "eval"),
@@ -258,3 +262,52 @@ def test_eval_wandb_run_declares_its_traces_and_cue_set(setup, tmp_path, wandb_d
     used = {a["type"]: a for a in got["artifacts"] if a["used"]}
     assert used["cue-set"]["sha256"] == sha256_file(cues) and used["cue-set"]["files"] == ["cues.json"]
     assert used["trace-set"]["sha256"] == sequences_fingerprint(load_traces(traces)[1])
+
+
+def test_eval_scores_only_held_out_sequences(setup, tmp_path, capsys):
+    """calibrate --heldout keeps a hash split of the traces out of the cue set; eval scores only those; an
+    in-sample eval (--split all) is refused unless --allow-overlap, then reported in guard.json."""
+    from expertcast.utils.provenance import split_of
+
+    root, model, traces, gold = setup
+    cues = tmp_path / "cues.json"
+    assert main(["calibrate", "--traces", str(traces), "--model", str(model), "--out", str(cues), "--heldout", "0.5",
+                 "--min-rate", "1", "--min-stage-tokens", "4"]) == 0
+    cal = json.loads(cues.read_text())["calibration"]
+    held = {f"s{i}" for i in range(6) if split_of(f"s{i}", 0.5) == "val"}
+    assert 0 < len(held) < 6 and set(cal["sequence_ids"]) == {f"s{i}" for i in range(6)} - held
+    assert cal["model"]["path"] == str(model)
+    args = ["eval", "--traces", str(traces), "--cues", str(cues), "--model", str(model), "--batch-sizes", "1",
+            "--capacity", "0.25", "--policies", "lru,stage"]
+    assert main([*args, "--out", str(tmp_path / "e1")]) == 0
+    guard = json.loads((tmp_path / "e1" / "guard.json").read_text())["cue_set"]
+    assert guard["overlap"] == 0 and guard["evaluated"] == len(held) and guard["model_match"] is True
+    capsys.readouterr()
+    rc, err, _ = _run([*args, "--split", "all", "--out", str(tmp_path / "e2")], capsys)
+    assert rc == 2 and "were used to train the cue set" in err and "--allow-overlap" in err
+    assert main([*args, "--split", "all", "--allow-overlap", "--out", str(tmp_path / "e3")]) == 0
+    guard = json.loads((tmp_path / "e3" / "guard.json").read_text())["cue_set"]
+    assert guard["overlap"] == 6 - len(held) and guard["allowed"] is True
+
+
+def test_eval_refuses_another_models_routing(setup, tmp_path, capsys):
+    """A cue set calibrated on one model's routing, scored on traces of another model (same shape), is refused
+    unless --allow-model-mismatch; then the title and guard.json say so."""
+    from expertcast.data.traces import iter_traces, read_meta, write_traces
+
+    root, model, traces, gold = setup
+    cues = tmp_path / "cues.json"
+    assert main(["calibrate", "--traces", str(traces), "--model", str(model), "--out", str(cues), "--heldout", "0.5",
+                 "--min-rate", "1", "--min-stage-tokens", "4"]) == 0
+    meta = read_meta(traces)
+    meta.model_id = "org/router-adapted"
+    other = write_traces(tmp_path / "other", meta, list(iter_traces(traces, read_meta(traces))))
+    args = ["eval", "--traces", str(other), "--cues", str(cues), "--model", str(model), "--batch-sizes", "1",
+            "--capacity", "0.25", "--policies", "lru"]
+    rc, err, _ = _run([*args, "--out", str(tmp_path / "m1")], capsys)
+    assert rc == 2 and "'org/router-adapted'" in err and "--allow-model-mismatch" in err
+    assert main([*args, "--allow-model-mismatch", "--out", str(tmp_path / "m2")]) == 0
+    out = capsys.readouterr().out
+    assert "--allow-model-mismatch" in out
+    guard = json.loads((tmp_path / "m2" / "guard.json").read_text())["cue_set"]
+    assert guard["model_match"] is False and guard["scored_model"]["path"] == "org/router-adapted"

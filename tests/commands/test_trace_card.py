@@ -128,8 +128,10 @@ def test_card_with_a_fit_set_and_a_forecaster(small, tmp_path, capsys):
     card = json.loads((out / "card.json").read_text())
     h = card["header"]
     assert h["lifecycle"] == "cold" and h["fit_sequences"] == 3 and len(h["export_hash"]) == 64
-    assert h["overlap"] == {"fit": {"overlap": 0, "evaluated": 4, "allowed": False},
-                            "forecaster": {"overlap": 0, "evaluated": 4, "allowed": False}}
+    fc = h["overlap"]["forecaster"]
+    assert h["overlap"]["fit"] == {"overlap": 0, "evaluated": 4, "allowed": False}
+    assert {k: fc[k] for k in ("overlap", "evaluated", "allowed", "model_match")} == \
+        {"overlap": 0, "evaluated": 4, "allowed": False, "model_match": True}
     rows = card["cache"]
     assert {r["policy"] for r in rows} == {*DEMAND, "static", "belady", "seqmoe", "hybrid"}
     for r in rows:

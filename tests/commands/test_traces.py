@@ -68,7 +68,7 @@ def test_imported_granite_traces_feed_stats_simulate_and_forecast_eval(granite, 
     torch.manual_seed(0)
     fc = ExpertForecaster(ForecasterConfig(num_layers=24, num_experts=32, top_k=8, hidden_size=16, head_dim=8,
                                            state_size=4, num_blocks=1, direct_horizons=2)).eval()
-    export = save_forecaster(fc, tmp_path / "fc", source={"model_id": "granite"},
+    export = save_forecaster(fc, tmp_path / "fc", source={"model_id": load_traces(g)[0].model_id},  # its routing
                              training={"train_ids": [], "val_ids": []})
     assert forecast_eval(["--forecaster", str(export), "--traces", str(g), "--horizons", "2", "--out",
                           str(tmp_path / "fe"), "--fit-traces", str(g), "--allow-overlap"]) == 0

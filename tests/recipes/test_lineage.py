@@ -20,15 +20,16 @@ def _used(contents: dict) -> dict[str, dict]:
     return {a["type"]: a for a in contents["artifacts"] if a["used"]}
 
 
-def _forecaster(path: Path, num_layers: int, num_experts: int, top_k: int, **kw) -> Path:
-    """An untrained forecaster export whose training block lists no sequence of the tests'."""
+def _forecaster(path: Path, num_layers: int, num_experts: int, top_k: int, model_id: str = "synthetic", **kw) -> Path:
+    """An untrained forecaster export whose training block lists no sequence of the tests' (fitted, it says, on
+    the routing of ``model_id``)."""
     from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
     from expertcast.models.forecaster_export import save_forecaster
 
     torch.manual_seed(0)
     cfg = ForecasterConfig(num_layers=num_layers, num_experts=num_experts, top_k=top_k, hidden_size=16, head_dim=8,
                            state_size=4, num_blocks=1, direct_horizons=2, **kw)
-    return Path(save_forecaster(ExpertForecaster(cfg).eval(), path, source={"model_id": "synthetic"},
+    return Path(save_forecaster(ExpertForecaster(cfg).eval(), path, source={"model_id": model_id},
                                 training={"train_ids": ["other-0"], "val_ids": []}))
 
 
@@ -41,7 +42,7 @@ def test_simulate_declares_its_traces_and_forecaster(tmp_path, wandb_dir, offlin
 
     tr = zipf_traces(4, 40, num_layers=2, num_experts=8, top_k=2, seed=5)
     traces = write_traces(tmp_path / "tr", tr.meta, tr.sequences)
-    exp = _forecaster(tmp_path / "exp", 2, 8, 2)
+    exp = _forecaster(tmp_path / "exp", 2, 8, 2, model_id=tr.meta.model_id)
     assert main(["--traces", str(traces), "--policies", f"lru,seqmoe:forecaster={exp},horizon=2", "--capacity",
                  "0.25,0.5", "--pool", "shared", "--out", str(tmp_path / "sim"), "--wandb", "--wandb-project", "t"]) == 0
     [run] = _runs(wandb_dir)
@@ -50,7 +51,7 @@ def test_simulate_declares_its_traces_and_forecaster(tmp_path, wandb_dir, offlin
     assert used["forecaster-export"]["sha256"] == verify_export(exp)
     assert used["forecaster-export"]["path"] == str(exp.resolve())
     assert used["forecaster-export"]["name"] == f"forecaster-export-{verify_export(exp)[:16]}"
-    assert used["forecaster-export"]["files"] == ["export_manifest.json"]
+    assert sorted(used["forecaster-export"]["files"]) == sorted(p.name for p in exp.iterdir() if p.is_file())
     assert used["trace-set"]["sha256"] == sequences_fingerprint(tr.sequences)
     assert sorted(used["trace-set"]["files"]) == ["manifest.json", "trace_meta.json"]
     # per-capacity series, one curve per policy, plotted over the capacity

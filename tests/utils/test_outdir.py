@@ -87,3 +87,57 @@ def test_overwrite_refuses_marker_paths_outside_the_folder(tmp_path, entry):
     with pytest.raises(OutputDirError, match="not a plain name inside the folder"):
         claim_output_dir(out, "traces", overwrite=True)
     assert (victim / "precious.txt").read_text() == "keep me" and (out / "manifest.json").exists()
+
+
+# -- file-valued output flags ---------------------------------------------------------------------------
+def test_output_file_new_path_then_own_earlier_output(tmp_path):
+    from expertcast.utils.outdir import FILES, claim_output_file
+
+    f = tmp_path / "rows.json"
+    out = claim_output_file(f, "--json", "replay --json")
+    f.write_text("[]")
+    out.written()
+    assert (tmp_path / FILES).is_file()
+    claim_output_file(f, "--json", "replay --json")  # its own earlier output: may be replaced
+    with pytest.raises(OutputDirError, match="written by `expertcast replay --json`"):
+        claim_output_file(f, "--csv", "replay --csv")
+
+
+@pytest.mark.parametrize("how", ["foreign", "edited", "symlink"])
+def test_output_file_never_replaces_a_foreign_file(tmp_path, how):
+    from expertcast.utils.outdir import claim_output_file
+
+    f = tmp_path / "precious.txt"
+    if how == "symlink":
+        (tmp_path / "target.txt").write_text("notes")
+        f.symlink_to(tmp_path / "target.txt")
+    elif how == "edited":  # expertcast wrote it once, the user changed it since
+        out = claim_output_file(f, "--json", "k")
+        f.write_text("[]")
+        out.written()
+        f.write_text("notes, edited by hand")
+    else:
+        f.write_text("notes")
+    with pytest.raises(OutputDirError, match=r"^--json .*precious.txt exists and .*refusing to replace it"):
+        claim_output_file(f, "--json", "k")
+    assert f.read_text().startswith("notes")
+
+
+def test_output_file_refuses_folders_and_bookkeeping_names(tmp_path):
+    from expertcast.utils.outdir import FILES, claim_output_file
+
+    with pytest.raises(OutputDirError, match="is a folder"):
+        claim_output_file(tmp_path, "--csv", "k")
+    with pytest.raises(OutputDirError, match="bookkeeping"):
+        claim_output_file(tmp_path / FILES, "--csv", "k")
+
+
+def test_output_file_recognise_and_overwrite(tmp_path):
+    from expertcast.utils.outdir import claim_output_file
+
+    f = tmp_path / "cues.json"
+    f.write_text('{"format": "mine"}')
+    claim_output_file(f, "--out", "k", recognise=lambda p: "mine" in p.read_text())
+    with pytest.raises(OutputDirError, match="is not a cue set; refusing to replace it \\(pass --overwrite\\)"):
+        claim_output_file(f, "--out", "k", recognise=lambda p: False, what="a cue set", hint="pass --overwrite")
+    claim_output_file(f, "--out", "k", overwrite=True)

@@ -64,7 +64,11 @@ def test_fit_export_is_an_artifact_with_its_config(tmp_path, wandb_dir, offline_
     log_export_to_loggers([CSVLogger(tmp_path / "csv"), wb], export)  # what `expertcast fit` calls
     wb.experiment.finish()
     [run] = _runs(wandb_dir)
-    [art] = [a for a in offline_contents(run, lambda c: c["artifacts"])["artifacts"] if a["type"] == "forecaster"]
+    [art] = [a for a in offline_contents(run, lambda c: c["artifacts"])["artifacts"]
+             if a["type"] == "forecaster-export"]
     files = sorted(p.name for p in export.iterdir() if p.is_file() and not p.name.startswith("."))
-    assert sorted(art["files"]) == files and art["name"] == "forecaster-exp"
-    assert set(art["metadata"]) == {p[:-5] for p in files if p.endswith(".json")}
+    from expertcast.models.forecaster_export import verify_export
+
+    # one artifact per export, named by its content hash: the name every consumer uses
+    assert sorted(art["files"]) == files and art["name"] == f"forecaster-export-{verify_export(export)[:16]}"
+    assert set(art["metadata"]) == {p[:-5] for p in files if p.endswith(".json")} | {"path", "sha256", "kind"}
