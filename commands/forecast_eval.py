@@ -176,7 +176,8 @@ def run(args) -> int:
     if not evals:
         raise UsageError(_nothing_to_evaluate(args, split, trained))
     ids = [s.seq_id for s in evals]
-    from expertcast.utils.fitted_on import check_fitted_on, forecaster_fitted_on, trace_set_model
+    from expertcast.models.forecaster_export import forecaster_fitted_on
+    from expertcast.utils.fitted_on import check_fitted_on, trace_set_model
 
     overlap = {"forecaster": check_fitted_on(forecaster_fitted_on(args.forecaster), ids,
                                              trace_set_model(_first(args.traces), meta.model_id),

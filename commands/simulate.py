@@ -350,7 +350,8 @@ def _overlaps(options: list, policies: list, seqs, args, meta) -> dict[str, dict
     """``{run label: check_fitted_on result}`` for every policy that reads a forecaster export or a cue set: its
     fit sequences must not be replayed (``--allow-overlap``), nor another model's routing
     (``--allow-model-mismatch``)."""
-    from expertcast.utils.fitted_on import check_fitted_on, forecaster_fitted_on, trace_set_model
+    from expertcast.models.forecaster_export import forecaster_fitted_on
+    from expertcast.utils.fitted_on import check_fitted_on, trace_set_model
 
     ids = [s.seq_id for s in seqs]
     routing = trace_set_model(args.traces, meta.model_id)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.utils.errors import UsageError
+from expertcast.utils.fitted_on import FittedOn, model_of
 from expertcast.utils.io import atomic_write_bytes, atomic_write_json
 from expertcast.utils.jsonfields import check_format, require_keys
 from expertcast.utils.provenance import (
@@ -206,3 +207,14 @@ def training_ids(export_dir: str | os.PathLike) -> set[str] | None:
     if not isinstance(training, dict) or "train_ids" not in training:
         return None
     return set(training.get("train_ids") or []) | set(training.get("val_ids") or [])
+
+
+def forecaster_fitted_on(export_dir: str | os.PathLike) -> FittedOn:
+    """A forecaster export's record (verified first): its ``training`` block's train and validation ids and
+    ``model`` (the trace set's model identity, recorded by ``expertcast fit``), else ``source.model_id``."""
+    cfg = read_export_config(export_dir)
+    ids = training_ids(export_dir)
+    training = cfg.get("training") if isinstance(cfg.get("training"), dict) else {}
+    source = cfg.get("source") if isinstance(cfg.get("source"), dict) else {}
+    return FittedOn(f"the forecaster {export_dir}", None if ids is None else frozenset(ids),
+                    model_of(training.get("model"), source.get("model_id")))

@@ -26,6 +26,7 @@ import torch
 from expertcast.models.cache_routers import ROUTER_MODES, CacheRouters
 from expertcast.models.routing import find_routers
 from expertcast.utils.errors import UsageError
+from expertcast.utils.fitted_on import FittedOn, model_of
 from expertcast.utils.io import atomic_write_bytes, atomic_write_json
 from expertcast.utils.provenance import verify_named_export, write_export_manifest
 from torch import nn
@@ -168,3 +169,13 @@ def training_ids(export_dir: str | os.PathLike) -> set[str] | None:
     if not isinstance(training, dict) or "train_ids" not in training:
         return None
     return set(training.get("train_ids") or []) | set(training.get("val_ids") or [])
+
+
+def router_fitted_on(export_dir: str | os.PathLike) -> FittedOn:
+    """A router-adaptation export's record (verified first): its training text ids and its base model
+    (``export.json`` ``base``). The adapted model itself is another model: its routing matches neither."""
+    info = read_adaptation_export(export_dir)
+    training = info.get("training") if isinstance(info.get("training"), dict) else {}
+    ids = (frozenset(training.get("train_ids") or []) | frozenset(training.get("val_ids") or [])
+           if "train_ids" in training else None)
+    return FittedOn(f"the router export {export_dir}", ids, model_of(info.get("base")))

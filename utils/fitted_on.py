@@ -163,29 +163,3 @@ def _json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return d if isinstance(d, dict) else {}
-
-
-# -- what each export records ------------------------------------------------------------------------------
-def forecaster_fitted_on(export_dir: str | os.PathLike) -> FittedOn:
-    """A forecaster export's record (verified first): its ``training`` block's train and validation ids and
-    ``model`` (the trace set's model identity, recorded by ``expertcast fit``), else ``source.model_id``."""
-    from expertcast.models.forecaster_export import read_export_config, training_ids
-
-    cfg = read_export_config(export_dir)
-    ids = training_ids(export_dir)
-    training = cfg.get("training") if isinstance(cfg.get("training"), dict) else {}
-    source = cfg.get("source") if isinstance(cfg.get("source"), dict) else {}
-    return FittedOn(f"the forecaster {export_dir}", None if ids is None else frozenset(ids),
-                    model_of(training.get("model"), source.get("model_id")))
-
-
-def router_fitted_on(export_dir: str | os.PathLike) -> FittedOn:
-    """A router-adaptation export's record (verified first): its training text ids and its base model
-    (``export.json`` ``base``). The adapted model itself is another model: its routing matches neither."""
-    from expertcast.models.router_export import read_adaptation_export
-
-    info = read_adaptation_export(export_dir)
-    training = info.get("training") if isinstance(info.get("training"), dict) else {}
-    ids = (frozenset(training.get("train_ids") or []) | frozenset(training.get("val_ids") or [])
-           if "train_ids" in training else None)
-    return FittedOn(f"the router export {export_dir}", ids, model_of(info.get("base")))

@@ -303,8 +303,9 @@ def check_splits(seqs: Sequence[TraceSequence], fit: Sequence[TraceSequence] | N
     another model's routing than ``routing`` (the carded traces' model identity), through the one guard
     :func:`~expertcast.utils.fitted_on.check_fitted_on`, with no override: a card is never contaminated; the
     checks' results for the header."""
+    from expertcast.models.forecaster_export import forecaster_fitted_on
     from expertcast.utils.errors import OverlapError
-    from expertcast.utils.fitted_on import ModelMismatchError, check_fitted_on, forecaster_fitted_on
+    from expertcast.utils.fitted_on import ModelMismatchError, check_fitted_on
     from expertcast.utils.provenance import check_overlap
 
     ids = [s.seq_id for s in seqs]

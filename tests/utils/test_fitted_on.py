@@ -60,8 +60,8 @@ def test_a_router_adapted_model_never_matches_its_base(tmp_path):
     """A router-adaptation export records its base; the adapted model (the export's own files) routes otherwise:
     a forecaster fitted on the base's routing is refused beside it."""
     from expertcast.models.backbone import model_identity
+    from expertcast.models.router_export import router_fitted_on
     from expertcast.train.router_module import RouterAdaptationModule
-    from expertcast.utils.fitted_on import router_fitted_on
 
     export = RouterAdaptationModule(model="qwen3_moe-tiny", mode="temporal", init="random", seed=1).export(
         tmp_path / "temporal")
