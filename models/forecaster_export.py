@@ -19,8 +19,8 @@ per-sequence leader (``config.switch_half_life``); format 5 the project's own Ma
 transformers' ``Mamba2Model``, whose parameters are the project's under the same names
 (``backbone.layers.{i}.mixer.*``, ``backbone.layers.{i}.norm.weight``, ``backbone.norm_f.weight``) plus a token
 embedding the forecaster never used (``backbone.embeddings.weight``, [1, d]; dropped on load:
-:data:`LEGACY_DROPPED`). An export whose backbone is transformers' Mamba-1 (``backbone: mamba``) is refused. ``step_flops``: FLOPs of one decode step at batch 1
-(:meth:`~expertcast.models.forecaster.ExpertForecaster.step_flops`).
+:data:`LEGACY_DROPPED`). An export whose backbone is transformers' Mamba-1 (``backbone: mamba``) is refused.
+``step_flops``: FLOPs of one decode step at batch 1 (:meth:`~expertcast.models.forecaster.ExpertForecaster.step_flops`).
 
 Loading needs neither Lightning nor pickle: JSON + safetensors only. The manifest is checked before
 anything is used, so an edited ``temperature`` or ``trigger_layer`` is refused like corrupted weights;
