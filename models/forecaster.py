@@ -36,8 +36,8 @@ from expertcast.models.mamba2 import Mamba2Backbone
 from torch import nn
 
 __all__ = ["BACKBONES", "ExpertForecaster", "ForecasterConfig", "ForecasterState", "OnlinePrior", "activation_probs",
-           "activation_vector", "ema_scan", "history_scores", "predictions_to_input", "scaled_width", "trigger_offset",
-           "trigger_sequence", "untrained_forecaster"]
+           "activation_vector", "check_backbone", "ema_scan", "history_scores", "predictions_to_input", "scaled_width",
+           "trigger_offset", "trigger_sequence", "untrained_forecaster"]
 
 BACKBONES = ("mamba2",)
 """The backbones a forecaster can have: the project's own Mamba-2 (:mod:`expertcast.models.mamba2`)."""
@@ -189,11 +189,7 @@ class ForecasterConfig:
             raise ValueError(f"switch_half_life must be >= 0, got {self.switch_half_life}")
         if self.head_rank < 0:
             raise ValueError(f"head_rank must be >= 0, got {self.head_rank}")
-        if self.backbone == "mamba":
-            raise ValueError("backbone 'mamba' (Mamba-1) is not supported: the forecaster's backbone is the project's "
-                             "own Mamba-2 (backbone: mamba2)")
-        if self.backbone not in BACKBONES:
-            raise ValueError(f"unknown backbone {self.backbone!r}; choose one of {BACKBONES}")
+        check_backbone(self.backbone)
         inner = self.expand * self.hidden_size
         if inner % self.head_dim:
             raise ValueError(f"expand*hidden_size={inner} is not divisible by head_dim={self.head_dim}")
@@ -224,6 +220,15 @@ class ForecasterConfig:
         if d.get("selection") is not None:
             d["selection"] = [[int(v) for v in r] for r in d["selection"]]
         return cls(**d)
+
+
+def check_backbone(name: str) -> None:
+    """Refuse a backbone other than :data:`BACKBONES`, Mamba-1 by name (one line)."""
+    if name == "mamba":
+        raise ValueError("backbone 'mamba' (Mamba-1) is not supported: the forecaster's backbone is the project's "
+                         "own Mamba-2 (backbone: mamba2)")
+    if name not in BACKBONES:
+        raise ValueError(f"unknown backbone {name!r}; choose one of {BACKBONES}")
 
 
 def scaled_width(num_layers: int, num_experts: int) -> int:
