@@ -1,36 +1,49 @@
 """SeqMoE expert-activation forecaster (SeqMoE 3.1, 5.2, 5.3; docs/design.md "Forecaster").
 
 The forecaster reads, per decode step, the activation vector of all MoE layers (size L·E: the
-normalized top-K weights at the active experts, zeros elsewhere), runs it through a Mamba backbone
-(transformers' ``Mamba2Model`` by default, ``MambaModel`` as an option, both driven through
-``inputs_embeds``) and emits per-layer expert logits for the next element.
+normalized top-K weights at the active experts, zeros elsewhere; :mod:`expertcast.models.forecaster_inputs` builds
+them and the trigger-layer elements), runs it through the project's own Mamba-2 backbone
+(:class:`~expertcast.models.mamba2.Mamba2Backbone`) and emits per-layer expert logits for the next element.
 
-Trigger layer ``p`` (docs/design.md "Forecaster"): the element for step t holds layers <= p of step t and layers > p
-of step t-1; its target holds layers > p of step t and layers <= p of step t+1, i.e. the target of
-element t is element t+1. :func:`trigger_sequence` builds these elements from a [T, L, E] activation
-tensor, so that the model itself only ever does next-element prediction; ``p = L-1`` is plain
-next-step forecasting.
-
-Recurrent state: :class:`ForecasterState` holds the conv and SSM states of every Mamba block as
-explicit tensors. It is handed to the transformers mixers as their ``cache`` (it implements the
-small part of the linear-attention cache protocol they call), so :meth:`ExpertForecaster.step` is
-transformers' own recurrent decode path (and mamba-ssm's kernels on CUDA when installed, never on CPU
-tensors: :mod:`expertcast.models.mamba_kernels`; nothing here imports ``mamba_ssm``).
+Recurrent state: :class:`~expertcast.models.forecaster_state.ForecasterState` holds the conv window and SSD state of
+every Mamba-2 block as explicit tensors, the layout the project defines; :meth:`ExpertForecaster.step` is the
+backbone's one-step update (mamba-ssm's / causal-conv1d's kernels for CUDA tensors when installed, never for CPU
+tensors: :mod:`expertcast.models.mamba_kernels`), and it computes what a whole window computes.
 :meth:`ExpertForecaster.rollout` saves the state, feeds its own predictions back for several steps and
 restores the state, so a rollout never disturbs the next one-step prediction (SeqMoE 5.3).
+
+The inputs' helpers, the state and the online statistics live in their own modules and are importable from here
+too (``__all__``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 from expertcast.models.forecaster_components import COMPONENT_SCALE, ExactComponents, component_names
+from expertcast.models.forecaster_inputs import (
+    activation_probs,
+    activation_vector,
+    predictions_to_input,
+    trigger_offset,
+    trigger_sequence,
+)
+from expertcast.models.forecaster_online import OnlinePrior, ema_scan, history_scores
+from expertcast.models.forecaster_state import ForecasterState
+from expertcast.models.mamba2 import Mamba2Backbone
 from torch import nn
 
-BACKBONES = ("mamba2", "mamba")
+__all__ = ["BACKBONES", "ExpertForecaster", "ForecasterConfig", "ForecasterState", "OnlinePrior", "activation_probs",
+           "activation_vector", "check_backbone", "ema_scan", "history_scores", "predictions_to_input", "scaled_width",
+           "trigger_offset", "trigger_sequence", "untrained_forecaster"]
+
+BACKBONES = ("mamba2",)
+"""The backbones a forecaster can have: the project's own Mamba-2 (:mod:`expertcast.models.mamba2`)."""
+RETIRED_KEYS = {"use_mambapy": False}
+"""Config keys of earlier exports that no longer exist, with the only value they may hold (anything else is a
+forecaster this expertcast cannot build)."""
 
 
 @dataclass
@@ -46,25 +59,23 @@ class ForecasterConfig:
     trigger_layer: int | None = None
     """p in [0, L-1]: the forecast is issued once layer p has routed; None means L-1 (next step)."""
     backbone: str = "mamba2"
-    """``mamba2`` (transformers' Mamba2Model, parallel chunked scan) or ``mamba`` (MambaModel)."""
+    """``mamba2``: the project's Mamba-2 (:class:`~expertcast.models.mamba2.Mamba2Backbone`), the only one."""
     hidden_size: int = 128
     """Width d of the backbone."""
     num_blocks: int = 2
     """Mamba blocks in the backbone."""
     state_size: int = 32
-    """SSM state size N per head (Mamba2) or per channel (Mamba)."""
+    """SSM state size N per head."""
     head_dim: int = 32
-    """Mamba2 head dimension; expand·d must be divisible by it."""
+    """Head dimension; expand·d must be divisible by it."""
     expand: int = 2
-    """Inner width multiplier of the Mamba mixers."""
+    """Inner width multiplier of the Mamba-2 mixers."""
     conv_kernel: int = 4
     """Width of the causal depthwise convolution."""
     n_groups: int = 1
-    """Mamba2 B/C groups (must divide the number of heads)."""
+    """B/C groups (must divide the number of heads)."""
     chunk_size: int = 64
-    """Mamba2 scan chunk length (PyTorch path)."""
-    use_mambapy: bool = False
-    """Mamba-1 only: use the ``mambapy`` parallel scan in training when that package is installed."""
+    """SSD scan chunk length."""
     temperature: float = 1.0
     """Calibration of :func:`activation_probs` (fitted on held-out data after training; ranking unaffected)."""
     direct_horizons: int = 1
@@ -178,14 +189,12 @@ class ForecasterConfig:
             raise ValueError(f"switch_half_life must be >= 0, got {self.switch_half_life}")
         if self.head_rank < 0:
             raise ValueError(f"head_rank must be >= 0, got {self.head_rank}")
-        if self.backbone not in BACKBONES:
-            raise ValueError(f"unknown backbone {self.backbone!r}; choose one of {BACKBONES}")
-        if self.backbone == "mamba2":
-            inner = self.expand * self.hidden_size
-            if inner % self.head_dim:
-                raise ValueError(f"expand*hidden_size={inner} is not divisible by head_dim={self.head_dim}")
-            if (inner // self.head_dim) % self.n_groups:
-                raise ValueError(f"n_groups={self.n_groups} must divide the number of heads {inner // self.head_dim}")
+        check_backbone(self.backbone)
+        inner = self.expand * self.hidden_size
+        if inner % self.head_dim:
+            raise ValueError(f"expand*hidden_size={inner} is not divisible by head_dim={self.head_dim}")
+        if (inner // self.head_dim) % self.n_groups:
+            raise ValueError(f"n_groups={self.n_groups} must divide the number of heads {inner // self.head_dim}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,12 +202,16 @@ class ForecasterConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ForecasterConfig:
         """Inverse of :meth:`to_dict`; keys added later (``direct_horizons``, ``online_half_lives``,
-        ``residual_scale``) take their defaults, so a format-1 export is a forecaster without online statistics."""
+        ``residual_scale``) take their defaults, so a format-1 export is a forecaster without online statistics.
+        Retired keys (:data:`RETIRED_KEYS`) are dropped when they hold their only value."""
+        d = dict(d)
+        for key, only in RETIRED_KEYS.items():
+            if key in d and (value := d.pop(key)) != only:
+                raise ValueError(f"{key}={value!r} is not supported (a Mamba-1 option)")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown forecaster config keys: {sorted(unknown)}")
-        d = dict(d)
         d["online_half_lives"] = [float(h) for h in d.get("online_half_lives") or []]
         if d.get("residual_scale") is not None:
             d["residual_scale"] = [float(a) for a in d["residual_scale"]]
@@ -209,420 +222,23 @@ class ForecasterConfig:
         return cls(**d)
 
 
+def check_backbone(name: str) -> None:
+    """Refuse a backbone other than :data:`BACKBONES`, Mamba-1 by name (one line)."""
+    if name == "mamba":
+        raise ValueError("backbone 'mamba' (Mamba-1) is not supported: the forecaster's backbone is the project's "
+                         "own Mamba-2 (backbone: mamba2)")
+    if name not in BACKBONES:
+        raise ValueError(f"unknown backbone {name!r}; choose one of {BACKBONES}")
+
+
 def scaled_width(num_layers: int, num_experts: int) -> int:
     """Backbone width for an L x E input: L·E / 8 rounded to a multiple of 64, within [64, 1024] (26 x 64 -> 192,
     48 x 128 -> 768)."""
     return int(min(1024, max(64, 64 * round(num_layers * num_experts / 8 / 64))))
 
 
-# ----------------------------------------------------------------------------------------------
-# activation vectors and trigger-layer elements
-
-
-def activation_vector(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Scatter top-K routing into dense per-layer weight vectors.
-
-    Args:
-        expert_ids: int [..., L, K] selected experts (any integer dtype).
-        expert_weights: float [..., L, K] their router weights (renormalized here to sum to 1 per layer).
-        num_experts: E.
-    Returns:
-        float32 [..., L, E] with the normalized top-K weights at active experts and zeros elsewhere.
-    """
-    if expert_ids.shape != expert_weights.shape:
-        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} and expert_weights {tuple(expert_weights.shape)} differ")
-    ids = expert_ids.long()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-        raise ValueError(f"expert ids outside [0, {num_experts}) (range {int(ids.min())}..{int(ids.max())})")
-    w = expert_weights.float().clamp_min(0)
-    w = w / w.sum(-1, keepdim=True).clamp_min(1e-9)
-    out = torch.zeros(*ids.shape[:-1], num_experts, dtype=torch.float32, device=ids.device)
-    return out.scatter_add_(-1, ids, w)
-
-
-def trigger_sequence(acts: torch.Tensor, p: int) -> torch.Tensor:
-    """Forecaster elements for trigger layer ``p``.
-
-    Args:
-        acts: [..., T, L, E] per-step activation vectors.
-        p: trigger layer.
-    Returns:
-        [..., T', L, E] with element i holding layers <= p of step i+s and layers > p of step i+s-1,
-        where s = 0 (T' = T) for p = L-1 and s = 1 (T' = T-1) otherwise. Element i+1 is the target of
-        element i.
-    """
-    L = acts.shape[-2]
-    if not 0 <= p < L:
-        raise ValueError(f"trigger layer {p} outside [0, {L - 1}]")
-    if p == L - 1:
-        return acts
-    return torch.cat([acts[..., 1:, : p + 1, :], acts[..., :-1, p + 1 :, :]], dim=-2)
-
-
-def trigger_offset(num_layers: int, p: int) -> int:
-    """Step index of the first element of :func:`trigger_sequence` (0 for p = L-1, else 1)."""
-    return 0 if p == num_layers - 1 else 1
-
-
-def predictions_to_input(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Turn per-layer logits into an input-format activation vector (for rollout and scheduled sampling).
-
-    Args:
-        logits: [..., L, E].
-    Returns:
-        [..., L, E] float: softmax probabilities of the predicted top-K, renormalized to sum 1 per layer,
-        zeros elsewhere (the format of :func:`activation_vector`).
-    """
-    probs = torch.softmax(logits.float(), dim=-1)
-    top_w, top_i = probs.topk(top_k, dim=-1)
-    top_w = top_w / top_w.sum(-1, keepdim=True).clamp_min(1e-9)
-    return torch.zeros_like(probs).scatter_(-1, top_i, top_w)
-
-
-def activation_probs(logits: torch.Tensor, top_k: int, temperature: float = 1.0, iters: int = 40) -> torch.Tensor:
-    """Per-expert probability of being among a layer's K selected experts, from logits [..., L, E].
-
-    The selection is modelled as K draws without replacement in proportion to w = softmax(logits / T)
-    (Plackett-Luce). Its inclusion probabilities follow from the exponential-clocks view of that
-    sampling, approximated with a per-layer time lambda: P(e) = 1 - exp(-lambda * w_e), with lambda
-    solved (bisection) so that the probabilities sum to K, as a K-subset's inclusion probabilities do.
-    ``temperature`` T is the calibration fitted on held-out data (:attr:`ForecasterConfig.temperature`).
-    """
-    w = torch.softmax(logits.float() / temperature, dim=-1)
-    E = w.shape[-1]
-    if top_k >= E:
-        return torch.ones_like(w)
-    target = float(top_k)
-    lo = torch.zeros(w.shape[:-1] + (1,), device=w.device)
-    hi = torch.ones_like(lo)
-    for _ in range(60):  # grow hi until the sum reaches K (w_min > 0 so it always does)
-        done = (1 - torch.exp(-hi * w)).sum(-1, keepdim=True) >= target
-        if bool(done.all()):
-            break
-        hi = torch.where(done, hi, hi * 4)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        big = (1 - torch.exp(-mid * w)).sum(-1, keepdim=True) > target
-        hi = torch.where(big, mid, hi)
-        lo = torch.where(big, lo, mid)
-    return 1 - torch.exp(-hi * w)
-
-
-# ----------------------------------------------------------------------------------------------
-# explicit recurrent state
-
-
-class ForecasterState:
-    """Recurrent state of the backbone: per block a conv state and an SSM state, plus the online statistics.
-
-    Shapes (B = batch): Mamba2 conv [B, expand·d + 2·G·N, k], ssm [B, H, head_dim, N];
-    Mamba conv [B, expand·d, k], ssm [B, expand·d, N]; ``online`` [B, M, L·E + 1] (the M moving averages
-    of :class:`OnlinePrior`, last column their mass) or None without online statistics; ``hedge`` (with
-    ``online_hedge_rate`` > 0): the sources' frequencies of the last H_d elements [B, H_d, M, L·E]
-    (newest first), their discounted per-head scores [B, H_d, M+1] and the elements each row has seen [B, 1];
-    then (with ``learned_gate_rate`` > 0) the top-K of the last H_d forecasts with and without the learned part
-    [B, H_d, H_d, 2, L, K] (long, newest first), their discounted recall difference [B, H_d] and the elements
-    seen [B, 1]. None when neither is on. ``components`` [B, M', L, E]: the moving averages of the exact recent-freq
-    components (:class:`~expertcast.models.forecaster_components.ExactComponents`), or None without components.
-    ``switch`` (with components and ``switch_half_life`` > 0): the top-K of the last H_d forecasts of the selected
-    forecast and of every component [B, H_d, H_d, 1 + C, L, K] (long, newest first), their discounted recall
-    [B, H_d·(1 + C)·L] and the elements seen [B, 1]; None otherwise.
-    ``steps`` counts the elements consumed.
-
-    The object implements the part of transformers' linear-attention cache protocol that the Mamba
-    mixers call (get/update conv and recurrent state), so it can be passed as their ``cache``.
-    State tensors are updated in place; use :meth:`clone` / :meth:`copy_` to save and restore.
-    """
-
-    def __init__(self, conv: list[torch.Tensor], ssm: list[torch.Tensor], steps: int = 0,
-                 online: torch.Tensor | None = None, hedge: list[torch.Tensor] | None = None,
-                 components: torch.Tensor | None = None, switch: list[torch.Tensor] | None = None):
-        if len(conv) != len(ssm):
-            raise ValueError("conv and ssm state lists differ in length")
-        if hedge is not None and online is None:
-            raise ValueError("a hedge state needs the online statistics")
-        self.conv = conv
-        self.ssm = ssm
-        self.steps = steps
-        self.online = online
-        self.hedge = hedge
-        self.components = components
-        self.switch = switch
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every state tensor (batch first): conv, ssm, then the online statistics, hedge state, components'
-        moving averages and switch state when present."""
-        return self.conv + self.ssm + ([self.online] if self.online is not None else []) + list(self.hedge or []) \
-            + ([self.components] if self.components is not None else []) + list(self.switch or [])
-
-    # --- transformers cache protocol (Mamba2Mixer / MambaMixer) ---
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.conv[layer_idx]
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.ssm[layer_idx]
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                          conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
-        """Window update: returns [previous k inputs ; new inputs] and keeps the last k."""
-        prev = self.conv[layer_idx]
-        full = torch.cat([prev.to(conv_states.dtype), conv_states], dim=-1)
-        prev.copy_(full[..., -prev.shape[-1]:])
-        return full
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                               **kwargs: Any) -> torch.Tensor:
-        self.ssm[layer_idx].copy_(recurrent_states)
-        return self.ssm[layer_idx]
-
-    # --- save / restore ---
-    @property
-    def batch_size(self) -> int:
-        return self.conv[0].shape[0]
-
-    def _like(self, tensors: list[torch.Tensor]) -> ForecasterState:
-        """A state of the same layout holding ``tensors`` (in :meth:`tensors` order)."""
-        n = len(self.conv)
-        rest = list(tensors[2 * n:])
-        switch = None
-        if self.switch is not None:
-            switch, rest = rest[len(rest) - len(self.switch):], rest[:len(rest) - len(self.switch)]
-        comp = rest.pop() if self.components is not None else None
-        online = rest[0] if self.online is not None else None
-        hedge = rest[1:] if self.hedge is not None else None
-        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online, hedge, comp, switch)
-
-    def clone(self) -> ForecasterState:
-        return self._like([t.clone() for t in self.tensors()])
-
-    def copy_(self, other: ForecasterState) -> ForecasterState:
-        """Overwrite this state in place with ``other`` (same shapes)."""
-        for a, b in zip(self.tensors(), other.tensors(), strict=True):
-            a.copy_(b)
-        self.steps = other.steps
-        return self
-
-    @staticmethod
-    def cat(states: list[ForecasterState]) -> ForecasterState:
-        """Concatenate states along the batch dimension (e.g. to roll out from many positions at once)."""
-        if not states:
-            raise ValueError("no states to concatenate")
-        parts = [s.tensors() for s in states]
-        return states[0]._like([torch.cat(ts) for ts in zip(*parts, strict=True)])
-
-    def put_rows(self, rows: torch.Tensor | list[int], other: ForecasterState) -> None:
-        """Write ``other`` (batch = len(rows)) into batch rows ``rows`` of this state."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.conv[0].device)
-        for a, b in zip(self.tensors(), other.tensors(), strict=True):
-            a.index_copy_(0, idx, b.to(a.dtype))
-
-    def select(self, index: torch.Tensor | list[int]) -> ForecasterState:
-        """A new state holding the batch rows ``index``."""
-        idx = torch.as_tensor(index, dtype=torch.long, device=self.conv[0].device)
-        return self._like([t.index_select(0, idx) for t in self.tensors()])
-
-    def reset_rows(self, rows: torch.Tensor | list[int]) -> None:
-        """Zero the state of batch rows ``rows`` (a new sequence starts there)."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.conv[0].device)
-        for t in self.tensors():
-            t.index_fill_(0, idx, 0.0)
-
-
-# ----------------------------------------------------------------------------------------------
-# online statistics
-
-
-def ema_scan(x: torch.Tensor, decays: torch.Tensor, prev: torch.Tensor | None = None, chunk: int = 64
-             ) -> torch.Tensor:
-    """Exponential moving averages e_t = d·e_{t-1} + (1-d)·x_t for several decays at once.
-
-    Args:
-        x: [B, T, F]; decays: [M] in [0, 1) (0: e_t = x_t); prev: [B, M, F] averages before x[:, 0]
-            (None: zeros); chunk: elements per parallel block (memory B·chunk·M·F).
-    Returns:
-        [B, T, M, F].
-    """
-    B, T, F = x.shape
-    M = decays.shape[0]
-    e = x.new_zeros(B, M, F) if prev is None else prev.to(x.dtype)
-    d = decays.to(x.dtype)
-    if T == 1:  # one recurrent step
-        return (d.view(1, M, 1) * e + (1 - d).view(1, M, 1) * x).unsqueeze(1)
-    outs = []
-    for a in range(0, T, chunk):
-        xc = x[:, a:a + chunk]
-        n = xc.shape[1]
-        t = torch.arange(n, device=x.device, dtype=x.dtype)
-        lag = t.view(n, 1) - t.view(1, n)  # [n, n]: t - s
-        w = torch.where(lag >= 0, d.view(M, 1, 1) ** lag.clamp_min(0), torch.zeros((), dtype=x.dtype,
-                                                                                   device=x.device))
-        carry = d.view(M, 1) ** (t + 1).view(1, n)  # [M, n]
-        ec = torch.einsum("mts,bsf->btmf", w * (1 - d).view(M, 1, 1), xc) + \
-            carry.t().view(1, n, M, 1) * e.unsqueeze(1)
-        outs.append(ec)
-        e = ec[:, -1]
-    return torch.cat(outs, dim=1) if outs else x.new_zeros(B, 0, M, F)
-
-
-def history_scores(x: torch.Tensor, top: torch.Tensor, saved: list[torch.Tensor] | None, half_life: float,
-                   score: Any) -> torch.Tensor:
-    """Per-sequence scores of the forecasts a forecaster issued, discounted as their targets arrive (the learned gate
-    and the per-sequence leader of :class:`ExpertForecaster`).
-
-    Args:
-        x: [B, T, L·E] the elements (an expert is selected where x > 0).
-        top: long [B, T, H, N, L, K] the top-K each head issued at each element, for N candidate forecasts.
-        saved: the state's [buf [B, H, H, N, L, K] (the last H elements' ``top``, newest first), prev [B, H·F] (the
-            discounted sums), seen [B, 1] (elements consumed)], advanced in place; None: from the sequence start.
-        half_life: discount half-life in elements.
-        score: hits float [B, T, N, L, K] (1 where an issued expert was selected) -> [B, T, F].
-    Returns:
-        [B, T, H·F]: per head j, the discounted sum of ``score`` over the forecasts that elements up to t resolved
-        (head j's issued at element t-j-1; none before the sequence start).
-    """
-    B, T, H, N, L, K = top.shape
-    E = x.shape[-1] // L
-    if saved is not None:
-        buf, prev, seen = saved
-    else:
-        buf, prev, seen = top.new_zeros(B, H, H, N, L, K), None, x.new_zeros(B, 1, dtype=torch.float32)
-    hist = torch.cat([buf.flip(1), top], dim=1)  # [B, H + T, H, N, L, K], oldest first
-    support = (x > 0).view(B, T, 1, L, E).expand(B, T, N, L, E)
-    t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)
-    r = torch.stack([score(support.gather(-1, hist[:, H - j - 1: H - j - 1 + T, j]).float())
-                     * (t_glob - j - 1 >= 0).float().unsqueeze(-1) for j in range(H)], dim=2)  # [B, T, H, F]
-    F = r.shape[-1]
-    d = 0.5 ** (1.0 / half_life)
-    out = ema_scan(r.reshape(B, T, H * F), torch.tensor([d], device=x.device),
-                   None if prev is None else (prev * (1 - d)).view(B, 1, H * F))
-    out = out[:, :, 0] / (1 - d)  # [B, T, H·F]: the discounted sums
-    if saved is not None and T:
-        buf.copy_(hist[:, -H:].flip(1))
-        prev.copy_(out[:, -1])
-        seen.add_(T)
-    return out
-
-
-class OnlinePrior(nn.Module):
-    """The sequence's own running statistics as a log-prior on every head (docs/design.md "Online statistics").
-
-    Per layer, M moving averages of the activation vectors (half-lives ``half_lives`` elements; 0 is the
-    last element itself) are divided by the moving average of a constant 1 (their mass), so right after
-    a state reset they average what was seen so far. Head j, layer l mixes them and the uniform
-    distribution with weights softmax(``mix[j, l]`` + eta_j · C_j) [M+1] into a distribution ``prior`` over
-    the E experts and contributes ``gate[j, l] · log prior``. Parameters: ``mix`` [H_d, L, M+1] (zeros: equal
-    shares) and ``gate`` [H_d, L] (ones).
-
-    Per-sequence weighting (``hedge_rate`` > 0): C_j [M+1] is, per sequence, the discounted sum (half-life
-    ``hedge_half_life`` elements) of each source's recall@K at horizon j+1: when element t arrives, the top-K
-    of source m's frequencies at element t-j-1 is scored against element t's experts (mean over layers; the
-    uniform source scores K/E). Exponential weights over the sources: the prior moves, within the sequence,
-    towards whichever statistic has been forecasting this sequence best at that horizon, whatever the fit
-    set preferred. The rate eta = ``hedge_rate`` is fixed, not learned: what it guards against (routing unlike
-    the fit set's) is exactly what the fit set cannot show. The scores are data (no gradient flows through them).
-    """
-
-    def __init__(self, half_lives: list[float], num_layers: int, num_experts: int, heads: int, top_k: int = 1,
-                 hedge_rate: float = 0.0, hedge_half_life: float = 64.0):
-        super().__init__()
-        decays = [0.0 if h == 0 else 0.5 ** (1.0 / h) for h in half_lives]
-        self.register_buffer("decays", torch.tensor(decays), persistent=False)
-        self.L, self.E, self.K, self.heads = num_layers, num_experts, top_k, heads
-        self.mix = nn.Parameter(torch.zeros(heads, num_layers, len(decays) + 1))
-        self.gate = nn.Parameter(torch.ones(heads, num_layers))
-        self.rate = float(hedge_rate)
-        self.hedge_decay = 0.5 ** (1.0 / hedge_half_life)
-
-    @property
-    def num_sources(self) -> int:
-        return self.decays.shape[0]
-
-    @torch.no_grad()
-    def start_on(self, source: int, share: float = 0.9) -> None:
-        """Set every head's mixture to put ``share`` on source ``source`` (index into the half-lives) and the rest
-        in equal parts on the others and the uniform distribution: the prior then starts as that statistic."""
-        if not 0 <= source < self.num_sources or not 0 < share < 1:
-            raise ValueError(f"start_on needs a source in [0, {self.num_sources - 1}] and a share in (0, 1), got "
-                             f"{source}, {share}")
-        self.mix.zero_()
-        self.mix[..., source] = math.log(share * self.num_sources / (1 - share))
-
-    def init_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
-        """Zero averages and mass: [B, M, L·E + 1]."""
-        return torch.zeros(batch_size, self.num_sources, self.L * self.E + 1, device=device)
-
-    def init_hedge(self, batch_size: int, device: torch.device | str) -> list[torch.Tensor] | None:
-        """Zero hedge state (None without per-sequence weighting): frequencies of the last H_d elements
-        [B, H_d, M, L·E], scores [B, H_d, M+1], elements seen [B, 1]."""
-        if self.rate <= 0:
-            return None
-        M, H = self.num_sources, self.heads
-        return [torch.zeros(batch_size, H, M, self.L * self.E, device=device),
-                torch.zeros(batch_size, H, M + 1, device=device), torch.zeros(batch_size, 1, device=device)]
-
-    def forward(self, x: torch.Tensor, state: ForecasterState | None, heads: int) -> torch.Tensor:
-        """x [B, T, L·E] (the inputs) -> log-prior terms [B, T, heads, L, E] of the first ``heads`` heads;
-        ``state.online`` / ``state.hedge`` (when given) are continued and advanced in place."""
-        B, T, _ = x.shape
-        M, L, E = self.num_sources, self.L, self.E
-        with torch.no_grad():
-            xs = torch.cat([x.float(), x.new_ones(B, T, 1, dtype=torch.float32)], dim=-1)
-            prev = state.online if state is not None else None
-            ema = ema_scan(xs, self.decays, prev)  # [B, T, M, L·E + 1]
-            if state is not None and T:
-                state.online.copy_(ema[:, -1])
-            freq = ema[..., :-1] / ema[..., -1:].clamp_min(1e-6)  # [B, T, M, L·E]
-            score = self._scores(x, freq, state) if self.rate > 0 else None  # [B, T, H_d, M+1]
-        logit_w = self.mix[:heads].float().view(1, 1, heads, L, M + 1)
-        if score is not None:
-            logit_w = logit_w + self.rate * score[:, :, :heads].unsqueeze(3)
-        w = torch.softmax(logit_w, dim=-1)  # [B or 1, T or 1, H, L, M+1]
-        prior = torch.einsum("btmle,bthlm->bthle", freq.view(B, T, M, L, E), w[..., :-1].expand(B, T, -1, -1, -1)) \
-            + (w[..., -1:] / E)
-        return self.gate[:heads].view(1, 1, heads, L, 1) * torch.log(prior.clamp_min(1e-12))
-
-    def _scores(self, x: torch.Tensor, freq: torch.Tensor, state: ForecasterState | None) -> torch.Tensor:
-        """Discounted per-sequence recall@K of every source at every horizon: x [B, T, L·E], freq [B, T, M, L·E]
-        -> C [B, T, H_d, M+1] (C at t includes the forecasts that element t resolves); advances ``state.hedge``."""
-        B, T, _ = x.shape
-        M, L, E, K, H = self.num_sources, self.L, self.E, self.K, self.heads
-        if state is not None:
-            buf, c_prev, seen = state.hedge[:3]
-        else:
-            buf, c_prev, seen = (x.new_zeros(B, H, M, L * E, dtype=torch.float32), x.new_zeros(B, H, M + 1),
-                                 x.new_zeros(B, 1))
-        # top-K of the kept and the new frequencies, oldest first (indices are cat, not the [.., L·E] frequencies)
-        top = torch.cat([buf.flip(1).reshape(B, H, M, L, E).topk(K, dim=-1).indices,
-                         freq.reshape(B, T, M, L, E).topk(K, dim=-1).indices], dim=1)  # [B, H + T, M, L, K]
-        support = (x > 0).view(B, T, 1, L, E).expand(B, T, M, L, E)
-        t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)  # [B, T] index of element t
-        r = x.new_zeros(B, T, H, M + 1, dtype=torch.float32)
-        for j in range(H):
-            src = top[:, H - j - 1: H - j - 1 + T]  # forecasts issued at element t-j-1
-            hit = support.gather(-1, src).float().mean(dim=(-1, -2))  # [B, T, M]
-            valid = (t_glob - j - 1 >= 0).float().unsqueeze(-1)
-            r[:, :, j, :M] = hit * valid
-            r[:, :, j, M] = (K / E) * valid[..., 0]
-        d = self.hedge_decay
-        dec = torch.tensor([d], device=x.device)
-        c = ema_scan(r.view(B, T, H * (M + 1)), dec, (c_prev * (1 - d)).view(B, 1, H * (M + 1)))
-        c = (c[:, :, 0] / (1 - d)).view(B, T, H, M + 1)
-        if state is not None and T:
-            buf.copy_(torch.cat([buf.flip(1), freq], dim=1)[:, -H:].flip(1) if T < H else freq[:, -H:].flip(1))
-            c_prev.copy_(c[:, -1])
-            seen.add_(T)
-        return c
-
-
-# ----------------------------------------------------------------------------------------------
-# the model
-
-
 class ExpertForecaster(nn.Module):
-    """Input projection -> Mamba backbone -> per-layer expert logits (+ the :class:`OnlinePrior` term when
+    """Input projection -> Mamba-2 backbone -> per-layer expert logits (+ the :class:`OnlinePrior` term when
     ``online_half_lives`` is set).
 
     ``forward(x)``: x [B, T, L, E] (or [B, T, L·E]) -> logits [B, T, L, E], where logits[:, i] predict
@@ -636,30 +252,9 @@ class ExpertForecaster(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        from expertcast.models.mamba_kernels import install
-
-        install()  # mamba-ssm kernels only for CUDA tensors: a CPU-resident forecaster runs PyTorch
         self.in_proj = nn.Linear(c.input_size, c.hidden_size)
-        if c.backbone == "mamba2":
-            from transformers import Mamba2Config, Mamba2Model
-
-            inner = c.expand * c.hidden_size
-            bcfg = Mamba2Config(
-                vocab_size=1, hidden_size=c.hidden_size, num_hidden_layers=c.num_blocks, state_size=c.state_size,
-                expand=c.expand, head_dim=c.head_dim, num_heads=inner // c.head_dim, n_groups=c.n_groups,
-                conv_kernel=c.conv_kernel, chunk_size=c.chunk_size, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-                use_cache=False,
-            )
-            self.backbone = Mamba2Model(bcfg)
-        else:
-            from transformers import MambaConfig, MambaModel
-
-            bcfg = MambaConfig(
-                vocab_size=1, hidden_size=c.hidden_size, num_hidden_layers=c.num_blocks, state_size=c.state_size,
-                expand=c.expand, conv_kernel=c.conv_kernel, use_mambapy=c.use_mambapy, pad_token_id=0,
-                bos_token_id=0, eos_token_id=0, use_cache=False,
-            )
-            self.backbone = MambaModel(bcfg)
+        self.backbone = Mamba2Backbone(c.hidden_size, c.num_blocks, c.state_size, c.head_dim, c.expand, c.conv_kernel,
+                                       c.n_groups, c.chunk_size)
         if c.head_rank:  # factored per-layer heads: d -> H_d·L·r, then a per-layer [r, E] table
             self.head = nn.Linear(c.hidden_size, c.num_layers * c.head_rank * c.direct_horizons)
             self.head_experts = nn.Parameter(torch.randn(c.num_layers, c.head_rank, c.num_experts) / c.head_rank ** 0.5)
@@ -680,16 +275,9 @@ class ExpertForecaster(nn.Module):
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> ForecasterState:
         """Zero recurrent state for ``batch_size`` sequences (float32, on the model's device by default)."""
         device = device or self.head.weight.device
-        conv, ssm = [], []
-        for block in self.backbone.layers:
-            m = block.mixer
-            k = m.conv_kernel_size
-            if self.config.backbone == "mamba2":
-                conv.append(torch.zeros(batch_size, m.conv_dim, k, device=device))
-                ssm.append(torch.zeros(batch_size, m.num_heads, m.head_dim, m.ssm_state_size, device=device))
-            else:
-                conv.append(torch.zeros(batch_size, m.intermediate_size, k, device=device))
-                ssm.append(torch.zeros(batch_size, m.intermediate_size, m.ssm_state_size, device=device))
+        shapes = self.backbone.state_shapes()
+        conv = [torch.zeros(batch_size, *cs, device=device) for cs, _ in shapes]
+        ssm = [torch.zeros(batch_size, *ss, device=device) for _, ss in shapes]
         online = self.online.init_state(batch_size, device) if self.online is not None else None
         hedge = (self.online.init_hedge(batch_size, device) or []) if self.online is not None else []
         if self.config.learned_gate_rate > 0:
@@ -839,13 +427,8 @@ class ExpertForecaster(nn.Module):
     def _backbone(self, h: torch.Tensor, state: ForecasterState | None) -> torch.Tensor:
         """Embedded inputs h [B, T, d] -> last hidden states [B, T, d] (the state advanced in place)."""
         if state is None:
-            return self.backbone(inputs_embeds=h, use_cache=False).last_hidden_state
-        if self.config.backbone == "mamba" and h.shape[1] > 1:
-            # Mamba-1's scan cannot start from a non-zero state: advance one element at a time.
-            outs = [self.backbone(inputs_embeds=h[:, i:i + 1], cache=state, use_cache=True).last_hidden_state
-                    for i in range(h.shape[1])]
-            return torch.cat(outs, dim=1)
-        return self.backbone(inputs_embeds=h, cache=state, use_cache=True).last_hidden_state
+            return self.backbone(h)
+        return self.backbone(h, state.conv, state.ssm)
 
     @torch.no_grad()
     def step(self, x_t: torch.Tensor, state: ForecasterState, all_horizons: bool = False
@@ -919,15 +502,7 @@ class ExpertForecaster(nn.Module):
         H = c.direct_horizons
         macs += (c.hidden_size + c.num_experts) * c.num_layers * c.head_rank * H if c.head_rank else \
             c.input_size * c.hidden_size * H  # head
-        for block in self.backbone.layers:
-            m = block.mixer
-            for mod in m.modules():
-                if isinstance(mod, nn.Linear):
-                    macs += mod.in_features * mod.out_features
-            if c.backbone == "mamba2":
-                macs += m.conv_dim * m.conv_kernel_size + 2 * m.num_heads * m.head_dim * m.ssm_state_size
-            else:
-                macs += m.intermediate_size * (m.conv_kernel_size + 2 * m.ssm_state_size)
+        macs += self.backbone.step_macs()
         if self.online is not None:  # moving averages + mixture and gate of every head
             M = self.online.num_sources
             macs += M * (c.input_size + 1) + c.direct_horizons * c.input_size * (M + 2)

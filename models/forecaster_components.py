@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from expertcast.models.forecaster_inputs import trigger_sequence
 from torch import nn
 
 RECENT_PRIOR = 0.05
@@ -78,8 +79,6 @@ def fit_transition(seqs: Sequence, num_layers: int, num_experts: int, p: int,
                    alpha: float = TRANSITION_ALPHA) -> torch.Tensor:
     """First-order per-layer transition table over forecaster elements of trigger layer ``p``: float32 [L, E, E],
     T_l[e, e'] = #(e in element i, e' in element i+1) + alpha, rows normalized."""
-    from expertcast.models.forecaster import trigger_sequence
-
     L, E = num_layers, num_experts
     counts = torch.full((L, E, E), alpha, dtype=torch.float64)
     for sq in seqs:

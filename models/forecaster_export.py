@@ -2,7 +2,7 @@
 
 Layout of an export directory::
 
-    forecaster.json          {"format": "expertcast-forecaster", "format_version": 4, "config": {...},
+    forecaster.json          {"format": "expertcast-forecaster", "format_version": 5, "config": {...},
                               "source": {model_id, num_layers, num_experts, top_k, ...},
                               "weights": "forecaster.safetensors", "weights_sha256": "...",
                               "num_parameters": N, "step_flops": F, "extra": {...},
@@ -14,9 +14,13 @@ Layout of an export directory::
 Format 2 added the online statistics (``config.online_half_lives`` and the ``online.mix`` / ``online.gate``
 tensors); format 3 the exact components (``config.component_half_lives`` / ``selection`` / ``head_rank`` and the
 fitted ``components.freq`` / ``components.trans`` tables, docs/design.md "Exact components"); format 4 the
-per-sequence leader (``config.switch_half_life``). Earlier exports still
-load, as forecasters without them. ``step_flops``: FLOPs of one decode step at batch 1
-(:meth:`~expertcast.models.forecaster.ExpertForecaster.step_flops`).
+per-sequence leader (``config.switch_half_life``); format 5 the project's own Mamba-2 backbone
+(:mod:`expertcast.models.mamba2`). Earlier exports still load, as forecasters without them; formats 1-4 ran
+transformers' ``Mamba2Model``, whose parameters are the project's under the same names
+(``backbone.layers.{i}.mixer.*``, ``backbone.layers.{i}.norm.weight``, ``backbone.norm_f.weight``) plus a token
+embedding the forecaster never used (``backbone.embeddings.weight``, [1, d]; dropped on load:
+:data:`LEGACY_DROPPED`). An export whose backbone is transformers' Mamba-1 (``backbone: mamba``) is refused.
+``step_flops``: FLOPs of one decode step at batch 1 (:meth:`~expertcast.models.forecaster.ExpertForecaster.step_flops`).
 
 Loading needs neither Lightning nor pickle: JSON + safetensors only. The manifest is checked before
 anything is used, so an edited ``temperature`` or ``trigger_layer`` is refused like corrupted weights;
@@ -49,7 +53,12 @@ from expertcast.utils.provenance import (
 )
 
 EXPORT_FORMAT = "expertcast-forecaster"
-EXPORT_FORMAT_VERSION = 4
+EXPORT_FORMAT_VERSION = 5
+LEGACY_BACKBONE_VERSIONS = range(1, 5)
+"""Format versions written while the backbone was transformers' ``Mamba2Model`` / ``MambaModel``."""
+LEGACY_DROPPED = ("backbone.embeddings.weight",)
+"""Tensors of a format 1-4 export with no counterpart in the project's Mamba-2 (transformers' token embedding, unused:
+the forecaster fed ``inputs_embeds``); every other tensor maps onto the same name and shape."""
 CONFIG_NAME = "forecaster.json"
 WEIGHTS_NAME = "forecaster.safetensors"
 
@@ -156,6 +165,10 @@ def load_forecaster(path: str | os.PathLike, device: str | torch.device = "cpu")
     cfg = read_export_config(path)
     cpath = _config_path(Path(path))
     export_hash = verify_export(cpath.parent)
+    version = cfg.get("format_version")
+    if isinstance(cfg["config"], dict) and cfg["config"].get("backbone") == "mamba":
+        raise ForecasterExportError(f"{cpath}: forecaster export format {version} with backbone 'mamba' (transformers' "
+                                    "Mamba-1) cannot be loaded: expertcast's forecaster is its own Mamba-2 (refit it)")
     try:
         config = ForecasterConfig.from_dict(cfg["config"])
     except (TypeError, ValueError) as e:
@@ -177,6 +190,8 @@ def load_forecaster(path: str | os.PathLike, device: str | torch.device = "cpu")
         tensors = load(blob)
     except (SafetensorError, ValueError, RuntimeError) as e:
         raise ForecasterExportError(f"{wpath}: cannot read safetensors weights ({e})") from e
+    if version in LEGACY_BACKBONE_VERSIONS:  # transformers' Mamba2Model -> the project's (same names and shapes)
+        tensors = {k: v for k, v in tensors.items() if k not in LEGACY_DROPPED}
     model = ExpertForecaster(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))

@@ -4,7 +4,7 @@ FAIL.
 ``forecaster``: one training epoch of the Qwen3-30B-A3B forecaster (configs/forecaster/qwen3-30b-a3b.yaml's
 model, L=48, E=128, K=8) on synthetic mode-Markov traces, Lightning on one GPU in bf16-mixed, first with
 mamba-ssm's kernels (asserted: every dispatched Mamba call took the kernel,
-:mod:`expertcast.models.mamba_kernels`), then the same epoch on transformers' PyTorch reference; the
+:mod:`expertcast.models.mamba_kernels`), then the same epoch on the PyTorch reference (models/mamba_ssd.py); the
 figure is the median step time of each and their ratio. ``--dry-run``: the same code on the CPU at a tiny
 size, PyTorch path only.
 
@@ -108,8 +108,7 @@ def forecaster(dry_run: bool) -> int:
     seqs, _ = proc.sample(n, T, prompt_len=16, seed=1)
     dm = ForecasterDataModule.from_sequences(proc.meta(), seqs, window=T, batch_size=batch, val_fraction=0.0)
     args = _model_args(dry_run)
-    status = mamba_kernels.install()
-    kernels = status.get("modeling_mamba2.mamba2_chunk_scan", False)
+    kernels = mamba_kernels.kernel_status()["chunk_scan"]
     if dry_run:
         mamba_kernels.reset_calls()
         times = _epoch(args, dm, "cpu", "32-true")

@@ -29,6 +29,7 @@ from expertcast.models.forecaster import (
     ForecasterConfig,
     ForecasterState,
     activation_probs,
+    check_backbone,
     predictions_to_input,
     scaled_width,
 )
@@ -458,6 +459,7 @@ class ForecasterModule(pl.LightningModule):
                  component_half_lives: list[float] | None = None, head_rank: int = 0,
                  select_margin: float = SELECT_MARGIN, switch_half_life: float = 0.0):
         super().__init__()
+        check_backbone(backbone)  # before any trace is read
         if sampling_rollout < 2:
             raise ValueError(f"sampling_rollout must be >= 2 (one true input, then the rollout), got {sampling_rollout}")
         self.save_hyperparameters()

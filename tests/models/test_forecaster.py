@@ -9,8 +9,8 @@ mamba-ssm and causal-conv1d are importable.
 
 No real mamba-ssm runs on a CPU machine, so "importable" is simulated: a subprocess puts fake
 ``mamba_ssm``/``causal_conv1d`` packages first on its path whose every kernel raises when called.
-transformers resolves them as the kernels (the test checks it did), so this tests the dispatch of
-:mod:`expertcast.models.mamba_kernels`, not the kernels themselves (scripts/gpu_check.sh runs those).
+:mod:`expertcast.models.mamba_kernels` resolves them as the kernels (the test checks it did), so this tests its
+dispatch, not the kernels themselves (tests/models/test_mamba2.py holds those equal to the reference on a GPU).
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ def test_activation_vector_normalizes_and_scatters():
         activation_vector(torch.tensor([[[4, 0]]]), torch.ones(1, 1, 2), 4)
 
 
-@pytest.mark.parametrize("backbone", ["mamba2", "mamba"])
-def test_window_forward_equals_recurrent_steps(backbone, tiny_forecaster_cfg, activation_inputs):
-    m = ExpertForecaster(tiny_forecaster_cfg(backbone=backbone)).eval()
+def test_window_forward_equals_recurrent_steps(tiny_forecaster_cfg, activation_inputs):
+    m = ExpertForecaster(tiny_forecaster_cfg()).eval()
     x = activation_inputs(2, 11)
     with torch.no_grad():
         full = m(x)
@@ -138,6 +137,8 @@ def test_bad_inputs_are_named(tiny_forecaster_cfg):
         tiny_forecaster_cfg(trigger_layer=3)
     with pytest.raises(ValueError, match="backbone"):
         tiny_forecaster_cfg(backbone="lstm")
+    with pytest.raises(ValueError, match=r"backbone 'mamba' \(Mamba-1\) is not supported"):
+        tiny_forecaster_cfg(backbone="mamba")
     with pytest.raises(ValueError, match="head_dim"):
         tiny_forecaster_cfg(head_dim=24)
     m = ExpertForecaster(tiny_forecaster_cfg())
@@ -215,10 +216,9 @@ def test_ema_scan_matches_the_recurrence_across_chunks_and_from_a_state():
     assert torch.equal(out[:, :, 0], x)  # decay 0: the last element itself
 
 
-@pytest.mark.parametrize("backbone,hedge,gate", [("mamba2", 0.0, 0.0), ("mamba", 0.0, 0.0), ("mamba2", 1.5, 0.0),
-                                                 ("mamba2", 0.0, 2.0), ("mamba", 1.5, 2.0)])
-def test_online_window_forward_equals_recurrent_steps(backbone, hedge, gate, online_cfg, activation_inputs):
-    m = ExpertForecaster(online_cfg(backbone=backbone, direct_horizons=2, online_hedge_rate=hedge, online_hedge_half_life=4.0,
+@pytest.mark.parametrize("hedge,gate", [(0.0, 0.0), (1.5, 0.0), (0.0, 2.0), (1.5, 2.0)])
+def test_online_window_forward_equals_recurrent_steps(hedge, gate, online_cfg, activation_inputs):
+    m = ExpertForecaster(online_cfg(direct_horizons=2, online_hedge_rate=hedge, online_hedge_half_life=4.0,
                                     learned_gate_rate=gate))
     torch.nn.init.normal_(m.head.weight, std=0.1)  # a non-zero learned part too
     with torch.no_grad():
@@ -363,9 +363,8 @@ def test_hedge_moves_each_sequence_to_the_source_that_forecasts_it():
 
 
 KERNELS = {
-    "mamba_ssm/ops/triton/ssd_combined.py": ["mamba_split_conv1d_scan_combined", "mamba_chunk_scan_combined"],
+    "mamba_ssm/ops/triton/ssd_combined.py": ["mamba_chunk_scan_combined"],
     "mamba_ssm/ops/triton/selective_state_update.py": ["selective_state_update"],
-    "mamba_ssm/ops/selective_scan_interface.py": ["mamba_inner_fn", "selective_scan_fn"],
     "causal_conv1d/__init__.py": ["causal_conv1d_fn", "causal_conv1d_update"],
 }
 
@@ -376,19 +375,20 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_forecaster import forecaster_outputs
     from expertcast.models import mamba_kernels
-    outs = {{b: forecaster_outputs(b) for b in ("mamba2", "mamba")}}
-    torch.save(outs, {out!r})
-    print(json.dumps({{"status": mamba_kernels.install(), "calls": mamba_kernels.calls()}}))
+    mamba_kernels.reset_calls()
+    torch.save(forecaster_outputs(), {out!r})
+    print(json.dumps({{"status": mamba_kernels.kernel_status(), "calls": mamba_kernels.calls()}}))
 """)
 
 
-def forecaster_outputs(backbone: str) -> dict[str, torch.Tensor]:
-    """Training forward, eval forward, one recurrent step and a rollout of a seeded tiny forecaster on CPU."""
+def forecaster_outputs() -> dict[str, torch.Tensor]:
+    """Training forward, eval forward, a window continuing from a state, one recurrent step and a rollout of a
+    seeded tiny forecaster on CPU."""
     from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 
     torch.manual_seed(0)
     cfg = ForecasterConfig(num_layers=3, num_experts=8, top_k=2, hidden_size=32, head_dim=16, state_size=8,
-                           chunk_size=8, num_blocks=2, backbone=backbone)
+                           chunk_size=8, num_blocks=2)
     m = ExpertForecaster(cfg)
     x = torch.rand(2, 6, 3, 8)
     m.train()
@@ -397,7 +397,8 @@ def forecaster_outputs(backbone: str) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         out["eval"] = m(x)
         state = m.init_state(2)
-        logits, _ = m.step(x[:, 0], state, all_horizons=True)
+        out["window"] = m(x[:, :4], state)
+        logits, _ = m.step(x[:, 4], state, all_horizons=True)
         out["step"], out["rollout"] = logits, m.rollout(logits, state, 3)
     return out
 
@@ -426,18 +427,17 @@ def test_cpu_forecaster_with_kernels_importable_equals_without(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     # the fakes were taken for kernels (else this test would prove nothing) ...
-    assert report["status"]["modeling_mamba2.mamba2_chunk_scan"] and report["status"]["modeling_mamba.mamba_selective_scan"]
-    assert report["status"]["modeling_mamba2.causal_conv1d_fn"]
+    assert report["status"] == {"chunk_scan": True, "state_update": True, "conv": True, "conv_update": True}
     # ... and never called: every call of the CPU forecaster took the PyTorch path
-    assert report["calls"] and not [k for k in report["calls"] if k.endswith(":kernel")]
+    assert {k.split(":")[0] for k in report["calls"]} == set(report["status"])
+    assert not [k for k in report["calls"] if k.endswith(":kernel")]
     with_kernels = torch.load(tmp_path / "out.pt")
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for backbone, outs in with_kernels.items():
-            ref = forecaster_outputs(backbone)
-            for name, t in outs.items():
-                assert torch.equal(t, ref[name]), (backbone, name)
+        ref = forecaster_outputs()
+        for name, t in with_kernels.items():
+            assert torch.equal(t, ref[name]), name
     finally:
         torch.set_num_threads(n)
 
@@ -445,24 +445,24 @@ def test_cpu_forecaster_with_kernels_importable_equals_without(tmp_path):
 def test_dispatch_counts_the_torch_path_here():
     from expertcast.models import mamba_kernels
 
-    status = mamba_kernels.install()
-    assert status and set(status) >= {"modeling_mamba2.mamba2_chunk_scan", "modeling_mamba.mamba_selective_scan"}
+    status = mamba_kernels.kernel_status()
+    assert set(status) == {"chunk_scan", "state_update", "conv", "conv_update"}
     mamba_kernels.reset_calls()
-    forecaster_outputs("mamba2")
+    forecaster_outputs()
     calls = mamba_kernels.calls()
-    assert calls.get("mamba2_chunk_scan:torch", 0) > 0 and calls.get("mamba2_selective_state_update:torch", 0) > 0
-    assert mamba_kernels.install() == status  # idempotent: wrapped once
+    assert calls.get("chunk_scan:torch", 0) > 0 and calls.get("state_update:torch", 0) > 0
+    assert calls.get("conv:torch", 0) > 0 and calls.get("conv_update:torch", 0) > 0
+    assert not [k for k in calls if k.endswith(":kernel")]
 
 
 @pytest.mark.gpu
 def test_cuda_forecaster_uses_the_kernels_when_installed():
-    """On CUDA with mamba-ssm installed every dispatched call is a kernel call; outputs match the CPU's."""
+    """On CUDA with mamba-ssm installed the scans and the step are kernel calls; outputs match the CPU's."""
     from expertcast.models import mamba_kernels
     from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 
-    status = mamba_kernels.install()
-    if not status["modeling_mamba2.mamba2_chunk_scan"]:
-        pytest.skip("mamba-ssm is not installed (pip install -e '.[gpu]')")
+    if not all(mamba_kernels.kernel_status().values()):
+        pytest.skip("mamba-ssm / causal-conv1d are not installed (pip install -e '.[gpu]')")
     torch.manual_seed(0)
     cfg = ForecasterConfig(num_layers=3, num_experts=8, top_k=2, hidden_size=64, head_dim=32, state_size=16,
                            chunk_size=8, num_blocks=2)
@@ -470,11 +470,18 @@ def test_cuda_forecaster_uses_the_kernels_when_installed():
     x = torch.rand(2, 16, 3, 8)
     with torch.no_grad():
         ref = m(x)
+        st = m.init_state(2)
+        ref_step = torch.stack([m.step(x[:, i], st)[0] for i in range(3)], 1)
         mamba_kernels.reset_calls()
-        got = m.cuda()(x.cuda()).cpu()
+        m.cuda()
+        got = m(x.cuda()).cpu()
+        st = m.init_state(2)
+        got_step = torch.stack([m.step(x[:, i].cuda(), st)[0] for i in range(3)], 1).cpu()
     calls = mamba_kernels.calls()
-    assert calls.get("mamba2_chunk_scan:kernel", 0) > 0 and not calls.get("mamba2_chunk_scan:torch")
+    for op in ("chunk_scan", "conv", "state_update", "conv_update"):
+        assert calls.get(f"{op}:kernel", 0) > 0 and not calls.get(f"{op}:torch"), calls
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got_step, ref_step, atol=2e-3, rtol=2e-3)
 
 
 def test_worker_stream_only_on_cuda():

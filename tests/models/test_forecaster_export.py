@@ -4,6 +4,7 @@ the manifest guards every file; training ids read back."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_round_trip_same_predictions(tmp_path, model):
     with torch.no_grad():
         assert torch.equal(exp.model(x), model(x))
     cfg = json.loads((out / CONFIG_NAME).read_text())
-    assert cfg["format"] == "expertcast-forecaster" and cfg["format_version"] == 4
+    assert cfg["format"] == "expertcast-forecaster" and cfg["format_version"] == 5
     exp.check_compatible(2, 8, 2)
     with pytest.raises(ValueError, match="another model"):
         exp.check_compatible(48, 128, 8, what="trace")
@@ -154,3 +155,46 @@ def test_online_statistics_round_trip_and_format_1_exports_still_load(tmp_path, 
     assert exp1.model.online is None
     with torch.no_grad():
         assert torch.equal(exp1.model(x), model(x))
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "forecaster-format4"
+"""A format-4 export written by expertcast when the backbone was transformers' Mamba2Model (L=3, E=8, K=2, two
+blocks, G=1, two direct heads, online statistics; every backbone tensor moved off its initial value) and, in
+``outputs.safetensors``, that expertcast's outputs on the inputs ``x`` stored beside them: the window forward (all
+heads), the same elements one step at a time, a rollout after them, and two state tensors."""
+
+
+def test_format4_export_loads_and_reproduces_its_outputs(tmp_path):
+    from safetensors.torch import load_file
+
+    exp = load_forecaster(FIXTURE / "export")
+    want = load_file(FIXTURE / "outputs.safetensors")
+    x = want["x"]
+    with torch.no_grad():
+        full = exp.model(x, all_horizons=True)
+        st = exp.model.init_state(2)
+        steps = torch.stack([exp.model.step(x[:, i], st, all_horizons=True)[0] for i in range(x.shape[1])], 1)
+        roll = exp.model.rollout(steps[:, -1], st, 4)
+    for name, got in {"full": full, "steps": steps, "rollout": roll, "ssm0": st.ssm[0], "conv1": st.conv[1]}.items():
+        torch.testing.assert_close(got, want[name], atol=1e-5, rtol=1e-5, msg=name)
+    # re-exported: format 5, without transformers' unused embedding, same outputs
+    out = save_forecaster(exp.model, tmp_path / "again")
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["format_version"] == 5 and "use_mambapy" not in cfg["config"]
+    assert "backbone.embeddings.weight" not in load_file(out / WEIGHTS_NAME)
+    with torch.no_grad():
+        assert torch.equal(load_forecaster(out).model(x, all_horizons=True), full)
+
+
+def test_mamba1_export_is_refused_naming_the_format(tmp_path):
+    import shutil
+
+    d = tmp_path / "m1"
+    shutil.copytree(FIXTURE / "export", d)
+    cfg = json.loads((d / CONFIG_NAME).read_text())
+    cfg["config"]["backbone"] = "mamba"
+    (d / CONFIG_NAME).write_text(json.dumps(cfg))
+    write_export_manifest(d, [WEIGHTS_NAME, CONFIG_NAME])
+    with pytest.raises(ForecasterExportError, match=r"format 4 with backbone 'mamba' \(transformers' Mamba-1\)") as e:
+        load_forecaster(d)
+    assert "\n" not in str(e.value)

@@ -542,3 +542,8 @@ def test_losses_in_one_gather_equal_the_per_head_slices_and_their_gradient():
     assert torch.equal(out["rank"], rank[0]) and torch.equal(out["kl"], kl[0]) and torch.equal(out["loss"], ref)
     torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-6, atol=1e-9)  # the reference's own rounding
     assert (logits.grad != 0).sum() > 0.5 * logits.numel() * use.float().mean()  # every scored row has a gradient
+
+
+def test_mamba1_backbone_refused_before_any_trace_is_read():
+    with pytest.raises(ValueError, match=r"backbone 'mamba' \(Mamba-1\) is not supported"):
+        ForecasterModule(backbone="mamba")
