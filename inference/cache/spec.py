@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
 ENGINES = frozenset({"driver", "kernel", "device", "placement"})
 """Where a policy can run: ``driver`` = the eager Python driver (simulator and runtime), ``kernel`` = the
 simulator's compiled fast path (the policy's ``kernel_params()``), ``device`` = the runtime's graph decode path,
-``placement`` = the simulator's vectorized replay of a fixed placement (nothing moves: the policy's
-``placement(config)``)."""
+``placement`` = the simulator's vectorized replay of a fixed placement (nothing moves: the policy's warm start, placed
+by the driver, stays resident)."""
 NEEDS = frozenset({"future", "forecaster", "router_scores", "cues", "tokenizer", "calibration"})
 """Inputs a policy needs: the future routing (oracles), a forecaster export, the routers' scores (a replay or
 live routers), stage cues, a tokenizer decoding the generated tokens, calibration traces (their selection counts:

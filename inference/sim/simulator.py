@@ -293,7 +293,7 @@ def replay_kernel(stream: AccessStream, policy: Policy, config: CacheConfig,
                   cost: CostConfig | None = None) -> ReplayResult:
     """Compiled engine for policies exposing ``kernel_params()`` (classic policies, oracles)."""
     _check_stream(stream, config)
-    policy.reset(config)
+    Driver(policy, ExpertCache(config), Transport()).reset(stream)  # the run's lifecycle calls, as every engine's
     from expertcast.inference.policies import spec_of
 
     params = policy.kernel_params() if spec_of(policy).runs_on("kernel") else None
@@ -350,15 +350,17 @@ def replay_ceiling(stream: AccessStream, config: CacheConfig, cost: CostConfig |
 
 
 def replay_static(stream: AccessStream, policy, config: CacheConfig, cost: CostConfig | None = None) -> ReplayResult:
-    """Vectorized engine for the static placement (nothing ever moves)."""
+    """Vectorized engine for a fixed placement (nothing ever moves): the policy's warm start, placed by the driver, is
+    the resident set of the whole run."""
     _check_stream(stream, config)
     cost = cost or CostConfig()
     L, E = config.num_layers, config.num_experts
     xbytes = _expert_bytes(config, cost)
-    policy.reset(config)
+    cache = ExpertCache(config)
+    Driver(policy, cache, Transport()).reset(stream)
     t0 = time.perf_counter()
     placed = np.zeros((L, E), np.bool_)
-    for layer, e in policy.placement(config):
+    for layer, e in cache.resident_set():
         placed[layer, e] = True
     n_exec = stream.num_execs
     sizes = np.diff(stream.exec_ptr)
@@ -411,7 +413,6 @@ def run_policy(stream: AccessStream, policy: Policy, config: CacheConfig, cost: 
     if spec.runs_on("placement") and engine == "auto":
         return replay_static(stream, policy, config, cost)  # nothing moves: the driver's result, vectorized
     if spec.runs_on("kernel"):
-        policy.reset(config)
         return replay_kernel(stream, policy, config, cost)
     if engine == "kernel":
         raise ValueError(f"policy {policy.name!r} has no compiled fast path; use engine='python'")

@@ -282,35 +282,16 @@ def test_a_closed_runtime_is_not_kept_alive_by_the_model(qwen):
     assert all(r.module._expertcast_runtime is None for r in find_experts_modules(qwen))
 
 
-class _LifecycleProbe:
-    """Records which module made each lifecycle call of the policy it wraps (reset, set_future, warm_start)."""
 
-    LIFECYCLE = ("reset", "set_future", "warm_start")
-
-    def __init__(self, policy):
-        self.callers: list[tuple[str, str]] = []
-        for hook in self.LIFECYCLE:
-            setattr(policy, hook, self._wrap(hook, getattr(policy, hook)))
-
-    def _wrap(self, hook, fn):
-        import inspect
-
-        def call(*args, **kwargs):
-            self.callers.append((hook, inspect.currentframe().f_back.f_globals["__name__"]))
-            return fn(*args, **kwargs)
-        return call
-
-
-def test_the_driver_makes_every_policy_lifecycle_call(qwen):
+def test_the_driver_makes_every_policy_lifecycle_call(qwen, lifecycle_callers):
     """The runtime never calls reset / set_future / warm_start itself: at construction, reset and set_future the
     calls come from the one driver (docs/design.md, "Driver")."""
     policy = make_policy("static", calibration=np.ones((4, 16), np.int64))
-    probe = _LifecycleProbe(policy)
+    callers = lifecycle_callers(policy)
     om = OffloadedModel(qwen, policy, 8)
     om.set_future(None)
     om.reset()
-    hooks = {h for h, _ in probe.callers}
-    assert hooks == set(_LifecycleProbe.LIFECYCLE)
-    assert {m for _, m in probe.callers} == {"expertcast.inference.cache.driver"}, probe.callers
+    assert {h for h, _ in callers} == {"reset", "set_future", "warm_start"}
+    assert {m for _, m in callers} == {"expertcast.inference.cache.driver"}, callers
     assert len(om.cache.resident_set()) == 4 * 8  # the warm start was placed
     om.restore()

@@ -234,3 +234,16 @@ def test_observe_tokens_and_begin_batch_reach_the_policy():
     assert seen[0] == ("batch", [s0.seq_id])
     assert seen[1] == ("tok", 0, [int(s0.token_ids[1])])  # the token produced by step 0
     assert sum(1 for e in seen if e[0] == "batch") == 2
+
+
+@pytest.mark.parametrize("name,engine", [("static", "auto"), ("lru", "auto"), ("belady", "auto"), ("lru", "python"),
+                                         ("static", "python")])
+def test_every_engine_leaves_the_lifecycle_calls_to_the_driver(name, engine, lifecycle_callers):
+    """The vectorized placement engine, the compiled kernels and the driver engine alike: reset / set_future /
+    warm_start come from the one driver (docs/design.md, "Driver"), never from the simulator itself."""
+    tr = zipf_traces(num_sequences=2, num_tokens=20, num_layers=2, num_experts=8, top_k=2, seed=0)
+    policy = make_policy(name)
+    callers = lifecycle_callers(policy)
+    simulate(tr, [policy], [0.5], progress=False, belady_fraction=False, engine=engine)
+    assert {h for h, _ in callers} == {"reset", "set_future", "warm_start"}
+    assert {m for _, m in callers} == {"expertcast.inference.cache.driver"}, callers
