@@ -50,16 +50,27 @@ from expertcast.commands.common import (
     positive_float,
     positive_int,
     resolve_device,
-    resolve_model,
 )
 from expertcast.data.benchmarks import BENCHMARKS
+from expertcast.inference.runtime.session import (
+    BASELINES,
+    DTYPES,
+    ModelSession,
+    SessionSettings,
+    build_policy,
+    check_run,
+    check_store,
+    choose_baseline,
+    default_disk_path,
+    fit_stage_policy,
+    mmap_store_path,
+    paired_speed_passes,
+)
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 PROG = "expertcast eval"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUMMARY_COLUMNS = ["samples", "accuracy", "hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s",
                    "stall_ms_per_token", "proactive_per_token", "prefetch_precision", "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline"]
-BASELINES = ("auto", "full-load", "host", "none")
 SPEED = "speed.json"
 SAMPLES = "samples.jsonl"
 SETTINGS = "settings.json"
@@ -95,13 +106,22 @@ def add_store_args(ap: CommandParser) -> None:
 
 
 def check_store_args(a: Any) -> None:
-    if getattr(a, "store", "ram") == "disk":
-        if getattr(a, "mmap_store", False):
-            raise UsageError("--store disk and --mmap-store exclude each other (the disk store is its own file)")
-        if getattr(a, "link_gbps", None) is not None:
-            raise UsageError("--link-gbps emulates a link; --store disk reads the real disk (drop --link-gbps)")
-    elif getattr(a, "disk_path", None) is not None:
-        raise UsageError("--disk-path needs --store disk")
+    """The store flags (:func:`~expertcast.inference.runtime.session.check_store`)."""
+    check_store(getattr(a, "store", "ram"), getattr(a, "disk_path", None), mmap=getattr(a, "mmap_store", False),
+                link_gbps=getattr(a, "link_gbps", None))
+
+
+def session_settings(args: Any, model_path: str, device: str, out: str | None = None) -> SessionSettings:
+    """The :class:`~expertcast.inference.runtime.session.SessionSettings` of the flags (``out``: the folder of the
+    memory-mapped or disk store; default ``--out``)."""
+    out = args.out if out is None else out
+    disk = getattr(args, "store", "ram") == "disk"
+    return SessionSettings(
+        model=args.model, model_path=model_path, device=device, dtype=args.dtype, pool=args.pool,
+        link_gbps=args.link_gbps, decode_path=args.decode_path, seed=args.seed, store=getattr(args, "store", "ram"),
+        disk_path=(getattr(args, "disk_path", None) or default_disk_path(out)) if disk else None,
+        readers=getattr(args, "readers", 4),
+        mmap_path=mmap_store_path(out) if getattr(args, "mmap_store", False) else None)
 
 
 def add_run_args(ap: CommandParser) -> None:
@@ -152,92 +172,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- validation (cheap, before the model loads) --------------------------------------------------------
-def build_policy(spec: str) -> tuple[Any, str, dict[str, Any], dict[str, str]]:
-    """(policy, name, options, file options) of ``--policy NAME[:k=v,...]``, options typed and validated
-    by :func:`~expertcast.inference.policies.parse_policy_options`; the policy's spec says whether it
-    can drive a live generation. Every mistake is a UsageError."""
-    from expertcast.inference.policies import build_policy as build
-    from expertcast.inference.policies import make_policy, parse_policy_options, policy_spec
-    from expertcast.inference.runtime.live_routers import is_router_policy, live_router_policy
-
-    if is_router_policy(spec):  # live routers: their scores come from the --model export (attached at offload)
-        name, opts = live_router_policy(spec)
-        return make_policy(name, **opts), name, opts, {}
-    parsed = parse_policy_options(spec)
-    name, opts = parsed.policy, parsed.given_values()
-    pspec = policy_spec(name)
-    if not pspec.live:
-        if "future" in pspec.needs:
-            raise UsageError(f"--policy {name} is an oracle (it reads the future routing): it cannot drive a live "
-                             f"evaluation; use `expertcast simulate` on recorded traces")
-        raise UsageError(f"--policy {name} runs only on the simulator's compiled engine, not in the runtime")
-    try:
-        policy = build(pspec, parsed)
-    except UsageError:
-        raise
-    except (TypeError, AttributeError, ValueError) as e:
-        keys = ", ".join(opts) or "none"
-        raise UsageError(f"--policy {spec}: cannot build {name} with options ({keys}): {e}") from None
-    return policy, name, opts, parsed.files()
-
-
-def fit_stage_policy(policy: Any, resolved: str) -> None:
-    """A policy that decodes the generated tokens (its spec needs a tokenizer) reads the evaluated model's: its
-    cue set must come from this model (else a UsageError naming both), and without a tokenizer of its own it
-    decodes with the model's."""
-    from expertcast.inference.policies import spec_of
-
-    if "tokenizer" not in spec_of(policy).needs:
-        return
-    cue_set = getattr(policy, "cue_set", None)
-    if cue_set is not None:
-        cue_set.check_model(resolved, source=f"cue set of --policy {policy.name}", what="the evaluated tokens")
-    if policy.wants_tokenizer():
-        from expertcast.inference.policies.artifacts import load_tokenizer
-
-        policy.use_tokenizer(load_tokenizer(resolved))
-
-
-def model_shape(resolved: str) -> tuple[int, int, int]:
-    """(L, E, K) from the model's config alone (no weights)."""
-    from expertcast.models.presets import get_config, is_preset
-    from expertcast.models.spec import MoESpec
-
-    if is_preset(resolved):
-        config = get_config(resolved)
-    else:
-        from expertcast.models.backbone import load_moe_config
-
-        try:
-            config = load_moe_config(resolved)  # a router-adaptation export: its model's (or adapter base's)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--model {resolved}: cannot read its config ({' '.join(str(e).split())[:200]})") from None
-    spec = MoESpec.from_config(config)
-    return spec.num_layers, spec.num_experts, spec.top_k
-
-
-def check_capacity(cap: dict[str, Any], pool: str, shape: tuple[int, int, int]):
-    """The CacheConfig of ``cap`` on a model of ``shape`` (UsageError naming the flag when it cannot hold)."""
-    from expertcast.inference.cache.expert_cache import Budget, CacheConfig
-
-    L, E, K = shape
-    flag = "--capacity" if "capacity" in cap else "--slots"
-    try:
-        return CacheConfig(num_layers=L, num_experts=E, top_k=K, pool=pool, budget=Budget.from_flags(cap))
-    except ValueError as e:
-        raise UsageError(f"{flag} {next(iter(cap.values()))}: {e} (model: L={L}, E={E}, K={K}, --pool {pool})") from None
-
-
-def check_policy_fits(policy: Any, shape: tuple[int, int, int], model: str) -> None:
-    """Refuse a policy holding an artefact (forecaster, cue set) made for a model of another shape."""
-    from expertcast.inference.runtime.engine import check_policy_compatible
-
-    try:
-        check_policy_compatible(policy, *shape, f"model {model}")
-    except ValueError as e:
-        raise UsageError(f"--policy: {e}") from None
-
-
 def check_leakage(name: str, files: dict[str, str], problem_ids: list[str], allow: bool) -> dict[str, Any] | None:
     """Overlap of the evaluated problems with the training sequences of the policy's forecaster (None
     when the policy has no forecaster)."""
@@ -433,17 +367,9 @@ def prepare(args: Any) -> dict[str, Any]:
         raise UsageError("give --capacity (a fraction of all experts) or --slots (a slot count)")
     check_store_args(args)
     device = resolve_device(args.device)
-    policy, name, opts, files = build_policy(args.policy)
-    from expertcast.inference.runtime.live_routers import is_router_policy, router_export_model
-
-    if is_router_policy(name):  # --model is a router-adaptation export: its model folder, its routers' hash
-        resolved, files = router_export_model(args.model, name)
-    else:
-        resolved = resolve_model(args.model)
-    shape = model_shape(resolved)
-    cache_config = check_capacity(caps[0], args.pool, shape)
-    check_policy_fits(policy, shape, args.model)
-    fit_stage_policy(policy, resolved)
+    checked = check_run(args.model, args.policy, caps[0], args.pool)
+    policy, name, opts, files = checked.policy, checked.policy_name, checked.options, checked.files
+    resolved, shape, cache_config = checked.model_path, checked.shape, checked.cache_config
     problems = load_benchmark(args.benchmark, args.split, data_dir=args.data_dir, limit=args.limit)
     overlap = check_leakage(name, files, [p.id for p in problems], args.allow_overlap)
     settings = eval_settings(args, resolved=resolved, device=device, policy_name=name, opts=opts, files=files,
@@ -461,7 +387,7 @@ def evaluate(args: Any) -> int:
     cell = prepare(args)
     set_threads(args.threads)
     with claim_output_dir(args.out, "eval", overwrite=args.overwrite) as out:
-        run_cell(args, out, cell, ModelSession(args, cell["info"]["model_path"], cell["device"]))
+        run_cell(args, out, cell, ModelSession(session_settings(args, cell["info"]["model_path"], cell["device"])))
     return 0
 
 
@@ -479,84 +405,6 @@ def run_cell(args: Any, out: Any, cell: dict[str, Any], session: ModelSession) -
     done = resume_rows(out, cell["info"]["settings"], cell["info"]["settings_hash"])
     rows_of(done, [p.id for p in cell["problems"]], out.path / SAMPLES)  # a batch cut by --limit: refused
     return _generate_and_report(args, out, cell, done, session)
-
-
-class ModelSession:
-    """The evaluated model, loaded once and shared by the evaluations of a sweep. It is loaded straight to
-    the host store (:func:`~expertcast.inference.runtime.loading.load_offloaded`: the whole model is never
-    on the device); between two offloaded runs the experts go back into the model (full load) when they
-    fit the device and a full-load baseline is wanted, and the host store is reused."""
-
-    def __init__(self, args: Any, resolved: str, device: str):
-        self.args, self.resolved, self.device = args, resolved, device
-        self.model = self.tok = self.store = None
-        self.full = False
-        """The model holds its experts (full load) now."""
-        self.full_load_check: Any = None
-        """The last :class:`~expertcast.inference.runtime.eval_run.FullLoadFit` (None before a full load was asked)."""
-        self.load_report: dict[str, Any] | None = None
-
-    @classmethod
-    def adopt(cls, args: Any, resolved: str, device: str, om: Any, tok: Any,
-              load_report: dict[str, Any] | None) -> ModelSession:
-        """A session over an already loaded OffloadedModel ``om`` (its model and host store are reused; give
-        ``om`` back, :meth:`give_back`, before the next :meth:`offload`). ``args`` needs ``pool``,
-        ``link_gbps``, ``decode_path`` and ``model``."""
-        session = cls(args, resolved, device)
-        session.model, session.tok, session.store, session.load_report = om.model, tok, om.store, load_report
-        return session
-
-    def offload(self, policy: Any, capacity: dict[str, Any], measure_latency: bool = False):
-        """An OffloadedModel of the session's model (loaded on the first call; then the store is reused)."""
-        from expertcast.inference.cache.expert_cache import Budget
-        from expertcast.inference.runtime.engine import OffloadedModel
-        from expertcast.inference.runtime.live_routers import attach_live_routers
-
-        a = self.args
-        cap = Budget.from_flags(capacity)
-        if self.model is None:
-            from expertcast.inference.runtime.eval_run import pad_left
-            from expertcast.inference.runtime.loading import load_offloaded
-
-            mmap = str(Path(a.out) / "experts.safetensors") if a.mmap_store else None
-            kind = getattr(a, "store", "ram")
-            disk = (getattr(a, "disk_path", None) or str(Path(a.out) / "experts.disk.safetensors")) if kind == "disk" \
-                else None
-            om, self.tok, report = load_offloaded(self.resolved, policy, cap, device=self.device, dtype=a.dtype,
-                                                  pool=a.pool, link_gbps=a.link_gbps, mmap_path=mmap, seed=a.seed,
-                                                  decode_path=a.decode_path, store=kind, disk_path=disk,
-                                                  readers=getattr(a, "readers", 4))
-            pad_left(self.tok)
-            self.model, self.store, self.load_report = om.model, om.store, report.to_dict()
-            if measure_latency:
-                om.use_measured_latency()
-        else:
-            om = OffloadedModel(self.model, policy, cap, pool=a.pool, device=self.device, link_gbps=a.link_gbps,
-                                store=self.store, measure_latency=measure_latency, decode_path=a.decode_path,
-                                readers=getattr(a, "readers", 4))
-        self.full = False
-        attach_live_routers(policy, om.model, a.model)  # router policies: the --model export's routers, live
-        return om
-
-    def give_back(self, om: Any, full: bool) -> None:
-        """Detach ``om``; with ``full`` the experts go back into the model (full load) when they fit beside the
-        host store and on the device (:func:`~expertcast.inference.runtime.eval_run.full_load_fit`), else they
-        stay in the host store only."""
-        from expertcast.inference.runtime.live_routers import detach_live_routers
-
-        detach_live_routers(om.policy)  # a full-load pass runs without the live routers' hooks
-        if full and self._full_load_fits(om):
-            self.model = om.restore()
-            self.full = True
-        else:
-            om.close()
-            self.full = False
-
-    def _full_load_fits(self, om: Any) -> bool:
-        from expertcast.inference.runtime.eval_run import full_load_fit
-
-        self.full_load_check = full_load_fit(self.store.nbytes, self.device, om.pool.nbytes)
-        return self.full_load_check.fits
 
 
 def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[dict[str, Any]],
@@ -682,55 +530,6 @@ def plot_summary(summary: dict[str, Any], rows: list[dict[str, Any]], path: str 
 
 
 
-@dataclass
-class SpeedRun:
-    """Decode figures of one timed pass over the speed prompts."""
-
-    kind: str
-    """``offloaded``, :data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE``."""
-    decoded_tokens: int
-    decode_seconds: float
-    sequences: list[list[int]]
-    """Generated ids per prompt, cut after its first EOS (token identity between the passes)."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
-
-
-
-def paired_speed(run_offloaded: Any, run_baseline: Any, repeats: int) -> dict[str, Any]:
-    """Interleaved passes B, O, B, O, ..., O, B (``repeats`` offloaded passes, each between two baseline
-    passes): every offloaded tokens/s is divided by the mean of the baseline passes right before and after
-    it (shared machines drift over tens of seconds; a pair sees the same speed). Reports the median of the
-    paired ratios in % (``pct_full``) with their min-max, the median tokens/s of both, and whether every
-    pass generated the same tokens (``tokens_match``)."""
-    base = [run_baseline()]
-    offs = []
-    for _ in range(repeats):
-        offs.append(run_offloaded())
-        base.append(run_baseline())
-    pct = [100.0 * o.tokens_per_s / (0.5 * (base[i].tokens_per_s + base[i + 1].tokens_per_s))
-           for i, o in enumerate(offs)]
-    ref = base[0].sequences
-    return {
-        "baseline": base[0].kind,
-        "repeats": repeats,
-        "pct_full": float(np.median(pct)),
-        "pct_full_min": float(min(pct)),
-        "pct_full_max": float(max(pct)),
-        "paired_pct": pct,
-        "tokens_per_s": float(np.median([o.tokens_per_s for o in offs])),
-        "baseline_tokens_per_s": float(np.median([b.tokens_per_s for b in base])),
-        "offloaded_passes": [{"decoded_tokens": o.decoded_tokens, "decode_seconds": o.decode_seconds} for o in offs],
-        "baseline_passes": [{"decoded_tokens": b.decoded_tokens, "decode_seconds": b.decode_seconds} for b in base],
-        "tokens_match": all(r.sequences == ref for r in [*base, *offs]),
-        "decoded_tokens": offs[0].decoded_tokens,
-        "order": "baseline, then (offloaded, baseline) x repeats; each offloaded pass against the mean of its two "
-                 "neighbouring baseline passes; median and min-max of those ratios",
-    }
-
-
 # -- speed against full load ----------------------------------------------------------------------------
 def _speed(args: Any, out: Any, cell: dict[str, Any], session: ModelSession, templated: bool, eos: list[int],
            lat_model: Any) -> dict[str, Any] | None:
@@ -742,7 +541,7 @@ def _speed(args: Any, out: Any, cell: dict[str, Any], session: ModelSession, tem
         return None
     n = args.speed_samples or args.batch_size
     probs = cell["problems"][:n]
-    baseline, choice = _baseline_kind(args.baseline, session)
+    baseline, choice = choose_baseline(args.baseline, session)
     key = {"settings_hash": cell["info"]["settings_hash"], "baseline": baseline, "speed_samples": n,
            "speed_repeats": args.speed_repeats, "problems": [p.id for p in probs]}
     path = out.path / SPEED
@@ -756,30 +555,6 @@ def _speed(args: Any, out: Any, cell: dict[str, Any], session: ModelSession, tem
     speed["baseline_choice"] = choice
     atomic_write_json(out.file(SPEED), speed)
     return speed
-
-
-def _baseline_kind(choice: str, session: ModelSession) -> tuple[str, dict[str, Any]]:
-    """:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE`` for ``--baseline``, and the
-    record of the choice (``speed.json``'s ``baseline_choice``: the reason and the memory figures). ``auto``
-    takes the full load when the experts went back into the model (they fit beside the host store and on the
-    device), else the host baseline, which needs no second copy of the experts; it says which on stderr."""
-    from expertcast.inference.runtime.eval_run import FULL_LOAD, HOST_BASELINE
-
-    check = session.full_load_check
-    figures = check.to_dict() if check is not None else {}
-    why = figures.pop("reason", "the experts are not in the model")
-    figures.pop("fits", None)
-    if choice == "host":
-        kind, why = HOST_BASELINE, "asked (--baseline host)"
-    elif session.full:
-        kind = FULL_LOAD
-    elif choice == "auto":
-        kind = HOST_BASELINE
-    else:
-        raise UsageError(f"--baseline full-load: {why}; use --baseline auto or host")
-    if choice == "auto":
-        print(f"eval: --baseline auto: {kind} ({why})", file=sys.stderr, flush=True)
-    return kind, {"requested": choice, "baseline": kind, "reason": why, **figures}
 
 
 def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs: list[Any], templated: bool,
@@ -806,55 +581,6 @@ def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs:
         print(f"warning: the speed passes of {args.policy} and the {baseline} baseline generated different "
               "tokens (numerics of the device and host kernels differ)")
     return speed
-
-
-def paired_speed_passes(session: ModelSession, encs: list[dict[str, Any]], make_policy: Any,
-                        capacity: dict[str, Any], host_slots: int, baseline: str, repeats: int, *,
-                        max_new_tokens: int, eos: list[int]) -> dict[str, Any]:
-    """:func:`paired_speed` over the encoded batches ``encs`` (``input_ids``, ``attention_mask``): a fresh
-    ``make_policy()`` and an empty cache of ``capacity`` each offloaded pass, against ``baseline``
-    (:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD`: the plain model with every expert back in it;
-    else every routed expert executed on the host with ``host_slots`` slots: the model's top-K). Shared by ``expertcast eval`` and the
-    lm-evaluation-harness adapter."""
-    from expertcast.inference.runtime.eval_run import (
-        FULL_LOAD,
-        HostExecutionPolicy,
-        decode_tokens,
-        full_load_generate,
-        generated,
-    )
-
-    pad = session.tok.pad_token_id
-    gen_kw = {"max_new_tokens": max_new_tokens, "eos_token_id": eos or None, "pad_token_id": pad}
-
-    def offloaded(policy: Any, cap: dict[str, Any], kind: str) -> SpeedRun:
-        om = session.offload(policy, cap)
-        try:
-            seqs = []
-            for enc in encs:
-                res = om.generate(enc["input_ids"], enc["attention_mask"], **gen_kw)
-                seqs += generated(res.sequences.cpu(), enc["input_ids"].shape[1], eos)
-            st = om.stats
-        except BaseException:
-            om.close()
-            raise
-        session.give_back(om, full=baseline == FULL_LOAD)
-        return SpeedRun(kind, int(st.decoded_tokens), float(st.decode_seconds), seqs)
-
-    def run_full() -> SpeedRun:
-        seqs, secs = [], 0.0
-        for enc in encs:
-            out, dt = full_load_generate(session.model, enc, max_new_tokens=max_new_tokens, eos=eos,
-                                         pad_token_id=pad)
-            seqs += generated(out, enc["input_ids"].shape[1], eos)
-            secs += dt
-        return SpeedRun(FULL_LOAD, decode_tokens(seqs), secs, seqs)
-
-    def run_host() -> SpeedRun:
-        return offloaded(HostExecutionPolicy(), {"slots": host_slots}, HostExecutionPolicy.name)
-
-    return paired_speed(lambda: offloaded(make_policy(), capacity, "offloaded"),
-                        run_full if baseline == FULL_LOAD else run_host, repeats)
 
 
 def _crossover_text(n: int) -> str:

@@ -108,7 +108,8 @@ def plan_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def sweep(args: argparse.Namespace) -> int:
     """Validate every cell, claim ``--out``, run (or resume) the cells, write the table."""
-    from expertcast.commands.evaluate import ModelSession, run_cell, set_threads
+    from expertcast.commands.evaluate import run_cell, session_settings, set_threads
+    from expertcast.inference.runtime.session import ModelSession
     from expertcast.utils.outdir import claim_output_dir
 
     cells = plan_cells(args)
@@ -116,7 +117,8 @@ def sweep(args: argparse.Namespace) -> int:
     first = cells[0]["cell"]
     rows = []
     with claim_output_dir(args.out, "sweep", overwrite=args.overwrite) as out:
-        session = ModelSession(cells[0]["args"], first["info"]["model_path"], first["device"])
+        session = ModelSession(session_settings(cells[0]["args"], first["info"]["model_path"], first["device"],
+                                                out=args.out))
         for i, c in enumerate(cells):
             print(f"[{i + 1}/{len(cells)}] {c['benchmark']} {c['spec']} @ {next(iter(c['cap'].values()))}", flush=True)
             summary = run_cell(c["args"], CellDir(out, c["rel"]), c["cell"], session)

@@ -21,7 +21,7 @@ against the model's shape, artefacts made for another model).
   as ``expertcast eval`` counts them) go into the harness's results JSON (``config.expertcast``, through
   :meth:`ExpertcastLM.get_model_info`) and are printed as a table when the evaluation ends.
 * % of full speed (``pct_full``): when the evaluation ends, ``expertcast eval``'s paired speed measurement
-  (:func:`~expertcast.commands.evaluate.paired_speed_passes`) runs on the first ``speed_samples`` contexts of
+  (:func:`~expertcast.inference.runtime.session.paired_speed_passes`) runs on the first ``speed_samples`` contexts of
   ``generate_until`` (default 2; 0 turns it off): baseline, then (offloaded, baseline) x ``speed_repeats``,
   a fresh policy and an empty cache each offloaded pass, each against the mean of its two neighbouring
   baseline passes. The baseline is ``baseline`` (``auto``, as ``eval --baseline auto``: the full-load model
@@ -44,6 +44,9 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from expertcast.inference.runtime.session import (
+    BASELINES,  # ``baseline`` values (``expertcast eval --baseline``)
+)
 from expertcast.utils.errors import UsageError
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -53,8 +56,6 @@ MODEL_NAME = "expertcast"
 METRIC_COLUMNS = ("hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s", "stall_ms_per_token", "decoded_tokens",
                   "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline")
 """The cache and speed columns of the printed table (decode-only counters)."""
-BASELINES = ("auto", "full-load", "host", "none")
-"""``baseline`` values of the speed measurement (``expertcast eval --baseline``)."""
 GREEDY_KEYS = {"do_sample", "temperature", "until", "max_gen_toks"}
 """Generation settings the adapter reads; any other (top_p, ...) is refused."""
 
@@ -106,17 +107,10 @@ class ExpertcastLM(TemplateLM):
     # -- set-up -----------------------------------------------------------------------------------------
     def _check(self, model: str, policy: str, capacity: Any, slots: Any, pool: str, device: str, dtype: str,
                seed: Any, link_gbps: Any, decode_path: str) -> dict[str, Any]:
-        """Every cheap check, before the model loads (as ``expertcast eval`` checks its flags)."""
-        from expertcast.commands.common import resolve_device, resolve_model
-        from expertcast.commands.evaluate import (
-            DTYPES,
-            build_policy,
-            check_capacity,
-            check_policy_fits,
-            fit_stage_policy,
-            model_shape,
-        )
-        from expertcast.inference.runtime.live_routers import is_router_policy, router_export_model
+        """Every cheap check, before the model loads (:func:`~expertcast.inference.runtime.session.check_run`, as
+        ``expertcast eval`` checks its flags); builds the session's settings."""
+        from expertcast.inference.runtime.session import DTYPES, SessionSettings, check_run
+        from expertcast.utils.devices import resolve_device
 
         if (capacity is None) == (slots is None):
             raise UsageError("--model_args: give capacity=F (a fraction of all experts) or slots=N, one of them")
@@ -129,32 +123,27 @@ class ExpertcastLM(TemplateLM):
             raise UsageError(f"--model_args decode_path={decode_path!r}: expected eager, graph or auto")
         spec = str(policy).replace(";", ",")
         self._policy_spec = spec
-        self.policy, name, opts, files = build_policy(spec)
-        resolved, files = router_export_model(model, name) if is_router_policy(name) else (resolve_model(model), files)
-        shape = model_shape(resolved)
-        cache_config = check_capacity(cap, pool, shape)
-        check_policy_fits(self.policy, shape, model)
-        fit_stage_policy(self.policy, resolved)
-        return {"model": str(model), "model_path": resolved, "policy": spec, "policy_name": name,
+        checked = check_run(model, spec, cap, pool)
+        self.policy, name, opts, files = checked.policy, checked.policy_name, checked.options, checked.files
+        resolved, shape = checked.model_path, checked.shape
+        self.session_settings = SessionSettings(
+            model=str(model), model_path=resolved, device=resolve_device(device), dtype=dtype, pool=pool,
+            link_gbps=None if link_gbps is None else float(link_gbps), decode_path=decode_path, seed=int(seed))
+        ss = self.session_settings
+        return {"model": ss.model, "model_path": resolved, "policy": spec, "policy_name": name,
                 "policy_options": {k: v for k, v in sorted(opts.items()) if k not in files}, "artefacts": files,
-                "capacity": cap, "pool": pool, "shape": list(shape), "cache": cache_config.describe(), "device": resolve_device(device),
-                "dtype": dtype, "seed": int(seed), "link_gbps": None if link_gbps is None else float(link_gbps),
+                "capacity": cap, "pool": pool, "shape": list(shape), "cache": checked.cache_config.describe(),
+                "device": ss.device, "dtype": dtype, "seed": ss.seed, "link_gbps": ss.link_gbps,
                 "decode_path": decode_path, "batch_size": self._batch_size, "greedy": True}
 
     def _load(self) -> None:
-        from expertcast.inference.cache.expert_cache import Budget
-        from expertcast.inference.runtime.eval_run import eos_ids, pad_left
-        from expertcast.inference.runtime.live_routers import attach_live_routers
-        from expertcast.inference.runtime.loading import load_offloaded
+        from expertcast.inference.runtime.eval_run import eos_ids
+        from expertcast.inference.runtime.session import ModelSession
 
         s = self.settings
-        self.om, self.tok, report = load_offloaded(s["model_path"], self.policy, Budget.from_flags(s["capacity"]),
-                                                   device=s["device"], dtype=s["dtype"], pool=s["pool"],
-                                                   link_gbps=s["link_gbps"], seed=s["seed"],
-                                                   decode_path=s["decode_path"])
-        self.load_report = report.to_dict()
-        pad_left(self.tok)
-        attach_live_routers(self.policy, self.om.model, s["model"])
+        self.session = ModelSession(self.session_settings)
+        self.om = self.session.offload(self.policy, s["capacity"])
+        self.tok, self.load_report = self.session.tok, self.session.load_report
         self.eos = eos_ids(self.om.model, self.tok)
         if not self.eos:
             raise UsageError(f"model {s['model']}: neither its generation config nor its tokenizer has an EOS token")
@@ -340,13 +329,10 @@ class ExpertcastLM(TemplateLM):
     def measure_speed(self) -> dict[str, Any] | None:
         """The paired speed measurement on the recorded contexts (see the module docstring), or None when
         it is off (``speed_samples=0``, ``baseline=none``) or no ``generate_until`` ran. The harness's
-        OffloadedModel is given back to it and a fresh one (fresh policy, empty cache) replaces it."""
-        from types import SimpleNamespace
-
-        from expertcast.commands.evaluate import (
-            ModelSession,
-            _baseline_kind,
+        OffloadedModel is given back to the session and a fresh one (fresh policy, empty cache) replaces it."""
+        from expertcast.inference.runtime.session import (
             build_policy,
+            choose_baseline,
             fit_stage_policy,
             paired_speed_passes,
         )
@@ -354,10 +340,9 @@ class ExpertcastLM(TemplateLM):
         if self._baseline == "none" or not self._speed_contexts:
             return None
         s = self.settings
-        args = SimpleNamespace(pool=s["pool"], link_gbps=s["link_gbps"], decode_path=s["decode_path"], model=s["model"])
-        session = ModelSession.adopt(args, s["model_path"], s["device"], self.om, self.tok, self.load_report)
+        session = self.session
         session.give_back(self.om, full=self._baseline in ("auto", "full-load"))
-        baseline, choice = _baseline_kind(self._baseline, session)
+        baseline, choice = choose_baseline(self._baseline, session)
         pad = self.tok.pad_token_id
         encs = []
         for b in range(0, len(self._speed_contexts), self.batch_size):
@@ -379,11 +364,8 @@ class ExpertcastLM(TemplateLM):
         speed["speed_samples"] = len(self._speed_contexts)
         speed["max_new_tokens"] = max_new
         speed["stops"] = "EOS only (the task's stop sequences are not applied in the speed passes)"
-        from expertcast.inference.runtime.live_routers import attach_live_routers
-
         self.policy = make_policy()
         self.om = session.offload(self.policy, s["capacity"])
-        attach_live_routers(self.policy, self.om.model, s["model"])
         return speed
 
     def get_model_info(self) -> dict[str, Any]:
