@@ -3,8 +3,12 @@
     expertcast eval --model M --benchmark gsm8k|math500 --policy P (--capacity F | --slots N) --out DIR
 
 Greedy generation through :class:`~expertcast.inference.runtime.engine.OffloadedModel` (real expert
-offloading), graded with the benchmark's grader. Reports accuracy and the decode-only cache and speed
-metrics: Hit, AdjHit, MB/token, tokens/s, TTFT and stall time per token.
+offloading), graded with the benchmark's grader. Reports accuracy and the decode-only metrics users compare
+systems by: Hit (resident hits / accesses; an expert executed on the CPU is neither a hit nor a miss, ``cpu_exec``
+counts them), AdjHit, MB/token moved and read MB/token (bytes read from the store), exposed misses per token (loads
+the compute waited for), the share of tokens decoded in a step without a miss, TTFT and TPOT (per-token step time)
+at p50/p90/p99, stall per token, one tokens/s (the paired offloaded passes', else the graded pass's: the run says
+which) and the run's own peak RSS against its bound.
 
 Everything cheap is checked before the model loads (flags, policy and its options, capacity against
 the model's shape, artefacts made for another model, train/test overlap of a forecaster, the output
@@ -19,16 +23,17 @@ a ``--limit`` that cuts a batch of the earlier run is refused (a batch's counter
 Outputs: a table, ``summary.json``, ``summary.csv``, ``samples.csv`` and ``summary.png`` (per-layer decode
 hit and per-batch tokens/s).
 
-Speed against full load, in the same run: the first ``--speed-samples`` problems are generated again,
-offloaded and by the baseline in interleaved passes (baseline, then offloaded + baseline ``--speed-repeats``
-times); ``pct_full`` is the median of each offloaded pass's tokens/s over the mean of its two neighbouring
-baseline passes, with the min-max of those ratios (``speed.json``; reused on resume when nothing changed).
-The baseline is the full-load model (every expert on the device) or, when a full load does not fit
-(``--baseline auto``: the experts copied out of the store once more need the host's MemAvailable, and on
-CUDA the device's free memory), the runtime executing every routed expert on the host
-(``all-experts-on-host``, named as such; the choice, its reason and figures in ``speed.json``'s
-``baseline_choice`` and on stderr). A stage-aware policy decides CPU execution vs transfer with a
-latency model measured on this machine at start-up (``latency_model`` in ``summary.json``).
+% of full speed, in the same run (docs/design.md, "Speed baseline"): the first ``--speed-samples`` problems are
+generated again, offloaded and by the baseline in interleaved passes (baseline, then offloaded + baseline
+``--speed-repeats`` times); ``pct_full`` is the median of each offloaded pass's tokens/s over the mean of its two
+neighbouring baseline passes, with the min-max of those ratios (``speed.json``; reused on resume when nothing
+changed). The baseline is the same runtime with every expert resident in its slots (``all-resident``: same kernels,
+threads and batch) or, when a slot for every expert does not fit (``--baseline auto``: host MemAvailable on CPU,
+the device's free memory on CUDA), the runtime executing every routed expert on the host (``all-experts-on-host``);
+the choice, its reason and figures are in ``speed.json``'s ``baseline_choice`` and on stderr. A ratio whose
+passes span more than 10 points, or that is above 100% in every pair, is flagged (``speed_flag``) and not reported
+as ``pct_full``. A stage-aware policy decides CPU execution vs transfer with a latency model measured on this
+machine at start-up (``latency_model`` in ``summary.json``).
 """
 
 from __future__ import annotations
@@ -65,12 +70,20 @@ from expertcast.inference.runtime.session import (
     fit_stage_policy,
     mmap_store_path,
     paired_speed_passes,
+    speed_line,
 )
+from expertcast.inference.runtime.stats import RowPeak
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 PROG = "expertcast eval"
-SUMMARY_COLUMNS = ["samples", "accuracy", "hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s",
-                   "stall_ms_per_token", "proactive_per_token", "prefetch_precision", "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline"]
+SUMMARY_COLUMNS = ["samples", "accuracy", "hit", "cpu_exec", "adj_hit", "mb_per_token", "read_mb_per_token",
+                   "exposed_misses_per_token", "miss_free_token_frac", "stall_ms_per_token", "tokens_per_s",
+                   "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
+                   "pct_full", "pct_full_min", "pct_full_max", "speed_flag", "baseline", "proactive_per_token",
+                   "prefetch_precision", "late_prefetches", "peak_rss_gb", "rss_bound_gb"]
+"""The table's columns: Hit is resident hits / accesses (a CPU-executed expert is neither a hit nor a miss:
+``cpu_exec``); one tokens/s per row (:func:`_write_outputs` says which); ``pct_full`` against the runtime with every
+expert resident, None when ``speed_flag`` says why it is no result; the row's own peak RSS against its bound."""
 SPEED = "speed.json"
 SAMPLES = "samples.jsonl"
 SETTINGS = "settings.json"
@@ -158,9 +171,9 @@ def add_run_args(ap: CommandParser) -> None:
 def add_speed_args(ap: CommandParser) -> None:
     """The paired speed measurement's flags (shared with ``expertcast sweep``)."""
     ap.add_argument("--baseline", default="auto", choices=BASELINES,
-                    help="speed baseline: full-load (every expert on the device), host (every expert executed on "
-                         "the host: all-experts-on-host), auto (full-load when every expert fits once more beside the host store and on the device), "
-                         "none (skip)")
+                    help="speed baseline, the same runtime: resident (every expert resident in its slots), host "
+                         "(every expert executed on the host: all-experts-on-host), auto (resident when a slot for "
+                         "every expert fits, else host), none (skip)")
     ap.add_argument("--speed-repeats", type=positive_int, default=3,
                     help="offloaded passes of the paired speed measurement (each between two baseline passes)")
     ap.add_argument("--speed-samples", type=positive_int, default=None,
@@ -418,6 +431,7 @@ def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[d
     next_batch = max((int(r["batch"]) for r in done), default=-1) + 1
     if done:
         print(f"resuming {out.path}: {len(done)} samples done (same settings), {len(todo)} to go")
+    row_peak = RowPeak().__enter__()  # this run's own peak: its load (or its slots), its generation
     om = session.offload(cell["policy"], info["capacity"], measure_latency=True)
     tok = session.tok
     templated = has_chat_template(tok) if args.chat_template == "auto" else args.chat_template == "yes"
@@ -447,7 +461,10 @@ def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[d
     except BaseException:
         om.close()
         raise
-    session.give_back(om, full=args.baseline in ("auto", "full-load"))
+    row_peak.__exit__(None, None, None)
+    memory.update(row_peak_rss=row_peak.bytes, row_peak_scope=row_peak.scope)
+    session.give_back(om)
+    del om
     speed = _speed(args, out, cell, session, templated, eos, lat_model)
     return _write_outputs(args, out, rows, memory, templated,
                           {**info, "latency_model": latency, "speed": speed, "load": session.load_report}, run)
@@ -462,42 +479,26 @@ def _batches(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Accuracy over samples; cache and speed metrics over the raw counters of their batches."""
-    from expertcast.inference.cache.counters import adj_hit_rate, hit_rate, mb_per_token, prefetch_precision
+    """Accuracy over samples; cache, I/O and latency metrics over the raw counters of their batches
+    (:func:`~expertcast.inference.runtime.eval_run.decode_metrics`); ``tokens_per_s`` is the graded pass's until
+    the paired speed passes replace it (:func:`_write_outputs`)."""
+    from expertcast.inference.runtime.eval_run import decode_metrics
 
     b = list(_batches(rows).values())
-    A = sum(x["accesses"] for x in b)
-    D = sum(x["demand_misses"] for x in b)
-    P = sum(x["proactive_loads"] for x in b)
-    # batches recorded before the counter existed leave the precision unknown
-    U = sum(x["prefetches_used"] for x in b) if all("prefetches_used" in x for x in b) else None
-    tok = sum(x["decoded_tokens"] for x in b)
-    dec_s = sum(x["decode_seconds"] for x in b)
-    eb = b[0]["expert_bytes"] if b else 0
     per_acc = np.sum([x["per_layer_accesses"] for x in b], axis=0) if b else np.zeros(0)
     per_dem = np.sum([x["per_layer_demand"] for x in b], axis=0) if b else np.zeros(0)
+    per_hit = np.sum([x["per_layer_resident_hits"] for x in b], axis=0) \
+        if b and all("per_layer_resident_hits" in x for x in b) else per_acc - per_dem  # older batches: 1 - D/A
     n = len(rows)
     correct = sum(bool(r["correct"]) for r in rows)
+    m = decode_metrics(b)
     return {
         "samples": n,
         "correct": correct,
         "accuracy": correct / n if n else float("nan"),
-        "hit": hit_rate(A, D),
-        "adj_hit": adj_hit_rate(A, D, P),
-        "mb_per_token": mb_per_token(D, P, eb, tok),
-        "tokens_per_s": tok / dec_s if dec_s > 0 else float("nan"),
-        "ttft_s": float(np.mean([x["ttft_s"] for x in b])) if b else float("nan"),
-        "stall_ms_per_token": 1e3 * sum(x["stall_seconds"] for x in b) / max(tok, 1),
-        "decoded_tokens": tok,
-        "accesses": A,
-        "demand_misses": D,
-        "proactive_loads": P,
-        "proactive_per_token": P / max(tok, 1),
-        "prefetches_used": U,
-        "prefetch_precision": prefetch_precision(U, P) if U is not None else float("nan"),
-        "late_prefetches": sum(x["late_prefetches"] for x in b),
-        "cpu_exec": sum(x["cpu_exec"] for x in b),
-        "per_layer_hit": [float(1 - d / a) if a else float("nan") for a, d in zip(per_acc, per_dem, strict=True)],
+        **m,
+        "tokens_per_s": m["graded_tokens_per_s"],
+        "per_layer_hit": [float(h / a) if a else float("nan") for a, h in zip(per_acc, per_hit, strict=True)],
         "batches": len(b),
         "accounting": "decode-only; prefill uncounted (cache state after prefill initializes decoding)",
     }
@@ -630,8 +631,22 @@ def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict
     summary = summarize(rows)
     summary.update(memory=memory, chat_template_used=templated, **info)
     speed = info["speed"] or {}
-    summary.update({k: speed.get(k) for k in ("pct_full", "pct_full_min", "pct_full_max", "baseline")},
-                   baseline_tokens_per_s=speed.get("baseline_tokens_per_s"))
+    flag = speed.get("flag")
+    summary.update({k: speed.get(k) for k in ("pct_full_min", "pct_full_max", "baseline")},
+                   pct_full=None if flag else speed.get("pct_full"), pct_full_measured=speed.get("pct_full"),
+                   speed_flag=flag, baseline_tokens_per_s=speed.get("baseline_tokens_per_s"))
+    if speed:  # one tokens/s per row: the offloaded passes the % of full speed is made of
+        summary.update(tokens_per_s=speed["tokens_per_s"],
+                       tokens_per_s_source="median of the paired offloaded passes (speed.json)")
+    else:
+        summary["tokens_per_s_source"] = "the graded pass (no paired speed passes: --baseline none)"
+    load = info.get("load") or {}
+    bound = load.get("rss_bound_bytes")
+    summary["rss"] = {"peak_rss_bytes": memory.get("row_peak_rss"), "scope": memory.get("row_peak_scope"),
+                      "process_peak_rss_bytes": memory.get("process_peak_rss"), "bound_bytes": bound,
+                      "store": load.get("store_kind", "ram"), "disk_io_mode": load.get("disk_io_mode"),
+                      "readers": load.get("readers")}
+    summary.update(peak_rss_gb=(memory.get("row_peak_rss") or 0) / 1e9, rss_bound_gb=bound / 1e9 if bound else None)
     head = {"policy": args.policy, **info["capacity"]}
     table = [{**head, **{k: summary[k] for k in SUMMARY_COLUMNS}}]
     print_table(table, title=f"expertcast eval: {args.model} on {args.benchmark}, {info['cache']} "
@@ -641,16 +656,11 @@ def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict
         print(f"forecaster training overlap: {ov['overlap']} of {ov['evaluated']} evaluated problems"
               + (" (allowed by --allow-overlap)" if ov["allowed"] else ""))
     if speed:
-        print(f"speed: {speed['pct_full']:.1f}% of {speed['baseline']} tokens/s (median of {speed['repeats']} paired "
-              f"passes, min-max {speed['pct_full_min']:.1f}-{speed['pct_full_max']:.1f}%; {speed['tokens_per_s']:.1f} vs "
-              f"{speed['baseline_tokens_per_s']:.1f} tokens/s on {len(speed['problems'])} problems)")
-    load = info.get("load") or {}
-    summary["rss"] = {"peak_rss_bytes": memory.get("process_peak_rss"), "bound_bytes": load.get("rss_bound_bytes"),
-                      "store": load.get("store_kind", "ram"), "disk_io_mode": load.get("disk_io_mode"),
-                      "readers": load.get("readers")}
+        print(speed_line(speed, f"{len(speed['problems'])} problems"))
+    print(f"tokens_per_s: {summary['tokens_per_s_source']}")
     if load.get("store_kind") == "disk":
         rss = summary["rss"]
-        print(f"disk store ({rss['disk_io_mode']}, {rss['readers']} readers): peak RSS "
+        print(f"disk store ({rss['disk_io_mode']}, {rss['readers']} readers): peak RSS of this run ({rss['scope']}) "
               f"{(rss['peak_rss_bytes'] or 0) / 2**30:.2f} GiB, bound {rss['bound_bytes'] / 2**30:.2f} GiB (slots + "
               "non-expert weights + one layer's rows + 1 GiB margin)")
     lat = info.get("latency_model")

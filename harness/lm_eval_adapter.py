@@ -17,16 +17,18 @@ against the model's shape, artefacts made for another model).
 * ``loglikelihood`` / ``loglikelihood_rolling``: teacher-forced through the runtime's prefill (the prompt's
   forward pass with every expert it routes to, resident or streamed), the full-sequence logits read from
   that one forward. Prefill is uncounted, so these requests add nothing to the cache metrics.
-* the cache metrics of every decode step (hit, AdjHit, MB/token, tokens/s, TTFT, stall per token; decode-only,
-  as ``expertcast eval`` counts them) go into the harness's results JSON (``config.expertcast``, through
+* the metrics of every decode step, as ``expertcast eval`` computes them
+  (:func:`~expertcast.inference.runtime.eval_run.decode_metrics`: Hit = resident hits / accesses with ``cpu_exec``
+  apart, AdjHit, MB/token, read MB/token, exposed misses per token, tokens without a miss, TTFT and TPOT at
+  p50/p90/p99, stall per token; decode-only, over the ``generate_until`` calls) go into the harness's results JSON (``config.expertcast``, through
   :meth:`ExpertcastLM.get_model_info`) and are printed as a table when the evaluation ends.
 * % of full speed (``pct_full``): when the evaluation ends, ``expertcast eval``'s paired speed measurement
   (:func:`~expertcast.inference.runtime.session.paired_speed_passes`) runs on the first ``speed_samples`` contexts of
   ``generate_until`` (default 2; 0 turns it off): baseline, then (offloaded, baseline) x ``speed_repeats``,
   a fresh policy and an empty cache each offloaded pass, each against the mean of its two neighbouring
-  baseline passes. The baseline is ``baseline`` (``auto``, as ``eval --baseline auto``: the full-load model
-  when every expert fits back in it beside the host store, else every expert executed on the host, which
-  needs no second copy; ``full-load``, ``host`` or ``none``). The speed passes decode up to the first
+  baseline passes. The baseline is ``baseline``, the same runtime (``auto``, as ``eval --baseline auto``: every
+  expert resident in its slots when a slot for every expert fits, else every expert executed on the host;
+  ``resident``, ``host`` or ``none``); a ratio whose passes disagree is flagged, not reported (``speed_flag``). The speed passes decode up to the first
   context's ``max_gen_toks`` new tokens and stop at EOS only (not at the task's stop sequences), so both
   sides decode the same tokens (``tokens_match``).
 
@@ -53,8 +55,10 @@ from lm_eval.api.registry import register_model
 
 MODEL_NAME = "expertcast"
 """The harness's name of this model (``--model expertcast``)."""
-METRIC_COLUMNS = ("hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s", "stall_ms_per_token", "decoded_tokens",
-                  "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline")
+METRIC_COLUMNS = ("hit", "cpu_exec", "adj_hit", "mb_per_token", "read_mb_per_token", "exposed_misses_per_token",
+                  "miss_free_token_frac", "stall_ms_per_token", "tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                  "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "decoded_tokens", "late_prefetches", "pct_full",
+                  "pct_full_min", "pct_full_max", "speed_flag", "baseline")
 """The cache and speed columns of the printed table (decode-only counters)."""
 GREEDY_KEYS = {"do_sample", "temperature", "until", "max_gen_toks"}
 """Generation settings the adapter reads; any other (top_p, ...) is refused."""
@@ -98,6 +102,8 @@ class ExpertcastLM(TemplateLM):
         self._speed_contexts: list[tuple[list[int], int]] = []
         """(prompt ids, max new tokens) of the first ``speed_samples`` generate_until contexts."""
         self._model_info: dict[str, Any] | None = None
+        self._batches: list[dict[str, Any]] = []
+        """:func:`~expertcast.inference.runtime.eval_run.batch_stats` of every generate_until batch."""
         if threads is not None:
             torch.set_num_threads(_int_arg("threads", threads))
         self.settings = self._check(model, policy, capacity, slots, pool, device or "auto", dtype, seed, link_gbps,
@@ -240,9 +246,14 @@ class ExpertcastLM(TemplateLM):
         for row, m in zip(input_ids.tolist(), mask.tolist(), strict=True):
             if len(self._speed_contexts) < self._speed_samples:
                 self._speed_contexts.append(([t for t, k in zip(row, m, strict=True) if k], max_new))
-        res = self.om.generate(input_ids, mask, max_new_tokens=max_new, eos_token_id=self.eos,
-                               pad_token_id=self.eos[0], stop_strings=list(until), tokenizer=self.tok,
-                               seq_ids=[f"req{i}" for i in ids])
+        from expertcast.inference.runtime.eval_run import StepClock, batch_stats, counters_now
+
+        before = counters_now(self.om)
+        with StepClock(self.om) as clock:
+            res = self.om.generate(input_ids, mask, max_new_tokens=max_new, eos_token_id=self.eos,
+                                   pad_token_id=self.eos[0], stop_strings=list(until), tokenizer=self.tok,
+                                   seq_ids=[f"req{i}" for i in ids])
+        self._batches.append(batch_stats(self.om, before, res, res.seconds, clock))
         texts = []
         for g in generated(res.sequences.cpu(), input_ids.shape[1], self.eos):
             text = self.tok.decode(g, skip_special_tokens=True)
@@ -308,18 +319,17 @@ class ExpertcastLM(TemplateLM):
 
     # -- cache metrics beside the harness's accuracy --------------------------------------------------------
     def cache_metrics(self) -> dict[str, Any]:
-        """The decode-only cache and speed metrics of every ``generate_until`` so far (``expertcast eval``'s
-        accounting), with the settings and the model's identity."""
+        """The decode-only metrics of every ``generate_until`` so far (``expertcast eval``'s:
+        :func:`~expertcast.inference.runtime.eval_run.decode_metrics`), with the settings and the model's identity.
+        ``tokens_per_s`` is the harness's own decode until the paired speed passes replace it."""
+        from expertcast.inference.runtime.eval_run import decode_metrics
         from expertcast.models.backbone import model_identity
 
-        st = self.om.stats
-        m = st.metrics()
+        m = decode_metrics(self._batches)
         s = self.settings
         return {
-            "hit": m["hit"], "adj_hit": m["adj_hit"], "mb_per_token": m["mb_per_token"],
-            "tokens_per_s": m["tokens_per_s"], "ttft_s": m["ttft_s"], "stall_ms_per_token": m["stall_ms_per_token"],
-            "decoded_tokens": int(st.decoded_tokens), "accesses": int(st.A), "demand_misses": int(st.D),
-            "proactive_loads": int(st.P), "late_prefetches": int(st.late.sum()), "cpu_exec": int(st.cpu.sum()),
+            **m, "tokens_per_s": m["graded_tokens_per_s"],
+            "tokens_per_s_source": "the harness's generate_until requests",
             "expert_bytes": int(self.om.layout.expert_bytes),
             "accounting": "decode-only; prefill (and every loglikelihood request) uncounted",
             "settings": s, "model_identity": model_identity(s["model_path"], init_seed=s["seed"]),
@@ -341,8 +351,8 @@ class ExpertcastLM(TemplateLM):
             return None
         s = self.settings
         session = self.session
-        session.give_back(self.om, full=self._baseline in ("auto", "full-load"))
-        baseline, choice = choose_baseline(self._baseline, session)
+        session.give_back(self.om)
+        baseline, choice = choose_baseline(self._baseline, session, who=MODEL_NAME)
         pad = self.tok.pad_token_id
         encs = []
         for b in range(0, len(self._speed_contexts), self.batch_size):
@@ -372,6 +382,7 @@ class ExpertcastLM(TemplateLM):
         """Called by the harness once the evaluation is done (its results JSON's ``config``): the cache
         metrics of the harness's requests, then the paired speed measurement (% of full speed), printed as a
         table. Measured once; later calls return the same record."""
+        from expertcast.inference.runtime.session import speed_line
         from expertcast.utils.io import print_table
 
         if self._model_info is not None:
@@ -379,18 +390,19 @@ class ExpertcastLM(TemplateLM):
         metrics = self.cache_metrics()
         speed = self.measure_speed()
         if speed is None:
-            metrics.update(pct_full="n/a", pct_full_min="n/a", pct_full_max="n/a", baseline="none",
+            metrics.update(pct_full="n/a", pct_full_min="n/a", pct_full_max="n/a", speed_flag=None, baseline="none",
                            speed=None)
-        else:
-            metrics.update(pct_full=speed["pct_full"], pct_full_min=speed["pct_full_min"],
-                           pct_full_max=speed["pct_full_max"], baseline=speed["baseline"], speed=speed)
+        else:  # one tokens/s: the paired offloaded passes', as expertcast eval reports it
+            metrics.update(pct_full=None if speed["flag"] else speed["pct_full"], pct_full_measured=speed["pct_full"],
+                           pct_full_min=speed["pct_full_min"], pct_full_max=speed["pct_full_max"],
+                           speed_flag=speed["flag"], baseline=speed["baseline"], speed=speed,
+                           tokens_per_s=speed["tokens_per_s"],
+                           tokens_per_s_source="median of the paired offloaded passes")
         s = self.settings
         print_table([{"policy": s["policy"], **s["capacity"], **{k: metrics[k] for k in METRIC_COLUMNS}}],
                     title=f"expertcast cache metrics: {s['model']}, {s['cache']} ({metrics['accounting']})")
         if speed is not None:
-            print(f"speed: {speed['pct_full']:.1f}% of {speed['baseline']} tokens/s (median of "
-                  f"{speed['repeats']} paired passes, min-max {speed['pct_full_min']:.1f}-{speed['pct_full_max']:.1f}%; "
-                  f"{speed['tokens_per_s']:.1f} vs {speed['baseline_tokens_per_s']:.1f} tokens/s on "
-                  f"{speed['speed_samples']} contexts; tokens match: {speed['tokens_match']})")
+            print(speed_line(speed, f"{speed['speed_samples']} contexts") + f"; tokens match: {speed['tokens_match']}")
+        print(f"tokens_per_s: {metrics['tokens_per_s_source']}")
         self._model_info = {MODEL_NAME: metrics}
         return self._model_info

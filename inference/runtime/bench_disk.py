@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from expertcast.inference.runtime.disk_store import ALIGN, BUFFERED, DIRECT, aligned_empty, round_up
 from expertcast.inference.runtime.loading import RSS_MARGIN_BYTES
+from expertcast.inference.runtime.stats import release_memory, reset_peak_rss
 from expertcast.utils.provenance import code_version
 
 CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
@@ -375,16 +376,6 @@ def scaled_full_seconds(sub_seconds: float, share: float, sub_layers: int, full_
     return sub_seconds * ((1.0 - share) + share * full_layers / max(sub_layers, 1))
 
 
-def reset_peak_rss() -> bool:
-    """Reset this process's RSS high-water mark (``/proc/self/clear_refs`` 5), so that ``VmHWM`` then reads the
-    peak of what follows; False where the kernel refuses."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _fingerprint(seqs) -> str:
     from expertcast.utils.provenance import trace_fingerprint
 
@@ -522,19 +513,6 @@ def _partial(out: Path, rows: list, sub_rows: list) -> None:
     atomic_write_json(out / "bench_disk.partial.json", {"rows": rows, "subset_rows": sub_rows})
 
 
-def _release_memory() -> None:
-    """Collect, and hand freed heap back to the OS (glibc ``malloc_trim``), so that the next cell's slots do not
-    stack on the last one's in the RSS."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def OffloadedModel_(*args, **kwargs):  # noqa: N802 (the runtime, imported late)
     from expertcast.inference.runtime.engine import OffloadedModel
 
@@ -653,7 +631,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
         del sub_model, sub_disk
         base.close()
         del base, base_model, plain
-        _release_memory()
+        release_memory()
         rows = []
         sub_by = {(r["policy"], r["budget"]): r for r in sub_rows}
         non_expert = _non_expert_bytes(model)
@@ -674,7 +652,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     om.close()
                     runs.append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes()))
                     del om, pol, fut  # the slots go before the next cell allocates its own
-                    _release_memory()
+                    release_memory()
                 if not runs:
                     continue
                 i_med = int(np.argsort([r[0].tokens_per_s for r in runs])[len(runs) // 2])

@@ -7,9 +7,11 @@ one :class:`~expertcast.inference.runtime.engine.OffloadedModel` per policy and 
 straight to the host store (:func:`~expertcast.inference.runtime.loading.load_offloaded`: the whole model is
 never on the device) and the store is reused by every later run.
 
-Speed against full load (:func:`paired_speed_passes`): the offloaded passes interleaved with baseline passes
-(baseline, then offloaded + baseline ``repeats`` times); each offloaded tokens/s is divided by the mean of its
-two neighbouring baseline passes (:func:`paired_speed`).
+% of full speed (:func:`paired_speed_passes`, docs/design.md "Speed baseline"): the offloaded passes interleaved
+with passes of the same runtime with every expert resident in its slots (same kernels, threads and batch; baseline,
+then offloaded + baseline ``repeats`` times); each offloaded tokens/s is divided by the mean of its two
+neighbouring baseline passes (:func:`paired_speed`); a ratio whose passes disagree by more than
+:data:`WIDE_SPREAD_PTS` points, or that is above 100% in every pair, is flagged, not reported (:func:`speed_flag`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from expertcast.utils.errors import UsageError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Model dtypes a session loads (``auto``: the checkpoint's)."""
-BASELINES = ("auto", "full-load", "host", "none")
+BASELINES = ("auto", "resident", "host", "none")
 """Speed baselines a session measures against (see :func:`choose_baseline`)."""
+WIDE_SPREAD_PTS = 10.0
+"""A % of full speed whose paired ratios span more than this many points (max - min) is flagged as noise, not
+reported as a result (:func:`speed_flag`)."""
 
 
 @dataclass
@@ -243,9 +248,7 @@ class ModelSession:
         self.tok: Any = None
         self.store: Any = None
         self.full = False
-        """The model holds its experts (full load) now."""
-        self.full_load_check: Any = None
-        """The last :class:`~expertcast.inference.runtime.eval_run.FullLoadFit` (None before a full load was asked)."""
+        """The model holds its experts (full load) now: a session over a whole model (:meth:`of_model`)."""
         self.load_report: dict[str, Any] | None = None
 
     @classmethod
@@ -286,19 +289,17 @@ class ModelSession:
         attach_live_routers(policy, om.model, s.model)  # router policies: the --model export's routers, live
         return om
 
-    def give_back(self, om: Any, full: bool) -> None:
-        """Detach ``om``; with ``full`` the experts go back into the model (full load) when they fit beside the
-        host store and on the device (:func:`~expertcast.inference.runtime.eval_run.full_load_fit`), else they
-        stay in the host store only."""
+    def give_back(self, om: Any) -> None:
+        """Detach and close ``om`` (its slots go before the next run allocates its own: collected, and the freed
+        heap handed back to the OS, :func:`~expertcast.inference.runtime.stats.release_memory`)."""
         from expertcast.inference.runtime.live_routers import detach_live_routers
+        from expertcast.inference.runtime.stats import release_memory
 
-        detach_live_routers(om.policy)  # a full-load pass runs without the live routers' hooks
-        if full and self._full_load_fits(om):
-            self.model = om.restore()
-            self.full = True
-        else:
-            om.close()
-            self.full = False
+        detach_live_routers(om.policy)
+        om.close()
+        om.pool = om.workspace = None  # the slots go now, whoever still holds the closed run
+        self.full = False
+        release_memory()
 
     def restore(self, om: Any) -> None:
         """Detach ``om`` and give the model its experts back (full load), whatever the memory."""
@@ -334,7 +335,7 @@ class ModelSession:
             if full:
                 self.restore(om)
             else:
-                self.give_back(om, full=False)
+                self.give_back(om)
 
     def decode_full_load(self, batches: list[list[Any]], *, benchmark: str, max_new_tokens: int,
                          eos: list[int]) -> Decoding:
@@ -364,12 +365,6 @@ class ModelSession:
             secs += dec_s
         return Decoding(comps, correct, n, secs)
 
-    def _full_load_fits(self, om: Any) -> bool:
-        from expertcast.inference.runtime.eval_run import full_load_fit
-
-        self.full_load_check = full_load_fit(self.store.nbytes, self.settings.device, om.pool.nbytes)
-        return self.full_load_check.fits
-
 
 # -- paired speed passes -------------------------------------------------------------------------------
 @dataclass
@@ -377,7 +372,7 @@ class SpeedRun:
     """Decode figures of one timed pass over the speed prompts."""
 
     kind: str
-    """``offloaded``, :data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE``."""
+    """``offloaded``, :data:`~expertcast.inference.runtime.eval_run.RESIDENT_BASELINE` or ``HOST_BASELINE``."""
     decoded_tokens: int
     decode_seconds: float
     sequences: list[list[int]]
@@ -420,27 +415,52 @@ def paired_speed(run_offloaded: Any, run_baseline: Any, repeats: int) -> dict[st
     }
 
 
+def speed_flag(speed: dict[str, Any]) -> str | None:
+    """Why the paired ratio of ``speed`` (:func:`paired_speed`) is no result, or None: its passes disagree by more
+    than :data:`WIDE_SPREAD_PTS` points, or every pair is above 100% (the offloaded run cannot beat the same runtime
+    with every expert resident: the measurement, not the policy)."""
+    lo, hi = speed["pct_full_min"], speed["pct_full_max"]
+    if lo > 100.0:
+        return f"above 100% in every pair ({lo:.1f}-{hi:.1f}%): a measurement problem, not a result"
+    if hi - lo > WIDE_SPREAD_PTS:
+        return f"noisy: the paired ratios span {lo:.1f}-{hi:.1f}% (> {WIDE_SPREAD_PTS:.0f} points): not a result"
+    return None
+
+
+def speed_line(speed: dict[str, Any], on: str) -> str:
+    """The one line that reports a paired speed measurement ``speed`` made on ``on`` (e.g. "8 problems"): % of full
+    speed with its noise, or why it is no result, and the two tokens/s it is made of, each named."""
+    head = (f"speed: NOT A RESULT ({speed['flag']}); measured {speed['pct_full']:.1f}%" if speed.get("flag")
+            else f"speed: {speed['pct_full']:.1f}% of full speed")
+    return (f"{head} against {speed['baseline']} (the same runtime, same kernels, threads and batch; median of "
+            f"{speed['repeats']} paired passes, noise: min-max {speed['pct_full_min']:.1f}-{speed['pct_full_max']:.1f}%)"
+            f"; offloaded {speed['tokens_per_s']:.1f} tokens/s, {speed['baseline']} {speed['baseline_tokens_per_s']:.1f} "
+            f"tokens/s on {on}")
+
+
 def choose_baseline(choice: str, session: ModelSession, who: str = "eval") -> tuple[str, dict[str, Any]]:
-    """:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE`` for ``--baseline`` ``choice``
-    and the record of the choice (the reason and the memory figures). ``auto`` takes the full load when the
-    experts went back into the model (they fit beside the host store and on the device), else the host
-    baseline, which needs no second copy of the experts; it says which on stderr (prefixed ``who``)."""
-    from expertcast.inference.runtime.eval_run import FULL_LOAD, HOST_BASELINE
+    """:data:`~expertcast.inference.runtime.eval_run.RESIDENT_BASELINE` or ``HOST_BASELINE`` for ``--baseline``
+    ``choice`` and the record of the choice (the reason and the memory figures). ``auto`` takes the runtime with
+    every expert resident when a slot for every expert fits (:func:`~expertcast.inference.runtime.eval_run.resident_fit`,
+    read now: give the evaluated run back first), else the runtime executing every expert on the host, which needs
+    no slot; it says which on stderr (prefixed ``who``)."""
+    from expertcast.inference.runtime.eval_run import HOST_BASELINE, RESIDENT_BASELINE, resident_fit
 
     if choice not in BASELINES or choice == "none":
         raise UsageError(f"--baseline {choice}: expected one of {', '.join(b for b in BASELINES if b != 'none')}")
-    check = session.full_load_check
-    figures = check.to_dict() if check is not None else {}
-    why = figures.pop("reason", "the experts are not in the model")
-    figures.pop("fits", None)
+    st = session.store
+    check = resident_fit(st.layout.expert_bytes * st.num_layers * st.num_experts, session.settings.device)
+    figures = check.to_dict()
+    why = figures.pop("reason")
+    figures.pop("fits")
     if choice == "host":
         kind, why = HOST_BASELINE, "asked (--baseline host)"
-    elif session.full:
-        kind = FULL_LOAD
+    elif check.fits:
+        kind = RESIDENT_BASELINE
     elif choice == "auto":
         kind = HOST_BASELINE
     else:
-        raise UsageError(f"--baseline full-load: {why}; use --baseline auto or host")
+        raise UsageError(f"--baseline resident: {why}; use --baseline auto or host")
     if choice == "auto":
         print(f"{who}: --baseline auto: {kind} ({why})", file=sys.stderr, flush=True)
     return kind, {"requested": choice, "baseline": kind, "reason": why, **figures}
@@ -450,14 +470,14 @@ def paired_speed_passes(session: ModelSession, encs: list[dict[str, Any]], make_
                         capacity: dict[str, Any], host_slots: int, baseline: str, repeats: int, *,
                         max_new_tokens: int, eos: list[int]) -> dict[str, Any]:
     """:func:`paired_speed` over the encoded batches ``encs`` (``input_ids``, ``attention_mask``): a fresh
-    ``make_policy()`` and an empty cache of ``capacity`` each offloaded pass, against ``baseline``
-    (:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD`: the plain model with every expert back in it;
-    else every routed expert executed on the host with ``host_slots`` slots: the model's top-K)."""
+    ``make_policy()`` and an empty cache of ``capacity`` each offloaded pass, against ``baseline``, the same
+    runtime on the same batches (:data:`~expertcast.inference.runtime.eval_run.RESIDENT_BASELINE`: every expert in
+    its slot, :class:`~expertcast.inference.runtime.eval_run.AllResidentPolicy`; else every routed expert executed
+    on the host with ``host_slots`` slots: the model's top-K). The record gets ``flag`` (:func:`speed_flag`)."""
     from expertcast.inference.runtime.eval_run import (
-        FULL_LOAD,
+        RESIDENT_BASELINE,
+        AllResidentPolicy,
         HostExecutionPolicy,
-        decode_tokens,
-        full_load_generate,
         generated,
     )
 
@@ -471,27 +491,19 @@ def paired_speed_passes(session: ModelSession, encs: list[dict[str, Any]], make_
             for enc in encs:
                 res = om.generate(enc["input_ids"], enc["attention_mask"], **gen_kw)
                 seqs += generated(res.sequences.cpu(), enc["input_ids"].shape[1], eos)
-            st = om.stats
-        except BaseException:
-            om.close()
-            raise
-        session.give_back(om, full=baseline == FULL_LOAD)
-        return SpeedRun(kind, int(st.decoded_tokens), float(st.decode_seconds), seqs)
+            run = SpeedRun(kind, int(om.stats.decoded_tokens), float(om.stats.decode_seconds), seqs)
+        finally:
+            session.give_back(om)
+        return run
 
-    def run_full() -> SpeedRun:
-        seqs, secs = [], 0.0
-        for enc in encs:
-            out, dt = full_load_generate(session.model, enc, max_new_tokens=max_new_tokens, eos=eos,
-                                         pad_token_id=pad)
-            seqs += generated(out, enc["input_ids"].shape[1], eos)
-            secs += dt
-        return SpeedRun(FULL_LOAD, decode_tokens(seqs), secs, seqs)
-
-    def run_host() -> SpeedRun:
+    def run_baseline() -> SpeedRun:
+        if baseline == RESIDENT_BASELINE:
+            return offloaded(AllResidentPolicy(), {"capacity": 1.0}, RESIDENT_BASELINE)
         return offloaded(HostExecutionPolicy(), {"slots": host_slots}, HostExecutionPolicy.name)
 
-    return paired_speed(lambda: offloaded(make_policy(), capacity, "offloaded"),
-                        run_full if baseline == FULL_LOAD else run_host, repeats)
+    speed = paired_speed(lambda: offloaded(make_policy(), capacity, "offloaded"), run_baseline, repeats)
+    speed["flag"] = speed_flag(speed)
+    return speed
 
 
 def mmap_store_path(out: str | Path) -> str:

@@ -77,3 +77,32 @@ def test_disk_store_replays_the_same_routing_as_ram(tmp_path, capsys):
     disk = json.loads((tmp_path / "disk.json").read_text())["rows"][0]
     assert disk["demand_misses"] == ram["demand_misses"] > 0 and disk["hit"] == ram["hit"]
     assert disk["read_mb_per_token"] == disk["mb_per_token"] and disk["rss_bound_gb"] > 0
+
+
+def test_two_policies_on_the_disk_store_load_once_and_report_each_rows_own_peak(tmp_path, capsys, monkeypatch):
+    """A second policy reuses the model and its disk store (before, a second load overlapped the first and broke
+    the stated bound), and every row reports its own peak RSS (the high-water mark reset before it) against its
+    own bound (its own slots)."""
+    from expertcast.inference.runtime import loading
+
+    import functools
+
+    real, loads = loading.load_offloaded, []
+
+    @functools.wraps(real)  # the real function, counted (its signature stays visible)
+    def counted(*args, **kwargs):
+        loads.append(kwargs.get("store"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_offloaded", counted)
+    out = tmp_path / "disk.json"
+    assert cli(["replay", "--model", "qwen3_moe-tiny", "--synthetic", "markov", "--synthetic-size", "2,16",
+                "--policy", "lru", "--policy", "lfu", "--capacity", "0.25,0.5", "--threads", "1", "--store", "disk",
+                "--disk-path", str(tmp_path / "e.store"), "--json", str(out)]) == 0
+    capsys.readouterr()
+    rows = json.loads(out.read_text())["rows"]
+    assert loads == ["disk"] and len(rows) == 4  # loaded once for the four rows
+    assert all(r["peak_rss_scope"] == "row" and r["peak_rss_gb"] > 0 for r in rows)
+    by_cap = {r["capacity"]: r["rss_bound_gb"] for r in rows}
+    slot_gb = 4 * 4 * 24576 / 1e9  # 4 more slots in each of the L=4 layers at 0.5 than at 0.25, of 24 kB experts
+    assert by_cap[0.5] - by_cap[0.25] == pytest.approx(slot_gb, rel=0.01)  # each row's own slots in its bound

@@ -55,14 +55,13 @@ def test_the_model_loads_once_and_its_store_serves_every_run():
     model, store = session.model, session.store
     ids = session.tok(["1 + 1 ="], return_tensors="pt")
     first = om.generate(ids["input_ids"], ids["attention_mask"], max_new_tokens=4).sequences
-    session.give_back(om, full=True)  # the experts fit back into the model
-    assert session.full and session.full_load_check.fits
+    session.give_back(om)
+    assert om.pool is None  # its slots released before the next run allocates its own
     om2 = session.offload(make_policy("lfu"), {"slots": 8})
-    assert session.model is model and om2.store is store and not session.full  # loaded once, the store reused
+    assert session.model is model and om2.store is store  # loaded once, the store reused
     again = om2.generate(ids["input_ids"], ids["attention_mask"], max_new_tokens=4).sequences
     assert torch.equal(first, again)  # offloading never changes a token
-    session.give_back(om2, full=False)
-    assert not session.full
+    session.give_back(om2)
 
 
 def test_paired_passes_interleave_and_pair_each_offloaded_pass_with_its_neighbours():
@@ -103,3 +102,40 @@ def test_the_library_builds_no_argparse_namespace_and_imports_no_command(module)
     assert "types.SimpleNamespace" not in names  # no faked namespace
     private = sorted(n for n in names if n.startswith("expertcast.") and n.rsplit(".", 1)[1].startswith("_"))
     assert not private, f"{module} imports private names: {private}"
+
+
+def test_a_ratio_whose_passes_disagree_or_all_beat_the_baseline_is_flagged_not_reported():
+    from expertcast.inference.runtime.session import WIDE_SPREAD_PTS, speed_flag, speed_line
+
+    ok = {"pct_full": 99.0, "pct_full_min": 96.0, "pct_full_max": 103.0, "baseline": "all-resident", "repeats": 3,
+          "tokens_per_s": 10.0, "baseline_tokens_per_s": 10.1}
+    assert speed_flag(ok) is None  # 100% within its noise: a result
+    noisy = {**ok, "pct_full_min": 66.2, "pct_full_max": 66.2 + WIDE_SPREAD_PTS + 1}
+    assert speed_flag(noisy).startswith("noisy: the paired ratios span 66.2-77.2%")
+    above = {**ok, "pct_full": 129.0, "pct_full_min": 125.0, "pct_full_max": 131.0}
+    assert speed_flag(above).startswith("above 100% in every pair")
+    line = speed_line({**above, "flag": speed_flag(above)}, "8 problems")
+    assert line.startswith("speed: NOT A RESULT (above 100%") and "offloaded 10.0 tokens/s, all-resident 10.1" in line
+    assert speed_line({**ok, "flag": None}, "8 problems").startswith("speed: 99.0% of full speed against all-resident")
+
+
+def test_paired_passes_run_against_the_same_runtime_with_every_expert_resident():
+    from expertcast.inference.policies import make_policy
+    from expertcast.inference.runtime.eval_run import RESIDENT_BASELINE
+    from expertcast.inference.runtime.session import choose_baseline, paired_speed_passes
+
+    session = ModelSession(SessionSettings(model="qwen3_moe-tiny", model_path="qwen3_moe-tiny"))
+    session.give_back(session.offload(make_policy("lru"), {"capacity": 0.25}))  # loaded: the store is there
+    kind, choice = choose_baseline("auto", session)
+    assert kind == RESIDENT_BASELINE and choice["needed_bytes"] == session.store.nbytes
+    enc = session.tok(["1 + 1 =", "2 + 3 ="], return_tensors="pt", padding=True)
+    speed = paired_speed_passes(session, [dict(enc)], lambda: make_policy("lru"), {"capacity": 0.25}, 4, kind, 2,
+                                max_new_tokens=5, eos=[])
+    assert speed["baseline"] == RESIDENT_BASELINE and speed["tokens_match"]  # same runtime, same tokens
+    assert len(speed["baseline_passes"]) == 3 and speed["flag"] == speed_flag_of(speed)
+
+
+def speed_flag_of(speed):
+    from expertcast.inference.runtime.session import speed_flag
+
+    return speed_flag(speed)
