@@ -214,20 +214,21 @@ class ExpertcastLM(TemplateLM):
         return tuple(until), _int_arg("max_gen_toks", gen_kwargs.get("max_gen_toks", self.max_gen_toks))
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        groups: dict[tuple[tuple[str, ...], int], list[int]] = defaultdict(list)
+        groups: dict[tuple[str | None, tuple[str, ...], int], list[int]] = defaultdict(list)
         for i, req in enumerate(requests):
-            groups[self._gen_settings(dict(req.args[1]))].append(i)
+            # one task per batch: a batch's counters belong to one task (the per-task metrics)
+            groups[(getattr(req, "task_name", None), *self._gen_settings(dict(req.args[1])))].append(i)
         out: list[str | None] = [None] * len(requests)
         bar = None
         if not disable_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc=f"{MODEL_NAME} generate_until ({self.settings['cache']})")
-        for (until, max_new), idx in groups.items():
+        for (task, until, max_new), idx in groups.items():
             idx = sorted(idx, key=lambda i: -len(self.tok_encode(requests[i].args[0])))  # longest first: less padding
             for b in range(0, len(idx), self.batch_size):
                 batch = idx[b:b + self.batch_size]
-                texts = self._generate([requests[i].args[0] for i in batch], until, max_new, batch)
+                texts = self._generate([requests[i].args[0] for i in batch], until, max_new, batch, task)
                 for i, text in zip(batch, texts, strict=True):
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -237,7 +238,8 @@ class ExpertcastLM(TemplateLM):
             bar.close()
         return [t if t is not None else "" for t in out]
 
-    def _generate(self, contexts: list[str], until: tuple[str, ...], max_new: int, ids: list[int]) -> list[str]:
+    def _generate(self, contexts: list[str], until: tuple[str, ...], max_new: int, ids: list[int],
+                  task: str | None = None) -> list[str]:
         from expertcast.inference.runtime.eval_run import generated
 
         enc = self.tok(contexts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -253,7 +255,7 @@ class ExpertcastLM(TemplateLM):
             res = self.om.generate(input_ids, mask, max_new_tokens=max_new, eos_token_id=self.eos,
                                    pad_token_id=self.eos[0], stop_strings=list(until), tokenizer=self.tok,
                                    seq_ids=[f"req{i}" for i in ids])
-        self._batches.append(batch_stats(self.om, before, res, res.seconds, clock))
+        self._batches.append({**batch_stats(self.om, before, res, res.seconds, clock), "task": task})
         texts = []
         for g in generated(res.sequences.cpu(), input_ids.shape[1], self.eos):
             text = self.tok.decode(g, skip_special_tokens=True)
@@ -326,9 +328,11 @@ class ExpertcastLM(TemplateLM):
         from expertcast.models.backbone import model_identity
 
         m = decode_metrics(self._batches)
+        tasks = sorted({b["task"] for b in self._batches if b["task"] is not None})
+        per_task = {t: decode_metrics([b for b in self._batches if b["task"] == t]) for t in tasks}
         s = self.settings
         return {
-            **m, "tokens_per_s": m["graded_tokens_per_s"],
+            **m, "tokens_per_s": m["graded_tokens_per_s"], "per_task": per_task,
             "tokens_per_s_source": "the harness's generate_until requests",
             "expert_bytes": int(self.om.layout.expert_bytes),
             "accounting": "decode-only; prefill (and every loglikelihood request) uncounted",
@@ -401,6 +405,10 @@ class ExpertcastLM(TemplateLM):
         s = self.settings
         print_table([{"policy": s["policy"], **s["capacity"], **{k: metrics[k] for k in METRIC_COLUMNS}}],
                     title=f"expertcast cache metrics: {s['model']}, {s['cache']} ({metrics['accounting']})")
+        if metrics["per_task"]:  # per task: its own batches' metrics (a batch holds one task's requests)
+            cols = [k for k in METRIC_COLUMNS if k in next(iter(metrics["per_task"].values()))]
+            print_table([{"task": t, **{k: m[k] for k in cols}} for t, m in metrics["per_task"].items()],
+                        title="per task (generate_until batches of that task; speed: the aggregate row's)")
         if speed is not None:
             print(speed_line(speed, f"{speed['speed_samples']} contexts") + f"; tokens match: {speed['tokens_match']}")
         print(f"tokens_per_s: {metrics['tokens_per_s_source']}")

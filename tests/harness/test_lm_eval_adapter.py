@@ -60,6 +60,8 @@ def test_gsm8k_from_local_files_reports_accuracy_and_cache_metrics(data_dir, mon
     assert m["pct_full"] == (None if sp["flag"] else sp["pct_full"]) and m["tokens_per_s"] == sp["tokens_per_s"]
     for k in ("exposed_misses_per_token", "miss_free_token_frac", "read_mb_per_token", "ttft_p50_s", "tpot_p99_ms"):
         assert m[k] is not None and m[k] >= 0, k  # the metrics users compare by, as `expertcast eval` gives them
+    per = m["per_task"]["gsm8k"]  # per task: one task here, so the task's figures are the aggregate's
+    assert per["hit"] == m["hit"] and per["decoded_tokens"] == m["decoded_tokens"] and per["tpot_p90_ms"] is not None
     assert all(p["decoded_tokens"] == sp["decoded_tokens"] > 0 for p in sp["offloaded_passes"] + sp["baseline_passes"])
 
 
