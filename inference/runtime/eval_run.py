@@ -1,12 +1,15 @@
-"""The graded offloaded decode and the full-load baseline, shared by ``expertcast eval``, ``sweep`` and
-``router-eval``.
+"""The graded offloaded decode, its metrics and the speed baselines, shared by ``expertcast eval``, ``sweep``,
+``router-eval`` and the lm-eval adapter (through :mod:`expertcast.inference.runtime.session`).
 
 :func:`graded_batch` decodes a batch of benchmark problems greedily through an
 :class:`~expertcast.inference.runtime.engine.OffloadedModel` and grades every completion; :func:`run_batch`
-adds the batch's decode-only counters. :func:`full_load_generate` is the plain model's greedy generation,
-timed as the runtime times it; :func:`full_load_fit` says whether that full load fits beside the host store;
-:class:`HostExecutionPolicy` executes every routed expert on the host.
-The recipes that use them (samples file, resume, summary, paired speed) are in :mod:`expertcast.commands`.
+adds the batch's decode-only counters and its per-step clock (:class:`StepClock`), :func:`decode_metrics` the
+metrics of a set of batches (Hit = resident hits / accesses, read MB/token, exposed misses, tokens without a miss,
+TTFT and TPOT percentiles). The baselines of % of full speed are the same runtime: :class:`AllResidentPolicy`
+(every expert in its slot; :func:`resident_fit` says whether the slots fit) or :class:`HostExecutionPolicy`
+(every routed expert executed on the host). :func:`full_load_generate` is the plain model's greedy generation,
+timed as the runtime times it (router-eval's full-load run). The recipes that use them (samples file, resume,
+summary) are in the commands.
 """
 
 from __future__ import annotations
