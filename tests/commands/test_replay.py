@@ -83,9 +83,9 @@ def test_two_policies_on_the_disk_store_load_once_and_report_each_rows_own_peak(
     """A second policy reuses the model and its disk store (before, a second load overlapped the first and broke
     the stated bound), and every row reports its own peak RSS (the high-water mark reset before it) against its
     own bound (its own slots)."""
-    from expertcast.inference.runtime import loading
-
     import functools
+
+    from expertcast.inference.runtime import loading
 
     real, loads = loading.load_offloaded, []
 
