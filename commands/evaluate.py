@@ -3,8 +3,12 @@
     expertcast eval --model M --benchmark gsm8k|math500 --policy P (--capacity F | --slots N) --out DIR
 
 Greedy generation through :class:`~expertcast.inference.runtime.engine.OffloadedModel` (real expert
-offloading), graded with the benchmark's grader. Reports accuracy and the decode-only cache and speed
-metrics: Hit, AdjHit, MB/token, tokens/s, TTFT and stall time per token.
+offloading), graded with the benchmark's grader. Reports accuracy and the decode-only metrics users compare
+systems by: Hit (resident hits / accesses; an expert executed on the CPU is neither a hit nor a miss, ``cpu_exec``
+counts them), AdjHit, MB/token moved and read MB/token (bytes read from the store), exposed misses per token (loads
+the compute waited for), the share of tokens decoded in a step without a miss, TTFT and TPOT (per-token step time)
+at p50/p90/p99, stall per token, one tokens/s (the paired offloaded passes', else the graded pass's: the run says
+which) and the run's own peak RSS against its bound.
 
 Everything cheap is checked before the model loads (flags, policy and its options, capacity against
 the model's shape, artefacts made for another model, train/test overlap of a forecaster, the output
@@ -19,16 +23,17 @@ a ``--limit`` that cuts a batch of the earlier run is refused (a batch's counter
 Outputs: a table, ``summary.json``, ``summary.csv``, ``samples.csv`` and ``summary.png`` (per-layer decode
 hit and per-batch tokens/s).
 
-Speed against full load, in the same run: the first ``--speed-samples`` problems are generated again,
-offloaded and by the baseline in interleaved passes (baseline, then offloaded + baseline ``--speed-repeats``
-times); ``pct_full`` is the median of each offloaded pass's tokens/s over the mean of its two neighbouring
-baseline passes, with the min-max of those ratios (``speed.json``; reused on resume when nothing changed).
-The baseline is the full-load model (every expert on the device) or, when a full load does not fit
-(``--baseline auto``: the experts copied out of the store once more need the host's MemAvailable, and on
-CUDA the device's free memory), the runtime executing every routed expert on the host
-(``all-experts-on-host``, named as such; the choice, its reason and figures in ``speed.json``'s
-``baseline_choice`` and on stderr). A stage-aware policy decides CPU execution vs transfer with a
-latency model measured on this machine at start-up (``latency_model`` in ``summary.json``).
+% of full speed, in the same run (docs/design.md, "Speed baseline"): the first ``--speed-samples`` problems are
+generated again, offloaded and by the baseline in interleaved passes (baseline, then offloaded + baseline
+``--speed-repeats`` times); ``pct_full`` is the median of each offloaded pass's tokens/s over the mean of its two
+neighbouring baseline passes, with the min-max of those ratios (``speed.json``; reused on resume when nothing
+changed). The baseline is the same runtime with every expert resident in its slots (``all-resident``: same kernels,
+threads and batch) or, when a slot for every expert does not fit (``--baseline auto``: host MemAvailable on CPU,
+the device's free memory on CUDA), the runtime executing every routed expert on the host (``all-experts-on-host``);
+the choice, its reason and figures are in ``speed.json``'s ``baseline_choice`` and on stderr. A ratio whose
+passes span more than 10 points, or that is above 100% in every pair, is flagged (``speed_flag``) and not reported
+as ``pct_full``. A stage-aware policy decides CPU execution vs transfer with a latency model measured on this
+machine at start-up (``latency_model`` in ``summary.json``).
 """
 
 from __future__ import annotations
@@ -50,16 +55,35 @@ from expertcast.commands.common import (
     positive_float,
     positive_int,
     resolve_device,
-    resolve_model,
 )
 from expertcast.data.benchmarks import BENCHMARKS
+from expertcast.inference.runtime.session import (
+    BASELINES,
+    DTYPES,
+    ModelSession,
+    SessionSettings,
+    build_policy,
+    check_run,
+    check_store,
+    choose_baseline,
+    default_disk_path,
+    fit_stage_policy,
+    mmap_store_path,
+    paired_speed_passes,
+    speed_line,
+)
+from expertcast.inference.runtime.stats import RowPeak
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 PROG = "expertcast eval"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-SUMMARY_COLUMNS = ["samples", "accuracy", "hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s",
-                   "stall_ms_per_token", "proactive_per_token", "prefetch_precision", "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline"]
-BASELINES = ("auto", "full-load", "host", "none")
+SUMMARY_COLUMNS = ["samples", "accuracy", "hit", "cpu_exec", "adj_hit", "mb_per_token", "read_mb_per_token",
+                   "exposed_misses_per_token", "miss_free_token_frac", "stall_ms_per_token", "tokens_per_s",
+                   "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
+                   "pct_full", "pct_full_min", "pct_full_max", "speed_flag", "baseline", "proactive_per_token",
+                   "prefetch_precision", "late_prefetches", "peak_rss_gb", "rss_bound_gb"]
+"""The table's columns: Hit is resident hits / accesses (a CPU-executed expert is neither a hit nor a miss:
+``cpu_exec``); one tokens/s per row (:func:`_write_outputs` says which); ``pct_full`` against the runtime with every
+expert resident, None when ``speed_flag`` says why it is no result; the row's own peak RSS against its bound."""
 SPEED = "speed.json"
 SAMPLES = "samples.jsonl"
 SETTINGS = "settings.json"
@@ -95,17 +119,22 @@ def add_store_args(ap: CommandParser) -> None:
 
 
 def check_store_args(a: Any) -> None:
-    if getattr(a, "store", "ram") == "disk":
-        if getattr(a, "mmap_store", False):
-            raise UsageError("--store disk and --mmap-store exclude each other (the disk store is its own file)")
-        if getattr(a, "link_gbps", None) is not None:
-            raise UsageError("--link-gbps emulates a link; --store disk reads the real disk (drop --link-gbps)")
-        if getattr(a, "disk_path", None) is not None:  # a new file, or an earlier disk store only
-            from expertcast.utils.outdir import DISK_STORE_KIND, claim_output_file
+    """The store flags (:func:`~expertcast.inference.runtime.session.check_store`)."""
+    check_store(getattr(a, "store", "ram"), getattr(a, "disk_path", None), mmap=getattr(a, "mmap_store", False),
+                link_gbps=getattr(a, "link_gbps", None))
 
-            claim_output_file(a.disk_path, "--disk-path", DISK_STORE_KIND)
-    elif getattr(a, "disk_path", None) is not None:
-        raise UsageError("--disk-path needs --store disk")
+
+def session_settings(args: Any, model_path: str, device: str, out: str | None = None) -> SessionSettings:
+    """The :class:`~expertcast.inference.runtime.session.SessionSettings` of the flags (``out``: the folder of the
+    memory-mapped or disk store; default ``--out``)."""
+    out = args.out if out is None else out
+    disk = getattr(args, "store", "ram") == "disk"
+    return SessionSettings(
+        model=args.model, model_path=model_path, device=device, dtype=args.dtype, pool=args.pool,
+        link_gbps=args.link_gbps, decode_path=args.decode_path, seed=args.seed, store=getattr(args, "store", "ram"),
+        disk_path=(getattr(args, "disk_path", None) or default_disk_path(out)) if disk else None,
+        readers=getattr(args, "readers", 4),
+        mmap_path=mmap_store_path(out) if getattr(args, "mmap_store", False) else None)
 
 
 def add_run_args(ap: CommandParser) -> None:
@@ -142,9 +171,9 @@ def add_run_args(ap: CommandParser) -> None:
 def add_speed_args(ap: CommandParser) -> None:
     """The paired speed measurement's flags (shared with ``expertcast sweep``)."""
     ap.add_argument("--baseline", default="auto", choices=BASELINES,
-                    help="speed baseline: full-load (every expert on the device), host (every expert executed on "
-                         "the host: all-experts-on-host), auto (full-load when every expert fits once more beside the host store and on the device), "
-                         "none (skip)")
+                    help="speed baseline, the same runtime: resident (every expert resident in its slots), host "
+                         "(every expert executed on the host: all-experts-on-host), auto (resident when a slot for "
+                         "every expert fits, else host), none (skip)")
     ap.add_argument("--speed-repeats", type=positive_int, default=3,
                     help="offloaded passes of the paired speed measurement (each between two baseline passes)")
     ap.add_argument("--speed-samples", type=positive_int, default=None,
@@ -156,92 +185,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- validation (cheap, before the model loads) --------------------------------------------------------
-def build_policy(spec: str) -> tuple[Any, str, dict[str, Any], dict[str, str]]:
-    """(policy, name, options, file options) of ``--policy NAME[:k=v,...]``, options typed and validated
-    by :func:`~expertcast.inference.policies.parse_policy_options`; the policy's spec says whether it
-    can drive a live generation. Every mistake is a UsageError."""
-    from expertcast.inference.policies import build_policy as build
-    from expertcast.inference.policies import make_policy, parse_policy_options, policy_spec
-    from expertcast.inference.runtime.live_routers import is_router_policy, live_router_policy
-
-    if is_router_policy(spec):  # live routers: their scores come from the --model export (attached at offload)
-        name, opts = live_router_policy(spec)
-        return make_policy(name, **opts), name, opts, {}
-    parsed = parse_policy_options(spec)
-    name, opts = parsed.policy, parsed.given_values()
-    pspec = policy_spec(name)
-    if not pspec.live:
-        if "future" in pspec.needs:
-            raise UsageError(f"--policy {name} is an oracle (it reads the future routing): it cannot drive a live "
-                             f"evaluation; use `expertcast simulate` on recorded traces")
-        raise UsageError(f"--policy {name} runs only on the simulator's compiled engine, not in the runtime")
-    try:
-        policy = build(pspec, parsed)
-    except UsageError:
-        raise
-    except (TypeError, AttributeError, ValueError) as e:
-        keys = ", ".join(opts) or "none"
-        raise UsageError(f"--policy {spec}: cannot build {name} with options ({keys}): {e}") from None
-    return policy, name, opts, parsed.files()
-
-
-def fit_stage_policy(policy: Any, resolved: str) -> None:
-    """A policy that decodes the generated tokens (its spec needs a tokenizer) reads the evaluated model's: its
-    cue set must come from this model (else a UsageError naming both), and without a tokenizer of its own it
-    decodes with the model's."""
-    from expertcast.inference.policies import spec_of
-
-    if "tokenizer" not in spec_of(policy).needs:
-        return
-    cue_set = getattr(policy, "cue_set", None)
-    if cue_set is not None:
-        cue_set.check_model(resolved, source=f"cue set of --policy {policy.name}", what="the evaluated tokens")
-    if policy.wants_tokenizer():
-        from expertcast.inference.policies.artifacts import load_tokenizer
-
-        policy.use_tokenizer(load_tokenizer(resolved))
-
-
-def model_shape(resolved: str) -> tuple[int, int, int]:
-    """(L, E, K) from the model's config alone (no weights)."""
-    from expertcast.models.presets import get_config, is_preset
-    from expertcast.models.spec import MoESpec
-
-    if is_preset(resolved):
-        config = get_config(resolved)
-    else:
-        from expertcast.models.backbone import load_moe_config
-
-        try:
-            config = load_moe_config(resolved)  # a router-adaptation export: its model's (or adapter base's)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--model {resolved}: cannot read its config ({' '.join(str(e).split())[:200]})") from None
-    spec = MoESpec.from_config(config)
-    return spec.num_layers, spec.num_experts, spec.top_k
-
-
-def check_capacity(cap: dict[str, Any], pool: str, shape: tuple[int, int, int]):
-    """The CacheConfig of ``cap`` on a model of ``shape`` (UsageError naming the flag when it cannot hold)."""
-    from expertcast.inference.cache.expert_cache import Budget, CacheConfig
-
-    L, E, K = shape
-    flag = "--capacity" if "capacity" in cap else "--slots"
-    try:
-        return CacheConfig(num_layers=L, num_experts=E, top_k=K, pool=pool, budget=Budget.from_flags(cap))
-    except ValueError as e:
-        raise UsageError(f"{flag} {next(iter(cap.values()))}: {e} (model: L={L}, E={E}, K={K}, --pool {pool})") from None
-
-
-def check_policy_fits(policy: Any, shape: tuple[int, int, int], model: str) -> None:
-    """Refuse a policy holding an artefact (forecaster, cue set) made for a model of another shape."""
-    from expertcast.inference.runtime.engine import check_policy_compatible
-
-    try:
-        check_policy_compatible(policy, *shape, f"model {model}")
-    except ValueError as e:
-        raise UsageError(f"--policy: {e}") from None
-
-
 def check_leakage(name: str, files: dict[str, str], problem_ids: list[str], allow: bool) -> dict[str, Any] | None:
     """Overlap of the evaluated problems with the training sequences of the policy's forecaster (None
     when the policy has no forecaster)."""
@@ -437,17 +380,9 @@ def prepare(args: Any) -> dict[str, Any]:
         raise UsageError("give --capacity (a fraction of all experts) or --slots (a slot count)")
     check_store_args(args)
     device = resolve_device(args.device)
-    policy, name, opts, files = build_policy(args.policy)
-    from expertcast.inference.runtime.live_routers import is_router_policy, router_export_model
-
-    if is_router_policy(name):  # --model is a router-adaptation export: its model folder, its routers' hash
-        resolved, files = router_export_model(args.model, name)
-    else:
-        resolved = resolve_model(args.model)
-    shape = model_shape(resolved)
-    cache_config = check_capacity(caps[0], args.pool, shape)
-    check_policy_fits(policy, shape, args.model)
-    fit_stage_policy(policy, resolved)
+    checked = check_run(args.model, args.policy, caps[0], args.pool)
+    policy, name, opts, files = checked.policy, checked.policy_name, checked.options, checked.files
+    resolved, shape, cache_config = checked.model_path, checked.shape, checked.cache_config
     problems = load_benchmark(args.benchmark, args.split, data_dir=args.data_dir, limit=args.limit)
     overlap = check_leakage(name, files, [p.id for p in problems], args.allow_overlap)
     settings = eval_settings(args, resolved=resolved, device=device, policy_name=name, opts=opts, files=files,
@@ -465,7 +400,7 @@ def evaluate(args: Any) -> int:
     cell = prepare(args)
     set_threads(args.threads)
     with claim_output_dir(args.out, "eval", overwrite=args.overwrite) as out:
-        run_cell(args, out, cell, ModelSession(args, cell["info"]["model_path"], cell["device"]))
+        run_cell(args, out, cell, ModelSession(session_settings(args, cell["info"]["model_path"], cell["device"])))
     return 0
 
 
@@ -485,88 +420,6 @@ def run_cell(args: Any, out: Any, cell: dict[str, Any], session: ModelSession) -
     return _generate_and_report(args, out, cell, done, session)
 
 
-class ModelSession:
-    """The evaluated model, loaded once and shared by the evaluations of a sweep. It is loaded straight to
-    the host store (:func:`~expertcast.inference.runtime.loading.load_offloaded`: the whole model is never
-    on the device); between two offloaded runs the experts go back into the model (full load) when they
-    fit the device and a full-load baseline is wanted, and the host store is reused."""
-
-    def __init__(self, args: Any, resolved: str, device: str):
-        self.args, self.resolved, self.device = args, resolved, device
-        self.model = self.tok = self.store = None
-        self.full = False
-        """The model holds its experts (full load) now."""
-        self.full_load_check: Any = None
-        """The last :class:`~expertcast.inference.runtime.eval_run.FullLoadFit` (None before a full load was asked)."""
-        self.load_report: dict[str, Any] | None = None
-
-    @classmethod
-    def adopt(cls, args: Any, resolved: str, device: str, om: Any, tok: Any,
-              load_report: dict[str, Any] | None) -> ModelSession:
-        """A session over an already loaded OffloadedModel ``om`` (its model and host store are reused; give
-        ``om`` back, :meth:`give_back`, before the next :meth:`offload`). ``args`` needs ``pool``,
-        ``link_gbps``, ``decode_path`` and ``model``."""
-        session = cls(args, resolved, device)
-        session.model, session.tok, session.store, session.load_report = om.model, tok, om.store, load_report
-        return session
-
-    def offload(self, policy: Any, capacity: dict[str, Any], measure_latency: bool = False):
-        """An OffloadedModel of the session's model (loaded on the first call; then the store is reused)."""
-        from expertcast.inference.cache.expert_cache import Budget
-        from expertcast.inference.runtime.engine import OffloadedModel
-        from expertcast.inference.runtime.live_routers import attach_live_routers
-
-        a = self.args
-        cap = Budget.from_flags(capacity)
-        if self.model is None:
-            from expertcast.inference.runtime.eval_run import pad_left
-            from expertcast.inference.runtime.loading import load_offloaded
-
-            mmap = str(Path(a.out) / "experts.safetensors") if a.mmap_store else None
-            kind = getattr(a, "store", "ram")
-            disk = (getattr(a, "disk_path", None) or str(Path(a.out) / "experts.disk.safetensors")) if kind == "disk" \
-                else None
-            om, self.tok, report = load_offloaded(self.resolved, policy, cap, device=self.device, dtype=a.dtype,
-                                                  pool=a.pool, link_gbps=a.link_gbps, mmap_path=mmap, seed=a.seed,
-                                                  decode_path=a.decode_path, store=kind, disk_path=disk,
-                                                  readers=getattr(a, "readers", 4))
-            pad_left(self.tok)
-            if getattr(a, "disk_path", None) and kind == "disk":
-                from expertcast.utils.outdir import DISK_STORE_KIND, OutputFile
-
-                OutputFile(Path(a.disk_path).expanduser(), DISK_STORE_KIND).written()
-            self.model, self.store, self.load_report = om.model, om.store, report.to_dict()
-            if measure_latency:
-                om.use_measured_latency()
-        else:
-            om = OffloadedModel(self.model, policy, cap, pool=a.pool, device=self.device, link_gbps=a.link_gbps,
-                                store=self.store, measure_latency=measure_latency, decode_path=a.decode_path,
-                                readers=getattr(a, "readers", 4))
-        self.full = False
-        attach_live_routers(policy, om.model, a.model)  # router policies: the --model export's routers, live
-        return om
-
-    def give_back(self, om: Any, full: bool) -> None:
-        """Detach ``om``; with ``full`` the experts go back into the model (full load) when they fit beside the
-        host store and on the device (:func:`~expertcast.inference.runtime.eval_run.full_load_fit`), else they
-        stay in the host store only."""
-        from expertcast.inference.runtime.live_routers import detach_live_routers
-
-        detach_live_routers(om.policy)  # a full-load pass runs without the live routers' hooks
-        if full and self._full_load_fits(om):
-            self.model = om.restore()
-            self.full = True
-        else:
-            om.close()
-            self.full = False
-
-    def _full_load_fits(self, om: Any) -> bool:
-        from expertcast.inference.runtime.eval_run import full_load_fit
-
-        self.full_load_check = full_load_fit(self.store.nbytes, self.device, om.pool.nbytes)
-        return self.full_load_check.fits
-
-
 def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[dict[str, Any]],
                          session: ModelSession) -> dict[str, Any]:
     from expertcast.data.prompts import has_chat_template
@@ -578,6 +431,7 @@ def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[d
     next_batch = max((int(r["batch"]) for r in done), default=-1) + 1
     if done:
         print(f"resuming {out.path}: {len(done)} samples done (same settings), {len(todo)} to go")
+    row_peak = RowPeak().__enter__()  # this run's own peak: its load (or its slots), its generation
     om = session.offload(cell["policy"], info["capacity"], measure_latency=True)
     tok = session.tok
     templated = has_chat_template(tok) if args.chat_template == "auto" else args.chat_template == "yes"
@@ -607,7 +461,10 @@ def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[d
     except BaseException:
         om.close()
         raise
-    session.give_back(om, full=args.baseline in ("auto", "full-load"))
+    row_peak.__exit__(None, None, None)
+    memory.update(row_peak_rss=row_peak.bytes, row_peak_scope=row_peak.scope)
+    session.give_back(om)
+    del om
     speed = _speed(args, out, cell, session, templated, eos, lat_model)
     return _write_outputs(args, out, rows, memory, templated,
                           {**info, "latency_model": latency, "speed": speed, "load": session.load_report}, run)
@@ -622,42 +479,26 @@ def _batches(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Accuracy over samples; cache and speed metrics over the raw counters of their batches."""
-    from expertcast.inference.cache.counters import adj_hit_rate, hit_rate, mb_per_token, prefetch_precision
+    """Accuracy over samples; cache, I/O and latency metrics over the raw counters of their batches
+    (:func:`~expertcast.inference.runtime.eval_run.decode_metrics`); ``tokens_per_s`` is the graded pass's until
+    the paired speed passes replace it (:func:`_write_outputs`)."""
+    from expertcast.inference.runtime.eval_run import decode_metrics
 
     b = list(_batches(rows).values())
-    A = sum(x["accesses"] for x in b)
-    D = sum(x["demand_misses"] for x in b)
-    P = sum(x["proactive_loads"] for x in b)
-    # batches recorded before the counter existed leave the precision unknown
-    U = sum(x["prefetches_used"] for x in b) if all("prefetches_used" in x for x in b) else None
-    tok = sum(x["decoded_tokens"] for x in b)
-    dec_s = sum(x["decode_seconds"] for x in b)
-    eb = b[0]["expert_bytes"] if b else 0
     per_acc = np.sum([x["per_layer_accesses"] for x in b], axis=0) if b else np.zeros(0)
     per_dem = np.sum([x["per_layer_demand"] for x in b], axis=0) if b else np.zeros(0)
+    per_hit = np.sum([x["per_layer_resident_hits"] for x in b], axis=0) \
+        if b and all("per_layer_resident_hits" in x for x in b) else per_acc - per_dem  # older batches: 1 - D/A
     n = len(rows)
     correct = sum(bool(r["correct"]) for r in rows)
+    m = decode_metrics(b)
     return {
         "samples": n,
         "correct": correct,
         "accuracy": correct / n if n else float("nan"),
-        "hit": hit_rate(A, D),
-        "adj_hit": adj_hit_rate(A, D, P),
-        "mb_per_token": mb_per_token(D, P, eb, tok),
-        "tokens_per_s": tok / dec_s if dec_s > 0 else float("nan"),
-        "ttft_s": float(np.mean([x["ttft_s"] for x in b])) if b else float("nan"),
-        "stall_ms_per_token": 1e3 * sum(x["stall_seconds"] for x in b) / max(tok, 1),
-        "decoded_tokens": tok,
-        "accesses": A,
-        "demand_misses": D,
-        "proactive_loads": P,
-        "proactive_per_token": P / max(tok, 1),
-        "prefetches_used": U,
-        "prefetch_precision": prefetch_precision(U, P) if U is not None else float("nan"),
-        "late_prefetches": sum(x["late_prefetches"] for x in b),
-        "cpu_exec": sum(x["cpu_exec"] for x in b),
-        "per_layer_hit": [float(1 - d / a) if a else float("nan") for a, d in zip(per_acc, per_dem, strict=True)],
+        **m,
+        "tokens_per_s": m["graded_tokens_per_s"],
+        "per_layer_hit": [float(h / a) if a else float("nan") for a, h in zip(per_acc, per_hit, strict=True)],
         "batches": len(b),
         "accounting": "decode-only; prefill uncounted (cache state after prefill initializes decoding)",
     }
@@ -690,55 +531,6 @@ def plot_summary(summary: dict[str, Any], rows: list[dict[str, Any]], path: str 
 
 
 
-@dataclass
-class SpeedRun:
-    """Decode figures of one timed pass over the speed prompts."""
-
-    kind: str
-    """``offloaded``, :data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE``."""
-    decoded_tokens: int
-    decode_seconds: float
-    sequences: list[list[int]]
-    """Generated ids per prompt, cut after its first EOS (token identity between the passes)."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
-
-
-
-def paired_speed(run_offloaded: Any, run_baseline: Any, repeats: int) -> dict[str, Any]:
-    """Interleaved passes B, O, B, O, ..., O, B (``repeats`` offloaded passes, each between two baseline
-    passes): every offloaded tokens/s is divided by the mean of the baseline passes right before and after
-    it (shared machines drift over tens of seconds; a pair sees the same speed). Reports the median of the
-    paired ratios in % (``pct_full``) with their min-max, the median tokens/s of both, and whether every
-    pass generated the same tokens (``tokens_match``)."""
-    base = [run_baseline()]
-    offs = []
-    for _ in range(repeats):
-        offs.append(run_offloaded())
-        base.append(run_baseline())
-    pct = [100.0 * o.tokens_per_s / (0.5 * (base[i].tokens_per_s + base[i + 1].tokens_per_s))
-           for i, o in enumerate(offs)]
-    ref = base[0].sequences
-    return {
-        "baseline": base[0].kind,
-        "repeats": repeats,
-        "pct_full": float(np.median(pct)),
-        "pct_full_min": float(min(pct)),
-        "pct_full_max": float(max(pct)),
-        "paired_pct": pct,
-        "tokens_per_s": float(np.median([o.tokens_per_s for o in offs])),
-        "baseline_tokens_per_s": float(np.median([b.tokens_per_s for b in base])),
-        "offloaded_passes": [{"decoded_tokens": o.decoded_tokens, "decode_seconds": o.decode_seconds} for o in offs],
-        "baseline_passes": [{"decoded_tokens": b.decoded_tokens, "decode_seconds": b.decode_seconds} for b in base],
-        "tokens_match": all(r.sequences == ref for r in [*base, *offs]),
-        "decoded_tokens": offs[0].decoded_tokens,
-        "order": "baseline, then (offloaded, baseline) x repeats; each offloaded pass against the mean of its two "
-                 "neighbouring baseline passes; median and min-max of those ratios",
-    }
-
-
 # -- speed against full load ----------------------------------------------------------------------------
 def _speed(args: Any, out: Any, cell: dict[str, Any], session: ModelSession, templated: bool, eos: list[int],
            lat_model: Any) -> dict[str, Any] | None:
@@ -750,7 +542,7 @@ def _speed(args: Any, out: Any, cell: dict[str, Any], session: ModelSession, tem
         return None
     n = args.speed_samples or args.batch_size
     probs = cell["problems"][:n]
-    baseline, choice = _baseline_kind(args.baseline, session)
+    baseline, choice = choose_baseline(args.baseline, session)
     key = {"settings_hash": cell["info"]["settings_hash"], "baseline": baseline, "speed_samples": n,
            "speed_repeats": args.speed_repeats, "problems": [p.id for p in probs]}
     path = out.path / SPEED
@@ -764,30 +556,6 @@ def _speed(args: Any, out: Any, cell: dict[str, Any], session: ModelSession, tem
     speed["baseline_choice"] = choice
     atomic_write_json(out.file(SPEED), speed)
     return speed
-
-
-def _baseline_kind(choice: str, session: ModelSession) -> tuple[str, dict[str, Any]]:
-    """:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD` or ``HOST_BASELINE`` for ``--baseline``, and the
-    record of the choice (``speed.json``'s ``baseline_choice``: the reason and the memory figures). ``auto``
-    takes the full load when the experts went back into the model (they fit beside the host store and on the
-    device), else the host baseline, which needs no second copy of the experts; it says which on stderr."""
-    from expertcast.inference.runtime.eval_run import FULL_LOAD, HOST_BASELINE
-
-    check = session.full_load_check
-    figures = check.to_dict() if check is not None else {}
-    why = figures.pop("reason", "the experts are not in the model")
-    figures.pop("fits", None)
-    if choice == "host":
-        kind, why = HOST_BASELINE, "asked (--baseline host)"
-    elif session.full:
-        kind = FULL_LOAD
-    elif choice == "auto":
-        kind = HOST_BASELINE
-    else:
-        raise UsageError(f"--baseline full-load: {why}; use --baseline auto or host")
-    if choice == "auto":
-        print(f"eval: --baseline auto: {kind} ({why})", file=sys.stderr, flush=True)
-    return kind, {"requested": choice, "baseline": kind, "reason": why, **figures}
 
 
 def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs: list[Any], templated: bool,
@@ -814,55 +582,6 @@ def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs:
         print(f"warning: the speed passes of {args.policy} and the {baseline} baseline generated different "
               "tokens (numerics of the device and host kernels differ)")
     return speed
-
-
-def paired_speed_passes(session: ModelSession, encs: list[dict[str, Any]], make_policy: Any,
-                        capacity: dict[str, Any], host_slots: int, baseline: str, repeats: int, *,
-                        max_new_tokens: int, eos: list[int]) -> dict[str, Any]:
-    """:func:`paired_speed` over the encoded batches ``encs`` (``input_ids``, ``attention_mask``): a fresh
-    ``make_policy()`` and an empty cache of ``capacity`` each offloaded pass, against ``baseline``
-    (:data:`~expertcast.inference.runtime.eval_run.FULL_LOAD`: the plain model with every expert back in it;
-    else every routed expert executed on the host with ``host_slots`` slots: the model's top-K). Shared by ``expertcast eval`` and the
-    lm-evaluation-harness adapter."""
-    from expertcast.inference.runtime.eval_run import (
-        FULL_LOAD,
-        HostExecutionPolicy,
-        decode_tokens,
-        full_load_generate,
-        generated,
-    )
-
-    pad = session.tok.pad_token_id
-    gen_kw = {"max_new_tokens": max_new_tokens, "eos_token_id": eos or None, "pad_token_id": pad}
-
-    def offloaded(policy: Any, cap: dict[str, Any], kind: str) -> SpeedRun:
-        om = session.offload(policy, cap)
-        try:
-            seqs = []
-            for enc in encs:
-                res = om.generate(enc["input_ids"], enc["attention_mask"], **gen_kw)
-                seqs += generated(res.sequences.cpu(), enc["input_ids"].shape[1], eos)
-            st = om.stats
-        except BaseException:
-            om.close()
-            raise
-        session.give_back(om, full=baseline == FULL_LOAD)
-        return SpeedRun(kind, int(st.decoded_tokens), float(st.decode_seconds), seqs)
-
-    def run_full() -> SpeedRun:
-        seqs, secs = [], 0.0
-        for enc in encs:
-            out, dt = full_load_generate(session.model, enc, max_new_tokens=max_new_tokens, eos=eos,
-                                         pad_token_id=pad)
-            seqs += generated(out, enc["input_ids"].shape[1], eos)
-            secs += dt
-        return SpeedRun(FULL_LOAD, decode_tokens(seqs), secs, seqs)
-
-    def run_host() -> SpeedRun:
-        return offloaded(HostExecutionPolicy(), {"slots": host_slots}, HostExecutionPolicy.name)
-
-    return paired_speed(lambda: offloaded(make_policy(), capacity, "offloaded"),
-                        run_full if baseline == FULL_LOAD else run_host, repeats)
 
 
 def _crossover_text(n: int) -> str:
@@ -913,8 +632,22 @@ def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict
     summary = summarize(rows)
     summary.update(memory=memory, chat_template_used=templated, **info)
     speed = info["speed"] or {}
-    summary.update({k: speed.get(k) for k in ("pct_full", "pct_full_min", "pct_full_max", "baseline")},
-                   baseline_tokens_per_s=speed.get("baseline_tokens_per_s"))
+    flag = speed.get("flag")
+    summary.update({k: speed.get(k) for k in ("pct_full_min", "pct_full_max", "baseline")},
+                   pct_full=None if flag else speed.get("pct_full"), pct_full_measured=speed.get("pct_full"),
+                   speed_flag=flag, baseline_tokens_per_s=speed.get("baseline_tokens_per_s"))
+    if speed:  # one tokens/s per row: the offloaded passes the % of full speed is made of
+        summary.update(tokens_per_s=speed["tokens_per_s"],
+                       tokens_per_s_source="median of the paired offloaded passes (speed.json)")
+    else:
+        summary["tokens_per_s_source"] = "the graded pass (no paired speed passes: --baseline none)"
+    load = info.get("load") or {}
+    bound = load.get("rss_bound_bytes")
+    summary["rss"] = {"peak_rss_bytes": memory.get("row_peak_rss"), "scope": memory.get("row_peak_scope"),
+                      "process_peak_rss_bytes": memory.get("process_peak_rss"), "bound_bytes": bound,
+                      "store": load.get("store_kind", "ram"), "disk_io_mode": load.get("disk_io_mode"),
+                      "readers": load.get("readers")}
+    summary.update(peak_rss_gb=(memory.get("row_peak_rss") or 0) / 1e9, rss_bound_gb=bound / 1e9 if bound else None)
     head = {"policy": args.policy, **info["capacity"]}
     table = [{**head, **{k: summary[k] for k in SUMMARY_COLUMNS}}]
     print_table(table, title=f"expertcast eval: {args.model} on {args.benchmark}, {info['cache']} "
@@ -924,16 +657,11 @@ def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict
         print(f"forecaster training overlap: {ov['overlap']} of {ov['evaluated']} evaluated problems"
               + (" (allowed by --allow-overlap)" if ov["allowed"] else ""))
     if speed:
-        print(f"speed: {speed['pct_full']:.1f}% of {speed['baseline']} tokens/s (median of {speed['repeats']} paired "
-              f"passes, min-max {speed['pct_full_min']:.1f}-{speed['pct_full_max']:.1f}%; {speed['tokens_per_s']:.1f} vs "
-              f"{speed['baseline_tokens_per_s']:.1f} tokens/s on {len(speed['problems'])} problems)")
-    load = info.get("load") or {}
-    summary["rss"] = {"peak_rss_bytes": memory.get("process_peak_rss"), "bound_bytes": load.get("rss_bound_bytes"),
-                      "store": load.get("store_kind", "ram"), "disk_io_mode": load.get("disk_io_mode"),
-                      "readers": load.get("readers")}
+        print(speed_line(speed, f"{len(speed['problems'])} problems"))
+    print(f"tokens_per_s: {summary['tokens_per_s_source']}")
     if load.get("store_kind") == "disk":
         rss = summary["rss"]
-        print(f"disk store ({rss['disk_io_mode']}, {rss['readers']} readers): peak RSS "
+        print(f"disk store ({rss['disk_io_mode']}, {rss['readers']} readers): peak RSS of this run ({rss['scope']}) "
               f"{(rss['peak_rss_bytes'] or 0) / 2**30:.2f} GiB, bound {rss['bound_bytes'] / 2**30:.2f} GiB (slots + "
               "non-expert weights + one layer's rows + 1 GiB margin)")
     lat = info.get("latency_model")

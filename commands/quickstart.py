@@ -45,6 +45,8 @@ EVAL_CAPACITY = 0.25
 FORECAST_TEST_FRACTION = 0.2
 """Share of the traced problems the forecaster never sees (by a hash of the problem id): forecast-eval's
 held-out set."""
+FORECAST_MIN_PROBLEMS = 3
+"""Problems the forecaster step needs at least: one to train on, one to validate on, one held out."""
 MEANINGS = [
     ("Hit", "share of decode-time expert accesses served from the cache: 1 - demand misses / accesses"),
     ("AdjHit", "hits over accesses + prefetches: (A - D) / (A + P); charges a prefetching policy for its loads"),
@@ -53,7 +55,10 @@ MEANINGS = [
     ("pct_full_speed", "modelled decode speed as % of running with every expert resident (cost model)"),
     ("recall@K h", "share of the true top-K experts h decode steps ahead found in the forecaster's top-K"),
     ("accuracy", "exact match of the final answer: GSM8K, and held-out 2-digit arithmetic (arith, never in the corpus)"),
-    ("tokens/s, TTFT", "measured decode speed and time to first token of the offloaded run on this machine"),
+    ("tokens/s, TTFT", "measured decode speed (the paired offloaded passes) and time to first token of the offloaded run "
+                       "on this machine"),
+    ("% of full speed", "offloaded tokens/s over the same runtime's with every expert resident (same kernels, threads, "
+                        "batch), median of interleaved paired passes with their min-max; flagged when the passes disagree"),
 ]
 
 
@@ -130,8 +135,13 @@ class Pipeline:
 
 
 def quickstart(args: Any) -> int:
+    from expertcast.utils.errors import UsageError
     from expertcast.utils.outdir import claim_output_dir
 
+    if args.forecaster_steps > 0 and args.limit < FORECAST_MIN_PROBLEMS:
+        raise UsageError(f"--limit {args.limit}: the forecaster step needs at least {FORECAST_MIN_PROBLEMS} problems "
+                         f"(one each to train on, to validate on and to hold out); use --limit "
+                         f"{FORECAST_MIN_PROBLEMS} or more, or --forecaster-steps 0")
     caps = capacities_from_args(args, multiple=True)
     cap_flags = _capacity_flags(caps)
     total = 5 + len(EVAL_BENCHMARKS) - (args.forecaster_steps == 0) - len(EVAL_BENCHMARKS) * bool(args.skip_offload)
@@ -224,13 +234,14 @@ def _forecaster(pipe: Pipeline, args: Any, traces_key: str, traces: Path) -> tup
     from expertcast.utils.provenance import sha256_file
 
     config = REPO_ROOT / "configs" / "forecaster" / "tiny.yaml"
+    seed = split_seed_of(traces, config)
     key = {"traces": traces_key, "steps": args.forecaster_steps, "config": sha256_file(config),
-           "test_fraction": FORECAST_TEST_FRACTION}
+           "test_fraction": FORECAST_TEST_FRACTION, "split_seed": seed}
     folder, digest = pipe.folder("forecaster", traces.name, key)
     export = folder / "export"
     reused = pipe.run("the forecaster", folder, digest, lambda: fit_main(
         ["fit", "--config", str(config), "--data.init_args.traces", str(traces),
-         "--data.init_args.test_fraction", str(FORECAST_TEST_FRACTION),
+         "--data.init_args.test_fraction", str(FORECAST_TEST_FRACTION), "--data.init_args.split_seed", str(seed),
          "--model.init_args.export_dir", str(export), "--trainer.default_root_dir", str(folder),
          "--trainer.max_steps", str(args.forecaster_steps), "--trainer.max_epochs", "-1",
          "--trainer.check_val_every_n_epoch", "1", "--trainer.logger", "false", "--trainer.callbacks", "[]",
@@ -242,6 +253,44 @@ def _forecaster(pipe: Pipeline, args: Any, traces_key: str, traces: Path) -> tup
     pipe.run("the forecast evaluation", fe_folder, fe_digest, lambda: forecast_eval_main(
         ["--forecaster", str(export), "--traces", str(traces), "--split", "auto", "--out", str(fe_folder)]))
     return export, fe_folder
+
+
+def held_out_seed(ids: list[str], val_fraction: float, test_fraction: float, tries: int = 10_000) -> int | None:
+    """The smallest split seed whose hash split (:func:`~expertcast.utils.provenance.split_of`) of ``ids`` leaves
+    every split non-empty (train, val when ``val_fraction`` > 0, test), or None within ``tries`` seeds."""
+    from collections import Counter
+
+    from expertcast.utils.provenance import split_of
+
+    need = ["train", "test"] + (["val"] if val_fraction > 0 else [])
+    for seed in range(tries):
+        got = Counter(split_of(i, val_fraction, test_fraction, seed=seed) for i in ids)
+        if all(got[k] for k in need):
+            return seed
+    return None
+
+
+def split_seed_of(traces: Path, config: Path) -> int:
+    """The forecaster's split seed for the traced problems: the config's when its split holds out at least one
+    problem and leaves one to train and one to validate on, else the smallest seed that does
+    (:func:`held_out_seed`): a few problems (``--limit 8``) may all hash into the training split."""
+    import yaml
+    from expertcast.data.traces import load_traces
+    from expertcast.utils.errors import UsageError
+
+    data = (yaml.safe_load(config.read_text()) or {}).get("data", {}).get("init_args", {})
+    val, seed = float(data.get("val_fraction", 0.0)), int(data.get("split_seed", 0))
+    ids = [s.seq_id for s in load_traces(traces)[1]]
+    from expertcast.utils.provenance import split_of
+
+    splits = {split_of(i, val, FORECAST_TEST_FRACTION, seed=seed) for i in ids}
+    if {"train", "test"} | ({"val"} if val > 0 else set()) <= splits:
+        return seed
+    found = held_out_seed(ids, val, FORECAST_TEST_FRACTION)
+    if found is None:
+        raise UsageError(f"{traces}: no split seed holds out one of its {len(ids)} problems and leaves one to train "
+                         f"and one to validate on; use a larger --limit")
+    return found
 
 
 def _offloaded(pipe: Pipeline, args: Any, model: str, ident: dict[str, Any], data: list[str], benchmark: str,
@@ -306,6 +355,17 @@ def _is_tiny(model: str) -> bool:
     return model in DEFAULT_MODEL_NAMES or (is_preset(model) and get_preset(model).size == "tiny")
 
 
+def _speed_text(s: dict[str, Any]) -> str:
+    """% of full speed of an eval summary against its baseline, with the noise, or why it is no result."""
+    if s.get("baseline") is None:
+        return "speed not measured"
+    if s.get("speed_flag"):
+        return f"speed: no result ({s['speed_flag']})"
+    return (f"speed: {s['pct_full']:.1f}% of full speed (the runtime with every expert resident, paired passes, "
+            f"min-max {s['pct_full_min']:.1f}-{s['pct_full_max']:.1f}%)" if s["baseline"] == "all-resident" else
+            f"speed: {s['pct_full']:.1f}% of {s['baseline']} (min-max {s['pct_full_min']:.1f}-{s['pct_full_max']:.1f}%)")
+
+
 def _headlines(done: dict[str, Path]) -> list[str]:
     lines = []
     sim = done.get("simulate")
@@ -327,5 +387,5 @@ def _headlines(done: dict[str, Path]) -> list[str]:
             s = json.loads((ev / "summary.json").read_text())
             lines.append(f"offloaded run on {bench} ({s['cache']}): accuracy {s['accuracy']:.2f} on {s['samples']} "
                          f"problems, Hit {s['hit']:.3f}, AdjHit {s['adj_hit']:.3f}, {s['mb_per_token']:.2f} MB/token, "
-                         f"{s['tokens_per_s']:.1f} tokens/s, TTFT {s['ttft_s']:.2f} s")
+                         f"{s['tokens_per_s']:.1f} tokens/s, TTFT {s['ttft_s']:.2f} s; " + _speed_text(s))
     return lines

@@ -194,8 +194,9 @@ def replay(args: Any) -> int:
     from expertcast.inference.cache.expert_cache import Budget
     from expertcast.inference.runtime.engine import OffloadedModel
     from expertcast.inference.runtime.forced import map_trace_to_model
-    from expertcast.inference.runtime.loading import load_offloaded, peak_rss_bytes
+    from expertcast.inference.runtime.loading import load_offloaded
     from expertcast.inference.runtime.real_shapes import read_provenance
+    from expertcast.inference.runtime.stats import RowPeak
     from expertcast.inference.sim.simulator import build_stream
     from expertcast.utils.io import atomic_write_json, report
     from expertcast.utils.outdir import DISK_STORE_KIND, claim_output_file
@@ -253,35 +254,39 @@ def replay(args: Any) -> int:
         budget = Budget.from_flags(cap)
         for pspec_text in policies:
             policy, name, future = make_policy_for(pspec_text, meta, seqs, lambda: build_stream(meta, seqs, 1))
-            t0 = time.perf_counter()
-            try:
-                if model is None or store_kw:
-                    om, _, load = load_offloaded(resolved, policy, budget, device=args.device, dtype=args.dtype,
-                                                 pool=args.pool, future=future, seed=args.seed, **store_kw)
-                    model, store = om.model, om.store
-                    load_s = load.load_seconds
-                    if "--disk-path" in outs:
-                        outs["--disk-path"].written()
-                else:
-                    om = OffloadedModel(model, policy, budget, pool=args.pool, device=args.device, future=future,
-                                        store=store)
-                    load_s = time.perf_counter() - t0  # the store of the first load is reused
-            except ValueError as e:
-                raise UsageError(f"--policy {pspec_text} at {budget.tag}: {' '.join(str(e).split())}") from None
-            link = None
-            if store_kw and not {"link_bytes_per_s", "layer_compute_ms"} & _given(pspec_text):
-                link = om.use_measured_link()  # seqmoe's deadlines from this disk and this compute, not a default
-                if link is not None:
-                    print(f"replay: {name}: link measured on the disk store: {link['bytes_per_s'] / 1e9:.2f} GB/s "
-                          f"({link['reads']} reads at queue depth {link['queue_depth']}), "
-                          f"{link['layer_compute_ms']:.3f} ms of expert compute per layer")
-            if xfmt != "bfloat16" and not rows:
-                print(f"replay: experts stored as {xfmt}: {om.layout.expert_bytes / 1e6:.2f} MB per expert "
-                      f"(kernel mode {quant.TABLE.mode}; the kernels that ran are in the JSON's quant_kernels)")
-            try:
-                st = om.replay(seqs)
-            finally:
-                om.close()
+            with RowPeak() as peak:  # this row's own peak: the last row's slots are gone before this one loads
+                t0 = time.perf_counter()
+                try:
+                    if model is None:  # loaded once; every later row reuses the model and its store (RAM or disk)
+                        om, _, load = load_offloaded(resolved, policy, budget, device=args.device, dtype=args.dtype,
+                                                     pool=args.pool, future=future, seed=args.seed, **store_kw)
+                        model, store = om.model, om.store
+                        load_s = load.load_seconds
+                        if "--disk-path" in outs:
+                            outs["--disk-path"].written()
+                    else:
+                        om = OffloadedModel(model, policy, budget, pool=args.pool, device=args.device, future=future,
+                                            store=store, readers=store_kw.get("readers", 4))
+                        load_s = time.perf_counter() - t0  # the store of the first load is reused
+                except ValueError as e:
+                    raise UsageError(f"--policy {pspec_text} at {budget.tag}: {' '.join(str(e).split())}") from None
+                link = None
+                if store_kw and not {"link_bytes_per_s", "layer_compute_ms"} & _given(pspec_text):
+                    link = om.use_measured_link()  # seqmoe's deadlines from this disk and this compute, not a default
+                    if link is not None:
+                        print(f"replay: {name}: link measured on the disk store: {link['bytes_per_s'] / 1e9:.2f} GB/s "
+                              f"({link['reads']} reads at queue depth {link['queue_depth']}), "
+                              f"{link['layer_compute_ms']:.3f} ms of expert compute per layer")
+                if xfmt != "bfloat16" and not rows:
+                    print(f"replay: experts stored as {xfmt}: {om.layout.expert_bytes / 1e6:.2f} MB per expert "
+                          f"(kernel mode {quant.TABLE.mode}; the kernels that ran are in the JSON's quant_kernels)")
+                try:
+                    st = om.replay(seqs)
+                finally:
+                    om.close()
+                slots, pool_bytes = om.cache.num_slots, om.pool.nbytes
+                om.pool = om.workspace = None  # the slots go now
+                del om
             m = st.metrics()
             n = max(st.decoded_tokens, 1)
             rows.append({"policy": pspec_text if pspec_text != name else name, "capacity": budget.requested,
@@ -289,11 +294,13 @@ def replay(args: Any) -> int:
                          "tokens_per_s": st.tokens_per_s, "hit": m["hit"], "demand_misses": m["demand_misses"],
                          "misses_per_token": m["demand_misses"] / n, "late_prefetches": m["late_prefetches"],
                          "mb_per_token": m["mb_per_token"], "stall_ms_per_token": m["stall_ms_per_token"],
-                         "load_s": load_s, "peak_rss_gb": peak_rss_bytes() / 1e9, "slots": om.cache.num_slots,
-                         **{k: v for k, v in m.items() if k in READ_COLUMNS}, "metrics": m,
+                         "load_s": load_s, "peak_rss_gb": peak.bytes / 1e9, "peak_rss_scope": peak.scope,
+                         "slots": slots, **{k: v for k, v in m.items() if k in READ_COLUMNS}, "metrics": m,
                          **({"link_measured": link} if link is not None else {})})
-            bound = getattr(load, "rss_bound_bytes", None)  # the disk store's stated host RSS bound
-            if bound is not None:
+            bound = getattr(load, "rss_bound_bytes", None)  # the disk store's stated host RSS bound (first row's)
+            if bound is not None:  # this row's: its own slots in place of the first row's, on the CPU
+                if str(args.device) == "cpu":
+                    bound += pool_bytes - load.plan.slot_bytes
                 rows[-1]["rss_bound_gb"] = bound / 1e9
     cols = COLUMNS + [c for c in READ_COLUMNS if args.store == "disk" and any(c in r for r in rows)]
     report(rows, title=f"forced-routing replay on {Path(resolved).name} ({args.store} store, {args.device})",

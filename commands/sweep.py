@@ -5,7 +5,8 @@
 
 Every cell (benchmark, policy, capacity) is an ``expertcast eval`` run (the same code) in its own folder
 ``DIR/cells/<benchmark>/<policy>@<capacity>/``: graded samples, Hit/AdjHit/MB per token/TTFT, and the speed
-paired against the full-load model in the same run (``pct_full``: median of paired passes, min-max). The
+paired against the same runtime with every expert resident in the same run (``pct_full``: median of paired passes,
+min-max; flagged, not reported, when the passes disagree), and the cell's own peak RSS. The
 model is loaded once for the whole grid; the host expert store is built once and reused by every cell.
 
 Everything cheap (flags, every policy and its options, every capacity against the model's shape,
@@ -13,7 +14,7 @@ artefacts made for another model, train/test overlap, the output folder) is chec
 before the model loads. ``DIR`` is claimed (a second concurrent run exits 2). A rerun resumes each cell
 by sample (eval's samples file) and reuses finished cells; a cell whose settings differ is refused,
 naming the setting (``--overwrite`` starts the whole sweep over). Outputs: a table, ``sweep.json``,
-``sweep.csv`` and ``sweep.png`` (hit and % of full-load tokens/s vs capacity, one line per policy);
+``sweep.csv`` and ``sweep.png`` (hit and % of full speed vs capacity, one line per policy);
 ``--wandb`` logs the table and the plot.
 """
 
@@ -108,7 +109,8 @@ def plan_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def sweep(args: argparse.Namespace) -> int:
     """Validate every cell, claim ``--out``, run (or resume) the cells, write the table."""
-    from expertcast.commands.evaluate import ModelSession, run_cell, set_threads
+    from expertcast.commands.evaluate import run_cell, session_settings, set_threads
+    from expertcast.inference.runtime.session import ModelSession
     from expertcast.utils.outdir import claim_output_dir
 
     cells = plan_cells(args)
@@ -116,7 +118,8 @@ def sweep(args: argparse.Namespace) -> int:
     first = cells[0]["cell"]
     rows = []
     with claim_output_dir(args.out, "sweep", overwrite=args.overwrite) as out:
-        session = ModelSession(cells[0]["args"], first["info"]["model_path"], first["device"])
+        session = ModelSession(session_settings(cells[0]["args"], first["info"]["model_path"], first["device"],
+                                                out=args.out))
         for i, c in enumerate(cells):
             print(f"[{i + 1}/{len(cells)}] {c['benchmark']} {c['spec']} @ {next(iter(c['cap'].values()))}", flush=True)
             summary = run_cell(c["args"], CellDir(out, c["rel"]), c["cell"], session)
@@ -131,7 +134,9 @@ def _write_outputs(args: argparse.Namespace, out: Any, rows: list[dict[str, Any]
 
     table = [{k: r[k] for k in TABLE_COLUMNS} for r in rows]
     title = f"expertcast sweep: {args.model}, {args.pool} pool, batch {args.batch_size}, {args.max_new_tokens} new tokens"
-    print_table(table, title=title + " (decode-only; % of full-load: median of paired passes, min-max)")
+    print_table(table, title=title + " (decode-only; Hit: resident hits / accesses; % of full speed: against the "
+                                     "runtime with every expert resident, median of paired passes, min-max; "
+                                     "tokens/s: the paired offloaded passes; peak RSS: each cell's own)")
     settings = {k: v for k, v in sorted(vars(args).items()) if k != "config"}  # what the flags would give
     config = {"config": config_record(args)} if args.config else {}
     atomic_write_json(out.file("sweep.json"), {"model": args.model, "model_path": info["model_path"],
@@ -159,9 +164,11 @@ def _log_wandb(args: argparse.Namespace, table: list[dict[str, Any]], png: Any, 
 
 # -- cell folders, the table and its plot ----------------------------------------------------------
 CELLS = "cells"
-TABLE_COLUMNS = ["benchmark", "policy", "capacity", "samples", "accuracy", "hit", "adj_hit", "mb_per_token",
-                 "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "baseline", "proactive_per_token",
-                 "prefetch_precision", "late_prefetches", "cpu_exec", "stall_ms_per_token"]
+TABLE_COLUMNS = ["benchmark", "policy", "capacity", "samples", "accuracy", "hit", "cpu_exec", "adj_hit",
+                 "mb_per_token", "read_mb_per_token", "exposed_misses_per_token", "miss_free_token_frac",
+                 "tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
+                 "pct_full", "pct_full_min", "pct_full_max", "speed_flag", "baseline", "proactive_per_token",
+                 "prefetch_precision", "late_prefetches", "stall_ms_per_token", "peak_rss_gb", "rss_bound_gb"]
 SERIES_METRICS = ("accuracy", "hit", "adj_hit", "mb_per_token", "tokens_per_s", "pct_full", "stall_ms_per_token")
 """Table columns logged to W&B as per-capacity series (``--wandb``)."""
 
@@ -209,8 +216,8 @@ def table_row(benchmark: str, spec: str, cap: dict[str, Any], summary: dict[str,
 
 
 def plot_sweep(rows: list[dict[str, Any]], path: str | os.PathLike, title: str) -> None:
-    """PNG: decode hit rate (top) and % of full-load tokens/s with its min-max (bottom) vs capacity, one
-    line per policy, one column per benchmark."""
+    """PNG: decode hit rate (top) and % of full speed (against the runtime with every expert resident) with its
+    min-max (bottom) vs capacity, one line per policy, one column per benchmark; a flagged ratio is not drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,7 +244,7 @@ def plot_sweep(rows: list[dict[str, Any]], path: str | os.PathLike, title: str) 
         top.set_title(b)
         top.set_ylabel("decode hit rate")
         top.set_ylim(0, 1.05)
-        bottom.set_ylabel("% of full-load tokens/s (median, min-max)")
+        bottom.set_ylabel("% of full speed (all-resident runtime; median, min-max)")
         bottom.set_xlabel(unit)
         bottom.axhline(100, color="gray", ls="--", lw=0.8)
         top.legend(fontsize=8)

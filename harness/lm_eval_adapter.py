@@ -17,16 +17,18 @@ against the model's shape, artefacts made for another model).
 * ``loglikelihood`` / ``loglikelihood_rolling``: teacher-forced through the runtime's prefill (the prompt's
   forward pass with every expert it routes to, resident or streamed), the full-sequence logits read from
   that one forward. Prefill is uncounted, so these requests add nothing to the cache metrics.
-* the cache metrics of every decode step (hit, AdjHit, MB/token, tokens/s, TTFT, stall per token; decode-only,
-  as ``expertcast eval`` counts them) go into the harness's results JSON (``config.expertcast``, through
+* the metrics of every decode step, as ``expertcast eval`` computes them
+  (:func:`~expertcast.inference.runtime.eval_run.decode_metrics`: Hit = resident hits / accesses with ``cpu_exec``
+  apart, AdjHit, MB/token, read MB/token, exposed misses per token, tokens without a miss, TTFT and TPOT at
+  p50/p90/p99, stall per token; decode-only, over the ``generate_until`` calls) go into the harness's results JSON (``config.expertcast``, through
   :meth:`ExpertcastLM.get_model_info`) and are printed as a table when the evaluation ends.
 * % of full speed (``pct_full``): when the evaluation ends, ``expertcast eval``'s paired speed measurement
-  (:func:`~expertcast.commands.evaluate.paired_speed_passes`) runs on the first ``speed_samples`` contexts of
+  (:func:`~expertcast.inference.runtime.session.paired_speed_passes`) runs on the first ``speed_samples`` contexts of
   ``generate_until`` (default 2; 0 turns it off): baseline, then (offloaded, baseline) x ``speed_repeats``,
   a fresh policy and an empty cache each offloaded pass, each against the mean of its two neighbouring
-  baseline passes. The baseline is ``baseline`` (``auto``, as ``eval --baseline auto``: the full-load model
-  when every expert fits back in it beside the host store, else every expert executed on the host, which
-  needs no second copy; ``full-load``, ``host`` or ``none``). The speed passes decode up to the first
+  baseline passes. The baseline is ``baseline``, the same runtime (``auto``, as ``eval --baseline auto``: every
+  expert resident in its slots when a slot for every expert fits, else every expert executed on the host;
+  ``resident``, ``host`` or ``none``); a ratio whose passes disagree is flagged, not reported (``speed_flag``). The speed passes decode up to the first
   context's ``max_gen_toks`` new tokens and stop at EOS only (not at the task's stop sequences), so both
   sides decode the same tokens (``tokens_match``).
 
@@ -44,17 +46,20 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from expertcast.inference.runtime.session import (
+    BASELINES,  # ``baseline`` values (``expertcast eval --baseline``)
+)
 from expertcast.utils.errors import UsageError
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 MODEL_NAME = "expertcast"
 """The harness's name of this model (``--model expertcast``)."""
-METRIC_COLUMNS = ("hit", "adj_hit", "mb_per_token", "tokens_per_s", "ttft_s", "stall_ms_per_token", "decoded_tokens",
-                  "late_prefetches", "cpu_exec", "pct_full", "pct_full_min", "pct_full_max", "baseline")
+METRIC_COLUMNS = ("hit", "cpu_exec", "adj_hit", "mb_per_token", "read_mb_per_token", "exposed_misses_per_token",
+                  "miss_free_token_frac", "stall_ms_per_token", "tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                  "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "decoded_tokens", "late_prefetches", "pct_full",
+                  "pct_full_min", "pct_full_max", "speed_flag", "baseline")
 """The cache and speed columns of the printed table (decode-only counters)."""
-BASELINES = ("auto", "full-load", "host", "none")
-"""``baseline`` values of the speed measurement (``expertcast eval --baseline``)."""
 GREEDY_KEYS = {"do_sample", "temperature", "until", "max_gen_toks"}
 """Generation settings the adapter reads; any other (top_p, ...) is refused."""
 
@@ -97,6 +102,8 @@ class ExpertcastLM(TemplateLM):
         self._speed_contexts: list[tuple[list[int], int]] = []
         """(prompt ids, max new tokens) of the first ``speed_samples`` generate_until contexts."""
         self._model_info: dict[str, Any] | None = None
+        self._batches: list[dict[str, Any]] = []
+        """:func:`~expertcast.inference.runtime.eval_run.batch_stats` of every generate_until batch."""
         if threads is not None:
             torch.set_num_threads(_int_arg("threads", threads))
         self.settings = self._check(model, policy, capacity, slots, pool, device or "auto", dtype, seed, link_gbps,
@@ -106,17 +113,10 @@ class ExpertcastLM(TemplateLM):
     # -- set-up -----------------------------------------------------------------------------------------
     def _check(self, model: str, policy: str, capacity: Any, slots: Any, pool: str, device: str, dtype: str,
                seed: Any, link_gbps: Any, decode_path: str) -> dict[str, Any]:
-        """Every cheap check, before the model loads (as ``expertcast eval`` checks its flags)."""
-        from expertcast.commands.common import resolve_device, resolve_model
-        from expertcast.commands.evaluate import (
-            DTYPES,
-            build_policy,
-            check_capacity,
-            check_policy_fits,
-            fit_stage_policy,
-            model_shape,
-        )
-        from expertcast.inference.runtime.live_routers import is_router_policy, router_export_model
+        """Every cheap check, before the model loads (:func:`~expertcast.inference.runtime.session.check_run`, as
+        ``expertcast eval`` checks its flags); builds the session's settings."""
+        from expertcast.inference.runtime.session import DTYPES, SessionSettings, check_run
+        from expertcast.utils.devices import resolve_device
 
         if (capacity is None) == (slots is None):
             raise UsageError("--model_args: give capacity=F (a fraction of all experts) or slots=N, one of them")
@@ -129,32 +129,27 @@ class ExpertcastLM(TemplateLM):
             raise UsageError(f"--model_args decode_path={decode_path!r}: expected eager, graph or auto")
         spec = str(policy).replace(";", ",")
         self._policy_spec = spec
-        self.policy, name, opts, files = build_policy(spec)
-        resolved, files = router_export_model(model, name) if is_router_policy(name) else (resolve_model(model), files)
-        shape = model_shape(resolved)
-        cache_config = check_capacity(cap, pool, shape)
-        check_policy_fits(self.policy, shape, model)
-        fit_stage_policy(self.policy, resolved)
-        return {"model": str(model), "model_path": resolved, "policy": spec, "policy_name": name,
+        checked = check_run(model, spec, cap, pool)
+        self.policy, name, opts, files = checked.policy, checked.policy_name, checked.options, checked.files
+        resolved, shape = checked.model_path, checked.shape
+        self.session_settings = SessionSettings(
+            model=str(model), model_path=resolved, device=resolve_device(device), dtype=dtype, pool=pool,
+            link_gbps=None if link_gbps is None else float(link_gbps), decode_path=decode_path, seed=int(seed))
+        ss = self.session_settings
+        return {"model": ss.model, "model_path": resolved, "policy": spec, "policy_name": name,
                 "policy_options": {k: v for k, v in sorted(opts.items()) if k not in files}, "artefacts": files,
-                "capacity": cap, "pool": pool, "shape": list(shape), "cache": cache_config.describe(), "device": resolve_device(device),
-                "dtype": dtype, "seed": int(seed), "link_gbps": None if link_gbps is None else float(link_gbps),
+                "capacity": cap, "pool": pool, "shape": list(shape), "cache": checked.cache_config.describe(),
+                "device": ss.device, "dtype": dtype, "seed": ss.seed, "link_gbps": ss.link_gbps,
                 "decode_path": decode_path, "batch_size": self._batch_size, "greedy": True}
 
     def _load(self) -> None:
-        from expertcast.inference.cache.expert_cache import Budget
-        from expertcast.inference.runtime.eval_run import eos_ids, pad_left
-        from expertcast.inference.runtime.live_routers import attach_live_routers
-        from expertcast.inference.runtime.loading import load_offloaded
+        from expertcast.inference.runtime.eval_run import eos_ids
+        from expertcast.inference.runtime.session import ModelSession
 
         s = self.settings
-        self.om, self.tok, report = load_offloaded(s["model_path"], self.policy, Budget.from_flags(s["capacity"]),
-                                                   device=s["device"], dtype=s["dtype"], pool=s["pool"],
-                                                   link_gbps=s["link_gbps"], seed=s["seed"],
-                                                   decode_path=s["decode_path"])
-        self.load_report = report.to_dict()
-        pad_left(self.tok)
-        attach_live_routers(self.policy, self.om.model, s["model"])
+        self.session = ModelSession(self.session_settings)
+        self.om = self.session.offload(self.policy, s["capacity"])
+        self.tok, self.load_report = self.session.tok, self.session.load_report
         self.eos = eos_ids(self.om.model, self.tok)
         if not self.eos:
             raise UsageError(f"model {s['model']}: neither its generation config nor its tokenizer has an EOS token")
@@ -219,20 +214,21 @@ class ExpertcastLM(TemplateLM):
         return tuple(until), _int_arg("max_gen_toks", gen_kwargs.get("max_gen_toks", self.max_gen_toks))
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        groups: dict[tuple[tuple[str, ...], int], list[int]] = defaultdict(list)
+        groups: dict[tuple[str | None, tuple[str, ...], int], list[int]] = defaultdict(list)
         for i, req in enumerate(requests):
-            groups[self._gen_settings(dict(req.args[1]))].append(i)
+            # one task per batch: a batch's counters belong to one task (the per-task metrics)
+            groups[(getattr(req, "task_name", None), *self._gen_settings(dict(req.args[1])))].append(i)
         out: list[str | None] = [None] * len(requests)
         bar = None
         if not disable_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc=f"{MODEL_NAME} generate_until ({self.settings['cache']})")
-        for (until, max_new), idx in groups.items():
+        for (task, until, max_new), idx in groups.items():
             idx = sorted(idx, key=lambda i: -len(self.tok_encode(requests[i].args[0])))  # longest first: less padding
             for b in range(0, len(idx), self.batch_size):
                 batch = idx[b:b + self.batch_size]
-                texts = self._generate([requests[i].args[0] for i in batch], until, max_new, batch)
+                texts = self._generate([requests[i].args[0] for i in batch], until, max_new, batch, task)
                 for i, text in zip(batch, texts, strict=True):
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -242,7 +238,8 @@ class ExpertcastLM(TemplateLM):
             bar.close()
         return [t if t is not None else "" for t in out]
 
-    def _generate(self, contexts: list[str], until: tuple[str, ...], max_new: int, ids: list[int]) -> list[str]:
+    def _generate(self, contexts: list[str], until: tuple[str, ...], max_new: int, ids: list[int],
+                  task: str | None = None) -> list[str]:
         from expertcast.inference.runtime.eval_run import generated
 
         enc = self.tok(contexts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -251,9 +248,14 @@ class ExpertcastLM(TemplateLM):
         for row, m in zip(input_ids.tolist(), mask.tolist(), strict=True):
             if len(self._speed_contexts) < self._speed_samples:
                 self._speed_contexts.append(([t for t, k in zip(row, m, strict=True) if k], max_new))
-        res = self.om.generate(input_ids, mask, max_new_tokens=max_new, eos_token_id=self.eos,
-                               pad_token_id=self.eos[0], stop_strings=list(until), tokenizer=self.tok,
-                               seq_ids=[f"req{i}" for i in ids])
+        from expertcast.inference.runtime.eval_run import StepClock, batch_stats, counters_now
+
+        before = counters_now(self.om)
+        with StepClock(self.om) as clock:
+            res = self.om.generate(input_ids, mask, max_new_tokens=max_new, eos_token_id=self.eos,
+                                   pad_token_id=self.eos[0], stop_strings=list(until), tokenizer=self.tok,
+                                   seq_ids=[f"req{i}" for i in ids])
+        self._batches.append({**batch_stats(self.om, before, res, res.seconds, clock), "task": task})
         texts = []
         for g in generated(res.sequences.cpu(), input_ids.shape[1], self.eos):
             text = self.tok.decode(g, skip_special_tokens=True)
@@ -319,18 +321,19 @@ class ExpertcastLM(TemplateLM):
 
     # -- cache metrics beside the harness's accuracy --------------------------------------------------------
     def cache_metrics(self) -> dict[str, Any]:
-        """The decode-only cache and speed metrics of every ``generate_until`` so far (``expertcast eval``'s
-        accounting), with the settings and the model's identity."""
+        """The decode-only metrics of every ``generate_until`` so far (``expertcast eval``'s:
+        :func:`~expertcast.inference.runtime.eval_run.decode_metrics`), with the settings and the model's identity.
+        ``tokens_per_s`` is the harness's own decode until the paired speed passes replace it."""
+        from expertcast.inference.runtime.eval_run import decode_metrics
         from expertcast.models.backbone import model_identity
 
-        st = self.om.stats
-        m = st.metrics()
+        m = decode_metrics(self._batches)
+        tasks = sorted({b["task"] for b in self._batches if b["task"] is not None})
+        per_task = {t: decode_metrics([b for b in self._batches if b["task"] == t]) for t in tasks}
         s = self.settings
         return {
-            "hit": m["hit"], "adj_hit": m["adj_hit"], "mb_per_token": m["mb_per_token"],
-            "tokens_per_s": m["tokens_per_s"], "ttft_s": m["ttft_s"], "stall_ms_per_token": m["stall_ms_per_token"],
-            "decoded_tokens": int(st.decoded_tokens), "accesses": int(st.A), "demand_misses": int(st.D),
-            "proactive_loads": int(st.P), "late_prefetches": int(st.late.sum()), "cpu_exec": int(st.cpu.sum()),
+            **m, "tokens_per_s": m["graded_tokens_per_s"], "per_task": per_task,
+            "tokens_per_s_source": "the harness's generate_until requests",
             "expert_bytes": int(self.om.layout.expert_bytes),
             "accounting": "decode-only; prefill (and every loglikelihood request) uncounted",
             "settings": s, "model_identity": model_identity(s["model_path"], init_seed=s["seed"]),
@@ -340,13 +343,10 @@ class ExpertcastLM(TemplateLM):
     def measure_speed(self) -> dict[str, Any] | None:
         """The paired speed measurement on the recorded contexts (see the module docstring), or None when
         it is off (``speed_samples=0``, ``baseline=none``) or no ``generate_until`` ran. The harness's
-        OffloadedModel is given back to it and a fresh one (fresh policy, empty cache) replaces it."""
-        from types import SimpleNamespace
-
-        from expertcast.commands.evaluate import (
-            ModelSession,
-            _baseline_kind,
+        OffloadedModel is given back to the session and a fresh one (fresh policy, empty cache) replaces it."""
+        from expertcast.inference.runtime.session import (
             build_policy,
+            choose_baseline,
             fit_stage_policy,
             paired_speed_passes,
         )
@@ -354,10 +354,9 @@ class ExpertcastLM(TemplateLM):
         if self._baseline == "none" or not self._speed_contexts:
             return None
         s = self.settings
-        args = SimpleNamespace(pool=s["pool"], link_gbps=s["link_gbps"], decode_path=s["decode_path"], model=s["model"])
-        session = ModelSession.adopt(args, s["model_path"], s["device"], self.om, self.tok, self.load_report)
-        session.give_back(self.om, full=self._baseline in ("auto", "full-load"))
-        baseline, choice = _baseline_kind(self._baseline, session)
+        session = self.session
+        session.give_back(self.om)
+        baseline, choice = choose_baseline(self._baseline, session, who=MODEL_NAME)
         pad = self.tok.pad_token_id
         encs = []
         for b in range(0, len(self._speed_contexts), self.batch_size):
@@ -379,17 +378,15 @@ class ExpertcastLM(TemplateLM):
         speed["speed_samples"] = len(self._speed_contexts)
         speed["max_new_tokens"] = max_new
         speed["stops"] = "EOS only (the task's stop sequences are not applied in the speed passes)"
-        from expertcast.inference.runtime.live_routers import attach_live_routers
-
         self.policy = make_policy()
         self.om = session.offload(self.policy, s["capacity"])
-        attach_live_routers(self.policy, self.om.model, s["model"])
         return speed
 
     def get_model_info(self) -> dict[str, Any]:
         """Called by the harness once the evaluation is done (its results JSON's ``config``): the cache
         metrics of the harness's requests, then the paired speed measurement (% of full speed), printed as a
         table. Measured once; later calls return the same record."""
+        from expertcast.inference.runtime.session import speed_line
         from expertcast.utils.io import print_table
 
         if self._model_info is not None:
@@ -397,18 +394,23 @@ class ExpertcastLM(TemplateLM):
         metrics = self.cache_metrics()
         speed = self.measure_speed()
         if speed is None:
-            metrics.update(pct_full="n/a", pct_full_min="n/a", pct_full_max="n/a", baseline="none",
+            metrics.update(pct_full="n/a", pct_full_min="n/a", pct_full_max="n/a", speed_flag=None, baseline="none",
                            speed=None)
-        else:
-            metrics.update(pct_full=speed["pct_full"], pct_full_min=speed["pct_full_min"],
-                           pct_full_max=speed["pct_full_max"], baseline=speed["baseline"], speed=speed)
+        else:  # one tokens/s: the paired offloaded passes', as expertcast eval reports it
+            metrics.update(pct_full=None if speed["flag"] else speed["pct_full"], pct_full_measured=speed["pct_full"],
+                           pct_full_min=speed["pct_full_min"], pct_full_max=speed["pct_full_max"],
+                           speed_flag=speed["flag"], baseline=speed["baseline"], speed=speed,
+                           tokens_per_s=speed["tokens_per_s"],
+                           tokens_per_s_source="median of the paired offloaded passes")
         s = self.settings
         print_table([{"policy": s["policy"], **s["capacity"], **{k: metrics[k] for k in METRIC_COLUMNS}}],
                     title=f"expertcast cache metrics: {s['model']}, {s['cache']} ({metrics['accounting']})")
+        if metrics["per_task"]:  # per task: its own batches' metrics (a batch holds one task's requests)
+            cols = [k for k in METRIC_COLUMNS if k in next(iter(metrics["per_task"].values()))]
+            print_table([{"task": t, **{k: m[k] for k in cols}} for t, m in metrics["per_task"].items()],
+                        title="per task (generate_until batches of that task; speed: the aggregate row's)")
         if speed is not None:
-            print(f"speed: {speed['pct_full']:.1f}% of {speed['baseline']} tokens/s (median of "
-                  f"{speed['repeats']} paired passes, min-max {speed['pct_full_min']:.1f}-{speed['pct_full_max']:.1f}%; "
-                  f"{speed['tokens_per_s']:.1f} vs {speed['baseline_tokens_per_s']:.1f} tokens/s on "
-                  f"{speed['speed_samples']} contexts; tokens match: {speed['tokens_match']})")
+            print(speed_line(speed, f"{speed['speed_samples']} contexts") + f"; tokens match: {speed['tokens_match']}")
+        print(f"tokens_per_s: {metrics['tokens_per_s_source']}")
         self._model_info = {MODEL_NAME: metrics}
         return self._model_info

@@ -48,8 +48,8 @@ from expertcast.inference.runtime.machine import (
     gemm_kernel,
     gemm_rate,
     ram_bandwidth,
-    reset_peak_rss,
 )
+from expertcast.inference.runtime.stats import release_memory, reset_peak_rss
 from expertcast.utils.provenance import code_version
 
 
@@ -385,19 +385,6 @@ def _partial(out: Path, rows: list, sub_rows: list) -> None:
     atomic_write_json(out / "bench_disk.partial.json", {"rows": rows, "subset_rows": sub_rows})
 
 
-def _release_memory() -> None:
-    """Collect, and hand freed heap back to the OS (glibc ``malloc_trim``), so that the next cell's slots do not
-    stack on the last one's in the RSS."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def OffloadedModel_(*args, **kwargs):  # noqa: N802 (the runtime, imported late)
     from expertcast.inference.runtime.engine import OffloadedModel
 
@@ -516,7 +503,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
         del sub_model, sub_disk
         base.close()
         del base, base_model, plain
-        _release_memory()
+        release_memory()
         rows = []
         sub_by = {(r["policy"], r["budget"]): r for r in sub_rows}
         non_expert = _non_expert_bytes(model)
@@ -537,7 +524,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     om.close()
                     runs.append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes()))
                     del om, pol, fut  # the slots go before the next cell allocates its own
-                    _release_memory()
+                    release_memory()
                 if not runs:
                     continue
                 i_med = int(np.argsort([r[0].tokens_per_s for r in runs])[len(runs) // 2])

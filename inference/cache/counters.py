@@ -32,6 +32,12 @@ def hit_rate(A: int, D: int) -> float:
     return 1.0 - D / A if A else float("nan")
 
 
+def resident_hit_rate(H: int, A: int) -> float:
+    """Resident hits / A: the accesses served from their slot (a CPU-executed access is neither a hit nor a miss,
+    a late prefetch no hit; NaN without accesses)."""
+    return H / A if A else float("nan")
+
+
 def adj_hit_rate(A: int, D: int, P: int) -> float:
     """AdjHit = (A − D)/(A + P) (NaN without accesses)."""
     return (A - D) / (A + P) if A else float("nan")
@@ -145,7 +151,7 @@ class Counters:
     @property
     def resident_hit(self) -> float:
         """Resident hits / A (late prefetches and CPU-executed accesses are not resident hits)."""
-        return int(self.hits.sum()) / self.A if self.A else float("nan")
+        return resident_hit_rate(int(self.hits.sum()), self.A)
 
     @property
     def proactive_per_token(self) -> float:

@@ -17,7 +17,6 @@ fills every object the caller did not give from the options, driven by the file 
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,12 +61,6 @@ def load_tokenizer(name_or_path: str) -> Any:
 LOADERS = {"forecaster": load_forecaster_export, "traces": load_calibration, "router_replay": load_router_replay,
            "cue_set": load_cue_set}
 """File kind -> loader (path -> object)."""
-
-
-def object_names(cls: type) -> list[str]:
-    """The loaded objects ``cls`` (a policy class) takes: the keyword-only parameters of its constructor."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return [p.name for p in params if p.kind == p.KEYWORD_ONLY]
 
 
 def load_artifacts(spec: PolicySpec, opts: PolicyOptions, given: dict[str, Any] | None = None) -> dict[str, Any]:

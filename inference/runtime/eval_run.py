@@ -1,12 +1,15 @@
-"""The graded offloaded decode and the full-load baseline, shared by ``expertcast eval``, ``sweep`` and
-``router-eval``.
+"""The graded offloaded decode, its metrics and the speed baselines, shared by ``expertcast eval``, ``sweep``,
+``router-eval`` and the lm-eval adapter (through :mod:`expertcast.inference.runtime.session`).
 
 :func:`graded_batch` decodes a batch of benchmark problems greedily through an
 :class:`~expertcast.inference.runtime.engine.OffloadedModel` and grades every completion; :func:`run_batch`
-adds the batch's decode-only counters. :func:`full_load_generate` is the plain model's greedy generation,
-timed as the runtime times it; :func:`full_load_fit` says whether that full load fits beside the host store;
-:class:`HostExecutionPolicy` executes every routed expert on the host.
-The recipes that use them (samples file, resume, summary, paired speed) are in :mod:`expertcast.commands`.
+adds the batch's decode-only counters and its per-step clock (:class:`StepClock`), :func:`decode_metrics` the
+metrics of a set of batches (Hit = resident hits / accesses, read MB/token, exposed misses, tokens without a miss,
+TTFT and TPOT percentiles). The baselines of % of full speed are the same runtime: :class:`AllResidentPolicy`
+(every expert in its slot; :func:`resident_fit` says whether the slots fit) or :class:`HostExecutionPolicy`
+(every routed expert executed on the host). :func:`full_load_generate` is the plain model's greedy generation,
+timed as the runtime times it (router-eval's full-load run). The recipes that use them (samples file, resume,
+summary) are in the commands.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from expertcast.inference.cache.counters import adj_hit_rate, hit_rate
+from expertcast.inference.cache.counters import adj_hit_rate, resident_hit_rate
 from expertcast.inference.cache.policy import MissAction, Policy
 
 
@@ -75,24 +78,74 @@ def graded_batch(om: Any, tok: Any, batch: list[Any], *, benchmark: str, templat
 
 def run_batch(om: Any, tok: Any, batch: list[Any], *, benchmark: str, templated: bool, max_new_tokens: int,
               eos: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """:func:`graded_batch` of ``batch`` with the batch's counters (:func:`batch_stats`)."""
+    """:func:`graded_batch` of ``batch`` with the batch's counters and its per-step clock (:func:`batch_stats`)."""
     enc = encode_prompts(tok, batch, benchmark, templated)
-    before = _counters(om)
+    before = counters_now(om)
     t0 = time.perf_counter()
-    rows, _, res = graded_batch(om, tok, batch, benchmark=benchmark, templated=templated,
-                                max_new_tokens=max_new_tokens, eos=eos, enc=enc)
-    return rows, batch_stats(om, before, res, time.perf_counter() - t0)
+    with StepClock(om) as clock:
+        rows, _, res = graded_batch(om, tok, batch, benchmark=benchmark, templated=templated,
+                                    max_new_tokens=max_new_tokens, eos=eos, enc=enc)
+    return rows, batch_stats(om, before, res, time.perf_counter() - t0, clock)
 
 
-def _counters(om: Any) -> dict[str, Any]:
+class StepClock:
+    """The wall-clock time and decoded tokens of every decode step of the generations inside it: a forward
+    pre-hook on the offloaded model (registered after the runtime's own, so a step's time starts once the
+    runtime has begun the step, prefill warm-up done) marks each forward; a decode step lasts from its forward's
+    mark to the next one's (the last to the end of the block). Its tokens are what the runtime counted for it
+    (the active members). Per-token latency (TPOT) is the step time of each token of the step."""
+
+    def __init__(self, om: Any):
+        self.om = om
+        self.calls: list[list[tuple[float, int]]] = []
+        """Per generate() call: (time, decoded tokens so far) at each forward."""
+        self.ends: list[float] = []
+
+    def __enter__(self) -> StepClock:
+        self._hook = self.om.model.register_forward_pre_hook(self._mark)
+        self._tokens0 = self.om.stats.decoded_tokens
+        self.calls.append([])
+        return self
+
+    def _mark(self, *_: Any) -> None:
+        self.calls[-1].append((time.perf_counter(), int(self.om.stats.decoded_tokens)))
+
+    def __exit__(self, *exc: Any) -> None:
+        self.ends.append(time.perf_counter())
+        self._hook.remove()
+
+    def steps(self) -> tuple[list[float], list[int]]:
+        """(seconds, tokens) of every decode step: the forwards after each call's first (its prefill)."""
+        secs: list[float] = []
+        toks: list[int] = []
+        for marks, end in zip(self.calls, self.ends, strict=True):
+            decode = marks[1:]
+            prev = marks[0][1] if marks else 0
+            for i, (t, n) in enumerate(decode):
+                nxt = decode[i + 1][0] if i + 1 < len(decode) else end
+                secs.append(nxt - t)
+                toks.append(n - prev)
+                prev = n
+        return secs, toks
+
+
+def counters_now(om: Any) -> dict[str, Any]:
+    """A snapshot of the counters :func:`batch_stats` takes differences of."""
     st = om.stats
     return {"accesses": st.accesses.copy(), "demand": st.demand.copy(), "proactive": st.proactive.copy(),
-            "prefetch_used": st.prefetch_used.copy(), "late": st.late.copy(), "cpu": st.cpu.copy(), "decoded_tokens": st.decoded_tokens,
-            "decode_seconds": st.decode_seconds, "stall_seconds": st.stall_seconds}
+            "prefetch_used": st.prefetch_used.copy(), "late": st.late.copy(), "cpu": st.cpu.copy(),
+            "hits": st.hits.copy(), "decoded_tokens": st.decoded_tokens, "decode_seconds": st.decode_seconds,
+            "stall_seconds": st.stall_seconds, "read_bytes": st.read_bytes, "read_exposed": st.read_exposed,
+            "steps": len(st.step_demand)}
 
 
-def batch_stats(om: Any, before: dict[str, Any], res: Any, wall: float) -> dict[str, Any]:
-    """Raw decode counters of one batch (differences of ``om.stats`` since ``before``)."""
+def batch_stats(om: Any, before: dict[str, Any], res: Any, wall: float, clock: StepClock | None = None
+                ) -> dict[str, Any]:
+    """Raw decode counters of one batch (differences of ``om.stats`` since ``before``), with the per-step clock
+    (``clock``) and what the per-token metrics need: ``resident_hits`` (an access served from its slot: a CPU
+    execution is neither a hit nor a miss, a late prefetch not a hit), ``read_bytes`` and ``read_exposed`` (reads
+    the compute waited for), ``step_seconds`` / ``step_tokens`` and ``miss_free_tokens`` (tokens of the steps
+    with neither a demand miss nor a late prefetch; None where the decode path keeps no per-step tallies)."""
     st = om.stats
     acc = st.accesses - before["accesses"]
     dem = st.demand - before["demand"]
@@ -100,66 +153,72 @@ def batch_stats(om: Any, before: dict[str, Any], res: Any, wall: float) -> dict[
     tok = st.decoded_tokens - before["decoded_tokens"]
     dec_s = st.decode_seconds - before["decode_seconds"]
     A, D, P = int(acc.sum()), int(dem.sum()), int(pro.sum())
+    H = int((st.hits - before["hits"]).sum())
+    secs, toks = clock.steps() if clock is not None else ([], [])
+    step_dem = st.step_demand[before["steps"]:]
+    step_late = st.step_late[before["steps"]:]
+    miss_free = None
+    if toks and len(step_dem) == len(toks):  # the eager path tallies every counted step
+        late = step_late if len(step_late) == len(step_dem) else [0] * len(step_dem)
+        miss_free = sum(n for n, d, lt in zip(toks, step_dem, late, strict=True) if d == 0 and lt == 0)
     return {
-        "accesses": A, "demand_misses": D, "proactive_loads": P,
+        "accesses": A, "demand_misses": D, "proactive_loads": P, "resident_hits": H,
         "prefetches_used": int((st.prefetch_used - before["prefetch_used"]).sum()),
         "late_prefetches": int((st.late - before["late"]).sum()), "cpu_exec": int((st.cpu - before["cpu"]).sum()),
-        "hit": hit_rate(A, D) if A else None, "adj_hit": adj_hit_rate(A, D, P) if A else None,
+        "hit": resident_hit_rate(H, A) if A else None, "adj_hit": adj_hit_rate(A, D, P) if A else None,
         "decoded_tokens": tok, "decode_seconds": dec_s, "tokens_per_s": tok / dec_s if dec_s > 0 else None,
         "ttft_s": res.ttft_seconds, "stall_seconds": st.stall_seconds - before["stall_seconds"],
+        "read_bytes": int(st.read_bytes - before["read_bytes"]),
+        "read_exposed": int(st.read_exposed - before["read_exposed"]),
+        "step_seconds": secs, "step_tokens": toks, "miss_free_tokens": miss_free,
         "expert_bytes": om.layout.expert_bytes, "wall_seconds": wall,
         "per_layer_accesses": acc.tolist(), "per_layer_demand": dem.tolist(),
+        "per_layer_resident_hits": (st.hits - before["hits"]).tolist(),
     }
 
 
-# -- speed against the full-load model (paired) -------------------------------------------------------
-FULL_LOAD = "full-load"
+# -- speed against the runtime with every expert resident (paired) ----------------------------------------
+RESIDENT_BASELINE = "all-resident"
 HOST_BASELINE = "all-experts-on-host"
-"""Baselines of the paired speed measurement: the plain model with every expert on the device, or (when the
-model does not fit the device) the runtime executing every routed expert on the host from the host store."""
+"""Baselines of the paired speed measurement (docs/design.md, "Speed baseline"): the runtime itself with every
+expert resident in its slots (same kernels, threads and batch as the offloaded run: the cost of offloading and
+nothing else), or (when every expert does not fit the device once more) the runtime executing every routed expert
+on the host from the host store. The plain transformers model (:func:`full_load_generate`, another kernel path)
+is no baseline of % of full speed."""
 
 
 @dataclass
-class FullLoadFit:
-    """Whether the full-load baseline fits beside the host store. Giving the model its experts back
-    (:meth:`~expertcast.inference.runtime.engine.OffloadedModel.restore`) copies every expert out of the store on
-    the host before it moves to the device, so the host needs every expert's bytes once more beside the store
-    (its ``MemAvailable``); on CUDA the device needs them too (with a 10% margin for the allocator, the slot pool
-    being freed first)."""
+class ResidentFit:
+    """Whether the all-resident baseline (:class:`AllResidentPolicy`: a slot for every expert) fits beside what
+    the session holds: on the host (CPU device) its slots need every expert's bytes once more beside the host
+    store (host ``MemAvailable``, the evaluated run's slots being freed first); on CUDA the device needs them,
+    with a 10% margin for the allocator."""
 
     fits: bool
     reason: str
-    host_needed_bytes: int
-    host_available_bytes: int | None
-    device_needed_bytes: int | None = None
-    device_free_bytes: int | None = None
+    needed_bytes: int
+    available_bytes: int | None
+    where: str
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def full_load_fit(store_bytes: int, device: str, pool_bytes: int = 0) -> FullLoadFit:
-    """:class:`FullLoadFit` for a store of ``store_bytes`` (every expert once) and a runtime on ``device`` whose
-    slot pool holds ``pool_bytes``; host memory read now (:func:`~expertcast.inference.runtime.loading.host_available_bytes`)."""
+def resident_fit(experts_bytes: int, device: str) -> ResidentFit:
+    """:class:`ResidentFit` for slots of ``experts_bytes`` (every expert once) on ``device``, memory read now
+    (:func:`~expertcast.inference.runtime.loading.device_free_bytes`)."""
+    import torch
     from expertcast.inference.runtime import loading
 
-    need = int(store_bytes)
-    host = loading.host_available_bytes()
-    fig = {"host_needed_bytes": need, "host_available_bytes": host}
-    if host is not None and need > host:
-        return FullLoadFit(False, f"a full load copies every expert once more beside the host store: needs "
-                                  f"{need / 1e9:.2f} GB of host memory, {host / 1e9:.2f} GB available", **fig)
-    if str(device).startswith("cuda"):
-        import torch
-
-        free = int(torch.cuda.mem_get_info(torch.device(device))[0]) + int(pool_bytes)
-        dev_need = int(need * 1.1)
-        fig.update(device_needed_bytes=dev_need, device_free_bytes=free)
-        if dev_need > free:
-            return FullLoadFit(False, f"the experts ({need / 1e9:.2f} GB + 10%) do not fit the free memory of {device} "
-                                      f"({free / 1e9:.2f} GB once the slots are freed)", **fig)
-    known = "host memory unknown" if host is None else f"{need / 1e9:.2f} GB more of {host / 1e9:.2f} GB host memory"
-    return FullLoadFit(True, f"the experts fit a full load ({known})", **fig)
+    dev = torch.device(device)
+    need = int(experts_bytes * 1.1) if dev.type == "cuda" else int(experts_bytes)
+    free = loading.device_free_bytes(dev)
+    where = "host memory" if dev.type == "cpu" else str(dev)
+    if free is not None and need > free:
+        return ResidentFit(False, f"every expert resident needs {need / 1e9:.2f} GB of {where} for its slots, "
+                                  f"{free / 1e9:.2f} GB available", need, free, where)
+    known = f"{where} unknown" if free is None else f"{need / 1e9:.2f} GB of {free / 1e9:.2f} GB {where}"
+    return ResidentFit(True, f"every expert fits a slot ({known})", need, free, where)
 
 
 def generated(sequences: Any, prompt_len: int, eos: list[int]) -> list[list[int]]:
@@ -200,6 +259,26 @@ def full_load_generate(model: Any, enc: dict[str, Any], *, max_new_tokens: int, 
     return seqs.cpu(), (end - marks[1]) if len(marks) > 1 else 0.0
 
 
+class AllResidentPolicy(Policy):
+    """The :data:`RESIDENT_BASELINE` policy: every expert is placed in its slot before anything runs (a warm start
+    like prefill's, uncounted), so that no access ever misses; it needs a budget of every expert (capacity 1.0)."""
+
+    name = RESIDENT_BASELINE
+
+    def reset(self, config: Any) -> None:
+        L, E = config.num_layers, config.num_experts
+        if config.total_slots < L * E:
+            raise ValueError(f"the all-resident baseline needs a slot for every expert ({L * E}), got "
+                             f"{config.total_slots}")
+        super().reset(config)
+
+    def warm_start(self, cache: Any) -> list[tuple[int, int]]:
+        return [(layer, e) for layer in range(cache.config.num_layers) for e in range(cache.config.num_experts)]
+
+    def choose_victim(self, t: int, layer: int, candidates: Any, cache: Any) -> int:
+        raise RuntimeError("every expert is resident: nothing is ever evicted")
+
+
 class HostExecutionPolicy(Policy):
     """The :data:`HOST_BASELINE` policy: every routed expert is executed on the host from the host store
     (nothing is ever loaded to the device, the cache stays empty): the speed of a model whose experts do
@@ -210,3 +289,58 @@ class HostExecutionPolicy(Policy):
 
     def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: Any) -> MissAction:
         return MissAction.CPU
+
+
+# -- the decode metrics of a set of batches -------------------------------------------------------------
+def percentiles(values: list[float], weights: list[int] | None = None, qs: tuple[int, ...] = (50, 90, 99)
+                ) -> dict[int, float | None]:
+    """``{q: the q-th percentile}`` of ``values`` (each counted ``weights[i]`` times; None without values)."""
+    import numpy as np
+
+    v = np.repeat(np.asarray(values, np.float64), np.asarray(weights, np.int64)) if weights is not None \
+        else np.asarray(values, np.float64)
+    return {q: float(np.percentile(v, q)) if v.size else None for q in qs}
+
+
+def decode_metrics(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cache, I/O and latency metrics of the raw counters of ``batches`` (:func:`batch_stats` records),
+    decode-only: Hit (resident hits / accesses: a CPU-executed expert is neither a hit nor a miss, ``cpu_exec`` its
+    own count), AdjHit, MB/token moved, read MB/token (bytes read from the store), exposed misses per token (loads
+    the compute waited for), the share of tokens decoded in a step without a miss, TTFT (one per batch) and TPOT
+    (the step time of every decoded token) at p50/p90/p99. A batch recorded before a counter existed leaves the
+    metric None (its resident hits: accesses - demand - late - CPU, which the driver's counts add up to)."""
+    from expertcast.inference.cache.counters import mb_per_token, prefetch_precision
+
+    def total(key: str) -> int | None:
+        return sum(x[key] for x in batches) if all(x.get(key) is not None for x in batches) else None
+
+    A, D, P = (sum(x[k] for x in batches) for k in ("accesses", "demand_misses", "proactive_loads"))
+    late, cpu = sum(x["late_prefetches"] for x in batches), sum(x["cpu_exec"] for x in batches)
+    H = sum(x["resident_hits"] if "resident_hits" in x else
+            x["accesses"] - x["demand_misses"] - x["late_prefetches"] - x["cpu_exec"] for x in batches)
+    U = total("prefetches_used")
+    tok = sum(x["decoded_tokens"] for x in batches)
+    dec_s = sum(x["decode_seconds"] for x in batches)
+    eb = batches[0]["expert_bytes"] if batches else 0
+    read, exposed, free = total("read_bytes"), total("read_exposed"), total("miss_free_tokens")
+    secs = [s for x in batches for s in x.get("step_seconds") or []]
+    toks = [n for x in batches for n in x.get("step_tokens") or []]
+    ttft = percentiles([x["ttft_s"] for x in batches])
+    tpot = percentiles([1e3 * s for s in secs], toks)
+    return {
+        "hit": resident_hit_rate(H, A),
+        "adj_hit": adj_hit_rate(A, D, P),
+        "mb_per_token": mb_per_token(D, P, eb, tok),
+        "read_mb_per_token": read / 1e6 / max(tok, 1) if read is not None else None,
+        "exposed_misses_per_token": exposed / max(tok, 1) if exposed is not None else None,
+        "miss_free_token_frac": free / tok if free is not None and tok else None,
+        "graded_tokens_per_s": tok / dec_s if dec_s > 0 else float("nan"),
+        "ttft_s": float(sum(x["ttft_s"] for x in batches) / len(batches)) if batches else float("nan"),
+        "ttft_p50_s": ttft[50], "ttft_p90_s": ttft[90], "ttft_p99_s": ttft[99],
+        "tpot_p50_ms": tpot[50], "tpot_p90_ms": tpot[90], "tpot_p99_ms": tpot[99],
+        "stall_ms_per_token": 1e3 * sum(x["stall_seconds"] for x in batches) / max(tok, 1),
+        "decoded_tokens": tok, "accesses": A, "resident_hits": H, "demand_misses": D, "proactive_loads": P,
+        "proactive_per_token": P / max(tok, 1), "prefetches_used": U,
+        "prefetch_precision": prefetch_precision(U, P) if U is not None else float("nan"),
+        "late_prefetches": late, "cpu_exec": cpu,
+    }

@@ -155,13 +155,3 @@ def gemm_rate(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden:
         times.append(time.perf_counter() - t0)
     med = float(np.median(times[3:]))
     return flops / med / 1e9, med * 1e3
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's RSS high-water mark (``/proc/self/clear_refs`` 5), so that ``VmHWM`` then reads the
-    peak of what follows; False where the kernel refuses."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False

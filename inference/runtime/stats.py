@@ -145,3 +145,45 @@ class MemoryReport:
         d["expected_device_weights"] = self.expected_device
         return d
 
+
+# -- per-row memory ---------------------------------------------------------------------------------------
+def release_memory() -> None:
+    """Collect, and hand freed heap back to the OS (glibc ``malloc_trim``), so that the next run's slots do not
+    stack on the last one's in the RSS."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's RSS high-water mark (``/proc/self/clear_refs`` 5), so that ``VmHWM`` then reads the
+    peak of what follows; False where the kernel refuses."""
+    from pathlib import Path
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class RowPeak:
+    """The peak RSS of one row of a command that runs several (policies, capacities): entering it releases what
+    the last row freed and resets the process's high-water mark (:func:`reset_peak_rss`); :attr:`bytes` then
+    reads ``VmHWM``, the peak since (``scope`` ``row``), or the process's peak since it started where the kernel
+    refuses the reset (``scope`` ``process``)."""
+
+    def __enter__(self) -> RowPeak:
+        release_memory()
+        self.scope = "row" if reset_peak_rss() else "process"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from expertcast.inference.runtime.loading import peak_rss_bytes
+
+        self.bytes = peak_rss_bytes()

@@ -76,3 +76,27 @@ def test_the_default_models_banner_says_where_it_came_from():
     rep = load_report(shipped_default_model())
     assert "shipped in the repository" in line and "sha256 of every file verified" in line
     assert f"recipe {rep['recipe_hash']}" in line and "Nothing is trained here" in line
+
+
+@pytest.mark.parametrize("limit", [3, 4, 8, 16, 32, 64])
+def test_the_forecasters_split_holds_out_a_problem_for_any_limit(limit):
+    """--limit 8: every problem hashes into train or val under the config's seed (forecast-eval then had nothing to
+    score, exit 2); the split seed is chosen so that every split holds a problem."""
+    from collections import Counter
+
+    from expertcast.commands.quickstart import FORECAST_TEST_FRACTION, held_out_seed
+    from expertcast.utils.provenance import split_of
+
+    ids = [f"gsm8k-test-{i:05d}" for i in range(limit)]
+    seed = held_out_seed(ids, 0.2, FORECAST_TEST_FRACTION)
+    got = Counter(split_of(i, 0.2, FORECAST_TEST_FRACTION, seed=seed) for i in ids)
+    assert got["test"] >= 1 and got["train"] >= 1 and got["val"] >= 1
+    if limit >= 16:  # the config's own seed already holds problems out: it is kept
+        assert held_out_seed(ids[:limit], 0.2, FORECAST_TEST_FRACTION) == 0
+
+
+def test_too_few_problems_for_the_forecaster_are_refused_up_front(tmp_path, capsys):
+    assert main([*ARGS, "--limit", "2", "--out", str(tmp_path / "qs")]) == 2
+    err = capsys.readouterr().err
+    assert "--limit 2: the forecaster step needs at least 3 problems" in err
+    assert not (tmp_path / "qs").exists()  # nothing ran, nothing written

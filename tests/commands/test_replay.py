@@ -95,3 +95,32 @@ def test_quantized_experts_replay_the_same_routing_with_fewer_bytes(tmp_path, ca
     assert b["demand_misses"] == a["demand_misses"] > 0 and b["mb_per_token"] * 3 < a["mb_per_token"]
     assert {k["kernel"] for k in q["quant_kernels"]} <= {"aten::_weight_int4pack_mm_for_cpu", "dequantize+mm"}
     assert q["quant_kernels"] and q["load"]["plan"]["expert_format"] == "int4"
+
+
+def test_two_policies_on_the_disk_store_load_once_and_report_each_rows_own_peak(tmp_path, capsys, monkeypatch):
+    """A second policy reuses the model and its disk store (before, a second load overlapped the first and broke
+    the stated bound), and every row reports its own peak RSS (the high-water mark reset before it) against its
+    own bound (its own slots)."""
+    import functools
+
+    from expertcast.inference.runtime import loading
+
+    real, loads = loading.load_offloaded, []
+
+    @functools.wraps(real)  # the real function, counted (its signature stays visible)
+    def counted(*args, **kwargs):
+        loads.append(kwargs.get("store"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_offloaded", counted)
+    out = tmp_path / "disk.json"
+    assert cli(["replay", "--model", "qwen3_moe-tiny", "--synthetic", "markov", "--synthetic-size", "2,16",
+                "--policy", "lru", "--policy", "lfu", "--capacity", "0.25,0.5", "--threads", "1", "--store", "disk",
+                "--disk-path", str(tmp_path / "e.store"), "--json", str(out)]) == 0
+    capsys.readouterr()
+    rows = json.loads(out.read_text())["rows"]
+    assert loads == ["disk"] and len(rows) == 4  # loaded once for the four rows
+    assert all(r["peak_rss_scope"] == "row" and r["peak_rss_gb"] > 0 for r in rows)
+    by_cap = {r["capacity"]: r["rss_bound_gb"] for r in rows}
+    slot_gb = 4 * 4 * 24576 / 1e9  # 4 more slots in each of the L=4 layers at 0.5 than at 0.25, of 24 kB experts
+    assert by_cap[0.5] - by_cap[0.25] == pytest.approx(slot_gb, rel=0.01)  # each row's own slots in its bound

@@ -49,8 +49,10 @@ def test_sweep_table_and_resume(tmp_path, data_dir, capsys, monkeypatch):
     assert (out / "sweep.png").stat().st_size > 0
     rows = json.loads((out / "sweep.json").read_text())["rows"]
     for r in rows:
-        assert 0 <= r["hit"] <= 1 and r["baseline"] == "full-load" and r["tokens_match"]
-        assert r["pct_full_min"] <= r["pct_full"] <= r["pct_full_max"]
+        assert 0 <= r["hit"] <= 1 and r["baseline"] == "all-resident" and r["tokens_match"]
+        # against the same runtime with every expert resident; a ratio whose passes disagree is flagged, not given
+        assert r["pct_full"] is None if r["speed_flag"] else r["pct_full_min"] <= r["pct_full"] <= r["pct_full_max"]
+        assert r["peak_rss_gb"] > 0  # each cell's own peak
     for bench in ("gsm8k", "math500"):
         cell = out / "cells" / bench / "lru@c0.5"
         assert (cell / SAMPLES).is_file()

@@ -55,8 +55,13 @@ def test_gsm8k_from_local_files_reports_accuracy_and_cache_metrics(data_dir, mon
     # % of full speed: the paired passes ran on the first 2 contexts, each offloaded pass between two baselines
     sp = m["speed"]
     assert sp["speed_samples"] == 2 and len(sp["offloaded_passes"]) == 3 and len(sp["baseline_passes"]) == 4
-    assert sp["baseline"] == m["baseline"] == "full-load" and sp["tokens_match"]
-    assert m["pct_full_min"] <= m["pct_full"] <= m["pct_full_max"] and m["pct_full"] > 0
+    assert sp["baseline"] == m["baseline"] == "all-resident" and sp["tokens_match"]
+    assert m["pct_full_min"] <= m["pct_full_measured"] <= m["pct_full_max"] and m["pct_full_measured"] > 0
+    assert m["pct_full"] == (None if sp["flag"] else sp["pct_full"]) and m["tokens_per_s"] == sp["tokens_per_s"]
+    for k in ("exposed_misses_per_token", "miss_free_token_frac", "read_mb_per_token", "ttft_p50_s", "tpot_p99_ms"):
+        assert m[k] is not None and m[k] >= 0, k  # the metrics users compare by, as `expertcast eval` gives them
+    per = m["per_task"]["gsm8k"]  # per task: one task here, so the task's figures are the aggregate's
+    assert per["hit"] == m["hit"] and per["decoded_tokens"] == m["decoded_tokens"] and per["tpot_p90_ms"] is not None
     assert all(p["decoded_tokens"] == sp["decoded_tokens"] > 0 for p in sp["offloaded_passes"] + sp["baseline_passes"])
 
 

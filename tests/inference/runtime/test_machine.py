@@ -10,8 +10,8 @@ from expertcast.inference.runtime.machine import (
     disk_bandwidth,
     gemm_rate,
     ram_bandwidth,
-    reset_peak_rss,
 )
+from expertcast.inference.runtime.stats import reset_peak_rss
 
 
 def test_disk_bandwidth_reads_a_temporary_file_and_deletes_it(tmp_path):
