@@ -184,6 +184,4 @@ class RowPeak:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from expertcast.inference.runtime.loading import peak_rss_bytes
-
         self.bytes = peak_rss_bytes()
