@@ -50,6 +50,7 @@ from expertcast.inference.cache.options import DEVICE_PATTERN, PolicyOptions, op
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.device import EVICT_FORECAST, DeviceKeys, DeviceProgram, overrides_any
+from expertcast.inference.policies.oracle_forecast import FORECAST_SOURCES, OracleForecast
 from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
     SparedMissCalibration,
@@ -296,18 +297,38 @@ class SeqMoEPolicy(Policy):
         calibration_half_life: float = option(64.0, "break-even: half-life in decode steps of the realised/expected "
                                               "ratio of demand misses spared by the loads issued, which scales every "
                                               "q - v (0: take the forecast's q - v as it is)", low=0.0)
+        forecast: str = option("model", "where forecasts come from: model (the forecaster) or oracle (the replayed "
+                               "trace's true future at recall@K = recall; docs/design.md, 'Oracle forecast')",
+                               choices=FORECAST_SOURCES)
+        recall: float = option(1.0, "forecast=oracle: recall@K of the oracle (true experts dropped, false ones added "
+                               "at the same rate, seeded)", low=0.0, high=1.0)
+        forecast_seed: int = option(0, "forecast=oracle: seed of the recall draws", low=0)
+        trigger_layer: int | None = option(None, "forecast=oracle without a forecaster: the trigger layer p (default "
+                                           "L-1); with a forecaster, its own", low=0)
+
+        def check(self) -> None:
+            if self.forecast != "oracle":
+                super().check()
 
     name = "seqmoe"
 
     def __init__(self, options: ForecastOptions | None = None, *, forecaster: Any = None):
         super().__init__(options)
         o = self.options
-        self.model, self.source = _load_model(forecaster, o.device)
-        self.fc = self.model.config
+        self.oracle: OracleForecast | None = None
+        if getattr(o, "forecast", "model") == "oracle":  # forecasts from the replayed routing (oracle_forecast)
+            self.model = _load_model(forecaster, o.device)[0] if forecaster is not None else None
+            self.oracle = OracleForecast(o.recall, o.forecast_seed, o.trigger_layer,
+                                         self.model.config if self.model is not None else None)
+            self.source = self.oracle.source
+            self.fc = self.oracle.config
+        else:
+            self.model, self.source = _load_model(forecaster, o.device)
+            self.fc = self.model.config
         self.horizon = int(o.horizon)
         self.gamma = float(o.gamma)
         self.prefetch = bool(o.prefetch)
-        self.max_tasks = int(o.max_tasks_per_layer or self.fc.top_k)
+        self.max_tasks = int(o.max_tasks_per_layer or (self.fc.top_k if self.fc is not None else 1))
         self.min_confidence = float(o.min_confidence)
         # seqmoe-async's options have neither field: it ranks by the floor rule and forecasts online
         self.prefetch_rule = getattr(o, "prefetch_rule", "floor")
@@ -334,6 +355,9 @@ class SeqMoEPolicy(Policy):
 
     # ------------------------------------------------------------------------------------------ setup
     def check_compatible(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:
+        if self.fc is None:  # the oracle alone forecasts at the shape it first meets
+            self.fc = self.oracle.bind(num_layers, num_experts, top_k)
+            self.max_tasks = int(self.options.max_tasks_per_layer or self.fc.top_k)
         mine = (self.fc.num_layers, self.fc.num_experts, self.fc.top_k)
         if mine != (num_layers, num_experts, top_k):
             raise ValueError(f"seqmoe forecaster ({self.source}) has L={mine[0]}, E={mine[1]}, K={mine[2]} but the "
@@ -407,7 +431,10 @@ class SeqMoEPolicy(Policy):
         self._traced = all(hasattr(m, "expert_ids") and hasattr(m, "expert_weights") for m in self.members)
         self.calibration.clear_pending()
         self._row_tables = [None] * B
-        if self._traced and self.precompute:
+        if self.oracle is not None and not self._traced:
+            raise UsageError("seqmoe:forecast=oracle reads the replayed routing: every batch member needs its "
+                             "recorded expert_ids (a trace replay or forced routing), not live generation")
+        if self.precomputed:
             self._row_tables = [self._table_for(m) for m in self.members]
         else:
             self._state = self.model.init_state(B, self.device)
@@ -430,7 +457,8 @@ class SeqMoEPolicy(Policy):
         key = self._table_key(seq)
         tab = self._tables.get(key)
         if tab is None:
-            tab = self._store_table(key, precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights,
+            tab = self._store_table(key, self.oracle.table(seq, self.fc, self.horizon) if self.oracle is not None
+                                    else precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights,
                                                               self.horizon))
         else:
             self._tables.move_to_end(key)
@@ -440,7 +468,7 @@ class SeqMoEPolicy(Policy):
         """Simulator hook: all sequences of the replay are known up front, so their forecast tables are
         computed together (:func:`precompute_forecasts_many`), as many as fit ``forecast_cache_mb``.
         Sequences already cached (an earlier capacity) are skipped; the rest fall back to :meth:`_table_for`."""
-        if not self.precompute:
+        if not (self.precompute or self.oracle is not None):
             return
         todo = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")
                 and self._table_key(s) not in self._tables]
@@ -456,7 +484,8 @@ class SeqMoEPolicy(Policy):
             fit.append(s)
         if not fit:
             return
-        tabs = precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in fit], self.horizon)
+        tabs = self.oracle.tables(fit, self.fc, self.horizon) if self.oracle is not None else \
+            precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in fit], self.horizon)
         for s, tab in zip(fit, tabs, strict=True):
             self._store_table(self._table_key(s), tab)
 
@@ -487,7 +516,7 @@ class SeqMoEPolicy(Policy):
     def precomputed(self) -> bool:
         """Whether this batch's forecasts come from the precomputed tables (recorded routing, ``precompute``)
         rather than from the online forecaster state."""
-        return self._traced and self.precompute
+        return self._traced and (self.precompute or self.oracle is not None)
 
     def forecast_rows(self, members: Sequence[int], positions: Sequence[int]) -> list[int]:
         """The ``members`` (batch rows, processing ``positions``) whose element exists (position >= s)."""
