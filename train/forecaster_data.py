@@ -181,12 +181,13 @@ def whole_sequence_batches(seqs: Sequence[TraceSequence], meta: TraceMeta, trigg
     the longest sequence of its own batch: scoring them all costs about one pass over their elements, where one
     window of the longest sequence for every sequence costs (longest / mean length) passes.
 
-    A batch holds at most ``budget`` floats of ``row_floats`` per padded element (at least one sequence).
+    A batch holds at most ``budget`` floats of ``row_floats`` per padded element (at least one sequence), and
+    sequences whose lengths differ by at most 2x (so that padding at most doubles the elements a batch runs).
     ``by_length``: batches of sequences of similar length (shortest first); False: consecutive sequences in the given
     order, so that the elements come out in that order. Sequences without a target are left out."""
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_tokens) if by_length else list(range(len(seqs)))
     group: list[int] = []
-    longest = 0
+    longest, shortest = 0, 0
 
     def batch() -> dict[str, torch.Tensor] | None:
         ds = ForecastWindows([seqs[i] for i in group], meta, window=max(1, longest), trigger_layer=trigger_layer)
@@ -195,10 +196,12 @@ def whole_sequence_batches(seqs: Sequence[TraceSequence], meta: TraceMeta, trigg
 
     for i in order:
         n = int(seqs[i].num_tokens)
-        if group and (len(group) + 1) * max(longest, n) * row_floats > budget:
+        if group and ((len(group) + 1) * max(longest, n) * row_floats > budget
+                      or max(longest, n) > 2 * min(shortest, n)):
             if (out := batch()) is not None:
                 yield out
             group, longest = [], 0
+        shortest = min(shortest, n) if group else n
         group.append(i)
         longest = max(longest, n)
     if group and (out := batch()) is not None:

@@ -27,6 +27,8 @@ def test_whole_sequence_batches_hold_every_sequence_once_padded_to_their_own_lon
         for b in whole_sequence_batches(seqs, meta, 1, row, budget=60 * row, by_length=by_length):
             B, W = b["mask"].shape
             assert B == 1 or B * W * row <= 60 * row  # within the budget (one sequence may exceed it alone)
+            lengths = b["mask"].sum(1) + 2
+            assert B == 1 or int(lengths.max()) <= 2 * int(lengths.min())  # lengths within 2x: padding at most doubles
             assert W == int(b["mask"].sum(1).max()) + 2  # the batch's longest sequence's tokens (targets + s + 1)
             cells += B * W
             for r in range(B):
@@ -37,7 +39,9 @@ def test_whole_sequence_batches_hold_every_sequence_once_padded_to_their_own_lon
         for k, (x, t, d) in want.items():
             assert torch.equal(got[k][0], x) and torch.equal(got[k][1], t) and torch.equal(got[k][2], d)
         if by_length:
+            assert cells <= 2 * sum(int(padded[i]["mask"].sum()) + 2 for i in range(len(padded)))
             assert cells < len(padded) * longest / 4  # far fewer padded elements than one window of the longest each
-    one = list(whole_sequence_batches(seqs, meta, 1, row, 10**9, by_length=False))
-    assert len(one) == 1 and torch.equal(one[0]["target_ids"], torch.stack([padded[i]["target_ids"]
-                                                                             for i in range(len(padded))]))
+    in_order = [b["target_ids"][r, : int(b["mask"][r].sum())] for b in whole_sequence_batches(
+        seqs, meta, 1, row, 10**9, by_length=False) for r in range(len(b["mask"]))]
+    assert len(in_order) == len(padded)  # by_length=False: the sequences in the given order
+    assert all(torch.equal(t, padded[i]["target_ids"][: len(t)]) for i, t in enumerate(in_order))
