@@ -77,6 +77,10 @@ if TYPE_CHECKING:  # pragma: no cover
 PREFETCH_RULES = ("headroom", "benefit", "floor")
 """How prefetch tasks are chosen: expected hit gain against the link's headroom, expected benefit over the displaced
 resident, or probability above a floor."""
+PRECOMPUTE_CHUNK_MB = 128.0
+"""Float32 forecasts computed at once when tables are precomputed (:meth:`SeqMoEPolicy.prepare_sequences`): the
+sequences go in groups of at most this many MB of [elements, H, L, E] outputs (one sequence at least), each group's
+tables stored in float16 before the next is computed, so the transient memory does not grow with the trace."""
 _DEVICE_HOOKS = ("begin_batch", "on_step", "before_layer", "on_miss", "choose_victim", "on_access", "after_layer",
                  "on_insert", "on_evict", "_scores", "_load_scores", "_trigger", "_forecast")
 """The hooks :meth:`SeqMoEPolicy.device_program` reproduces on the device."""
@@ -346,6 +350,8 @@ class SeqMoEPolicy(Policy):
         self.forecast_cache_bytes = int(o.forecast_cache_mb * 2**20)
         self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
         self._table_bytes = 0
+        self._replayed: list[Any] = []  # the replay's sequences, in order (streaming)
+        self._upcoming: dict[str, int] = {}  # table key -> its index in _replayed
         self.disc = self.gamma ** np.arange(self.horizon)
 
     @property
@@ -456,6 +462,9 @@ class SeqMoEPolicy(Policy):
     def _table_for(self, seq: Any) -> np.ndarray:
         key = self._table_key(seq)
         tab = self._tables.get(key)
+        if tab is None and key in self._upcoming:  # streamed: this sequence and the next ones, as many as fit
+            self._compute_tables(self._replayed[self._upcoming[key]:])
+            tab = self._tables.get(key)
         if tab is None:
             tab = self._store_table(key, self.oracle.table(seq, self.fc, self.horizon) if self.oracle is not None
                                     else precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights,
@@ -466,28 +475,45 @@ class SeqMoEPolicy(Policy):
 
     def prepare_sequences(self, sequences: Sequence[Any]) -> None:
         """Simulator hook: all sequences of the replay are known up front, so their forecast tables are
-        computed together (:func:`precompute_forecasts_many`), as many as fit ``forecast_cache_mb``.
-        Sequences already cached (an earlier capacity) are skipped; the rest fall back to :meth:`_table_for`."""
+        computed together (:func:`precompute_forecasts_many`, in groups of :data:`PRECOMPUTE_CHUNK_MB`), as many as
+        fit ``forecast_cache_mb``. The rest stream: when the replay reaches a sequence without a table,
+        :meth:`_table_for` computes it and the following ones the same way, the least recently used tables making
+        room (so a replay holds at most ``forecast_cache_mb`` of tables, whatever the trace's length).
+        Sequences already cached (an earlier capacity) are skipped."""
         if not (self.precompute or self.oracle is not None):
             return
-        todo = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")
-                and self._table_key(s) not in self._tables]
-        if not todo:
-            return
+        traced = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")]
+        self._replayed = traced
+        self._upcoming = {self._table_key(s): i for i, s in enumerate(traced)}
+        self._compute_tables(traced, evict=False)
+
+    def _compute_tables(self, seqs: Sequence[Any], evict: bool = True) -> None:
+        """Tables of the first of ``seqs`` without one and of those after it, as many as ``forecast_cache_mb`` holds
+        (the first always; ``evict``: least recently used tables make room, else only the free room is used),
+        computed and stored group by group (:data:`PRECOMPUTE_CHUNK_MB`)."""
+        todo = [s for s in seqs if self._table_key(s) not in self._tables]
         per_elem = self.horizon * self.fc.num_layers * self.fc.num_experts * 2  # float16 bytes per element
-        room = max(self.forecast_cache_bytes - self._table_bytes, 0)
+        room = self.forecast_cache_bytes - (0 if evict else self._table_bytes)
         fit, used = [], 0
         for s in todo:
             used += len(s.expert_ids) * per_elem
-            if used > room:
+            if used > room and (fit or not evict):
                 break
             fit.append(s)
-        if not fit:
-            return
-        tabs = self.oracle.tables(fit, self.fc, self.horizon) if self.oracle is not None else \
-            precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in fit], self.horizon)
-        for s, tab in zip(fit, tabs, strict=True):
-            self._store_table(self._table_key(s), tab)
+        chunk = PRECOMPUTE_CHUNK_MB * 2**20 / 2  # float16 bytes of the float32 outputs of one group
+        a = 0
+        while a < len(fit):
+            b, size = a, 0
+            while b < len(fit) and (b == a or size + len(fit[b].expert_ids) * per_elem <= chunk):
+                size += len(fit[b].expert_ids) * per_elem
+                b += 1
+            group = fit[a:b]
+            tabs = self.oracle.tables(group, self.fc, self.horizon) if self.oracle is not None else \
+                precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in group], self.horizon)
+            for s, tab in zip(group, tabs, strict=True):
+                self._store_table(self._table_key(s), tab)
+            del tabs
+            a = b
 
     def on_step(self, t: int, info: StepInfo) -> None:
         self._pos = info.positions.tolist()
