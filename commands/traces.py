@@ -10,7 +10,8 @@
                            [--bandwidth-gbps G] [--layer-compute-ms MS] [--expert-bytes N] [--mlp-steps N]
 
     expertcast traces synth --out DIR --shape L,E,K [--sequences N] [--tokens T] [--prompt P] [--seed S]
-                            [--process-seed S] [--stay F] [--concentration F] [--skew F] [--expert-bytes N]
+                            [--process-seed S] [--stay F] [--concentration F] [--skew F] [--cross-layer F]
+                            [--expert-bytes N]
 
 ``synth``: real-like routing (``data.synthetic.StickyRoutingProcess``: near-uniform in aggregate, locally sticky,
 per-sequence favourites; docs/design.md, "Generalisation protocol") written as a trace set, so that a wide trace
@@ -118,6 +119,9 @@ def build_parser() -> CommandParser:
     sy.add_argument("--concentration", type=positive_float, default=1.0,
                     help="Dirichlet concentration of each sequence's favourites (lower: sharper favourites)")
     sy.add_argument("--skew", type=nonneg_float, default=0.25, help="log-normal skew of the global popularity")
+    sy.add_argument("--cross-layer", type=nonneg_float, default=0.0,
+                    help="within-token cross-layer dependence in [0, 1]: each expert of a token's layer l-1 puts its "
+                         "fixed successor into the token's layer l with this probability (0: none)")
     sy.add_argument("--expert-bytes", type=nonneg_int, default=1 << 20, help="bytes of one expert, for MB/token")
     sy.add_argument("--shard-size", type=positive_int, default=256, help="sequences per shard")
     sy.add_argument("--overwrite", action="store_true",
@@ -139,12 +143,16 @@ def _synth(a) -> int:
         raise UsageError(f"--shape {a.shape}: need L, E, K >= 1 and K <= E")
     if a.prompt >= a.tokens:
         raise UsageError(f"--prompt {a.prompt} leaves no decode position in --tokens {a.tokens}")
+    if a.cross_layer > 1:
+        raise UsageError(f"--cross-layer {a.cross_layer}: expected a probability in [0, 1]")
     proc = StickyRoutingProcess.realistic(L, E, K, skew=a.skew, stay=a.stay, concentration=a.concentration,
-                                          seed=a.process_seed)
+                                          seed=a.process_seed, cross_layer=a.cross_layer)
     seqs = proc.sample(a.sequences, a.tokens, prompt_len=a.prompt, seed=a.seed, prefix=f"sticky{L}x{E}")
     meta = replace(proc.meta(), expert_bytes=a.expert_bytes)
     settings = {k: getattr(a, k) for k in ("shape", "sequences", "tokens", "prompt", "process_seed", "seed", "stay",
                                            "concentration", "skew", "expert_bytes")}
+    if a.cross_layer > 0:
+        settings["cross_layer"] = a.cross_layer
     out = write_traces(a.out, meta, seqs, shard_size=a.shard_size,
                        run={"command": "traces synth", "process": "StickyRoutingProcess.realistic", **settings},
                        overwrite=a.overwrite)

@@ -386,21 +386,39 @@ class StickyRoutingProcess:
     expert of S_t stays in S_t+1 with that probability and the rest of S_t+1 is drawn from rho_l without
     replacement. Router weights are sorted Dirichlet(1) draws. There is no hidden Bayes-optimal forecast in
     closed form; the online baselines (repeat-last, recent frequency) are strong here by construction.
+
+    Within-token cross-layer dependence (``cross_layer`` > 0; docs/design.md, "Generalisation protocol"): layer l >= 1
+    has a fixed successor map ``successor[l]`` [E] (expert of layer l-1 -> expert of layer l, a random function);
+    each expert e of the token's layer l-1 selection puts ``successor[l][e]`` into its layer l selection with
+    probability ``cross_layer``, before the experts kept from the token's history (the previous step, as above) and
+    the draws from rho_l fill the rest. So layer l's experts depend on layer l-1's of the same token and on the
+    history; a forecast made at trigger layer p can read layers > p of the same token off layer p's selection.
+    0 (the default) is the process above, draw for draw.
     """
 
     popularity: np.ndarray
     top_k: int
     stay: float = 0.13
     concentration: float = 1.0
+    cross_layer: float = 0.0
+    successor: np.ndarray | None = None
+    """int [L, E]: the successor map of each layer (row 0 unused); needed when ``cross_layer`` > 0."""
 
     @classmethod
     def realistic(cls, num_layers: int = 4, num_experts: int = 64, top_k: int = 6, skew: float = 0.25,
-                  stay: float = 0.13, concentration: float = 1.0, seed: int = 0) -> StickyRoutingProcess:
-        """Defaults give entropy ~0.99 and overlap ~0.27 at top-6 of 64 (tested)."""
+                  stay: float = 0.13, concentration: float = 1.0, seed: int = 0,
+                  cross_layer: float = 0.0) -> StickyRoutingProcess:
+        """Defaults give entropy ~0.99 and overlap ~0.27 at top-6 of 64 (tested). ``cross_layer``: see the class
+        (the successor maps come from their own generator, so the popularity of a seed does not change)."""
+        if not 0.0 <= cross_layer <= 1.0:
+            raise ValueError(f"cross_layer must be in [0, 1], got {cross_layer}")
         rng = np.random.default_rng(seed)
         logits = skew * rng.standard_normal((num_layers, num_experts))
         pop = np.exp(logits)
-        return cls(pop / pop.sum(-1, keepdims=True), top_k, stay, concentration)
+        successor = None
+        if cross_layer > 0:
+            successor = np.random.default_rng([seed, 1]).integers(0, num_experts, (num_layers, num_experts))
+        return cls(pop / pop.sum(-1, keepdims=True), top_k, stay, concentration, cross_layer, successor)
 
     @property
     def num_layers(self) -> int:
@@ -431,16 +449,46 @@ class StickyRoutingProcess:
             score[stays] = np.inf
             return np.argpartition(-score, K - 1, axis=-1)[..., :K]
 
-        ids = np.zeros((N, length, L, K), dtype=np.int64)
-        ids[:, 0] = draw(np.zeros((N, L, E), dtype=bool))
-        stay = np.clip(self.stay * 2 * rng.beta(2, 2, size=(N, length)), 0, 1)
-        for t in range(1, length):
-            kept = rng.random((N, L, K)) < stay[:, t, None, None]
-            stays = np.zeros((N, L, E), dtype=bool)
-            n_i, l_i, k_i = np.nonzero(kept)
-            stays[n_i, l_i, ids[n_i, t - 1, l_i, k_i]] = True
-            ids[:, t] = draw(stays)
+        if self.cross_layer > 0:
+            ids = self._sample_cross_layer(rng, log_rho, length)
+        else:
+            ids = np.zeros((N, length, L, K), dtype=np.int64)
+            ids[:, 0] = draw(np.zeros((N, L, E), dtype=bool))
+            stay = np.clip(self.stay * 2 * rng.beta(2, 2, size=(N, length)), 0, 1)
+            for t in range(1, length):
+                kept = rng.random((N, L, K)) < stay[:, t, None, None]
+                stays = np.zeros((N, L, E), dtype=bool)
+                n_i, l_i, k_i = np.nonzero(kept)
+                stays[n_i, l_i, ids[n_i, t - 1, l_i, k_i]] = True
+                ids[:, t] = draw(stays)
         w = -np.sort(-rng.dirichlet(np.ones(K), size=(N, length, L)), axis=-1)
         return [TraceSequence(seq_id=f"{prefix}-{seed}-{i}", token_ids=np.zeros(length, dtype=np.int32),
                               prompt_len=prompt_len, expert_ids=ids[i].astype(np.int16),
                               expert_weights=w[i].astype(np.float16)) for i in range(N)]
+
+    def _sample_cross_layer(self, rng: np.random.Generator, log_rho: np.ndarray, length: int) -> np.ndarray:
+        """int64 [N, length, L, K]: :meth:`sample`'s selections with the within-token successor maps, layer by
+        layer (each layer's top-K of: successors of the layer below +2e6, experts kept from the previous step +1e6,
+        log rho + Gumbel noise; so successors come first, then the history, then the favourites)."""
+        if self.successor is None:
+            raise ValueError("cross_layer > 0 needs the successor maps (StickyRoutingProcess.realistic makes them)")
+        N, L, E = log_rho.shape
+        K = self.top_k
+        rows = np.arange(N)[:, None]
+        ids = np.zeros((N, length, L, K), dtype=np.int64)
+        stay = np.clip(self.stay * 2 * rng.beta(2, 2, size=(N, length)), 0, 1)
+        for t in range(length):
+            kept = rng.random((N, L, K)) < stay[:, t, None, None] if t else np.zeros((N, L, K), bool)
+            follow = rng.random((N, L, K)) < self.cross_layer
+            for li in range(L):
+                score = log_rho[:, li] + rng.gumbel(size=(N, E))
+                if t:
+                    bonus = np.zeros((N, E))
+                    np.maximum.at(bonus, (rows, ids[:, t - 1, li]), np.where(kept[:, li], 1e6, 0.0))
+                    score += bonus
+                if li:
+                    bonus = np.zeros((N, E))
+                    np.maximum.at(bonus, (rows, self.successor[li][ids[:, t, li - 1]]), np.where(follow[:, li], 2e6, 0.0))
+                    score += bonus
+                ids[:, t, li] = np.argpartition(-score, K - 1, axis=-1)[..., :K]
+        return ids

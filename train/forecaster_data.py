@@ -175,6 +175,39 @@ class ForecastWindows(Dataset):
                 "decode": decode}
 
 
+def whole_sequence_batches(seqs: Sequence[TraceSequence], meta: TraceMeta, trigger_layer: int | None,
+                           row_floats: int, budget: int, by_length: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches of whole sequences, each one window of :class:`ForecastWindows` run from a zero state, padded only to
+    the longest sequence of its own batch: scoring them all costs about one pass over their elements, where one
+    window of the longest sequence for every sequence costs (longest / mean length) passes.
+
+    A batch holds at most ``budget`` floats of ``row_floats`` per padded element (at least one sequence), and
+    sequences whose lengths differ by at most 2x (so that padding at most doubles the elements a batch runs).
+    ``by_length``: batches of sequences of similar length (shortest first); False: consecutive sequences in the given
+    order, so that the elements come out in that order. Sequences without a target are left out."""
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_tokens) if by_length else list(range(len(seqs)))
+    group: list[int] = []
+    longest, shortest = 0, 0
+
+    def batch() -> dict[str, torch.Tensor] | None:
+        ds = ForecastWindows([seqs[i] for i in group], meta, window=max(1, longest), trigger_layer=trigger_layer)
+        items = [ds[k] for k in range(len(ds))]
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]} if items else None
+
+    for i in order:
+        n = int(seqs[i].num_tokens)
+        if group and ((len(group) + 1) * max(longest, n) * row_floats > budget
+                      or max(longest, n) > 2 * min(shortest, n)):
+            if (out := batch()) is not None:
+                yield out
+            group, longest = [], 0
+        shortest = min(shortest, n) if group else n
+        group.append(i)
+        longest = max(longest, n)
+    if group and (out := batch()) is not None:
+        yield out
+
+
 class EpochShuffleSampler(Sampler[int]):
     """A permutation of ``range(n)`` per epoch, fixed by ``(seed, epoch)`` alone (no global RNG).
 

@@ -218,15 +218,16 @@ def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_
     """Choose ``residual_scale`` and ``selection`` on held-out sequences (docs/design.md "Exact components").
 
     The components' tables are fitted on ``fit``. Each held-out sequence is run from a zero state as a whole (as
-    forecast-eval runs it), scored on its decode targets per direct head j and layer l, for: the forecaster's own
-    logits (learned part x alpha + online prior, learned gate included) at every alpha of ``grid`` (1 alone
-    without online statistics), and every exact component. alpha_j is the best on head j over all layers (the
+    forecast-eval runs it; batched with sequences of similar length, so that this costs about one pass over the
+    held-out elements: :func:`~expertcast.train.forecaster_data.whole_sequence_batches`), scored on its decode
+    targets per direct head j and layer l, for: the forecaster's own logits (learned part x alpha + online prior,
+    learned gate included) at every alpha of ``grid`` (1 alone without online statistics), and every exact component. alpha_j is the best on head j over all layers (the
     smallest on ties); layer l of head j keeps the learned part only where it beats the best component by more
     than ``margin``, else issues that component (the first best on ties, in ``component_names`` order); a head
     left with no learned layer gets alpha 0. Then the tables are refitted on ``refit`` (e.g. train + val: the
     sequences forecast-eval fits its baselines on), so the components stay the baselines exactly.
     Returns a report (held-out recall per head of the chosen logits, the learned part and each component)."""
-    from expertcast.train.forecaster_data import ForecastWindows
+    from expertcast.train.forecaster_data import whole_sequence_batches
 
     comps = net.components
     if comps is None:
@@ -242,13 +243,13 @@ def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_
     hits = torch.zeros(H, len(alphas) + C, L, dtype=torch.float64)
     count = torch.zeros(H, dtype=torch.float64)
     saved = (c.residual_scale, c.selection)
-    T = max(s.num_tokens for s in held_out)
-    ds = ForecastWindows(held_out, meta, window=T, trigger_layer=c.trigger_layer)
-    bs = max(1, budget // max(1, T * H * c.input_size))
+    row = H * c.input_size  # logits floats per padded element
+
+    def batches(by_length: bool = True):
+        return whole_sequence_batches(held_out, meta, c.trigger_layer, row, budget, by_length)
+
     try:
-        for a in range(0, len(ds), bs):
-            items = [ds[i] for i in range(a, min(a + bs, len(ds)))]
-            batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        for batch in batches():
             x, tid, use = batch["inputs"].to(dev), batch["target_ids"], _scored(batch)
             cands = []
             c.selection = None
@@ -285,7 +286,7 @@ def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_
     chosen = torch.where(keep, learned, best_r).mean(-1)
     # the probabilities must match the logits now issued (a selected component's are scaled scores): per-head
     # temperatures on the same held-out targets, the tables still fitted on ``fit`` only
-    temps = fit_head_temperatures(net, ds, bs, dev)
+    temps = fit_head_temperatures(net, batches(by_length=False), dev)  # the held-out order: its first elements
     c.head_temperatures = temps
     if refit is not None:
         comps.fit(refit, c.p)
@@ -301,11 +302,12 @@ HEAD_CALIBRATION_ELEMENTS = 2048
 
 
 @torch.no_grad()
-def fit_head_temperatures(net: ExpertForecaster, ds: Any, bs: int, dev: Any,
+def fit_head_temperatures(net: ExpertForecaster, batches: Any, dev: Any,
                           max_elements: int = HEAD_CALIBRATION_ELEMENTS) -> list[float]:
     """Per direct head j, the temperature of :func:`fit_temperature` for the logits the network issues now (its
     selection and residual scale applied) against the targets j elements later, on up to ``max_elements`` decode
-    targets of the held-out windows ``ds`` (batches of ``bs``)."""
+    targets of the held-out ``batches`` (an iterable of :class:`~expertcast.train.forecaster_data.ForecastWindows`
+    batches, read only as far as needed)."""
     c = net.config
     H = c.direct_horizons
     was = net.training
@@ -314,11 +316,9 @@ def fit_head_temperatures(net: ExpertForecaster, ds: Any, bs: int, dev: Any,
     ids: list[list[torch.Tensor]] = [[] for _ in range(H)]
     n = [0] * H
     try:
-        for a in range(0, len(ds), bs):
+        for batch in batches:
             if min(n) >= max_elements:
                 break
-            items = [ds[i] for i in range(a, min(a + bs, len(ds)))]
-            batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
             x, tid, use = batch["inputs"].to(dev), batch["target_ids"], _scored(batch)
             lg = net(x, all_horizons=True).float().cpu()  # [B, T, H, L, E]
             W = x.shape[1]

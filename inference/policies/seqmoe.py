@@ -55,6 +55,7 @@ from expertcast.inference.policies.forecast_tables import (
     precompute_forecasts,
     precompute_forecasts_many,
 )
+from expertcast.inference.policies.oracle_forecast import FORECAST_SOURCES, OracleForecast
 from expertcast.inference.policies.prefetch import (
     PrefetchScheduler,
     SparedMissCalibration,
@@ -75,6 +76,10 @@ if TYPE_CHECKING:  # pragma: no cover
 PREFETCH_RULES = ("headroom", "benefit", "floor")
 """How prefetch tasks are chosen: expected hit gain against the link's headroom, expected benefit over the displaced
 resident, or probability above a floor."""
+PRECOMPUTE_CHUNK_MB = 128.0
+"""Float32 forecasts computed at once when tables are precomputed (:meth:`SeqMoEPolicy.prepare_sequences`): the
+sequences go in groups of at most this many MB of [elements, H, L, E] outputs (one sequence at least), each group's
+tables stored in float16 before the next is computed, so the transient memory does not grow with the trace."""
 _DEVICE_HOOKS = ("begin_batch", "on_step", "before_layer", "on_miss", "choose_victim", "on_access", "after_layer",
                  "on_insert", "on_evict", "_scores", "_load_scores", "_trigger", "_forecast")
 """The hooks :meth:`SeqMoEPolicy.device_program` reproduces on the device."""
@@ -176,18 +181,38 @@ class SeqMoEPolicy(Policy):
         calibration_half_life: float = option(64.0, "break-even: half-life in decode steps of the realised/expected "
                                               "ratio of demand misses spared by the loads issued, which scales every "
                                               "q - v (0: take the forecast's q - v as it is)", low=0.0)
+        forecast: str = option("model", "where forecasts come from: model (the forecaster) or oracle (the replayed "
+                               "trace's true future at recall@K = recall; docs/design.md, 'Oracle forecast')",
+                               choices=FORECAST_SOURCES)
+        recall: float = option(1.0, "forecast=oracle: recall@K of the oracle (true experts dropped, false ones added "
+                               "at the same rate, seeded)", low=0.0, high=1.0)
+        forecast_seed: int = option(0, "forecast=oracle: seed of the recall draws", low=0)
+        trigger_layer: int | None = option(None, "forecast=oracle without a forecaster: the trigger layer p (default "
+                                           "L-1); with a forecaster, its own", low=0)
+
+        def check(self) -> None:
+            if self.forecast != "oracle":
+                super().check()
 
     name = "seqmoe"
 
     def __init__(self, options: ForecastOptions | None = None, *, forecaster: Any = None):
         super().__init__(options)
         o = self.options
-        self.model, self.source = _load_model(forecaster, o.device)
-        self.fc = self.model.config
+        self.oracle: OracleForecast | None = None
+        if getattr(o, "forecast", "model") == "oracle":  # forecasts from the replayed routing (oracle_forecast)
+            self.model = _load_model(forecaster, o.device)[0] if forecaster is not None else None
+            self.oracle = OracleForecast(o.recall, o.forecast_seed, o.trigger_layer,
+                                         self.model.config if self.model is not None else None)
+            self.source = self.oracle.source
+            self.fc = self.oracle.config
+        else:
+            self.model, self.source = _load_model(forecaster, o.device)
+            self.fc = self.model.config
         self.horizon = int(o.horizon)
         self.gamma = float(o.gamma)
         self.prefetch = bool(o.prefetch)
-        self.max_tasks = int(o.max_tasks_per_layer or self.fc.top_k)
+        self.max_tasks = int(o.max_tasks_per_layer or (self.fc.top_k if self.fc is not None else 1))
         self.min_confidence = float(o.min_confidence)
         # seqmoe-async's options have neither field: it ranks by the floor rule and forecasts online
         self.prefetch_rule = getattr(o, "prefetch_rule", "floor")
@@ -205,6 +230,8 @@ class SeqMoEPolicy(Policy):
         self.forecast_cache_bytes = int(o.forecast_cache_mb * 2**20)
         self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
         self._table_bytes = 0
+        self._replayed: list[Any] = []  # the replay's sequences, in order (streaming)
+        self._upcoming: dict[str, int] = {}  # table key -> its index in _replayed
         self.disc = self.gamma ** np.arange(self.horizon)
         self.forecasting = True
         """Run the forecaster (False: a composing policy uses this one's eviction and prefetch steps with its own
@@ -219,6 +246,9 @@ class SeqMoEPolicy(Policy):
 
     # ------------------------------------------------------------------------------------------ setup
     def check_compatible(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:
+        if self.fc is None:  # the oracle alone forecasts at the shape it first meets
+            self.fc = self.oracle.bind(num_layers, num_experts, top_k)
+            self.max_tasks = int(self.options.max_tasks_per_layer or self.fc.top_k)
         mine = (self.fc.num_layers, self.fc.num_experts, self.fc.top_k)
         if mine != (num_layers, num_experts, top_k):
             raise ValueError(f"seqmoe forecaster ({self.source}) has L={mine[0]}, E={mine[1]}, K={mine[2]} but the "
@@ -311,7 +341,10 @@ class SeqMoEPolicy(Policy):
         self._traced = all(hasattr(m, "expert_ids") and hasattr(m, "expert_weights") for m in self.members)
         self.calibration.clear_pending()
         self._row_tables = [None] * B
-        if self._traced and self.precompute:
+        if self.oracle is not None and not self._traced:
+            raise UsageError("seqmoe:forecast=oracle reads the replayed routing: every batch member needs its "
+                             "recorded expert_ids (a trace replay or forced routing), not live generation")
+        if self.precomputed:
             self._row_tables = [self._table_for(m) for m in self.members]
         else:
             self._state = self.model.init_state(B, self.device)
@@ -333,8 +366,12 @@ class SeqMoEPolicy(Policy):
     def _table_for(self, seq: Any) -> np.ndarray:
         key = self._table_key(seq)
         tab = self._tables.get(key)
+        if tab is None and key in self._upcoming:  # streamed: this sequence and the next ones, as many as fit
+            self._compute_tables(self._replayed[self._upcoming[key]:])
+            tab = self._tables.get(key)
         if tab is None:
-            tab = self._store_table(key, precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights,
+            tab = self._store_table(key, self.oracle.table(seq, self.fc, self.horizon) if self.oracle is not None
+                                    else precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights,
                                                               self.horizon))
         else:
             self._tables.move_to_end(key)
@@ -342,27 +379,45 @@ class SeqMoEPolicy(Policy):
 
     def prepare_sequences(self, sequences: Sequence[Any]) -> None:
         """Simulator hook: all sequences of the replay are known up front, so their forecast tables are
-        computed together (:func:`precompute_forecasts_many`), as many as fit ``forecast_cache_mb``.
-        Sequences already cached (an earlier capacity) are skipped; the rest fall back to :meth:`_table_for`."""
-        if not (self.precompute and self.forecasting):
+        computed together (:func:`precompute_forecasts_many`, in groups of :data:`PRECOMPUTE_CHUNK_MB`), as many as
+        fit ``forecast_cache_mb``. The rest stream: when the replay reaches a sequence without a table,
+        :meth:`_table_for` computes it and the following ones the same way, the least recently used tables making
+        room (so a replay holds at most ``forecast_cache_mb`` of tables, whatever the trace's length).
+        Sequences already cached (an earlier capacity) are skipped."""
+        if not ((self.precompute or self.oracle is not None) and self.forecasting):
             return
-        todo = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")
-                and self._table_key(s) not in self._tables]
-        if not todo:
-            return
+        traced = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")]
+        self._replayed = traced
+        self._upcoming = {self._table_key(s): i for i, s in enumerate(traced)}
+        self._compute_tables(traced, evict=False)
+
+    def _compute_tables(self, seqs: Sequence[Any], evict: bool = True) -> None:
+        """Tables of the first of ``seqs`` without one and of those after it, as many as ``forecast_cache_mb`` holds
+        (the first always; ``evict``: least recently used tables make room, else only the free room is used),
+        computed and stored group by group (:data:`PRECOMPUTE_CHUNK_MB`)."""
+        todo = [s for s in seqs if self._table_key(s) not in self._tables]
         per_elem = self.horizon * self.fc.num_layers * self.fc.num_experts * 2  # float16 bytes per element
-        room = max(self.forecast_cache_bytes - self._table_bytes, 0)
+        room = self.forecast_cache_bytes - (0 if evict else self._table_bytes)
         fit, used = [], 0
         for s in todo:
             used += len(s.expert_ids) * per_elem
-            if used > room:
+            if used > room and (fit or not evict):
                 break
             fit.append(s)
-        if not fit:
-            return
-        tabs = precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in fit], self.horizon)
-        for s, tab in zip(fit, tabs, strict=True):
-            self._store_table(self._table_key(s), tab)
+        chunk = PRECOMPUTE_CHUNK_MB * 2**20 / 2  # float16 bytes of the float32 outputs of one group
+        a = 0
+        while a < len(fit):
+            b, size = a, 0
+            while b < len(fit) and (b == a or size + len(fit[b].expert_ids) * per_elem <= chunk):
+                size += len(fit[b].expert_ids) * per_elem
+                b += 1
+            group = fit[a:b]
+            tabs = self.oracle.tables(group, self.fc, self.horizon) if self.oracle is not None else \
+                precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in group], self.horizon)
+            for s, tab in zip(group, tabs, strict=True):
+                self._store_table(self._table_key(s), tab)
+            del tabs
+            a = b
 
     def on_step(self, t: int, info: StepInfo) -> None:
         self._pos = info.positions.tolist()
@@ -391,7 +446,7 @@ class SeqMoEPolicy(Policy):
     def precomputed(self) -> bool:
         """Whether this batch's forecasts come from the precomputed tables (recorded routing, ``precompute``)
         rather than from the online forecaster state."""
-        return self._traced and self.precompute
+        return self._traced and (self.precompute or self.oracle is not None)
 
     def forecast_rows(self, members: Sequence[int], positions: Sequence[int]) -> list[int]:
         """The ``members`` (batch rows, processing ``positions``) whose element exists (position >= s)."""

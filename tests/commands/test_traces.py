@@ -132,7 +132,19 @@ def test_synth_writes_a_reproducible_sticky_trace_set_with_its_settings(tmp_path
     assert not all(np.array_equal(x.expert_ids, y.expert_ids) for x, y in zip(seqs, other, strict=True))
 
 
+def test_synth_cross_layer_is_recorded_and_changes_the_routing(tmp_path):
+    argv = ["synth", "--shape", "3,16,2", "--sequences", "3", "--tokens", "12", "--prompt", "4"]
+    assert traces_main([*argv, "--out", str(tmp_path / "a")]) == 0
+    assert traces_main([*argv, "--cross-layer", "0.9", "--out", str(tmp_path / "b")]) == 0
+    assert "cross_layer" not in read_manifest(tmp_path / "a")["run"]  # the plain process's record is unchanged
+    assert read_manifest(tmp_path / "b")["run"]["cross_layer"] == 0.9
+    _, a = load_traces(tmp_path / "a")
+    _, b = load_traces(tmp_path / "b")
+    assert not all(np.array_equal(x.expert_ids, y.expert_ids) for x, y in zip(a, b, strict=True))
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--shape", "3,16,2", "--cross-layer", "2"], "--cross-layer"),
     (["--shape", "3,16"], "expected L,E,K"),
     (["--shape", "3,4,5"], "K <= E"),
     (["--shape", "3,16,2", "--tokens", "4", "--prompt", "4"], "leaves no decode position"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from expertcast.data.synthetic import (
     StickyRoutingProcess,
     markov_traces,
@@ -80,3 +81,36 @@ def test_sticky_process_has_real_routing_statistics():
 def _norm_entropy(f: np.ndarray) -> float:
     f = f[f > 0]
     return float(-(f * np.log(f)).sum() / np.log(64))
+
+
+def test_sticky_cross_layer_makes_layer_l_follow_layer_l_minus_1_of_the_same_token():
+    from expertcast.data.synthetic import StickyRoutingProcess
+
+    L, E, K = 4, 32, 4
+    base = StickyRoutingProcess.realistic(L, E, K, seed=2)
+    same = StickyRoutingProcess.realistic(L, E, K, seed=2, cross_layer=0.0)
+    a, b = base.sample(6, 30, seed=1), same.sample(6, 30, seed=1)
+    assert all(np.array_equal(x.expert_ids, y.expert_ids) for x, y in zip(a, b, strict=True))  # 0: the old process
+    cross = StickyRoutingProcess.realistic(L, E, K, seed=2, cross_layer=0.8)
+    assert np.array_equal(cross.popularity, base.popularity) and cross.successor.shape == (L, E)
+
+    def follows(proc, seqs):
+        """Share of layer-l experts (l >= 1) that are the successor of one of the token's layer l-1 experts."""
+        succ = proc.successor if proc.successor is not None else cross.successor
+        hit = tot = 0
+        for s in seqs:
+            ids = s.expert_ids.astype(np.int64)
+            for li in range(1, L):
+                nxt = succ[li][ids[:, li - 1]]  # [T, K]
+                hit += sum(len(set(x) & set(y)) for x, y in zip(ids[:, li].tolist(), nxt.tolist(), strict=True))
+                tot += ids.shape[0] * K
+        return hit / tot
+
+    seqs = cross.sample(6, 30, seed=1)
+    for s in seqs:  # still K distinct experts per position and layer
+        assert all(len(set(row)) == K for row in s.expert_ids.reshape(-1, K).tolist())
+    assert follows(cross, seqs) > 0.6 and follows(base, a) < 0.25
+    again = StickyRoutingProcess.realistic(L, E, K, seed=2, cross_layer=0.8).sample(6, 30, seed=1)
+    assert all(np.array_equal(x.expert_ids, y.expert_ids) for x, y in zip(seqs, again, strict=True))
+    with pytest.raises(ValueError, match="cross_layer"):
+        StickyRoutingProcess.realistic(L, E, K, cross_layer=1.5)

@@ -247,3 +247,48 @@ def test_every_engine_leaves_the_lifecycle_calls_to_the_driver(name, engine, lif
     simulate(tr, [policy], [0.5], progress=False, belady_fraction=False, engine=engine)
     assert {h for h, _ in callers} == {"reset", "set_future", "warm_start"}
     assert {m for _, m in callers} == {"expertcast.inference.cache.driver"}, callers
+
+
+def test_seqmoe_forecast_tables_stream_within_forecast_cache_mb():
+    """Precomputed forecasts never hold more than ``forecast_cache_mb`` of tables (one table at least): a budget of
+    about two sequences streams the others in as the replay reaches them, with the counters of a replay that holds
+    every table (oracle tables: exact), and the learned forecaster's streamed tables equal its all-at-once ones."""
+    import torch
+    from expertcast.inference.policies.seqmoe import SeqMoEPolicy
+    from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+
+    syn = zipf_traces(num_sequences=6, num_tokens=40, num_layers=3, num_experts=8, top_k=2, seed=2)
+    per_seq = 40 * 4 * 3 * 8 * 2  # float16 bytes of one sequence's [elements, H=4, L, E] table (at most)
+    tiny = 2.5 * per_seq / 2**20
+
+    def run(pol):
+        seen = []
+        store = pol._store_table
+
+        def watched(key, tab):
+            out = store(key, tab)
+            seen.append(pol._table_bytes)
+            return out
+
+        pol._store_table = watched
+        recs = simulate((syn.meta, syn.sequences), [pol], [0.25, 0.5], belady_fraction=False, progress=False)
+        return recs, seen
+
+    kw = dict(horizon=4, forecast="oracle", recall=0.8, link_bytes_per_s=1e12)
+    full, seen_full = run(make_policy("seqmoe", **kw))
+    small, seen_small = run(make_policy("seqmoe", forecast_cache_mb=tiny, **kw))
+    for a, b in zip(full, small, strict=True):
+        for k in ("hit", "adj_hit", "demand_misses", "proactive_loads", "late_prefetches", "prefetches_used"):
+            assert a[k] == b[k], k
+    assert max(seen_full) > 4 * per_seq and max(seen_small) <= tiny * 2**20
+    assert len(seen_small) > len(seen_full)  # streamed: recomputed for the second capacity
+
+    torch.manual_seed(0)
+    model = ExpertForecaster(ForecasterConfig(num_layers=3, num_experts=8, top_k=2, hidden_size=32, head_dim=16,
+                                              state_size=8, num_blocks=1, chunk_size=16, direct_horizons=4)).eval()
+    pols = [SeqMoEPolicy(SeqMoEPolicy.Options(horizon=4, forecast_cache_mb=mb), forecaster=model) for mb in (64, tiny)]
+    for pol in pols:
+        simulate((syn.meta, syn.sequences), [pol], [0.25], belady_fraction=False, progress=False)
+    assert pols[1]._table_bytes <= tiny * 2**20 < pols[0]._table_bytes
+    for key, tab in pols[1]._tables.items():
+        assert np.allclose(tab.astype(np.float32), pols[0]._tables[key].astype(np.float32), atol=2e-3)
