@@ -206,13 +206,13 @@ class ResidentFit:
 
 def resident_fit(experts_bytes: int, device: str) -> ResidentFit:
     """:class:`ResidentFit` for slots of ``experts_bytes`` (every expert once) on ``device``, memory read now
-    (:func:`~expertcast.inference.runtime.loading.device_free_bytes`)."""
+    (:func:`~expertcast.inference.runtime.memory.device_free_bytes`)."""
     import torch
-    from expertcast.inference.runtime import loading
+    from expertcast.inference.runtime import memory
 
     dev = torch.device(device)
     need = int(experts_bytes * 1.1) if dev.type == "cuda" else int(experts_bytes)
-    free = loading.device_free_bytes(dev)
+    free = memory.device_free_bytes(dev)
     where = "host memory" if dev.type == "cpu" else str(dev)
     if free is not None and need > free:
         return ResidentFit(False, f"every expert resident needs {need / 1e9:.2f} GB of {where} for its slots, "
