@@ -1,6 +1,6 @@
 """``expertcast eval``: offloaded inference on GSM8K / MATH-500 under a cache policy.
 
-    expertcast eval --model M --benchmark gsm8k|math500 --policy P (--capacity F | --slots N) --out DIR
+    expertcast eval --model M --benchmark gsm8k|math500 --policy P (--capacity F | --slots N | --budget-gb G) --out DIR
 
 Greedy generation through :class:`~expertcast.inference.runtime.engine.OffloadedModel` (real expert
 offloading), graded with the benchmark's grader. Reports accuracy and the decode-only metrics users compare
