@@ -38,7 +38,6 @@ capacities; the results equal the online path's (a test checks it).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,6 +50,7 @@ from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.device import EVICT_FORECAST, DeviceKeys, DeviceProgram, overrides_any
 from expertcast.inference.policies.forecast_tables import (
+    ForecastTables,
     combine_members,
     precompute_forecasts,
     precompute_forecasts_many,
@@ -76,10 +76,6 @@ if TYPE_CHECKING:  # pragma: no cover
 PREFETCH_RULES = ("headroom", "benefit", "floor")
 """How prefetch tasks are chosen: expected hit gain against the link's headroom, expected benefit over the displaced
 resident, or probability above a floor."""
-PRECOMPUTE_CHUNK_MB = 128.0
-"""Float32 forecasts computed at once when tables are precomputed (:meth:`SeqMoEPolicy.prepare_sequences`): the
-sequences go in groups of at most this many MB of [elements, H, L, E] outputs (one sequence at least), each group's
-tables stored in float16 before the next is computed, so the transient memory does not grow with the trace."""
 _DEVICE_HOOKS = ("begin_batch", "on_step", "before_layer", "on_miss", "choose_victim", "on_access", "after_layer",
                  "on_insert", "on_evict", "_scores", "_load_scores", "_trigger", "_forecast")
 """The hooks :meth:`SeqMoEPolicy.device_program` reproduces on the device."""
@@ -228,10 +224,9 @@ class SeqMoEPolicy(Policy):
         self.precompute = bool(getattr(o, "precompute", False))
         self.device = o.device
         self.forecast_cache_bytes = int(o.forecast_cache_mb * 2**20)
-        self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._table_bytes = 0
-        self._replayed: list[Any] = []  # the replay's sequences, in order (streaming)
-        self._upcoming: dict[str, int] = {}  # table key -> its index in _replayed
+        self.tables = ForecastTables(self.forecast_cache_bytes, self._one_table, self._many_tables,
+                                     lambda: self.horizon * self.fc.num_layers * self.fc.num_experts * 2,
+                                     store=lambda key, tab: self._store_table(key, tab))
         self.disc = self.gamma ** np.arange(self.horizon)
         self.forecasting = True
         """Run the forecaster (False: a composing policy uses this one's eviction and prefetch steps with its own
@@ -345,79 +340,31 @@ class SeqMoEPolicy(Policy):
             raise UsageError("seqmoe:forecast=oracle reads the replayed routing: every batch member needs its "
                              "recorded expert_ids (a trace replay or forced routing), not live generation")
         if self.precomputed:
-            self._row_tables = [self._table_for(m) for m in self.members]
+            self._row_tables = [self.tables.table_for(m) for m in self.members]
         else:
             self._state = self.model.init_state(B, self.device)
             self._latest = np.zeros((B, self.L, self.E), np.float32)
 
-    @staticmethod
-    def _table_key(seq: Any) -> str:
-        return f"{getattr(seq, 'seq_id', id(seq))}:{len(seq.expert_ids)}"
-
     def _store_table(self, key: str, tab: np.ndarray) -> np.ndarray:
-        tab = tab.astype(np.float16)
-        self._tables[key] = tab
-        self._table_bytes += tab.nbytes
-        while self._table_bytes > self.forecast_cache_bytes and len(self._tables) > 1:
-            _, old = self._tables.popitem(last=False)
-            self._table_bytes -= old.nbytes
-        return tab
+        """Where every computed table goes (:meth:`ForecastTables.put`)."""
+        return self.tables.put(key, tab)
 
-    def _table_for(self, seq: Any) -> np.ndarray:
-        key = self._table_key(seq)
-        tab = self._tables.get(key)
-        if tab is None and key in self._upcoming:  # streamed: this sequence and the next ones, as many as fit
-            self._compute_tables(self._replayed[self._upcoming[key]:])
-            tab = self._tables.get(key)
-        if tab is None:
-            tab = self._store_table(key, self.oracle.table(seq, self.fc, self.horizon) if self.oracle is not None
-                                    else precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights,
-                                                              self.horizon))
-        else:
-            self._tables.move_to_end(key)
-        return tab
+    _tables = property(lambda self: self.tables.tables, doc="The cached tables, by key (:class:`ForecastTables`).")
+    _table_bytes = property(lambda self: self.tables.nbytes, doc="Their float16 bytes.")
 
     def prepare_sequences(self, sequences: Sequence[Any]) -> None:
-        """Simulator hook: all sequences of the replay are known up front, so their forecast tables are
-        computed together (:func:`precompute_forecasts_many`, in groups of :data:`PRECOMPUTE_CHUNK_MB`), as many as
-        fit ``forecast_cache_mb``. The rest stream: when the replay reaches a sequence without a table,
-        :meth:`_table_for` computes it and the following ones the same way, the least recently used tables making
-        room (so a replay holds at most ``forecast_cache_mb`` of tables, whatever the trace's length).
-        Sequences already cached (an earlier capacity) are skipped."""
-        if not ((self.precompute or self.oracle is not None) and self.forecasting):
-            return
-        traced = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")]
-        self._replayed = traced
-        self._upcoming = {self._table_key(s): i for i, s in enumerate(traced)}
-        self._compute_tables(traced, evict=False)
+        """Simulator hook: every sequence of the replay is known up front, so their forecast tables are computed
+        together and streamed within ``forecast_cache_mb`` (:meth:`ForecastTables.prepare`)."""
+        if (self.precompute or self.oracle is not None) and self.forecasting:
+            self.tables.prepare(sequences)
 
-    def _compute_tables(self, seqs: Sequence[Any], evict: bool = True) -> None:
-        """Tables of the first of ``seqs`` without one and of those after it, as many as ``forecast_cache_mb`` holds
-        (the first always; ``evict``: least recently used tables make room, else only the free room is used),
-        computed and stored group by group (:data:`PRECOMPUTE_CHUNK_MB`)."""
-        todo = [s for s in seqs if self._table_key(s) not in self._tables]
-        per_elem = self.horizon * self.fc.num_layers * self.fc.num_experts * 2  # float16 bytes per element
-        room = self.forecast_cache_bytes - (0 if evict else self._table_bytes)
-        fit, used = [], 0
-        for s in todo:
-            used += len(s.expert_ids) * per_elem
-            if used > room and (fit or not evict):
-                break
-            fit.append(s)
-        chunk = PRECOMPUTE_CHUNK_MB * 2**20 / 2  # float16 bytes of the float32 outputs of one group
-        a = 0
-        while a < len(fit):
-            b, size = a, 0
-            while b < len(fit) and (b == a or size + len(fit[b].expert_ids) * per_elem <= chunk):
-                size += len(fit[b].expert_ids) * per_elem
-                b += 1
-            group = fit[a:b]
-            tabs = self.oracle.tables(group, self.fc, self.horizon) if self.oracle is not None else \
-                precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in group], self.horizon)
-            for s, tab in zip(group, tabs, strict=True):
-                self._store_table(self._table_key(s), tab)
-            del tabs
-            a = b
+    def _one_table(self, seq: Any) -> np.ndarray:
+        return self.oracle.table(seq, self.fc, self.horizon) if self.oracle is not None else \
+            precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights, self.horizon)
+
+    def _many_tables(self, seqs: Sequence[Any]) -> list[np.ndarray]:
+        return self.oracle.tables(seqs, self.fc, self.horizon) if self.oracle is not None else \
+            precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in seqs], self.horizon)
 
     def on_step(self, t: int, info: StepInfo) -> None:
         self._pos = info.positions.tolist()
