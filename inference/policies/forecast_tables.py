@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -226,3 +227,17 @@ class ForecastTables:
                 self.store(self.key(s), tab)
             del tabs
             a = b
+
+
+@dataclass
+class ForecastScores:
+    """What one forecast sets (SeqMoE 7.1): ``before`` / ``after`` [L, E] the CacheScore of each expert before
+    and after its next execution, ``first_exec`` int [L] the layer-execution index of each layer's next
+    execution, ``first_probs`` [L, E] P(active) at that execution (the prefetch input); ``second_probs``
+    [L, E] P(active) at the execution after it (None when the horizon is 1)."""
+
+    before: np.ndarray
+    after: np.ndarray
+    first_exec: np.ndarray
+    first_probs: np.ndarray
+    second_probs: np.ndarray | None = None

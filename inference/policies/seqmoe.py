@@ -38,6 +38,7 @@ capacities; the results equal the online path's (a test checks it).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,7 @@ from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.device import EVICT_FORECAST, DeviceKeys, DeviceProgram, overrides_any
 from expertcast.inference.policies.forecast_tables import (
+    ForecastScores,
     ForecastTables,
     combine_members,
     precompute_forecasts,
@@ -119,20 +121,6 @@ def _load_model(forecaster: Any, device: str) -> tuple[ExpertForecaster, str]:
         return forecaster.model.to(device).eval(), str(forecaster.path)
     raise ValueError("seqmoe needs a forecaster: an export directory (seqmoe:forecaster=PATH, or --forecaster PATH "
                      "with `expertcast simulate`), a ForecasterExport or an ExpertForecaster")
-
-
-@dataclass
-class ForecastScores:
-    """What one forecast sets (SeqMoE 7.1): ``before`` / ``after`` [L, E] the CacheScore of each expert before
-    and after its next execution, ``first_exec`` int [L] the layer-execution index of each layer's next
-    execution, ``first_probs`` [L, E] P(active) at that execution (the prefetch input); ``second_probs``
-    [L, E] P(active) at the execution after it (None when the horizon is 1)."""
-
-    before: np.ndarray
-    after: np.ndarray
-    first_exec: np.ndarray
-    first_probs: np.ndarray
-    second_probs: np.ndarray | None = None
 
 
 class SeqMoEPolicy(Policy):
@@ -224,6 +212,7 @@ class SeqMoEPolicy(Policy):
         self.precompute = bool(getattr(o, "precompute", False))
         self.device = o.device
         self.forecast_cache_bytes = int(o.forecast_cache_mb * 2**20)
+        self._step_flops = self.model.step_flops() if self.model is not None else 0  # one step at batch 1
         self.tables = ForecastTables(self.forecast_cache_bytes, self._one_table, self._many_tables,
                                      lambda: self.horizon * self.fc.num_layers * self.fc.num_experts * 2,
                                      store=lambda key, tab: self._store_table(key, tab))
@@ -283,7 +272,8 @@ class SeqMoEPolicy(Policy):
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._row_tables: list[np.ndarray | None] = []
         self.priority_extra = None
-        self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0}
+        self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0, "forecast_seconds": 0.0,
+                      "forecast_path_seconds": 0.0, "forecast_calls": 0, "forecast_flops": 0, "dropped": 0}
 
     def add_priority(self, extra: np.ndarray | None) -> None:
         """From now on the priority of (layer, expert) is its CacheScore plus ``extra`` float [L, E] (in expected
@@ -346,7 +336,6 @@ class SeqMoEPolicy(Policy):
             self._latest = np.zeros((B, self.L, self.E), np.float32)
 
     def _store_table(self, key: str, tab: np.ndarray) -> np.ndarray:
-        """Where every computed table goes (:meth:`ForecastTables.put`)."""
         return self.tables.put(key, tab)
 
     _tables = property(lambda self: self.tables.tables, doc="The cached tables, by key (:class:`ForecastTables`).")
@@ -381,13 +370,15 @@ class SeqMoEPolicy(Policy):
         assert self._latest is not None
         active = [b for b, pos in enumerate(self._pos) if pos >= 0]
         obs = self._observed.get(layer)
-        for b in active:
-            row = np.zeros(self.E, np.float32)
-            if obs is not None:
-                np.add.at(row, obs[0][b].astype(np.int64), obs[1][b])
-            else:
-                np.add.at(row, np.asarray(selected, np.int64), np.asarray(counts, np.float32))
-            self._latest[b, layer] = row / max(row.sum(), 1e-9)
+        rows = np.zeros((len(active), self.E), np.float32)
+        if obs is not None:  # one scatter for every member (the same adds, in the same order, as one per member)
+            ids = obs[0][active].astype(np.int64)
+            np.add.at(rows, (np.repeat(np.arange(len(active)), ids.shape[1]), ids.reshape(-1)),
+                      np.asarray(obs[1][active], np.float32).reshape(-1))
+        else:
+            np.add.at(rows[0], np.asarray(selected, np.int64), np.asarray(counts, np.float32))
+            rows[1:] = rows[0]
+        self._latest[active, layer] = rows / np.maximum(rows.sum(axis=1, keepdims=True), 1e-9)
 
     @property
     def precomputed(self) -> bool:
@@ -411,22 +402,29 @@ class SeqMoEPolicy(Policy):
         self._latest[list(rows), layers] = act
 
     @torch.no_grad()
-    def forecast(self, rows: Sequence[int], x: np.ndarray, rollout: bool = True) -> np.ndarray | None:
+    def forecast(self, rows: Sequence[int], x: np.ndarray, rollout: bool = True,
+                 state: ForecasterState | None = None) -> np.ndarray | None:
         """Online forecaster step: members ``rows`` consume element ``x`` float32 [len(rows), L, E]; with
         ``rollout``, returns the [H, L, E] combined activation probabilities of their next ``horizon`` elements
-        (float16-rounded per member, as precomputed tables store them), else None. Runs on any one thread."""
-        assert self._state is not None
+        (float16-rounded per member, as precomputed tables store them), else None. Runs on any one thread; ``state``:
+        the recurrent state it advances (default the batch's). Its time, calls and FLOPs go to :attr:`stats`."""
+        state = self._state if state is None else state
+        assert state is not None
+        t0 = time.perf_counter()
         rows = list(rows)
-        sub = self._state.select(rows)
+        sub = state.select(rows)
         logits, _ = self.model.step(torch.from_numpy(np.ascontiguousarray(x)).to(self.device), sub,
                                     all_horizons=True)
-        if not rollout:
-            self._state.put_rows(rows, sub)
-            return None
-        roll = self.model.rollout(logits, sub, self.horizon)
-        self._state.put_rows(rows, sub)
-        probs = self.model.probs(roll).cpu().numpy().astype(np.float16)  # as stored when precomputed
-        return combine_members([pm.astype(np.float32) for pm in probs])
+        steps = 1 + (max(self.horizon - logits.shape[1], 0) if rollout else 0)  # rollout beyond the direct heads
+        F = None
+        if rollout:  # float16-rounded, as stored when precomputed
+            probs = self.model.probs(self.model.rollout(logits, sub, self.horizon)).cpu().numpy().astype(np.float16)
+            F = combine_members([pm.astype(np.float32) for pm in probs])
+        state.put_rows(rows, sub)
+        st, st["forecast_calls"] = self.stats, self.stats["forecast_calls"] + 1
+        st["forecast_seconds"] += time.perf_counter() - t0
+        st["forecast_flops"] += self._step_flops * steps * len(rows)
+        return F
 
     def forecast_from_tables(self, members: Sequence[int], positions: Sequence[int]) -> np.ndarray | None:
         """[H, L, E] combined precomputed forecasts of ``members`` at ``positions`` (precomputed mode), or None."""
@@ -474,7 +472,9 @@ class SeqMoEPolicy(Policy):
 
     def _trigger(self, t: int) -> None:
         if self.forecasting:
+            t0 = time.perf_counter()
             self.trigger(t, self._forecast(t))
+            self.stats["forecast_path_seconds"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------ scores
     def _scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
@@ -517,7 +517,9 @@ class SeqMoEPolicy(Policy):
         self.last_use[layer, np.asarray(selected, np.int64)] = x
         self.calibration.resolve(x, selected, self._missed[1] if self._missed[0] == x else ())
         if not (self._traced and self.precompute) and self._latest is not None:
+            t0 = time.perf_counter()
             self._record_routing(t, layer, selected, counts)
+            self.stats["forecast_path_seconds"] += time.perf_counter() - t0
 
     def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
         self._now = (t, layer, 0)
