@@ -301,7 +301,9 @@ class AsyncSeqMoEPolicy(Policy):
     def _apply_published(self, t: int, after_trigger: bool) -> bool:
         """Install the latest published forecast if it is new. ``t``: the current step; before the trigger
         layer of step t the last trigger point is t - 1. Returns whether a forecast was installed."""
-        pub = None if self.worker is None else self.worker.take()
+        if self.worker is None or self.worker.latest is None:  # nothing new (a lock-free read): no work this layer
+            return False
+        pub = self.worker.take()
         if pub is None:
             return False
         _, t_f, F = pub
