@@ -72,7 +72,7 @@ from expertcast.inference.runtime.session import (
     paired_speed_passes,
     speed_line,
 )
-from expertcast.inference.runtime.stats import RowPeak
+from expertcast.inference.runtime.stats import RowPeak, forecaster_line
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 PROG = "expertcast eval"
@@ -660,6 +660,8 @@ def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict
     if speed:
         print(speed_line(speed, f"{len(speed['problems'])} problems"))
     print(f"tokens_per_s: {summary['tokens_per_s_source']}")
+    if (line := forecaster_line(summary)) is not None:
+        print(f"{line} (the graded pass)")
     if load.get("store_kind") == "disk":
         rss = summary["rss"]
         print(f"disk store ({rss['disk_io_mode']}, {rss['readers']} readers): peak RSS of this run ({rss['scope']}) "

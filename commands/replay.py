@@ -196,7 +196,7 @@ def replay(args: Any) -> int:
     from expertcast.inference.runtime.forced import map_trace_to_model
     from expertcast.inference.runtime.loading import load_offloaded
     from expertcast.inference.runtime.real_shapes import read_provenance
-    from expertcast.inference.runtime.stats import RowPeak
+    from expertcast.inference.runtime.stats import RowPeak, forecaster_line
     from expertcast.inference.sim.simulator import build_stream
     from expertcast.utils.io import atomic_write_json, report
     from expertcast.utils.outdir import DISK_STORE_KIND, claim_output_file
@@ -310,6 +310,9 @@ def replay(args: Any) -> int:
     cols = COLUMNS + [c for c in READ_COLUMNS if args.store == "disk" and any(c in r for r in rows)]
     report(rows, title=f"forced-routing replay on {Path(resolved).name} ({args.store} store, {args.device})",
            csv_path=args.csv, columns=cols)
+    for r in rows:  # a forecasting policy's cost per decode step
+        if (line := forecaster_line(r["metrics"])) is not None:
+            print(f"replay: {r['policy']} @ {r['capacity']}: {line}")
     if args.csv:
         outs["--csv"].written()
     if args.json:
