@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="replay sequences the forecaster was fitted on (reported)")
     ap.add_argument("--allow-model-mismatch", action="store_true",
                     help="replay another model's routing with the forecaster (reported)")
+    ap.add_argument("--truncate-trace", action="store_true",
+                    help="replay the first L layers of --traces with more MoE layers than the model")
     ap.add_argument("--seq-ids", nargs="+", default=[], help="replay these sequences of --traces (e.g. held-out ids "
                     "of the forecaster's export)")
     a = ap.parse_args(argv)
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--recall: {a.recall!r} is not a comma-separated list of numbers") from None
     dtypes = tuple(x.strip() for x in a.expert_dtype.split(",") if x.strip())
     common = dict(recall=recall, expert_dtypes=dtypes, equal_bytes=a.equal_bytes, trace_timeline=a.trace_timeline,
-                  allow_overlap=a.allow_overlap, allow_model_mismatch=a.allow_model_mismatch)
+                  allow_overlap=a.allow_overlap, allow_model_mismatch=a.allow_model_mismatch,
+                  truncate_trace=a.truncate_trace)
     if a.quick:
         cfg = quick_config(a.out)
         cfg.policies = tuple(a.policies)
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(cfg, k, v)
     else:
         skip = {"quick", "recall", "expert_dtype", "equal_bytes", "trace_timeline", "allow_overlap",
-                "allow_model_mismatch"}
+                "allow_model_mismatch", "truncate_trace"}
         cfg = BenchConfig(**{k: v for k, v in vars(a).items() if k not in skip}, **common)
         cfg.policies, cfg.budgets, cfg.seq_ids = tuple(a.policies), tuple(a.budgets), tuple(a.seq_ids)
     for b in cfg.budgets:
