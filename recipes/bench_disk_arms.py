@@ -162,7 +162,9 @@ class Timeline:
         def key(k):
             return None if k is None else [int(x) for x in k]
 
-        out = {"what": what, "unit": "seconds from the first event", "layers": [], "reads": [], "waits": []}
+        out = {"what": what, "unit": "seconds from the first event", "keys": "layers[].layer: decoder layer index "
+               "(decode steps only); reads[].key / waits[].key: [MoE layer, expert] (None: a wait for any of a "
+               "layer's reads)", "layers": [], "reads": [], "waits": []}
         for e in ev:
             if e[0] == "layer":
                 out["layers"].append({"layer": e[1], "start": e[2] - first, "end": e[3] - first})
