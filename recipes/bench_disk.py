@@ -16,13 +16,21 @@ policy, baseline, ... (``repeats`` policy passes, each against the mean of its n
 min-max). The all-in-RAM baseline is the runtime with every expert resident in RAM slots (capacity 1.0, warmed):
 the same expert kernels as the disk runs, so the ratio is what the disk costs; the plain model's forced replay
 (transformers' experts kernel, :class:`~expertcast.inference.runtime.forced.FullLoadReplayer`) is reported beside
-it. The *bound* of a policy is the speed its own measured loads allow with full I/O-compute overlap:
-``1 / max(reads per token x expert bytes / disk bandwidth, 1 / baseline tokens/s)``; ``achieved_vs_bound`` is
+it. The *bound* of a policy
+is the speed its own measured loads allow with full I/O-compute overlap:
+``1 / max(reads per token x expert bytes / B, min(baseline s/token, the run's own))``, B the largest of the
+one-pass disk measurement (read for at least ``disk_seconds`` at the reader pool's depth) and every run's achieved
+read rate (``disk_gbps_source`` names which): a figure any run beat would not bound. ``achieved_vs_bound`` is
 the policy's tokens/s over it. Beside it, the *dependency-aware bound* (:func:`dependency_bound_seconds`,
 :data:`DEP_BOUND_FORMULA`): a demand miss's read starts when its layer is routed, so it can overlap only that
 layer's compute of the experts already there (and the other reads at the pool's depth), while a prefetch may
 overlap any compute; from the run's own per-layer-execution counts. ``achieved_vs_dep_bound`` is the tokens/s over
 it (docs/design.md, "Compute order").
+
+Dimensions beside policy and budget: the oracle forecast's recall (``recall``: ``seqmoe:forecast=oracle,recall=R``,
+break-even on and off, :mod:`expertcast.recipes.bench_disk_arms`) and the expert format (``expert_dtypes``: the disk
+store, slots and reads in each format, the all-in-RAM baseline bf16). Each row also reports the disk's busy and idle
+time per token from the reader pool's own timestamps; the report and figures: :mod:`expertcast.recipes.bench_disk_report`.
 """
 
 from __future__ import annotations
@@ -291,10 +299,10 @@ DEP_BOUND_FORMULA = ("dependency-aware bound: 1 / max(t_RAM + sum over counted l
                      "n c) / tokens, (D + P) x/B / tokens), t_RAM = all-in-RAM s/token, d = the layer-execution's "
                      "demand misses (their reads start when the layer is routed and overlap only that layer's compute "
                      "of the n experts it computes; the last lands after d x/B at the earliest, then one expert's "
-                     "compute c follows), x/B = expert bytes / B, B = max(disk bandwidth at the reader pool's queue "
-                     "depth, the run's own achieved read bandwidth), c = "
+                     "compute c follows), x/B = expert bytes / B, B = the full-overlap bound's disk figure (the "
+                     "one-pass measurement or any run's achieved rate, the largest), c = "
                      "one expert's measured compute at 1 token; prefetch reads (D + P counts them) overlap any compute, "
-                     "late prefetches count as there")
+                     "late prefetches count as there; never below the run's own speed")
 
 
 def dependency_bound_seconds(st, xbytes: int, disk_bytes_per_s: float, expert_s: float, full_s: float) -> float:
