@@ -16,13 +16,21 @@ policy, baseline, ... (``repeats`` policy passes, each against the mean of its n
 min-max). The all-in-RAM baseline is the runtime with every expert resident in RAM slots (capacity 1.0, warmed):
 the same expert kernels as the disk runs, so the ratio is what the disk costs; the plain model's forced replay
 (transformers' experts kernel, :class:`~expertcast.inference.runtime.forced.FullLoadReplayer`) is reported beside
-it. The *bound* of a policy is the speed its own measured loads allow with full I/O-compute overlap:
-``1 / max(reads per token x expert bytes / disk bandwidth, 1 / baseline tokens/s)``; ``achieved_vs_bound`` is
+it. The *bound* of a policy
+is the speed its own measured loads allow with full I/O-compute overlap:
+``1 / max(reads per token x expert bytes / B, min(baseline s/token, the run's own))``, B the largest of the
+one-pass disk measurement (read for at least ``disk_seconds`` at the reader pool's depth) and every run's achieved
+read rate (``disk_gbps_source`` names which): a figure any run beat would not bound. ``achieved_vs_bound`` is
 the policy's tokens/s over it. Beside it, the *dependency-aware bound* (:func:`dependency_bound_seconds`,
 :data:`DEP_BOUND_FORMULA`): a demand miss's read starts when its layer is routed, so it can overlap only that
 layer's compute of the experts already there (and the other reads at the pool's depth), while a prefetch may
 overlap any compute; from the run's own per-layer-execution counts. ``achieved_vs_dep_bound`` is the tokens/s over
 it (docs/design.md, "Compute order").
+
+Dimensions beside policy and budget: the oracle forecast's recall (``recall``: ``seqmoe:forecast=oracle,recall=R``,
+break-even on and off, :mod:`expertcast.recipes.bench_disk_arms`) and the expert format (``expert_dtypes``: the disk
+store, slots and reads in each format, the all-in-RAM baseline bf16). Each row also reports the disk's busy and idle
+time per token from the reader pool's own timestamps; the report and figures: :mod:`expertcast.recipes.bench_disk_report`.
 """
 
 from __future__ import annotations
@@ -41,15 +49,28 @@ import torch
 from expertcast.inference.runtime.disk_store import ALIGN, round_up
 from expertcast.inference.runtime.loading import RSS_MARGIN_BYTES
 from expertcast.inference.runtime.machine import (
-    CPU_FLAGS,
     MachineFigures,
     cpu_info,
-    disk_bandwidth,
+    disk_read_rate,
     gemm_kernel,
     gemm_rate,
     ram_bandwidth,
 )
 from expertcast.inference.runtime.stats import release_memory, reset_peak_rss
+from expertcast.recipes.bench_disk_arms import (  # noqa: F401 (check_held_out, decoder_layers: this module's API)
+    Timeline,
+    arm_policy,
+    budgets_of,
+    check_held_out,
+    decoder_layers,
+    forecaster_guard,
+    forecaster_recall,
+    formats_of,
+    oracle_of,
+    policy_arms,
+    timeline_arm,
+)
+from expertcast.recipes.bench_disk_report import finish_bounds, write_report
 from expertcast.utils.provenance import code_version
 
 
@@ -99,6 +120,23 @@ class BenchConfig:
     threads: int = 1
     """torch compute threads."""
     seed: int = 0
+    recall: tuple[float, ...] = ()
+    """Recalls of the oracle forecast (``seqmoe:forecast=oracle,recall=R``, break-even on and off) run per budget."""
+    expert_dtypes: tuple[str, ...] = ("bfloat16",)
+    """Expert formats (:class:`~expertcast.inference.runtime.quant.ExpertFormat`): the disk store, slots and reads of
+    each; the all-in-RAM baseline stays bf16."""
+    equal_bytes: bool = False
+    """Quantized formats also at the bytes each budget holds in bf16 (``Budget.bytes``)."""
+    disk_seconds: float = 2.0
+    """The disk measurement reads its file again until at least this long has passed."""
+    trace_timeline: str | None = None
+    """Write one pass's per-layer timeline here (JSON; :class:`Timeline`)."""
+    allow_overlap: bool = False
+    """Replay sequences the forecaster was fitted on (reported)."""
+    allow_model_mismatch: bool = False
+    """Replay another model's routing with the forecaster (reported)."""
+    truncate_trace: bool = False
+    """Replay the first L layers of a trace with more MoE layers than the model."""
 
 
 # --------------------------------------------------------------------------------------------- the replay grid
@@ -137,9 +175,9 @@ def _traces(cfg: BenchConfig, L: int, E: int, K: int, expert_bytes: int):
         replayed = {s.seq_id for s in seqs}
         calib = [s for s in every if s.seq_id not in replayed][: cfg.calib_sequences]
         seqs = [trim_sequence(s, cfg.prompt, cfg.tokens) for s in seqs]
-        meta_m, seqs, mapping = map_trace_to_model(meta, seqs, L, E, K)
+        meta_m, seqs, mapping = map_trace_to_model(meta, seqs, L, E, K, truncate_layers=cfg.truncate_trace)
         if calib:
-            _, calib, _ = map_trace_to_model(meta, calib, L, E, K)
+            _, calib, _ = map_trace_to_model(meta, calib, L, E, K, truncate_layers=cfg.truncate_trace)
         return meta_m, seqs, calib, f"recorded traces {cfg.traces} ({'; '.join(mapping.lines())})"
     from expertcast.data.synthetic import zipf_traces
 
@@ -151,16 +189,6 @@ def _traces(cfg: BenchConfig, L: int, E: int, K: int, expert_bytes: int):
     return syn.meta, every[:cfg.sequences], every[cfg.sequences:], "synthetic zipf routing"
 
 
-def check_held_out(calibration, replayed) -> None:
-    """ValueError (one line) unless ``calibration`` is non-empty and shares no sequence with ``replayed``."""
-    if not calibration:
-        raise ValueError("static: no held-out sequence to calibrate on (every sequence of the trace set is replayed; "
-                         "replay fewer or use a larger set)")
-    both = sorted({s.seq_id for s in calibration} & {s.seq_id for s in replayed})
-    if both:
-        raise ValueError(f"static: its calibration overlaps the replayed sequences ({len(both)}, e.g. {both[0]!r})")
-
-
 def start_of(policy, cache_config) -> str:
     """``warm`` when the policy places experts before anything runs (:meth:`Policy.warm_start`, e.g. static's
     placement), else ``cold``; either way the prompt's routing is then replayed through it (uncounted) before the
@@ -168,38 +196,6 @@ def start_of(policy, cache_config) -> str:
     from expertcast.inference.cache.expert_cache import ExpertCache
 
     return "warm" if len(policy.warm_start(ExpertCache(cache_config))) else "cold"
-
-
-def _policy(name: str, cfg: BenchConfig, meta, seqs, link_bytes_per_s: float, layer_ms: float, stream=None,
-            calibration=()):
-    """(policy, future): ``static`` calibrated on ``calibration`` (held-out sequences, :func:`check_held_out`),
-    ``seqmoe`` told the measured disk rate and per-layer compute (its deadlines), an oracle (``belady``: the
-    protect-rule plan) given the replayed access stream."""
-    from expertcast.inference.policies import make_policy, policy_spec
-
-    if name == "static":
-        check_held_out(calibration, seqs)
-        return make_policy("static", calibration=list(calibration)), None
-    if name == "seqmoe":
-        return make_policy("seqmoe", forecaster=cfg.forecaster, link_bytes_per_s=link_bytes_per_s,
-                           layer_compute_ms=max(layer_ms, 1e-3)), None
-    future = None
-    if "future" in policy_spec(name).needs:
-        if stream is None:
-            raise ValueError(f"{name} is an oracle: run_bench needs stream= (e.g. simulator.build_stream) to give it "
-                             f"the replayed access stream")
-        future = stream(meta, seqs, 1)
-    return make_policy(name), future
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a transformers causal LM (``model.model.layers`` for every family the runtime
-    offloads)."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(dec, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers)")
-    return list(layers)
 
 
 def layer_share(om, seqs, repeats: int = 3) -> tuple[float, float]:
@@ -286,14 +282,15 @@ def check_subset(model_dir: str, subset_dir: str) -> str:
             f"decoder layers; every tensor seeded by its name: identical weights)")
 
 
-def _load_streamed(path: str, cfg: BenchConfig, disk_path: Path, capacity: float):
-    """(model with experts on the meta device, DiskExpertStore, LoadReport): ``path`` streamed to the disk store,
-    never materialised."""
+def _load_streamed(path: str, cfg: BenchConfig, disk_path: Path, capacity: float, fmt: str = "bfloat16"):
+    """(model with experts on the meta device, DiskExpertStore, LoadReport): ``path`` streamed to the disk store in
+    expert format ``fmt``, never materialised."""
     from expertcast.inference.policies import make_policy
     from expertcast.inference.runtime.loading import load_offloaded
 
     om, _, load = load_offloaded(path, make_policy("lru"), capacity, dtype=cfg.dtype, store="disk",
-                                 disk_path=disk_path, readers=cfg.readers)
+                                 disk_path=disk_path, readers=cfg.readers,
+                                 expert_dtype=fmt)
     om.close()
     return om.model, om.store, load
 
@@ -302,10 +299,10 @@ DEP_BOUND_FORMULA = ("dependency-aware bound: 1 / max(t_RAM + sum over counted l
                      "n c) / tokens, (D + P) x/B / tokens), t_RAM = all-in-RAM s/token, d = the layer-execution's "
                      "demand misses (their reads start when the layer is routed and overlap only that layer's compute "
                      "of the n experts it computes; the last lands after d x/B at the earliest, then one expert's "
-                     "compute c follows), x/B = expert bytes / B, B = max(disk bandwidth at the reader pool's queue "
-                     "depth, the run's own achieved read bandwidth), c = "
+                     "compute c follows), x/B = expert bytes / B, B = the full-overlap bound's disk figure (the "
+                     "one-pass measurement or any run's achieved rate, the largest), c = "
                      "one expert's measured compute at 1 token; prefetch reads (D + P counts them) overlap any compute, "
-                     "late prefetches count as there")
+                     "late prefetches count as there; never below the run's own speed")
 
 
 def dependency_bound_seconds(st, xbytes: int, disk_bytes_per_s: float, expert_s: float, full_s: float) -> float:
@@ -319,48 +316,57 @@ def dependency_bound_seconds(st, xbytes: int, disk_bytes_per_s: float, expert_s:
 
 
 def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, expert_s, extra):
+    """One cell's row; its full-overlap and dependency-aware bounds are provisional (the measured disk figure) until
+    :func:`~expertcast.recipes.bench_disk_report.finish_bounds` sets them at the figure that bounds every run."""
     tok = max(st.decoded_tokens, 1)
-    io_s = st.reads / tok * xbytes / (disk_gbps * 1e9)
-    bound = 1.0 / max(io_s, full_s)
     m = st.metrics()
-    # the disk gave this run's reads at least their achieved rate (a host-side cache of a re-read store can beat the
-    # one-pass measurement): a bound at a lower rate would not bound
-    rate = max(disk_gbps, m["read_gbps"] if m["read_gbps"] == m["read_gbps"] else 0.0) * 1e9
-    dep = 1.0 / dependency_bound_seconds(st, xbytes, rate, expert_s, full_s)
-    return {"policy": name, "budget": float(budget), "capacity": cap, "slots": slots,
-            "tokens_per_s": st.tokens_per_s, "hit": st.hit,
-            "exposed_misses_per_token": m["exposed_misses_per_token"],
-            "miss_free_token_frac": m["miss_free_token_frac"], "read_mb_per_token": m["read_mb_per_token"],
-            "read_gbps": m["read_gbps"], "read_vs_disk": m["read_gbps"] / disk_gbps, "io_overlap": m["io_overlap"],
-            "reads_per_token": st.reads / tok, "bound_tokens_per_s": bound,
-            "achieved_vs_bound": st.tokens_per_s / bound, "dep_bound_tokens_per_s": dep,
-            "achieved_vs_dep_bound": st.tokens_per_s / dep, "reads": st.reads, "loads": st.D + st.P,
-            "late_prefetches": int(st.late.sum()), "decoded_tokens": st.decoded_tokens, **extra}
+    busy_ms = 1e3 * st.read_busy_seconds / tok  # the reader pool's own timestamps: time >= 1 read was in progress
+    row = {"policy": name, "budget": float(budget), "capacity": cap, "slots": slots,
+           "tokens_per_s": st.tokens_per_s, "hit": st.hit,
+           "exposed_misses_per_token": m["exposed_misses_per_token"],
+           "miss_free_token_frac": m["miss_free_token_frac"], "read_mb_per_token": m["read_mb_per_token"],
+           "read_gbps": m["read_gbps"], "io_overlap": m["io_overlap"], "reads_per_token": st.reads / tok,
+           "disk_busy_ms_per_token": busy_ms, "disk_idle_ms_per_token": max(0.0, 1e3 / st.tokens_per_s - busy_ms),
+           "expert_bytes": xbytes, "compute_floor_s": full_s, "reads": st.reads, "loads": st.D + st.P,
+           "late_prefetches": int(st.late.sum()), "decoded_tokens": st.decoded_tokens, **extra}
+    row.update({"recall": None, "breakeven": None, **oracle_of(name)})
+    finish_bounds([row], disk_gbps)
+    row["_dep"] = (st, expert_s)
+    return row
+
+
+def dep_bound_of(row: dict[str, Any], disk_bytes_per_s: float) -> float:
+    st, expert_s = row["_dep"]
+    return dependency_bound_seconds(st, row["expert_bytes"], disk_bytes_per_s, expert_s, row["compute_floor_s"])
 
 
 def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, disk_gbps, L, expert_s, stream=None,
-                 calib=()):
-    """Per budget and policy: ``cfg.repeats`` policy passes through ``disk``, each between two passes of the
-    all-in-RAM ``base`` (the paired % of full speed: median, min-max)."""
+                 calib=(), fmt="bfloat16", bf16_bytes=None):
+    """Per budget and policy: ``cfg.repeats`` policy passes through ``disk`` (experts in format ``fmt``), each
+    between two passes of the all-in-RAM ``base`` (the paired % of full speed: median, min-max)."""
     def baseline() -> float:
         return base.replay(seqs).tokens_per_s
 
     rows, skipped = [], {}
-    for budget in cfg.budgets:
-        cap = max(float(budget), K / E + 1e-9)
+    for budget, kind, cap in budgets_of(cfg, fmt, K, E, L, bf16_bytes or xbytes):
         for name in policies:
             b_prev = baseline()
             ratios, speeds, stats = [], [], []
-            for _ in range(cfg.repeats):
+            for rep in range(cfg.repeats):
                 try:
-                    pol, fut = _policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 / b_prev / L, stream, calib)
+                    pol, fut = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 / b_prev / L, stream, calib)
                     om = OffloadedModel_(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
                 except ValueError as e:
-                    skipped[name] = " ".join(str(e).split())
+                    skipped[f"{name} {fmt} {kind}"] = " ".join(str(e).split())
                     break
                 start = start_of(pol, om.cache_config)
+                traced = (cfg.trace_timeline and rep == 0 and name == timeline_arm(cfg) and kind == "experts"
+                          and budget == float(cfg.budgets[0]) and fmt == formats_of(cfg)[0])
+                timeline = Timeline(om) if traced else None
                 st = om.replay(seqs)
                 om.close()
+                if timeline is not None:
+                    timeline.save(cfg.trace_timeline, f"{name}, {fmt}, budget {budget:g}")
                 b_next = baseline()
                 speeds.append(st.tokens_per_s)
                 ratios.append(st.tokens_per_s / (0.5 * (b_prev + b_next)))
@@ -371,9 +377,11 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
                 continue
             i_med = int(np.argsort(speeds)[len(speeds) // 2])
             st, slots, b = stats[i_med]
-            rows.append(_row(name, budget, cap, st, slots, xbytes, disk_gbps, 1.0 / b, expert_s, {
-                "pct_full": 100 * float(np.median(ratios)), "pct_full_min": 100 * min(ratios),
-                "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b, "start": start}))
+            rows.append(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots, xbytes,
+                             disk_gbps, 1.0 / b, expert_s, {
+                                 "format": fmt, "budget_kind": kind,
+                                 "pct_full": 100 * float(np.median(ratios)), "pct_full_min": 100 * min(ratios),
+                                 "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b, "start": start}))
     return rows, skipped
 
 
@@ -393,10 +401,12 @@ def OffloadedModel_(*args, **kwargs):  # noqa: N802 (the runtime, imported late)
 
 def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     """Measure everything (see the module docstring); write ``bench_disk.json``, ``bench_disk.csv``,
-    ``bench_disk.png`` under ``cfg.out``; return the JSON record. ``stream``: ``(meta, sequences, batch) ->
-    AccessStream`` for oracle policies (``simulator.build_stream``; this room does not import the simulator)."""
+    ``bench_disk.png`` (and ``bench_disk_recall.png`` with ``cfg.recall``) under ``cfg.out``; return the JSON record.
+    ``stream``: ``(meta, sequences, batch) -> AccessStream`` for oracle policies (``simulator.build_stream``; this
+    room does not import the simulator)."""
 
     from expertcast.inference.policies import make_policy
+    from expertcast.inference.runtime import quant
     from expertcast.inference.runtime.disk_store import DiskExpertStore, write_disk_store_from
     from expertcast.inference.runtime.engine import OffloadedModel
     from expertcast.inference.runtime.forced import FullLoadReplayer, map_trace_to_model
@@ -408,20 +418,31 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, cfg.dtype)
-    disk_path = out / "experts.disk.safetensors"
+    formats = formats_of(cfg)
+    arms = policy_arms(cfg)
+
+    def store_path(fmt: str) -> Path:
+        return out / f"experts.{fmt}.disk.safetensors"
+
     streamed = bool(cfg.model) and Path(cfg.model).is_dir()
     subset_note = check_subset(cfg.model, cfg.baseline_model) if (streamed and cfg.baseline_model) else None
     load_report = None
     mcfg = None
+    first = None  # (model, disk store) of formats[0] when streamed
+    fmt_bytes: dict[str, int] = {}
+    fmt_views: dict[str, Any] = {}
     if streamed:  # a checkpoint folder: streamed to the disk store, never materialised
-        model, disk, load_report = _load_streamed(cfg.model, cfg, disk_path, min(cfg.budgets))
+        model, disk, load_report = _load_streamed(cfg.model, cfg, store_path(formats[0]), min(cfg.budgets),
+                                                  formats[0])
+        first = (model, disk)
         c = model.config.get_text_config()
         refs = find_experts_modules(model)
         cfg.hidden, cfg.moe_intermediate = int(c.hidden_size), int(c.moe_intermediate_size)
         cfg.experts = disk.num_experts
         cfg.top_k = int(getattr(c, "num_experts_per_tok", None) or c.top_k)
-        xbytes = disk.expert_bytes
-        w0 = disk.views(0, 0)
+        lay = disk.layout
+        xbytes = (lay.base or lay).expert_bytes  # bf16 bytes per expert (the model's own)
+        fmt_bytes[formats[0]], fmt_views[formats[0]] = lay.expert_bytes, disk.views(0, 0)
     else:
         if cfg.model:
             from expertcast.models.backbone import load_moe_model
@@ -437,28 +458,42 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                               num_key_value_heads=2, head_dim=max(cfg.hidden // 4, 8))
             model = build_from_config(mcfg, seed=cfg.seed, dtype=dtype)
         refs = find_experts_modules(model)
-        ram_store = HostExpertStore.from_model(model, refs=refs)
-        xbytes = ram_store.expert_bytes
-        write_disk_store_from(ram_store, disk_path, [r.name for r in refs])
-        w0 = ram_store.views(0, 0)
-        disk = None
+        xbytes = 0
+        for fmt in formats:  # every format's store written before a run releases the model's experts
+            ram_store = HostExpertStore.from_model(model, refs=refs, fmt=fmt)
+            write_disk_store_from(ram_store, store_path(fmt), [r.name for r in refs])
+            fmt_bytes[fmt], fmt_views[fmt] = ram_store.expert_bytes, ram_store.views(0, 0)
+            xbytes = (ram_store.layout.base or ram_store.layout).expert_bytes
+            del ram_store
     L, E, K = len(refs), cfg.experts, cfg.top_k
     cfg.layers = L
     meta, seqs, calib, source = _traces(cfg, L, E, K, xbytes)
+    guard = forecaster_guard(cfg, meta, seqs)
 
     # (i)-(iii): the machine
-    stride = round_up(xbytes, ALIGN)
-    disk_gbps, disk_mode = disk_bandwidth(out, cfg.disk_mb, stride, cfg.readers, cfg.seed)
+    stride = round_up(fmt_bytes[formats[0]], ALIGN)
+    disk_gbps, disk_mode, disk_s = disk_read_rate(out, cfg.disk_mb, stride, cfg.readers, cfg.seed,
+                                                  min_seconds=cfg.disk_seconds)
     ram_gbps = ram_bandwidth()
-    g1, ms1 = gemm_rate(refs[0].module, w0, cfg.hidden, 1)
-    g64, _ = gemm_rate(refs[0].module, w0, cfg.hidden, 64)
+    w0 = fmt_views[formats[0]]
+    g1, ms1 = gemm_rate(refs[0].module, w0, cfg.hidden, 1, dtype=dtype)
+    g64, _ = gemm_rate(refs[0].module, w0, cfg.hidden, 64, dtype=dtype)
     cpu_model, flags = cpu_info()
     kernel = gemm_kernel(cfg.hidden, cfg.moe_intermediate, cfg.dtype, cfg.threads)
-    mach = MachineFigures(disk_gbps, disk_mode, stride, cfg.readers, ram_gbps, g1, g64, ms1, kernel, flags, cpu_model)
+    mach = MachineFigures(disk_gbps, disk_mode, stride, cfg.readers, ram_gbps, g1, g64, ms1, kernel, flags, cpu_model,
+                          disk_seconds=disk_s)
+    expert_s = {}
+
+    def format_figures(fmt: str, views) -> None:
+        ga, ma = gemm_rate(refs[0].module, views, cfg.hidden, 1, dtype=dtype)
+        gb, _ = gemm_rate(refs[0].module, views, cfg.hidden, 64, dtype=dtype)
+        mach.format_gemm[fmt] = {"gflops_1": ga, "ms_1": ma, "gflops_64": gb, "expert_bytes": fmt_bytes[fmt]}
+        expert_s[fmt] = ma * 1e-3
+
+    for fmt, v in fmt_views.items():
+        format_figures(fmt, v)
+    fmt_views.clear()
     del w0
-    if not streamed:
-        del ram_store
-    policies = list(cfg.policies) + (["seqmoe"] if cfg.forecaster and "seqmoe" not in cfg.policies else [])
 
     # the baseline: the all-in-RAM model under the same forced routing (the subset's when the model does not fit)
     from expertcast.models.backbone import load_moe_model
@@ -482,65 +517,90 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     base_model = plain.close()
     n_dec_full = int(model.config.get_text_config().num_hidden_layers)
     n_dec_sub = int(base_model.config.get_text_config().num_hidden_layers)
-    # the runtime with every expert resident in RAM slots (the same kernels as the disk runs, so the ratio is the
-    # cost of the disk), warmed so that every routed expert is in its slot
+    # the runtime with every expert resident in RAM slots, bf16 (the same kernels as the disk runs, so the ratio is
+    # the cost of the disk and the format), warmed so that every routed expert is in its slot
     base = OffloadedModel(base_model, make_policy("lru"), 1.0)
     base.replay(seqs_b)
 
+    def model_store(fmt: str):
+        """(model, disk store) of format ``fmt``; the caller closes the store and deletes its file."""
+        nonlocal first
+        if not streamed:
+            return model, DiskExpertStore(store_path(fmt))
+        if first is not None and fmt == formats[0]:
+            got, first = first, None
+            return got
+        m, d, _ = _load_streamed(cfg.model, cfg, store_path(fmt), min(cfg.budgets), fmt)
+        if fmt not in mach.format_gemm:
+            fmt_bytes[fmt] = d.layout.expert_bytes
+            format_figures(fmt, d.views(0, 0))
+        return m, d
+
     skipped: dict[str, str] = {}
     sub_rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     rss_bound = {}
     if subset_note:  # every policy also on the subset, paired against the subset's all-in-RAM run
-        sub_path = out / "subset.disk.safetensors"
-        sub_model, sub_disk, _ = _load_streamed(cfg.baseline_model, cfg, sub_path, min(cfg.budgets))
-        sub_rows, skipped = _paired_grid(cfg, sub_model, sub_disk, base, meta_b, seqs_b, policies, K, E, xbytes,
-                                         disk_gbps, L_b, ms1 * 1e-3, stream, calib_b)
+        for fmt in formats:
+            sub_path = out / f"subset.{fmt}.disk.safetensors"
+            sub_model, sub_disk, _ = _load_streamed(cfg.baseline_model, cfg, sub_path, min(cfg.budgets), fmt)
+            r, sk = _paired_grid(cfg, sub_model, sub_disk, base, meta_b, seqs_b, arms, K, E, sub_disk.expert_bytes,
+                                 disk_gbps, L_b, expert_s.get(fmt, ms1 * 1e-3), stream, calib_b, fmt, xbytes)
+            sub_rows += r
+            skipped.update(sk)
+            _partial(out, [], _public(sub_rows))
+            sub_disk.close()
+            sub_path.unlink()
+            del sub_model, sub_disk
+            release_memory()
         base_s, share = layer_share(base, seqs_b)
         full_s = scaled_full_seconds(base_s, share, n_dec_sub, n_dec_full)
-        _partial(out, [], sub_rows)
-        sub_disk.close()
-        sub_path.unlink()
-        del sub_model, sub_disk
         base.close()
         del base, base_model, plain
         release_memory()
-        rows = []
-        sub_by = {(r["policy"], r["budget"]): r for r in sub_rows}
+        sub_by = {(r["policy"], r["budget"], r["format"], r["budget_kind"]): r for r in sub_rows}
         non_expert = _non_expert_bytes(model)
-        for budget in cfg.budgets:
-            cap = max(float(budget), K / E + 1e-9)
-            for name in policies:
-                runs = []
-                for _ in range(cfg.full_repeats):
-                    try:
-                        pol, fut = _policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 * full_s / L, stream, calib)
-                        om = OffloadedModel(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
-                    except ValueError as e:
-                        skipped[f"{name} (full depth)"] = " ".join(str(e).split())
-                        break
-                    start = start_of(pol, om.cache_config)
-                    reset_peak_rss()
-                    st = om.replay(seqs)
-                    om.close()
-                    runs.append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes()))
-                    del om, pol, fut  # the slots go before the next cell allocates its own
-                    release_memory()
-                if not runs:
-                    continue
-                i_med = int(np.argsort([r[0].tokens_per_s for r in runs])[len(runs) // 2])
-                st, slots, pool_bytes, rss = runs[i_med]
-                sub = sub_by.get((name, float(budget)), {})
-                bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
-                rows.append(_row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, ms1 * 1e-3, {
-                    "pct_full": sub.get("pct_full", float("nan")), "pct_full_min": sub.get("pct_full_min", float("nan")),
-                    "pct_full_max": sub.get("pct_full_max", float("nan")),
-                    "pct_full_scaled": 100 * st.tokens_per_s * full_s, "full_tokens_per_s": 1.0 / full_s,
-                    "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
-                    "sub_achieved_vs_bound": sub.get("achieved_vs_bound", float("nan")),
-                    "sub_achieved_vs_dep_bound": sub.get("achieved_vs_dep_bound", float("nan")),
-                    "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start}))
-                rss_bound[f"{name}@{budget}"] = bound_b
-                _partial(out, rows, sub_rows)
+        for fmt in formats:
+            model, disk = model_store(fmt)
+            fx = disk.expert_bytes
+            for budget, kind, cap in budgets_of(cfg, fmt, K, E, L, xbytes):
+                for name in arms:
+                    runs = []
+                    for _ in range(cfg.full_repeats):
+                        try:
+                            pol, fut = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 * full_s / L, stream, calib)
+                            om = OffloadedModel(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
+                        except ValueError as e:
+                            skipped[f"{name} {fmt} {kind} (full depth)"] = " ".join(str(e).split())
+                            break
+                        start = start_of(pol, om.cache_config)
+                        reset_peak_rss()
+                        st = om.replay(seqs)
+                        om.close()
+                        runs.append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes()))
+                        del om, pol, fut  # the slots go before the next cell allocates its own
+                        release_memory()
+                    if not runs:
+                        continue
+                    i_med = int(np.argsort([r[0].tokens_per_s for r in runs])[len(runs) // 2])
+                    st, slots, pool_bytes, rss = runs[i_med]
+                    sub = sub_by.get((name, float(budget), fmt, kind), {})
+                    bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
+                    rows.append(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots,
+                                     fx, disk_gbps, full_s, expert_s.get(fmt, ms1 * 1e-3), {
+                        "format": fmt, "budget_kind": kind,
+                        "pct_full": sub.get("pct_full", float("nan")),
+                        "pct_full_min": sub.get("pct_full_min", float("nan")),
+                        "pct_full_max": sub.get("pct_full_max", float("nan")),
+                        "pct_full_scaled": 100 * st.tokens_per_s * full_s, "full_tokens_per_s": 1.0 / full_s,
+                        "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
+                        "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start}))
+                    rss_bound[f"{name}@{budget}@{fmt}@{kind}"] = bound_b
+                    _partial(out, _public(rows), _public(sub_rows))
+            disk.close()
+            store_path(fmt).unlink()  # the disk has room for one real-shape store at a time: build, measure, delete
+            del disk
+            release_memory()
         baseline_note = (f"{subset_note}; % of full speed (pct_full) is paired on the subset: its policy passes "
                          f"through its own disk store, each between two all-in-RAM passes of it; the full-depth "
                          f"all-in-RAM speed is scaled: t_full = t_subset x ((1 - f) + f x {n_dec_full}/{n_dec_sub} decoder "
@@ -548,40 +608,68 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                          f"(hooks on each layer; the rest: embedding, final norm, LM head, per-token work), "
                          f"t_subset = {1e3 * base_s:.2f} ms -> {1e3 * full_s:.1f} ms/token")
     else:
-        disk = disk or DiskExpertStore(disk_path)
-        rows, skipped = _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, disk_gbps, L,
-                                     ms1 * 1e-3, stream, calib)
+        for fmt in formats:
+            m_f, disk = model_store(fmt)
+            r, sk = _paired_grid(cfg, m_f, disk, base, meta, seqs, arms, K, E, disk.expert_bytes, disk_gbps, L,
+                                 expert_s.get(fmt, ms1 * 1e-3), stream, calib, fmt, xbytes)
+            rows += r
+            skipped.update(sk)
+            disk.close()
+            store_path(fmt).unlink()
+            del disk, m_f
+            release_memory()
         base.close()
-        baseline_note = "the runtime with every expert resident in RAM slots (same kernels), paired passes"
-    disk.close()
-    disk_path.unlink()  # the disk has room for one real-shape store at a time: build, measure, delete
+        baseline_note = "the runtime with every expert resident in RAM slots (bf16, same kernels), paired passes"
+    for fmt in formats:
+        store_path(fmt).unlink(missing_ok=True)
+    # one disk figure for every bound of the process: never below what any of its runs achieved
+    bound_gbps, bound_source = finish_bounds(rows + sub_rows, disk_gbps, dep_bound_of)
+    sub_by = {(r["policy"], r["budget"], r["format"], r["budget_kind"]): r for r in sub_rows}
+    for r in rows:
+        sub = sub_by.get((r["policy"], r["budget"], r["format"], r["budget_kind"]))
+        if sub is not None:
+            r["sub_achieved_vs_bound"] = sub["achieved_vs_bound"]
+            r["sub_achieved_vs_dep_bound"] = sub["achieved_vs_dep_bound"]
+    mach.kernel_table = quant.TABLE.to_list()
     record = {
         "machine": asdict(mach),
         "model": {"name": cfg.model or "random-weight qwen3_moe", "L": L, "E": E, "K": K, "hidden": cfg.hidden,
                   "moe_intermediate": cfg.moe_intermediate, "dtype": cfg.dtype, "expert_bytes": xbytes,
-                  "disk_store_bytes": L * E * stride, "decoder_layers": n_dec_full},
-        "rows": rows,
-        "subset_rows": sub_rows,
+                  "expert_bytes_by_format": fmt_bytes, "disk_store_bytes": L * E * round_up(xbytes, ALIGN),
+                  "decoder_layers": n_dec_full},
+        "rows": _public(rows),
+        "subset_rows": _public(sub_rows),
         "skipped": skipped,
         "plain_model_tokens_per_s": plain_tps,
         "baseline": baseline_note,
         "peak_rss_bytes": peak_rss_bytes(),
         "load": load_report.to_dict() if load_report is not None else None,
-        "bound_definition": "1 / max(reads/token x expert bytes / disk GB/s, all-in-RAM s/token): the policy's "
-                            "own loads at the measured disk bandwidth (reader pool's queue depth) with full "
-                            "I/O-compute overlap (the issue's bound; a demand miss cannot have it)",
+        "disk_gbps_bound": bound_gbps,
+        "disk_gbps_source": bound_source,
+        "forecaster_recall": forecaster_recall(cfg, seqs, guard) if cfg.forecaster else None,
+        "bound_definition": "1 / max(reads/token x expert bytes (the row's format) / B, min(all-in-RAM bf16 "
+                            "s/token, the run's own)), B = max(the one-pass disk measurement at the reader pool's "
+                            "queue depth, every run's achieved read rate over its read-busy and its wall time): the "
+                            "policy's own loads with full I/O-compute overlap (a demand miss cannot have it); "
+                            "achieved_vs_bound <= 1 by construction",
         "dep_bound_definition": DEP_BOUND_FORMULA,
         "provenance": {"settings": asdict(cfg), "routing": source, "routing_fingerprint": _fingerprint(seqs),
                        "sequences": [s.seq_id for s in seqs],
-                       "static_calibration": [s.seq_id for s in calib] if "static" in policies else [],
+                       "static_calibration": [s.seq_id for s in calib] if "static" in arms else [],
+                       "forecaster_guard": guard,
                        "code_version": code_version(),
                        "torch": torch.__version__, "python": sys.version.split()[0],
                        "forecaster_hash": _export_hash(cfg.forecaster), "host": platform.node(),
                        "scheduling": _sched()},
     }
-    _write(out, record)
+    write_report(out, record)
     (out / "bench_disk.partial.json").unlink(missing_ok=True)
     return record
+
+
+def _public(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows without their private run objects."""
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
 
 
 def _sched() -> str:
@@ -599,70 +687,6 @@ def _export_hash(path: str | None) -> str | None:
     from expertcast.utils.provenance import sha256_files
 
     return sha256_files(path)
-
-
-COLUMNS = ["policy", "budget", "start", "slots", "tokens_per_s", "pct_full", "pct_full_min", "pct_full_max", "pct_full_scaled",
-           "sub_tokens_per_s", "hit", "reads_per_token", "exposed_misses_per_token", "miss_free_token_frac",
-           "read_mb_per_token", "read_gbps", "read_vs_disk", "io_overlap", "late_prefetches", "bound_tokens_per_s",
-           "achieved_vs_bound", "dep_bound_tokens_per_s", "achieved_vs_dep_bound", "sub_achieved_vs_bound",
-           "sub_achieved_vs_dep_bound", "peak_rss_gb", "rss_bound_gb"]
-
-
-def _write(out: Path, record: dict[str, Any]) -> None:
-    from expertcast.utils.io import atomic_write_json, print_table, save_figure, write_csv
-
-    m = record["machine"]
-    print(f"disk: {m['disk_gbps']:.2f} GB/s ({m['disk_io_mode']}, {m['disk_block_bytes']} B blocks, queue depth "
-          f"{m['disk_queue_depth']}); RAM copy: {m['ram_copy_gbps']:.2f} GB/s; expert GEMM: {m['gemm_gflops_1']:.1f} "
-          f"GFLOP/s at 1 token ({m['expert_ms_1']:.3f} ms), {m['gemm_gflops_64']:.1f} at 64; kernel {m['gemm_kernel']}; "
-          f"CPU {m['cpu_model']} flags {','.join(m['cpu_flags']) or 'none of ' + ','.join(CPU_FLAGS)}")
-    print(f"all-in-RAM baseline: {record['baseline']}; the plain model's forced replay: "
-          f"{record['plain_model_tokens_per_s']:.1f} tokens/s")
-    print(f"routing: {record['provenance']['routing']}; sequences {record['provenance']['sequences']}; "
-          f"scheduling {record['provenance']['scheduling']}")
-    cal = record["provenance"].get("static_calibration")
-    if cal:
-        print(f"static: calibrated on {len(cal)} held-out sequences of the trace set (none replayed); start: warm = "
-              f"placed before the prompt, cold = empty; every policy then replays the prompt's routing (uncounted)")
-    if any(r["policy"].startswith("belady") for r in record["rows"]):
-        print("belady: the protect-rule plan, starting cold with its prompt replay shaped by its own rule (not the "
-              "simulator's demand-only ceiling, whose every batch's decode starts from the best cache for free)")
-    print(f"bound: {record['bound_definition']}")
-    if "dep_bound_definition" in record:
-        print(record["dep_bound_definition"])
-    for k, v in record.get("skipped", {}).items():
-        print(f"not run: {k}: {v}")
-    cols = [c for c in COLUMNS if any(c in r for r in record["rows"])]
-    md = record["model"]
-    print_table(record["rows"], title=f"disk tier: forced-routing replay through the disk store ({md['name']}, "
-                f"L={md['L']} E={md['E']} K={md['K']}, {md['expert_bytes'] / 1e6:.2f} MB/expert)", columns=cols, floatfmt="{:.3g}")
-    atomic_write_json(out / "bench_disk.json", record)
-    write_csv(out / "bench_disk.csv", record["rows"])
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    rows = record["rows"]
-    for i, name in enumerate(dict.fromkeys(r["policy"] for r in rows)):
-        rs = [r for r in rows if r["policy"] == name]
-        x = [100 * r["budget"] for r in rs]
-        c = f"C{i}"
-        ax.plot(x, [r["tokens_per_s"] for r in rs], "o-", color=c, label=name)
-        ax.plot(x, [r["bound_tokens_per_s"] for r in rs], "--", color=c, alpha=0.6, label=f"{name} bound")
-        if all("dep_bound_tokens_per_s" in r for r in rs):
-            ax.plot(x, [r["dep_bound_tokens_per_s"] for r in rs], ":", color=c, alpha=0.6,
-                    label=f"{name} dependency-aware bound")
-    budgets = sorted({100 * r["budget"] for r in rows})
-    full = [float(np.median([r["full_tokens_per_s"] for r in rows if 100 * r["budget"] == b])) for b in budgets]
-    ax.plot(budgets, full, "k-", label="all experts in RAM")
-    ax.set_xlabel("RAM budget (% of experts)")
-    ax.set_ylabel("tokens/s")
-    ax.set_title(f"disk tier, disk {m['disk_gbps']:.2f} GB/s")
-    ax.legend(fontsize=7)
-    save_figure(fig, out / "bench_disk.png")
-    print(f"wrote {out / 'bench_disk.json'}, bench_disk.csv, bench_disk.png")
 
 
 def quick_config(out: str) -> BenchConfig:

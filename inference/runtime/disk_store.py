@@ -399,6 +399,8 @@ class ReaderPoolEngine(WorkerWaits, TransferEngine):
                     self._busy_total += tr.finished - self._busy_since
                 if sink is not None:
                     sink.read_seconds += tr.finished - tr.started
+                if self.timeline is not None:
+                    self.timeline.append(("read", tr.key, tr.demand, tr.submitted, tr.started, tr.finished))
                 tr.event.set()
                 self._pending -= 1
                 waiting = self._blocked.get(tr.slot)

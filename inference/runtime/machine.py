@@ -36,12 +36,28 @@ class MachineFigures:
     gemm_kernel: str
     cpu_flags: list[str] = field(default_factory=list)
     cpu_model: str = ""
+    disk_seconds: float = float("nan")
+    """How long the disk measurement read."""
+    format_gemm: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per expert format: one expert's GEMM rate at 1 and 64 tokens (bf16-equivalent FLOPs), its ms at 1 token and
+    bytes per expert."""
+    kernel_table: list[dict] = field(default_factory=list)
+    """The kernels that ran per quantized shape (``quant.TABLE.to_list()``)."""
 
 
 # --------------------------------------------------------------------------------------------- machine figures
 def disk_bandwidth(folder: str | os.PathLike, size_mb: int, block: int, readers: int, seed: int = 0) -> tuple[float, str]:
     """(GB/s, I/O mode) of direct reads of ``block`` bytes at random aligned offsets of a fresh ``size_mb`` file
-    in ``folder`` by ``readers`` threads (deleted afterwards)."""
+    in ``folder`` by ``readers`` threads (deleted afterwards): one pass of :func:`disk_read_rate`."""
+    gbps, mode, _ = disk_read_rate(folder, size_mb, block, readers, seed)
+    return gbps, mode
+
+
+def disk_read_rate(folder: str | os.PathLike, size_mb: int, block: int, readers: int, seed: int = 0,
+                   min_seconds: float = 0.0) -> tuple[float, str, float]:
+    """(GB/s, I/O mode, seconds read) of :func:`disk_bandwidth`'s reads, the file read again in a new random order
+    (direct reads: from the disk each time) until at least ``min_seconds`` have passed (a short pass can miss the
+    disk's steady rate)."""
     block = round_up(block)
     n = max(size_mb * 1_000_000 // block, readers)
     fd, name = tempfile.mkstemp(prefix=".bench-disk-", dir=folder)
@@ -61,8 +77,7 @@ def disk_bandwidth(folder: str | os.PathLike, size_mb: int, block: int, readers:
             mode = BUFFERED
             rfd = os.open(name, os.O_RDONLY)
         os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
-        order = np.random.default_rng(seed).permutation(n)
-        parts = np.array_split(order, readers)
+        rng = np.random.default_rng(seed)
 
         def read(idx: np.ndarray) -> None:
             buf = aligned_empty(block).numpy()
@@ -71,15 +86,18 @@ def disk_bandwidth(folder: str | os.PathLike, size_mb: int, block: int, readers:
                 if mode == BUFFERED:
                     os.posix_fadvise(rfd, int(i) * block, block, os.POSIX_FADV_DONTNEED)
 
-        ts = [threading.Thread(target=read, args=(p,)) for p in parts]
         t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        passes = 0
+        while passes == 0 or time.perf_counter() - t0 < min_seconds:
+            ts = [threading.Thread(target=read, args=(p,)) for p in np.array_split(rng.permutation(n), readers)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            passes += 1
         dt = time.perf_counter() - t0
         os.close(rfd)
-        return n * block / 1e9 / dt, mode
+        return passes * n * block / 1e9 / dt, mode, dt
     finally:
         os.unlink(name)
 
@@ -140,14 +158,17 @@ def gemm_kernel(hidden: int, inter: int, dtype: str, threads: int, n: int = 64) 
     return "not oneDNN (torch's own/ATen BLAS kernel; ONEDNN_VERBOSE printed no exec line)"
 
 
-def gemm_rate(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int, tokens: int, reps: int = 20
-              ) -> tuple[float, float]:
-    """(GFLOP/s, ms) of one expert forward of ``module`` on ``tokens`` rows (median of ``reps``)."""
+def gemm_rate(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int, tokens: int, reps: int = 20,
+              dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """(GFLOP/s, ms) of one expert forward of ``module`` on ``tokens`` rows (median of ``reps``); ``weights`` may
+    hold quantized weights (:class:`~expertcast.inference.runtime.quant.QWeight`, bf16-equivalent FLOPs), the
+    activations then in ``dtype``."""
     from expertcast.inference.runtime.experts import expert_forward
 
-    dt = next(iter(weights.values())).dtype
+    dt = dtype or next(v.dtype for v in weights.values() if isinstance(v, torch.Tensor))
     x = torch.randn(tokens, hidden).to(dt)
-    flops = 2 * tokens * sum(v.numel() for k, v in weights.items() if not k.endswith("_bias"))
+    flops = 2 * tokens * sum(v.numel() if isinstance(v, torch.Tensor) else v.N * v.K  # a QWeight: N x K weights
+                             for k, v in weights.items() if not k.endswith("_bias"))
     times = []
     for _ in range(reps + 3):
         t0 = time.perf_counter()

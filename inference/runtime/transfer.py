@@ -96,6 +96,10 @@ class WorkerWaits:
 
     _error: BaseException | None = None
     failure = "expert transfer failed"
+    timeline: list | None = None
+    """When a list: each wait that blocked is appended as ``("wait", key, t0, t1)`` and (the disk reader pool) each
+    finished read as ``("read", key, demand, submitted, started, finished)`` (perf_counter seconds; the disk
+    benchmark's ``--trace-timeline``)."""
 
     def done(self, tr: Transfer) -> bool:
         return tr.event.is_set()
@@ -107,7 +111,10 @@ class WorkerWaits:
         t0 = time.perf_counter()
         tr.event.wait()
         self._raise_pending()
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.append(("wait", tr.key, t0, t1))
+        return t1 - t0
 
     def wait_any(self, trs: list[Transfer]) -> float:
         """Block on the engine's condition (its workers notify it after setting each transfer's event)
@@ -120,7 +127,10 @@ class WorkerWaits:
             while not any(tr.event.is_set() for tr in trs):
                 self._cv.wait()
         self._raise_pending()
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.append(("wait", None, t0, t1))
+        return t1 - t0
 
     def _raise_pending(self) -> None:
         if self._error is not None:
