@@ -15,7 +15,6 @@ against the true targets, so training sees the compounding errors of multi-step 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,19 @@ from expertcast.models.forecaster import (
     ExpertForecaster,
     ForecasterConfig,
     ForecasterState,
-    activation_probs,
     check_backbone,
     predictions_to_input,
     scaled_width,
 )
 from expertcast.models.forecaster_export import save_forecaster
+from expertcast.train.forecaster_calibration import (
+    SELECT_MARGIN,
+    ResidualScaleFit,
+    calibrate_on_loader,
+    fit_temperature,
+    recall_at,
+    select_components,
+)
 
 
 def ranking_loss(logits: torch.Tensor, target_ids: torch.Tensor, num_negatives: int) -> torch.Tensor:
@@ -57,13 +63,6 @@ def kl_loss(logits: torch.Tensor, target_dist: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1)
     q = target_dist.float()
     return (torch.xlogy(q, q) - q * logp).sum(-1).mean(-1)
-
-
-def recall_at(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Share of the true top-K found in the predicted top-``k``: logits [N, L, E], target_ids [N, L, K] -> [N, L]."""
-    pred = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
-    hit = (target_ids.unsqueeze(-1) == pred.unsqueeze(-2)).any(-1)
-    return hit.float().mean(-1)
 
 
 def sampling_schedule(progress: float, teacher_forcing_fraction: float, ramp_fraction: float,
@@ -136,254 +135,6 @@ def rollout_inputs(net: ExpertForecaster, x: torch.Tensor, replaced: torch.Tenso
         if k < segment - 1:
             cur, _ = net.step(inp, roll_state)
     return out
-
-
-def fit_temperature(logits: torch.Tensor, target_ids: torch.Tensor, top_k: int,
-                    grid: torch.Tensor | None = None) -> tuple[float, float]:
-    """Temperature T minimizing the binary cross-entropy of :func:`activation_probs` against the true selections.
-
-    Args:
-        logits: [N, L, E] one-step logits of held-out elements; target_ids: long [N, L, K] their true experts.
-    Returns:
-        (T, BCE at T).
-    """
-    member = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, target_ids, 1.0)
-    grid = grid if grid is not None else torch.exp(torch.linspace(math.log(0.05), math.log(20.0), 49))
-    best = (1.0, float("inf"))
-    for T in grid.tolist():
-        p = activation_probs(logits, top_k, T).clamp(1e-6, 1 - 1e-6)
-        bce = float(F.binary_cross_entropy(p, member))
-        if bce < best[1]:
-            best = (float(T), bce)
-    return best
-
-
-RESIDUAL_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-"""Candidate factors alpha_j on the learned logits of each head (:class:`ResidualScaleFit`)."""
-
-
-class ResidualScaleFit:
-    """Held-out choice of ``ForecasterConfig.residual_scale``: for each direct head j, the alpha in ``grid`` whose
-    logits alpha · learned + online prior reach the highest recall@K on the held-out targets of head j (the
-    smallest such alpha on ties, so a head whose learned part adds nothing there reduces to the online prior).
-
-    Accumulates hits [H_d, len(grid)] and targets [H_d] batch by batch (no logits kept)."""
-
-    def __init__(self, heads: int, top_k: int, grid: tuple[float, ...] = RESIDUAL_GRID):
-        if not grid or any(not 0 <= a <= 1 for a in grid):
-            raise ValueError(f"residual grid values must be in [0, 1], got {grid}")
-        self.grid = tuple(sorted(grid))
-        self.top_k = top_k
-        self.hits = torch.zeros(heads, len(self.grid), dtype=torch.float64)
-        self.count = torch.zeros(heads, dtype=torch.float64)
-
-    @torch.no_grad()
-    def add(self, learned: torch.Tensor, prior: torch.Tensor, target_ids: torch.Tensor, use: torch.Tensor) -> None:
-        """learned / prior [B, W, H, L, E] (:meth:`ExpertForecaster.forward_parts`), target_ids long [B, W, L, K]
-        (target of position i = element i+1), use bool [B, W] (targets to score). Head j at position i is scored
-        against the target of position i+j."""
-        W, H = learned.shape[1], min(learned.shape[2], self.hits.shape[0])
-        for j in range(H):
-            sel = use[:, j:]
-            n = int(sel.sum())
-            if not n:
-                continue
-            lg, pr = learned[:, : W - j, j][sel].float(), prior[:, : W - j, j][sel].float()
-            tid = target_ids[:, j:][sel]
-            for a_i, a in enumerate(self.grid):
-                self.hits[j, a_i] += float(recall_at(a * lg + pr, tid, self.top_k).mean(-1).sum())
-            self.count[j] += n
-
-    def result(self) -> list[float] | None:
-        """alpha per head (None until every head has held-out targets)."""
-        if not bool((self.count > 0).all()):
-            return None
-        best = (self.hits / self.count.unsqueeze(1)).argmax(1)  # first maximum: the smallest alpha
-        return [float(self.grid[int(i)]) for i in best]
-
-    def recall(self) -> torch.Tensor:
-        """Held-out recall@K [H_d, len(grid)] (NaN where a head had no targets)."""
-        return self.hits / self.count.unsqueeze(1)
-
-
-SELECT_MARGIN = 0.002
-"""The learned part issues a (head, layer) only when its held-out recall@K beats the best exact component's there by
-more than this (:func:`select_components`)."""
-
-
-@torch.no_grad()
-def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_out: Sequence[TraceSequence],
-                      meta: TraceMeta, refit: Sequence[TraceSequence] | None = None, margin: float = SELECT_MARGIN,
-                      grid: tuple[float, ...] = RESIDUAL_GRID, budget: int = 1 << 24) -> dict[str, Any]:
-    """Choose ``residual_scale`` and ``selection`` on held-out sequences (docs/design.md "Exact components").
-
-    The components' tables are fitted on ``fit``. Each held-out sequence is run from a zero state as a whole (as
-    forecast-eval runs it; batched with sequences of similar length, so that this costs about one pass over the
-    held-out elements: :func:`~expertcast.train.forecaster_data.whole_sequence_batches`), scored on its decode
-    targets per direct head j and layer l, for: the forecaster's own logits (learned part x alpha + online prior,
-    learned gate included) at every alpha of ``grid`` (1 alone without online statistics), and every exact component. alpha_j is the best on head j over all layers (the
-    smallest on ties); layer l of head j keeps the learned part only where it beats the best component by more
-    than ``margin``, else issues that component (the first best on ties, in ``component_names`` order); a head
-    left with no learned layer gets alpha 0. Then the tables are refitted on ``refit`` (e.g. train + val: the
-    sequences forecast-eval fits its baselines on), so the components stay the baselines exactly.
-    Returns a report (held-out recall per head of the chosen logits, the learned part and each component)."""
-    from expertcast.train.forecaster_data import whole_sequence_batches
-
-    comps = net.components
-    if comps is None:
-        raise ValueError("select_components needs a forecaster with exact components (component_half_lives)")
-    c = net.config
-    was = net.training
-    net.eval()
-    dev = next(net.parameters()).device
-    H, L, K = c.direct_horizons, c.num_layers, c.top_k
-    comps.fit(fit, c.p)
-    alphas = tuple(sorted(grid)) if net.online is not None else (1.0,)
-    C = comps.num_components
-    hits = torch.zeros(H, len(alphas) + C, L, dtype=torch.float64)
-    count = torch.zeros(H, dtype=torch.float64)
-    saved = (c.residual_scale, c.selection)
-    row = H * c.input_size  # logits floats per padded element
-
-    def batches(by_length: bool = True):
-        return whole_sequence_batches(held_out, meta, c.trigger_layer, row, budget, by_length)
-
-    try:
-        for batch in batches():
-            x, tid, use = batch["inputs"].to(dev), batch["target_ids"], _scored(batch)
-            cands = []
-            c.selection = None
-            for alpha in alphas:
-                c.residual_scale = [alpha] * H
-                cands.append(net(x, all_horizons=True).float().cpu())
-            comp = comps.scores(x.float(), H, list(range(C)))
-            cands += [comp[k].cpu() for k in range(C)]
-            W = x.shape[1]
-            for j in range(H):
-                sel = use[:, j:]
-                if not bool(sel.any()):
-                    continue
-                for i, lg in enumerate(cands):
-                    hits[j, i] += recall_at(lg[:, : W - j, j][sel], tid[:, j:][sel], K).sum(0).double()
-                count[j] += int(sel.sum())
-    finally:
-        c.residual_scale, c.selection = saved
-        net.train(was)
-    if not bool((count > 0).all()):
-        raise ValueError("the held-out sequences hold no decode targets for every direct head")
-    rec = hits / count.view(H, 1, 1)  # [H, G + C, L]
-    G = len(alphas)
-    a_idx = rec[:, :G].mean(-1).argmax(1)  # first maximum: the smallest alpha
-    learned = rec[torch.arange(H), a_idx]  # [H, L]
-    best_c = rec[:, G:].argmax(1)  # [H, L]
-    best_r = rec[:, G:].max(1).values
-    keep = learned > best_r + margin
-    selection = torch.where(keep, torch.full_like(best_c, -1), best_c)
-    scale = [float(alphas[int(a_idx[j])]) if bool(keep[j].any()) else 0.0 for j in range(H)]
-    c.residual_scale = scale if net.online is not None else None
-    c.selection = selection.tolist()  # with switch_half_life > 0 the per-sequence leader now starts from it; the
-    # temperatures below are fitted on the logits issued with it
-    chosen = torch.where(keep, learned, best_r).mean(-1)
-    # the probabilities must match the logits now issued (a selected component's are scaled scores): per-head
-    # temperatures on the same held-out targets, the tables still fitted on ``fit`` only
-    temps = fit_head_temperatures(net, batches(by_length=False), dev)  # the held-out order: its first elements
-    c.head_temperatures = temps
-    if refit is not None:
-        comps.fit(refit, c.p)
-    return {"held_out_sequences": len(held_out), "margin": margin, "residual_scale": scale,
-            "head_temperatures": temps,
-            "learned_layers": [int(k) for k in keep.sum(1)],
-            "recall": {"chosen": chosen.tolist(), "learned": learned.mean(-1).tolist(),
-                       **{n: rec[:, G + k].mean(-1).tolist() for k, n in enumerate(comps.names)}}}
-
-
-HEAD_CALIBRATION_ELEMENTS = 2048
-"""Held-out decode targets per direct head that :func:`fit_head_temperatures` fits each temperature on."""
-
-
-@torch.no_grad()
-def fit_head_temperatures(net: ExpertForecaster, batches: Any, dev: Any,
-                          max_elements: int = HEAD_CALIBRATION_ELEMENTS) -> list[float]:
-    """Per direct head j, the temperature of :func:`fit_temperature` for the logits the network issues now (its
-    selection and residual scale applied) against the targets j elements later, on up to ``max_elements`` decode
-    targets of the held-out ``batches`` (an iterable of :class:`~expertcast.train.forecaster_data.ForecastWindows`
-    batches, read only as far as needed)."""
-    c = net.config
-    H = c.direct_horizons
-    was = net.training
-    net.eval()
-    logits: list[list[torch.Tensor]] = [[] for _ in range(H)]
-    ids: list[list[torch.Tensor]] = [[] for _ in range(H)]
-    n = [0] * H
-    try:
-        for batch in batches:
-            if min(n) >= max_elements:
-                break
-            x, tid, use = batch["inputs"].to(dev), batch["target_ids"], _scored(batch)
-            lg = net(x, all_horizons=True).float().cpu()  # [B, T, H, L, E]
-            W = x.shape[1]
-            for j in range(H):
-                sel = use[:, j:]
-                if n[j] >= max_elements or not bool(sel.any()):
-                    continue
-                logits[j].append(lg[:, : W - j, j][sel])
-                ids[j].append(tid[:, j:][sel])
-                n[j] += int(sel.sum())
-    finally:
-        net.train(was)
-    out = []
-    for j in range(H):
-        if not logits[j]:
-            out.append(float(c.temperature))
-            continue
-        T, _ = fit_temperature(torch.cat(logits[j])[:max_elements], torch.cat(ids[j])[:max_elements], c.top_k)
-        out.append(T)
-    return out
-
-
-@torch.no_grad()
-def calibrate_on_loader(net: ExpertForecaster, loader: Any, max_elements: int = 4096, residual: bool = False
-                        ) -> float:
-    """Fit ``net.config.temperature`` on the one-step logits of a loader's windows (held-out data). Returns T.
-
-    ``residual``: first fit ``net.config.residual_scale`` on the same windows (:class:`ResidualScaleFit`; only
-    with online statistics; pass held-out windows: on the training windows the learned part always wins)."""
-    was = net.training
-    net.eval()
-    dev = next(net.parameters()).device
-    c = net.config
-    if residual and net.online is not None:
-        fit = ResidualScaleFit(c.direct_horizons, c.top_k)
-        n = 0
-        for batch in loader:
-            learned, prior = net.forward_parts(batch["inputs"].to(dev), all_horizons=True)
-            fit.add(learned.cpu(), prior.cpu(), batch["target_ids"], _scored(batch))
-            n += int(batch["mask"].sum())
-            if n >= max_elements:
-                break
-        c.residual_scale = fit.result()
-    logits, ids = [], []
-    n = 0
-    for batch in loader:
-        lg = net(batch["inputs"].to(dev)).float().cpu()
-        m = batch["mask"]
-        logits.append(lg[m])
-        ids.append(batch["target_ids"][m])
-        n += int(m.sum())
-        if n >= max_elements:
-            break
-    net.train(was)
-    if not logits:
-        return net.config.temperature
-    T, _ = fit_temperature(torch.cat(logits), torch.cat(ids), net.config.top_k)
-    net.config.temperature = T
-    return T
-
-
-def _scored(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """bool [B, W]: the decode targets of a batch (all valid targets when it holds none), as recall is scored."""
-    dec = batch["mask"] & batch["decode"]
-    return dec if bool(dec.any()) else batch["mask"]
 
 
 class ForecasterModule(pl.LightningModule):
