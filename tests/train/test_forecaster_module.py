@@ -32,6 +32,7 @@ from expertcast.models.forecaster import (
 )
 from expertcast.models.forecaster_export import load_forecaster, save_forecaster
 from expertcast.models.forecaster_recall import evaluate, fit_baselines
+from expertcast.train.forecaster_calibration import RESIDUAL_GRID, ResidualScaleFit, recall_at
 from expertcast.train.forecaster_data import (
     EpochShuffleSampler,
     ForecasterDataModule,
@@ -39,13 +40,10 @@ from expertcast.train.forecaster_data import (
     split_sequences,
 )
 from expertcast.train.forecaster_module import (
-    RESIDUAL_GRID,
     ForecasterModule,
-    ResidualScaleFit,
     fit_forecaster,
     kl_loss,
     ranking_loss,
-    recall_at,
     rollout_inputs,
     sample_replacements,
     sampling_schedule,
@@ -446,7 +444,7 @@ def test_select_components_keeps_the_learned_part_only_where_it_beats_every_comp
     """A learned part that knows the future of layer 0 only (its logits planted from the true next element):
     the selection keeps it on layer 0 and gives layer 1 the best component; the tables are refitted on ``refit``."""
     from expertcast.models.forecaster_components import component_names, fit_frequency
-    from expertcast.train.forecaster_module import select_components
+    from expertcast.train.forecaster_calibration import select_components
 
     proc = StickyRoutingProcess.realistic(num_layers=2, num_experts=8, top_k=2, seed=0)
     seqs = proc.sample(12, 30, prompt_len=4, seed=2)
@@ -478,8 +476,8 @@ def test_selected_components_get_their_own_per_head_temperatures():
     the selection on the learned logits, on every head; ``probs`` applies head j's temperature to horizon j."""
     import torch.nn.functional as F
     from expertcast.models.forecaster import activation_probs
+    from expertcast.train.forecaster_calibration import fit_temperature
     from expertcast.train.forecaster_data import ForecastWindows
-    from expertcast.train.forecaster_module import fit_temperature
 
     proc = StickyRoutingProcess.realistic(num_layers=3, num_experts=16, top_k=2, seed=0)
     seqs = proc.sample(40, 40, prompt_len=4, seed=1)
