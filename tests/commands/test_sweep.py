@@ -116,3 +116,14 @@ def test_config_file_values_and_flag_override_equal_the_command_line(tmp_path):
                                             "--no-progress", "--out", "runs/t"]))
     assert got.pop("config") == str(cfg) and flags.pop("config") is None
     assert got == flags
+
+
+def test_sweep_runs_int8_experts_and_records_the_format(tmp_path, data_dir):
+    out = tmp_path / "q"
+    argv = [*with_opt("--benchmarks", "arith"), "--expert-dtype", "int8", "--baseline", "resident"]
+    assert main([*argv, "--out", str(out)]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sweep["expert_dtype"] == "int8" and sweep["guard"] == {}
+    (cell,) = out.glob("cells/arith/*/summary.json")
+    s = json.loads(cell.read_text())
+    assert s["expert_dtype"] == "int8" and s["load"]["plan"]["expert_format"] == "int8" and s["speed"]["tokens_match"]
