@@ -193,9 +193,13 @@ class ExpertcastLM(TemplateLM):
     def _check_guard(self, problem_ids: list[str] | None) -> dict[str, dict[str, Any]]:
         from expertcast.inference.runtime.session import check_artefacts
 
-        return check_artefacts(self._checked, problem_ids, scored=f"the harness's documents on --model_args model="
-                                                                 f"{self._checked.model_path}",
-                               allow_overlap=self._allow_overlap, allow_model_mismatch=self._allow_model_mismatch)
+        try:
+            return check_artefacts(self._checked, problem_ids, scored=f"the harness's documents on --model_args "
+                                                                     f"model={self._checked.model_path}",
+                                   allow_overlap=self._allow_overlap, allow_model_mismatch=self._allow_model_mismatch)
+        except UsageError as e:  # name the harness's spelling of the flags
+            text = str(e).replace("--allow-overlap", "--model_args allow_overlap=true")
+            raise type(e)(text.replace("--allow-model-mismatch", "--model_args allow_model_mismatch=true")) from None
 
     def check_requests(self, requests: list[Any]) -> None:
         """The guard on the documents of ``requests`` (before any of them runs): their problem ids

@@ -262,6 +262,7 @@ def test_cli_refuses_the_overlap_in_one_line(tmp_path, data_dir, monkeypatch, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("expertcast lm-eval: error:"), err[-5:]
     assert "were used to train" in err[-1] and "gsm8k-test-00001" in err[-1], err[-1]
+    assert "--model_args allow_overlap=true" in err[-1], err[-1]
 
 
 def test_unknown_task_is_one_line(capsys):
