@@ -142,9 +142,14 @@ def fit_stage_policy(policy: Any, resolved: str, allow_model_mismatch: bool = Fa
     cue_set = getattr(policy, "cue_set", None)
     guard = None
     if cue_set is not None:
-        guard = cue_set.check_model(resolved, source=f"cue set of --policy {policy.name}", what="the evaluated tokens",
-                                    model=model_identity(resolved, init_seed=None),
-                                    allow_mismatch=allow_model_mismatch)
+        from expertcast.utils.fitted_on import ModelMismatchError
+
+        try:
+            guard = cue_set.check_model(resolved, source=f"cue set of --policy {policy.name}",
+                                        what="the evaluated tokens", model=model_identity(resolved, init_seed=None),
+                                        allow_mismatch=allow_model_mismatch)
+        except ModelMismatchError as e:
+            raise ModelMismatchError(f"{e} or pass --allow-model-mismatch (reported in the output)") from None
     if policy.wants_tokenizer():
         from expertcast.inference.policies.artifacts import load_tokenizer
 

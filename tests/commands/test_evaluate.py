@@ -383,3 +383,16 @@ def test_int4_experts_run_and_match_the_all_resident_int4_baseline(tmp_path, cap
     # the baseline reuses the session's int4 store (same kernels): its tokens are the offloaded run's
     assert sp["baseline"] == "all-resident" and sp["tokens_match"] and sp["decoded_tokens"] > 0
     assert "experts int4" in capsys.readouterr().out
+
+
+def test_cue_set_of_another_model_is_reported_when_allowed(tmp_path, capsys, data_dir):
+    from expertcast.commands.evaluate import build_parser, prepare
+    from expertcast.inference.saem.cues import CueSet
+
+    p = tmp_path / "cues.json"
+    CueSet(cues=["Wait"], model_id="olmoe-tiny", expert_frequency=[[1.0] * 16] * 4).save(p)
+    argv = [*with_opt("--policy", f"stage:cue_set={p}"), "--out", str(tmp_path / "o")]
+    rc, err = run(argv, capsys)
+    assert rc == 2 and "'olmoe-tiny'" in err and "--allow-model-mismatch" in err, err
+    info = prepare(build_parser().parse_args([*argv, "--allow-model-mismatch"]))["info"]
+    assert info["guard"]["cue set"]["model_match"] is False and "olmoe-tiny" in info["guard_note"]
