@@ -12,7 +12,8 @@
   names or their spelling with dashes), read by :class:`CommandParser` as if given on the command line before
   the flags, so an explicit flag overrides it (``docs/design.md``, "Provenance").
 * :func:`add_capacity_args` / :func:`capacities_from_args`: ``--capacity`` is always a fraction of all
-  experts in (0, 1]; ``--slots`` is always a slot count. The unit is in the flag, never in the number.
+  experts in (0, 1]; ``--slots`` is always a slot count; ``--budget-gb`` decimal GB of expert weights. The
+  unit is in the flag, never in the number; each value becomes a typed ``Budget`` that travels to the cache.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from expertcast.utils.errors import UsageError
+
+if TYPE_CHECKING:
+    from expertcast.inference.cache.expert_cache import Budget
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -288,27 +292,61 @@ def parse_counts(text: str, flag: str = "--slots") -> list[int]:
     return out
 
 
-def add_capacity_args(p: argparse.ArgumentParser, *, multiple: bool, default: str | None = None) -> None:
+def add_capacity_args(p: argparse.ArgumentParser, *, multiple: bool, default: str | None = None,
+                      budget_gb: bool = False) -> None:
     """``--capacity`` (fractions of all L*E experts) and ``--slots`` (slot counts: per layer for the
-    per-layer pool, in all for the shared pool); ``multiple`` allows comma lists."""
+    per-layer pool, in all for the shared pool); ``multiple`` allows comma lists. ``budget_gb``: also
+    ``--budget-gb`` (decimal GB of resident expert weights, whatever their format), exclusive of the other two."""
     s = "comma list of " if multiple else ""
     p.add_argument("--capacity", default=default,
                    help=f"{s}fraction(s) of all experts kept resident, in (0, 1] (1 = every expert)")
     p.add_argument("--slots", default=None,
                    help=f"{s}slot count(s) instead of a fraction: per layer (per-layer pool) or in all (shared pool)")
+    if budget_gb:
+        p.add_argument("--budget-gb", default=None,
+                       help=f"{s}decimal GB of resident expert weights instead (budget // bytes per expert slots, "
+                            "split over the layers of a per-layer pool): a smaller expert format buys more slots")
 
 
-def capacities_from_args(args: argparse.Namespace, *, multiple: bool) -> list[dict[str, Any]]:
-    """CacheConfig keyword dicts (``{"capacity": f}`` or ``{"slots": n}``) from the capacity flags."""
+def capacities_from_args(args: argparse.Namespace, *, multiple: bool) -> list[Budget]:
+    """The :class:`~expertcast.inference.cache.expert_cache.Budget` of each value of the capacity flags
+    (``--capacity``: fractions, ``--slots``: counts, ``--budget-gb``: decimal GB), in that order."""
+    from expertcast.inference.cache.expert_cache import Budget
+
+    gb = getattr(args, "budget_gb", None)
+    if gb is not None and (args.capacity is not None or args.slots is not None):
+        given = "--capacity" if args.capacity is not None else "--slots"
+        raise UsageError(f"give --budget-gb (bytes of experts) or {given}, not both")
     if args.capacity is not None and args.slots is not None and not multiple:
         raise UsageError("give --capacity (a fraction) or --slots (a count), not both")
-    out: list[dict[str, Any]] = []
+    out: list[Budget] = []
     if args.capacity is not None:
-        out += [{"capacity": v} for v in parse_fractions(args.capacity)]
+        out += [Budget.fraction(v) for v in parse_fractions(args.capacity)]
     if args.slots is not None:
-        out += [{"slots": v} for v in parse_counts(args.slots)]
+        out += [Budget.slots(v) for v in parse_counts(args.slots)]
+    if gb is not None:
+        out += [Budget.gb(v) for v in parse_gigabytes(gb)]
     if not multiple and len(out) > 1:
-        raise UsageError("this command takes one capacity; give a single --capacity or --slots value")
+        raise UsageError("this command takes one capacity; give a single --capacity, --slots or --budget-gb value")
+    return out
+
+
+def parse_gigabytes(text: str, flag: str = "--budget-gb") -> list[float]:
+    """Comma-separated positive decimal gigabytes."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = float(part)
+        except ValueError:
+            raise UsageError(f"{flag}: {part!r} is not a number of gigabytes") from None
+        if not v > 0 or v != v or v == float("inf"):
+            raise UsageError(f"{flag}: {part}; a byte budget must be a positive number of GB")
+        out.append(v)
+    if not out:
+        raise UsageError(f"{flag}: no value given")
     return out
 
 

@@ -1,6 +1,6 @@
 """``expertcast eval``: offloaded inference on GSM8K / MATH-500 under a cache policy.
 
-    expertcast eval --model M --benchmark gsm8k|math500 --policy P (--capacity F | --slots N) --out DIR
+    expertcast eval --model M --benchmark gsm8k|math500 --policy P (--capacity F | --slots N | --budget-gb G) --out DIR
 
 Greedy generation through :class:`~expertcast.inference.runtime.engine.OffloadedModel` (real expert
 offloading), graded with the benchmark's grader. Reports accuracy and the decode-only metrics users compare
@@ -73,7 +73,7 @@ from expertcast.inference.runtime.session import (
     paired_speed_passes,
     speed_line,
 )
-from expertcast.inference.runtime.stats import RowPeak
+from expertcast.inference.runtime.stats import RowPeak, forecaster_line
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 PROG = "expertcast eval"
@@ -99,7 +99,7 @@ def build_parser() -> CommandParser:
     ap.add_argument("--policy", required=True,
                     help="cache policy with options, e.g. lru, 'lrfu:lam=0.1', 'seqmoe:forecaster=EXPORT', "
                          "'stage:cue_set=CUES.json'")
-    add_capacity_args(ap, multiple=False)
+    add_capacity_args(ap, multiple=False, budget_gb=True)
     ap.add_argument("--out", required=True, help="output folder (claimed; resumed when the settings match)")
     ap.add_argument("--overwrite", action="store_true", help="remove this folder's earlier eval output and start over")
     ap.add_argument("--mmap-store", action="store_true",
@@ -393,10 +393,11 @@ def prepare(args: Any) -> dict[str, Any]:
 
     caps = capacities_from_args(args, multiple=False)
     if not caps:
-        raise UsageError("give --capacity (a fraction of all experts) or --slots (a slot count)")
+        raise UsageError("give --capacity (a fraction of all experts), --slots (a slot count) or --budget-gb (GB of experts)")
     check_store_args(args)
     device = resolve_device(args.device)
-    checked = check_run(args.model, args.policy, caps[0], args.pool,
+    budget = caps[0]
+    checked = check_run(args.model, args.policy, budget, args.pool,
                         allow_model_mismatch=getattr(args, "allow_model_mismatch", False))
     policy, name, opts, files = checked.policy, checked.policy_name, checked.options, checked.files
     resolved, shape, cache_config = checked.model_path, checked.shape, checked.cache_config
@@ -405,12 +406,12 @@ def prepare(args: Any) -> dict[str, Any]:
     fc = guard.get("forecaster")
     overlap = None if fc is None else {k: fc.get(k) for k in ("overlap", "evaluated", "allowed")}
     settings = eval_settings(args, resolved=resolved, device=device, policy_name=name, opts=opts, files=files,
-                             capacity=caps[0])
-    info = {"model": args.model, "model_path": resolved, "policy": args.policy, "capacity": caps[0],
+                             capacity=budget.row())
+    info = {"model": args.model, "model_path": resolved, "policy": args.policy, "capacity": budget.row(),
             "cache": cache_config.describe(), "artefacts": files, "overlap": overlap, "guard": guard,
             "guard_note": guard_note(guard), "expert_dtype": session_expert_dtype(args), "settings": settings,
             "settings_hash": sha256_json(settings)}
-    return {"policy": policy, "problems": problems, "device": device, "info": info, "shape": shape}
+    return {"policy": policy, "problems": problems, "device": device, "info": info, "shape": shape, "budget": budget}
 
 
 def evaluate(args: Any) -> int:
@@ -452,7 +453,7 @@ def _generate_and_report(args: Any, out: Any, cell: dict[str, Any], done: list[d
     if done:
         print(f"resuming {out.path}: {len(done)} samples done (same settings), {len(todo)} to go")
     row_peak = RowPeak().__enter__()  # this run's own peak: its load (or its slots), its generation
-    om = session.offload(cell["policy"], info["capacity"], measure_latency=True)
+    om = session.offload(cell["policy"], cell["budget"], measure_latency=True)
     tok = session.tok
     templated = has_chat_template(tok) if args.chat_template == "auto" else args.chat_template == "yes"
     latency = om.latency_measurement
@@ -595,7 +596,7 @@ def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs:
             policy.use_latency(lat_model)  # the latency model measured at start-up
         return policy
 
-    speed = paired_speed_passes(session, encs, make_policy, info["capacity"], int(cell["shape"][2]), baseline,
+    speed = paired_speed_passes(session, encs, make_policy, cell["budget"], int(cell["shape"][2]), baseline,
                                 args.speed_repeats, max_new_tokens=args.max_new_tokens, eos=eos)
     speed["problems"] = [p.id for p in probs]
     if not speed["tokens_match"]:
@@ -682,6 +683,8 @@ def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict
     if speed:
         print(speed_line(speed, f"{len(speed['problems'])} problems"))
     print(f"tokens_per_s: {summary['tokens_per_s_source']}")
+    if (line := forecaster_line(summary)) is not None:
+        print(f"{line} (the graded pass)")
     if load.get("store_kind") == "disk":
         rss = summary["rss"]
         print(f"disk store ({rss['disk_io_mode']}, {rss['readers']} readers): peak RSS of this run ({rss['scope']}) "

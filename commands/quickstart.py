@@ -24,7 +24,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from expertcast.commands.common import (
     CommandParser,
@@ -35,6 +35,9 @@ from expertcast.commands.common import (
     positive_int,
     resolve_model,
 )
+
+if TYPE_CHECKING:
+    from expertcast.inference.cache.expert_cache import Budget
 
 PROG = "expertcast quickstart"
 STEPS_FILE = "steps.json"
@@ -156,9 +159,9 @@ def quickstart(args: Any) -> int:
     return 0
 
 
-def _capacity_flags(caps: list[dict[str, Any]]) -> list[str]:
-    fracs = [str(c["capacity"]) for c in caps if "capacity" in c]
-    slots = [str(c["slots"]) for c in caps if "slots" in c]
+def _capacity_flags(caps: list[Budget]) -> list[str]:
+    fracs = [str(c.value) for c in caps if c.kind == "fraction"]
+    slots = [str(c.value) for c in caps if c.kind == "slots"]
     return (["--capacity", ",".join(fracs)] if fracs else []) + (["--slots", ",".join(slots)] if slots else [])
 
 

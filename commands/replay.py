@@ -61,7 +61,7 @@ def build_parser() -> CommandParser:
     ap.add_argument("--policy", action="append", default=None,
                     help="cache policy with options (repeat the flag for several; default lru); oracles (belady) "
                          "read the replayed trace; static is calibrated in-sample on it")
-    add_capacity_args(ap, multiple=True, default=None)
+    add_capacity_args(ap, multiple=True, default=None, budget_gb=True)
     ap.add_argument("--pool", default="per-layer", choices=["per-layer", "shared"], help="slot pools")
     ap.add_argument("--store", default="ram", choices=["ram", "disk"],
                     help="where the experts live: host RAM, or a direct-read file on disk (--disk-path)")
@@ -196,7 +196,7 @@ def replay(args: Any) -> int:
     from expertcast.inference.runtime.forced import map_trace_to_model
     from expertcast.inference.runtime.loading import load_offloaded
     from expertcast.inference.runtime.real_shapes import read_provenance
-    from expertcast.inference.runtime.stats import RowPeak
+    from expertcast.inference.runtime.stats import RowPeak, forecaster_line
     from expertcast.inference.sim.simulator import build_stream
     from expertcast.utils.io import atomic_write_json, report
     from expertcast.utils.outdir import DISK_STORE_KIND, claim_output_file
@@ -228,7 +228,8 @@ def replay(args: Any) -> int:
     from expertcast.data.traces import require_decode_tokens
 
     require_decode_tokens(meta, seqs, source)
-    caps = capacities_from_args(args, multiple=True) if (args.capacity or args.slots) else [{"capacity": 0.25}]
+    caps = (capacities_from_args(args, multiple=True) if (args.capacity or args.slots or args.budget_gb)
+            else [Budget.fraction(0.25)])
     policies = args.policy or ["lru"]
     store_kw = _store_kwargs(args)
     from expertcast.inference.runtime import quant
@@ -250,8 +251,7 @@ def replay(args: Any) -> int:
 
     rows: list[dict[str, Any]] = []
     model = store = load = None
-    for cap in caps:
-        budget = Budget.from_flags(cap)
+    for budget in caps:
         for pspec_text in policies:
             policy, name, future = make_policy_for(pspec_text, meta, seqs, lambda: build_stream(meta, seqs, 1))
             with RowPeak() as peak:  # this row's own peak: the last row's slots are gone before this one loads
@@ -285,11 +285,16 @@ def replay(args: Any) -> int:
                 finally:
                     om.close()
                 slots, pool_bytes = om.cache.num_slots, om.pool.nbytes
+                if budget.kind == "bytes":
+                    print(f"replay: {budget.label} of {xfmt} experts ({om.layout.expert_bytes / 1e6:.3f} MB each): "
+                          f"{slots} slots ({args.pool} pool)")
                 om.pool = om.workspace = None  # the slots go now
                 del om
             m = st.metrics()
             n = max(st.decoded_tokens, 1)
-            rows.append({"policy": pspec_text if pspec_text != name else name, "capacity": budget.requested,
+            gb = budget.row() if budget.kind == "bytes" else {}  # {"budget_gb": g}: the slots it bought are `slots`
+            rows.append({"policy": pspec_text if pspec_text != name else name,
+                         "capacity": gb["budget_gb"] if gb else budget.requested, **gb,
                          "store": args.store, "expert_dtype": xfmt, "sequences": len(seqs), "decoded_tokens": st.decoded_tokens,
                          "tokens_per_s": st.tokens_per_s, "hit": m["hit"], "demand_misses": m["demand_misses"],
                          "misses_per_token": m["demand_misses"] / n, "late_prefetches": m["late_prefetches"],
@@ -305,6 +310,9 @@ def replay(args: Any) -> int:
     cols = COLUMNS + [c for c in READ_COLUMNS if args.store == "disk" and any(c in r for r in rows)]
     report(rows, title=f"forced-routing replay on {Path(resolved).name} ({args.store} store, {args.device})",
            csv_path=args.csv, columns=cols)
+    for r in rows:  # a forecasting policy's cost per decode step
+        if (line := forecaster_line(r["metrics"])) is not None:
+            print(f"replay: {r['policy']} @ {r['capacity']}: {line}")
     if args.csv:
         outs["--csv"].written()
     if args.json:

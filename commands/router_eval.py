@@ -382,6 +382,7 @@ def evaluate_run(target: EvalTarget, examples, problems, B: int, cfg: StudyConfi
                  overlap: dict[str, Any]) -> dict[str, Any]:
     """Rows (one per policy/R) and the full-load completions of one export; ``overlap`` is its
     :func:`check_overlap` result."""
+    from expertcast.inference.cache.expert_cache import Budget
     from expertcast.inference.runtime.eval_run import eos_ids
     from expertcast.inference.runtime.session import ModelSession, SessionSettings
     from expertcast.models.backbone import load_adaptation_export
@@ -399,7 +400,7 @@ def evaluate_run(target: EvalTarget, examples, problems, B: int, cfg: StudyConfi
     rows = []
     run = target.run_info.get("run", {})
     for pname, policy, R in study_policies(info, B, cfg.R, seqs):
-        off = session.decode(policy, {"slots": B}, batches, benchmark=cfg.benchmark,
+        off = session.decode(policy, Budget.slots(B), batches, benchmark=cfg.benchmark,
                              max_new_tokens=cfg.max_new_tokens, eos=eos)
         A, D, P = off.counters["accesses"], off.counters["demand"], off.counters["proactive"]
         ntok = max(off.decoded_tokens, 1)

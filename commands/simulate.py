@@ -78,7 +78,7 @@ def build_parser() -> CommandParser:
     ap.add_argument("--policies", default="lru,lfu,belady",
                     help="comma list of policies, options as name:key=value,key=value (see --list-policies)")
     ap.add_argument("--list-policies", action="store_true", help="print every policy with its options and exit")
-    add_capacity_args(ap, multiple=True)
+    add_capacity_args(ap, multiple=True, budget_gb=True)
     ap.add_argument("--slots-per-layer", default=None, help="comma list of per-layer budgets B (per-layer pool)")
     ap.add_argument("--pool", default="per-layer", choices=["per-layer", "shared"],
                     help="one slot pool per MoE layer, or one pool shared by all layers")
@@ -168,7 +168,7 @@ def _capacities(args) -> tuple[list[Any], list[int] | None]:
     budgets)."""
     from expertcast.inference.cache.expert_cache import Budget
 
-    caps: list[Any] = [Budget.from_flags(c) for c in capacities_from_args(args, multiple=True)]
+    caps: list[Any] = capacities_from_args(args, multiple=True)
     spl = parse_counts(args.slots_per_layer, "--slots-per-layer") if args.slots_per_layer is not None else None
     if spl and args.pool != "per-layer":
         raise UsageError("--slots-per-layer gives per-layer budgets: use --pool per-layer")
@@ -448,6 +448,9 @@ def run(args) -> int:
     options = _policy_options(args)
     meta, seqs = _load_traces(args)
     cost = _cost(args, meta.num_layers)
+    if any(c.kind == "bytes" for c in capacities) and not meta.expert_bytes:
+        raise UsageError(f"--budget-gb: the trace's meta does not record the bytes of one expert (expert_bytes) "
+                         f"of {meta.model_id}; import it with `traces import --expert-bytes N`, or give --capacity or --slots")
     from expertcast.inference.sim.simulator import cache_configs
 
     try:

@@ -321,8 +321,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError("nothing to evaluate: give --traces (with a cue set) and/or --synthetic")
     tag = "cot" if args.max_sequences is None else f"cot{args.max_sequences}"
     with claim_output_dir(args.out, "stages-eval", overwrite=args.overwrite) as out:
-        rows = evaluate_saem(batch_sizes=batch_sizes, capacities=[c["capacity"] for c in caps if "capacity" in c],
-                             slots=[c["slots"] for c in caps if "slots" in c], policies=policies, cost=cost,
+        rows = evaluate_saem(batch_sizes=batch_sizes, capacities=[c.value for c in caps if c.kind == "fraction"],
+                             slots=[c.value for c in caps if c.kind == "slots"], policies=policies, cost=cost,
                              traces=traces, tag=tag, cue_set=cs, decoder=dec, synthetic=args.synthetic,
                              partial=lambda t: out.file(f"partial-{t}.json"))
         note = None if guard is None else guard_note({"the cue set": guard})

@@ -24,7 +24,7 @@ import argparse
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from expertcast.commands.common import (
     CommandParser,
@@ -38,7 +38,12 @@ from expertcast.commands.evaluate import add_run_args, add_store_args
 from expertcast.data.benchmarks import BENCHMARKS
 from expertcast.utils.errors import UsageError
 
+if TYPE_CHECKING:
+    from expertcast.inference.cache.expert_cache import Budget
+
 PROG = "expertcast sweep"
+SWEEP_CAPACITIES = "0.15,0.25,0.35,0.45"
+"""``--capacity`` unless given (or ``--budget-gb`` is)."""
 
 
 def build_parser() -> CommandParser:
@@ -49,7 +54,7 @@ def build_parser() -> CommandParser:
     ap.add_argument("--policies", required=True,
                     help="comma list of cache policies, options as name:key=value,key=value "
                          "(e.g. lru,static:calibration=TRACES,seqmoe:forecaster=EXPORT,stage:cue_set=CUES.json)")
-    add_capacity_args(ap, multiple=True, default="0.15,0.25,0.35,0.45")
+    add_capacity_args(ap, multiple=True, default=SWEEP_CAPACITIES, budget_gb=True)
     ap.add_argument("--out", required=True, help="output folder (claimed; cells resume when their settings match)")
     ap.add_argument("--overwrite", action="store_true", help="remove this folder's earlier sweep output and start over")
     add_store_args(ap)
@@ -75,13 +80,14 @@ def benchmarks_of(text: str) -> list[str]:
     return names
 
 
-def cell_args(args: argparse.Namespace, benchmark: str, spec: str, cap: dict[str, Any], out: str) -> argparse.Namespace:
+def cell_args(args: argparse.Namespace, benchmark: str, spec: str, cap: Budget, out: str) -> argparse.Namespace:
     """The ``expertcast eval`` arguments of one cell."""
     d = vars(args).copy()
     for k in ("benchmarks", "policies"):
         d.pop(k)
-    d.update(benchmark=benchmark, policy=spec, capacity=None, slots=None, out=out, mmap_store=False, wandb=False)
-    d["capacity" if "capacity" in cap else "slots"] = str(next(iter(cap.values())))
+    d.update(benchmark=benchmark, policy=spec, capacity=None, slots=None, budget_gb=None, out=out, mmap_store=False,
+             wandb=False)
+    d[cap.flag[2:].replace("-", "_")] = cap.value_text
     return argparse.Namespace(**d)
 
 
@@ -94,9 +100,11 @@ def plan_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
     specs = split_policy_list(args.policies)
     if len(set(specs)) < len(specs):
         raise UsageError(f"--policies {args.policies}: a policy is given twice")
+    if args.budget_gb is not None and args.capacity == SWEEP_CAPACITIES:
+        args.capacity = None  # --budget-gb in place of the default fractions (an explicit --capacity is refused)
     caps = capacities_from_args(args, multiple=True)
     if not caps:
-        raise UsageError("give --capacity (fractions of all experts) or --slots (slot counts)")
+        raise UsageError("give --capacity (fractions of all experts), --slots (slot counts) or --budget-gb (GB)")
     cells = []
     for b in benches:
         for spec in specs:
@@ -121,7 +129,7 @@ def sweep(args: argparse.Namespace) -> int:
         session = ModelSession(session_settings(cells[0]["args"], first["info"]["model_path"], first["device"],
                                                 out=args.out))
         for i, c in enumerate(cells):
-            print(f"[{i + 1}/{len(cells)}] {c['benchmark']} {c['spec']} @ {next(iter(c['cap'].values()))}", flush=True)
+            print(f"[{i + 1}/{len(cells)}] {c['benchmark']} {c['spec']} @ {c['cap'].value_text}", flush=True)
             summary = run_cell(c["args"], CellDir(out, c["rel"]), c["cell"], session)
             rows.append(table_row(c["benchmark"], c["spec"], c["cap"], summary))
         _write_outputs(args, out, rows, first["info"], cells)
@@ -186,11 +194,9 @@ def policy_slug(spec: str) -> str:
     return name if not opts.strip() else f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
 
 
-def cell_relpath(benchmark: str, spec: str, cap: dict[str, Any]) -> str:
+def cell_relpath(benchmark: str, spec: str, cap: Budget) -> str:
     """The cell's folder relative to the sweep's output folder."""
-    from expertcast.inference.cache.expert_cache import Budget
-
-    return f"{CELLS}/{benchmark}/{policy_slug(spec)}@{Budget.from_flags(cap).tag}"
+    return f"{CELLS}/{benchmark}/{policy_slug(spec)}@{cap.tag}"
 
 
 class CellDir:
@@ -210,11 +216,13 @@ class CellDir:
         return self.path / name
 
 
-def table_row(benchmark: str, spec: str, cap: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    """One sweep row from a cell's eval summary."""
-    row = {"benchmark": benchmark, "policy": spec, "capacity": next(iter(cap.values()))}
+def table_row(benchmark: str, spec: str, cap: Budget, summary: dict[str, Any]) -> dict[str, Any]:
+    """One sweep row from a cell's eval summary (``capacity``: the budget's number, ``capacity_kind``: its
+    :meth:`~expertcast.inference.cache.expert_cache.Budget.row` key)."""
+    (kind, value), = cap.row().items()
+    row = {"benchmark": benchmark, "policy": spec, "capacity": value}
     row.update({k: summary.get(k) for k in TABLE_COLUMNS if k not in row})
-    row["capacity_kind"] = next(iter(cap))
+    row["capacity_kind"] = kind
     row["tokens_match"] = (summary.get("speed") or {}).get("tokens_match")
     row["latency_model"] = summary.get("latency_model")
     return row

@@ -34,7 +34,8 @@ against the model's shape, artefacts made for another model).
 
 Model arguments: ``model`` (any ``--model`` of ``expertcast eval``; default ``tiny-default``), ``policy``
 (``--policy``; options separated by ``;`` since the harness splits its arguments on commas, e.g.
-``policy=lrfu:lam=0.1``), ``capacity`` (a fraction of all experts) or ``slots``, ``pool``, ``dtype``,
+``policy=lrfu:lam=0.1``), ``capacity`` (a fraction of all experts), ``slots`` or ``budget_gb`` (decimal GB of
+expert weights), one of them, ``pool``, ``dtype``,
 ``decode_path``, ``link_gbps``, ``seed`` (a random-init preset), ``threads``, ``max_length`` and
 ``max_gen_toks`` (default 256, the harness's), ``speed_samples``, ``speed_repeats`` and ``baseline`` (the speed
 measurement above), ``expert_dtype`` (``eval --expert-dtype``: ``bfloat16``, ``int8``, ``int4``, ...),
@@ -53,6 +54,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from expertcast.inference.cache.expert_cache import Budget
 from expertcast.inference.runtime.session import (
     BASELINES,  # ``baseline`` values (``expertcast eval --baseline``)
 )
@@ -69,6 +71,23 @@ METRIC_COLUMNS = ("hit", "cpu_exec", "adj_hit", "mb_per_token", "read_mb_per_tok
 """The cache and speed columns of the printed table (decode-only counters)."""
 GREEDY_KEYS = {"do_sample", "temperature", "until", "max_gen_toks"}
 """Generation settings the adapter reads; any other (top_p, ...) is refused."""
+
+
+def _budget_arg(capacity: Any, slots: Any, budget_gb: Any) -> Budget:
+    """The :class:`~expertcast.inference.cache.expert_cache.Budget` of ``capacity=F``, ``slots=N`` or
+    ``budget_gb=G`` (exactly one)."""
+    given = [k for k, v in (("capacity", capacity), ("slots", slots), ("budget_gb", budget_gb)) if v is not None]
+    if len(given) != 1:
+        raise UsageError("--model_args: give capacity=F (a fraction of all experts), slots=N or budget_gb=G, "
+                         f"one of them (got {', '.join(given) or 'none'})")
+    if capacity is not None:
+        return Budget.fraction(float(capacity))
+    if slots is not None:
+        return Budget.slots(_int_arg("slots", slots))
+    try:
+        return Budget.gb(float(budget_gb))
+    except ValueError:
+        raise UsageError(f"--model_args budget_gb={budget_gb!r}: expected a positive number of GB") from None
 
 
 def _int_arg(name: str, value: Any, minimum: int = 1) -> int:
@@ -116,7 +135,7 @@ class ExpertcastLM(TemplateLM):
     """The harness's view of one offloaded model (see the module docstring for the arguments)."""
 
     def __init__(self, model: str = "tiny-default", policy: str = "lru", capacity: float | None = None,
-                 slots: int | None = None, pool: str = "per-layer", device: str | None = None, dtype: str = "auto",
+                 slots: int | None = None, budget_gb: float | None = None, pool: str = "per-layer", device: str | None = None, dtype: str = "auto",
                  batch_size: int | str | None = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, seed: int = 0, link_gbps: float | None = None, decode_path: str = "eager",
                  threads: int | None = None, speed_samples: int = 2, speed_repeats: int = 3, baseline: str = "auto",
@@ -125,9 +144,9 @@ class ExpertcastLM(TemplateLM):
         super().__init__()
         if unknown:
             raise UsageError(f"--model_args: unknown argument(s) {', '.join(sorted(unknown))} of model {MODEL_NAME} "
-                             f"(model, policy, capacity, slots, pool, dtype, decode_path, link_gbps, seed, threads, "
-                             f"max_length, max_gen_toks, speed_samples, speed_repeats, baseline, expert_dtype, allow_overlap, "
-                             f"allow_model_mismatch)")
+                             f"(model, policy, capacity, slots, budget_gb, pool, dtype, decode_path, link_gbps, seed, "
+                             f"threads, max_length, max_gen_toks, speed_samples, speed_repeats, baseline, expert_dtype, "
+                             f"allow_overlap, allow_model_mismatch)")
         if str(batch_size).startswith("auto"):
             raise UsageError(f"--batch_size {batch_size}: model {MODEL_NAME} takes a fixed batch size (an integer)")
         self._batch_size = _int_arg("batch_size", batch_size if batch_size is not None else 1)
@@ -150,21 +169,19 @@ class ExpertcastLM(TemplateLM):
         """:func:`~expertcast.inference.runtime.eval_run.batch_stats` of every generate_until batch."""
         if threads is not None:
             torch.set_num_threads(_int_arg("threads", threads))
-        self.settings = self._check(model, policy, capacity, slots, pool, device or "auto", dtype, seed, link_gbps,
+        self.budget = _budget_arg(capacity, slots, budget_gb)
+        self.settings = self._check(model, policy, self.budget, pool, device or "auto", dtype, seed, link_gbps,
                                     decode_path)
         self._load()
 
     # -- set-up -----------------------------------------------------------------------------------------
-    def _check(self, model: str, policy: str, capacity: Any, slots: Any, pool: str, device: str, dtype: str,
+    def _check(self, model: str, policy: str, cap: Budget, pool: str, device: str, dtype: str,
                seed: Any, link_gbps: Any, decode_path: str) -> dict[str, Any]:
         """Every cheap check, before the model loads (:func:`~expertcast.inference.runtime.session.check_run`, as
         ``expertcast eval`` checks its flags); builds the session's settings."""
         from expertcast.inference.runtime.session import DTYPES, SessionSettings, check_run
         from expertcast.utils.devices import resolve_device
 
-        if (capacity is None) == (slots is None):
-            raise UsageError("--model_args: give capacity=F (a fraction of all experts) or slots=N, one of them")
-        cap = {"capacity": float(capacity)} if capacity is not None else {"slots": _int_arg("slots", slots)}
         if pool not in ("per-layer", "shared"):
             raise UsageError(f"--model_args pool={pool!r}: expected per-layer or shared")
         if dtype not in DTYPES:
@@ -185,7 +202,7 @@ class ExpertcastLM(TemplateLM):
         ss = self.session_settings
         return {"model": ss.model, "model_path": resolved, "policy": spec, "policy_name": name,
                 "policy_options": {k: v for k, v in sorted(opts.items()) if k not in files}, "artefacts": files,
-                "capacity": cap, "pool": pool, "shape": list(shape), "cache": checked.cache_config.describe(),
+                "capacity": cap.row(), "pool": pool, "shape": list(shape), "cache": checked.cache_config.describe(),
                 "device": ss.device, "dtype": dtype, "seed": ss.seed, "link_gbps": ss.link_gbps,
                 "decode_path": decode_path, "batch_size": self._batch_size, "greedy": True,
                 "expert_dtype": ss.expert_dtype}
@@ -231,7 +248,7 @@ class ExpertcastLM(TemplateLM):
 
         s = self.settings
         self.session = ModelSession(self.session_settings)
-        self.om = self.session.offload(self.policy, s["capacity"])
+        self.om = self.session.offload(self.policy, self.budget)
         self.tok, self.load_report = self.session.tok, self.session.load_report
         self.eos = eos_ids(self.om.model, self.tok)
         if not self.eos:
@@ -462,14 +479,14 @@ class ExpertcastLM(TemplateLM):
             return policy
 
         max_new = self._speed_contexts[0][1]
-        speed = paired_speed_passes(session, encs, make_policy, s["capacity"], int(s["shape"][2]),
+        speed = paired_speed_passes(session, encs, make_policy, self.budget, int(s["shape"][2]),
                                     baseline, self._speed_repeats, max_new_tokens=max_new, eos=self.eos)
         speed["baseline_choice"] = choice
         speed["speed_samples"] = len(self._speed_contexts)
         speed["max_new_tokens"] = max_new
         speed["stops"] = "EOS only (the task's stop sequences are not applied in the speed passes)"
         self.policy = make_policy()
-        self.om = session.offload(self.policy, s["capacity"])
+        self.om = session.offload(self.policy, self.budget)
         return speed
 
     def get_model_info(self) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 A forecaster export, a router-adaptation export and a cue set each record what they were fitted on: the sequence
 (or text) ids of their fit and validation sets, and the identity of the model whose routing they learnt
 (:func:`expertcast.models.backbone.model_identity`, or only the model id a trace set records). Each artefact's own
-module turns that record into a :class:`FittedOn` (``forecaster_export.fitted_on``, ``router_export.fitted_on``,
-``CueSet.fitted_on``); every entry point that scores one calls :func:`check_fitted_on` with the ids it scores and
+module turns that record into a :class:`FittedOn` (``forecaster_export.forecaster_fitted_on``,
+``router_export.router_fitted_on``, ``CueSet.fitted_on``); every entry point that scores one calls :func:`check_fitted_on` with the ids it scores and
 the identity of the model whose routing it replays or runs:
 
 * scoring sequences the artefact was fitted on (or an artefact recording no ids) is an :class:`OverlapError`

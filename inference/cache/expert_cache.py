@@ -53,7 +53,8 @@ class Budget:
     (:meth:`fraction`), a slot count (:meth:`slots`: per layer, or in total for a shared pool), explicit
     per-layer slot counts (:meth:`per_layer`) or the bytes of expert weights it may hold (:meth:`bytes`, resolved
     with the cache's ``expert_bytes``, whatever the experts' format). Parsed once where a number or a flag enters (:meth:`parse`,
-    :meth:`from_flags`); :attr:`requested`, :attr:`tag` and :attr:`label` are how outputs and messages name it."""
+    ``commands.common.capacities_from_args``) and carried typed to the cache; :meth:`row`, :attr:`requested`,
+    :attr:`tag` and :attr:`label` are how outputs and messages name it."""
 
     kind: str
     """``fraction``, ``slots``, ``per-layer`` or ``bytes``."""
@@ -103,17 +104,45 @@ class Budget:
         raise UsageError(f"a cache budget is a fraction (float), a slot count (int) or per-layer counts, got {value!r}")
 
     @classmethod
-    def from_flags(cls, cap: Mapping[str, Any]) -> Budget:
-        """The Budget of a command's capacity flags as :func:`expertcast.commands.common.capacities_from_args`
-        gives them: ``{"capacity": f}`` (a fraction), ``{"slots": n}`` or ``{"bytes": n}``."""
-        if set(cap) == {"capacity"}:
-            return cls.fraction(cap["capacity"])
-        if set(cap) == {"slots"}:
-            return cls.slots(cap["slots"])
-        if set(cap) == {"bytes"}:
-            return cls.bytes(cap["bytes"])
-        raise UsageError(f"a capacity is {{'capacity': fraction}}, {{'slots': count}} or {{'bytes': n}}, "
-                         f"got {dict(cap)!r}")
+    def gb(cls, g: float) -> Budget:
+        """``g`` decimal gigabytes (1 GB = 1e9 bytes) of resident expert weights (``--budget-gb``): :meth:`bytes`."""
+        if not 0 < float(g) < float("inf"):
+            raise UsageError(f"--budget-gb is a positive number of gigabytes, got {g}")
+        return cls.bytes(int(round(float(g) * 1e9)))
+
+    ROW_KEYS = {"capacity": "fraction", "slots": "slots", "budget_gb": "bytes"}
+    """The one-key form of a budget in output rows and resume keys (:meth:`row`) and the kind each key names."""
+
+    def row(self) -> dict[str, float | int]:
+        """The budget as outputs and resume keys record it: ``{"capacity": f}``, ``{"slots": n}`` or
+        ``{"budget_gb": g}`` (:meth:`from_row` reads it back)."""
+        if self.kind == "fraction":
+            return {"capacity": self.value}  # type: ignore[dict-item]
+        if self.kind == "slots":
+            return {"slots": self.value}  # type: ignore[dict-item]
+        if self.kind == "bytes":
+            return {"budget_gb": self.value / 1e9}  # type: ignore[operator]
+        raise UsageError("per-layer slot counts have no one-key row form")
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Budget:
+        """The Budget of a :meth:`row` (an earlier output's ``{"capacity": f}``, ``{"slots": n}`` or
+        ``{"budget_gb": g}``)."""
+        if len(row) == 1 and next(iter(row)) in cls.ROW_KEYS:
+            key, v = next(iter(row.items()))
+            return cls.fraction(v) if key == "capacity" else cls.slots(v) if key == "slots" else cls.gb(v)
+        raise UsageError(f"a capacity row is {{'capacity': fraction}}, {{'slots': count}} or {{'budget_gb': g}}, "
+                         f"got {dict(row)!r}")
+
+    @property
+    def value_text(self) -> str:
+        """The budget's number as the user gave it (``0.25``, ``8``, ``1.5`` GB): messages and progress lines."""
+        return str(next(iter(self.row().values()))) if self.kind != "per-layer" else self.tag
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag that gives this budget: ``--capacity``, ``--slots`` or ``--budget-gb``."""
+        return {"fraction": "--capacity", "slots": "--slots", "bytes": "--budget-gb"}.get(self.kind, "--slots")
 
     @property
     def requested(self) -> float | int | list[int]:
@@ -131,11 +160,11 @@ class Budget:
 
     @property
     def label(self) -> str:
-        """``capacity 0.25``, ``slots=8``, ``slots_per_layer`` or ``budget 1 GiB``: how messages name it."""
+        """``capacity 0.25``, ``slots=8``, ``slots_per_layer`` or ``budget 1.5 GB``: how messages name it."""
         if self.kind == "fraction":
             return f"capacity {self.value:g}"
         if self.kind == "bytes":
-            return f"budget {self.value / 2**30:.4g} GiB"
+            return f"budget {self.value / 1e9:.4g} GB"
         return f"slots={self.value}" if self.kind == "slots" else "slots_per_layer"
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,12 +76,16 @@ class ForecastJob:
             [len(rows), L, E] (``rows`` empty: nothing to consume, e.g. precomputed forecasts).
         publish: ``F -> value`` turns the forecast (None when none was rolled out) into what the worker
             publishes (None: nothing new); default: F itself.
+        state: the batch's recurrent state, so that a job still running when its batch ends never touches the next
+            batch's (the decoding thread does not wait for it).
     """
 
     generation: int
     t: int
     element: Callable[[], tuple[list[int], np.ndarray | None]]
     publish: Callable[[np.ndarray | None], Any] | None = None
+    state: Any = None
+    """The recurrent state the element advances (None: the policy's current one)."""
 
 
 class ForecastWorker:
@@ -105,17 +110,25 @@ class ForecastWorker:
         self.steps = 0
         self.rollouts = 0
         self.published = 0
+        self.dropped = 0
+        """Forecasts that never reached the decode: rollouts skipped for a newer queued element, publications
+        replaced before they were taken, elements of an ended batch."""
         self._cv = threading.Condition()
         self._done_t = -1
         self.stream: torch.cuda.Stream | None = None
         self.thread = threading.Thread(target=self._run, name="expertcast-forecaster", daemon=True)
         self.thread.start()
 
-    def begin(self, generation: int) -> None:
-        """A new batch: wait for the previous one's elements, forget its publication."""
-        self.drain()
+    def begin(self, generation: int, wait: bool = True) -> None:
+        """A new batch: forget the previous one's publication, after its queued elements are consumed (``wait``; the
+        graph planner's jobs write the policy's online state) or skipping them (no wait: a job still running keeps its
+        own batch's state, :attr:`ForecastJob.state`, and the decoding thread never waits for it)."""
+        if wait:
+            self.drain()
         self.generation = generation
         with self._cv:
+            if self.latest is not None:
+                self.dropped += 1
             self.latest = None
             self._done_t = -1
 
@@ -164,17 +177,20 @@ class ForecastWorker:
                 if job is _STOP:
                     return
                 if job.generation != self.generation:
+                    self.dropped += 1
                     continue  # an element of a batch that has ended
                 rows, x = job.element()
                 F = None
                 if rows:
                     last = self.jobs.unfinished_tasks <= 1  # nothing newer queued: forecast from here
-                    F = self.policy.forecast(rows, x, rollout=last or self.every)
+                    F = self.policy.forecast(rows, x, rollout=last or self.every, state=job.state)
                     self.steps += 1
                     self.rollouts += F is not None
+                    self.dropped += F is None
                 value = job.publish(F) if job.publish is not None else F
                 with self._cv:
-                    if value is not None:
+                    if value is not None and job.generation == self.generation:
+                        self.dropped += self.latest is not None  # replaced before the decode took it
                         self.latest = (job.generation, job.t, value)
                         self.published += 1
                     self._done_t = job.t
@@ -207,6 +223,7 @@ class AsyncSeqMoEPolicy(Policy):
         self.blocking = bool(self.options.blocking)
         self.worker: ForecastWorker | None = None
         self._generation = 0
+        self._dropped0 = 0
 
     @property
     def demand_only(self) -> bool:
@@ -237,16 +254,17 @@ class AsyncSeqMoEPolicy(Policy):
         return self.worker
 
     def reset(self, config) -> None:
-        if self.worker is not None:
+        if self.blocking and self.worker is not None:
             self.worker.drain()
         super().reset(config)
         self.inner.reset(config)
         self.inner.stats.update({"staleness": 0, "stale_dropped": 0, "worker_steps": 0, "worker_rollouts": 0})
+        self._dropped0 = self.worker.dropped if self.worker is not None else 0
 
     def begin_batch(self, batch: Any) -> None:
         w = self._ensure_worker()
         self._generation += 1
-        w.begin(self._generation)  # the previous batch's elements are consumed before its state is replaced
+        w.begin(self._generation, wait=self.blocking)  # a job still running keeps its own batch's state
         self.inner.begin_batch(batch)
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)  # the state was made on this thread's stream; the worker has its own
@@ -269,19 +287,23 @@ class AsyncSeqMoEPolicy(Policy):
     # ------------------------------------------------------------------------------------------ forecasting
     def _trigger(self, t: int) -> None:
         """Hand the element of step ``t`` to the worker; apply the latest published forecast."""
+        t0 = time.perf_counter()
         rows = self.inner.trigger_rows()
         if rows:
             w = self._ensure_worker()
             x = self.inner.element(rows)
-            w.submit(ForecastJob(self._generation, t, lambda rows=rows, x=x: (rows, x)))
+            w.submit(ForecastJob(self._generation, t, lambda rows=rows, x=x: (rows, x), state=self.inner._state))
             if self.blocking:
                 w.wait_for(t)
         self._apply_published(t, after_trigger=True)
+        self.stats["forecast_path_seconds"] += time.perf_counter() - t0
 
     def _apply_published(self, t: int, after_trigger: bool) -> bool:
         """Install the latest published forecast if it is new. ``t``: the current step; before the trigger
         layer of step t the last trigger point is t - 1. Returns whether a forecast was installed."""
-        pub = None if self.worker is None else self.worker.take()
+        if self.worker is None or self.worker.latest is None:  # nothing new (a lock-free read): no work this layer
+            return False
+        pub = self.worker.take()
         if pub is None:
             return False
         _, t_f, F = pub
@@ -289,6 +311,7 @@ class AsyncSeqMoEPolicy(Policy):
         d = max(t_eff - t_f, 0)
         if d >= F.shape[0]:
             self.stats["stale_dropped"] += 1
+            self.stats["dropped"] += 1
             return False
         self.stats["staleness"] += d
         self.inner.trigger(t_eff, F[d:])  # scores, first_exec, first_probs from the shifted forecast
@@ -333,6 +356,7 @@ class AsyncSeqMoEPolicy(Policy):
         if self.worker is not None:
             self.stats["worker_steps"] = self.worker.steps
             self.stats["worker_rollouts"] = self.worker.rollouts
+            self.stats["dropped"] = self.stats["stale_dropped"] + self.worker.dropped - self._dropped0
         return out
 
 

@@ -8,7 +8,10 @@ of a batch: P = 1 - prod_b (1 - P_b).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -137,3 +140,104 @@ def combine_members(per_member: Sequence[np.ndarray]) -> np.ndarray:
     for pm in per_member:
         miss *= 1.0 - np.clip(pm, 0.0, 1.0)
     return 1.0 - miss
+
+
+PRECOMPUTE_CHUNK_MB = 128.0
+"""Float32 forecasts computed at once when tables are precomputed (:meth:`ForecastTables.prepare`): the sequences go
+in groups of at most this many MB of [elements, H, L, E] outputs (one sequence at least), each group's tables stored
+in float16 before the next is computed, so the transient memory does not grow with the trace."""
+
+
+class ForecastTables:
+    """The float16 forecast tables of replayed sequences, least recently used first out, at most ``budget_bytes``
+    (one table at least). ``one(seq)`` computes one sequence's float32 [T', H, L, E] table, ``many(seqs)`` those of
+    a group; ``store(key, table)`` is where every computed table goes (default :meth:`put`; a holder may route it
+    through its own hook). ``per_element`` is the float16 bytes of one element's [H, L, E] forecasts."""
+
+    def __init__(self, budget_bytes: int, one: Callable[[Any], np.ndarray],
+                 many: Callable[[Sequence[Any]], list[np.ndarray]], per_element: Callable[[], int],
+                 store: Callable[[str, np.ndarray], np.ndarray] | None = None):
+        self.budget_bytes = int(budget_bytes)
+        self.one, self.many, self.per_element = one, many, per_element
+        self.store = store or self.put
+        self.tables: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.nbytes = 0
+        self.replayed: list[Any] = []  # the replay's sequences, in order (streaming)
+        self.upcoming: dict[str, int] = {}  # table key -> its index in replayed
+
+    @staticmethod
+    def key(seq: Any) -> str:
+        return f"{getattr(seq, 'seq_id', id(seq))}:{len(seq.expert_ids)}"
+
+    def put(self, key: str, tab: np.ndarray) -> np.ndarray:
+        tab = tab.astype(np.float16)
+        self.tables[key] = tab
+        self.nbytes += tab.nbytes
+        while self.nbytes > self.budget_bytes and len(self.tables) > 1:
+            _, old = self.tables.popitem(last=False)
+            self.nbytes -= old.nbytes
+        return tab
+
+    def table_for(self, seq: Any) -> np.ndarray:
+        key = self.key(seq)
+        tab = self.tables.get(key)
+        if tab is None and key in self.upcoming:  # streamed: this sequence and the next ones, as many as fit
+            self.compute(self.replayed[self.upcoming[key]:])
+            tab = self.tables.get(key)
+        if tab is None:
+            tab = self.store(key, self.one(seq))
+        else:
+            self.tables.move_to_end(key)
+        return tab
+
+    def prepare(self, sequences: Sequence[Any]) -> None:
+        """All sequences of the replay are known up front, so their forecast tables are computed together (``many``,
+        in groups of :data:`PRECOMPUTE_CHUNK_MB`), as many as fit the budget. The rest stream: when the replay reaches
+        a sequence without a table, :meth:`table_for` computes it and the following ones the same way, the least
+        recently used tables making room (so a replay holds at most the budget of tables, whatever the trace's
+        length). Sequences already cached (an earlier capacity) are skipped."""
+        traced = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")]
+        self.replayed = traced
+        self.upcoming = {self.key(s): i for i, s in enumerate(traced)}
+        self.compute(traced, evict=False)
+
+    def compute(self, seqs: Sequence[Any], evict: bool = True) -> None:
+        """Tables of the first of ``seqs`` without one and of those after it, as many as the budget holds (the first
+        always; ``evict``: least recently used tables make room, else only the free room is used), computed and
+        stored group by group (:data:`PRECOMPUTE_CHUNK_MB`)."""
+        todo = [s for s in seqs if self.key(s) not in self.tables]
+        per_elem = self.per_element()
+        room = self.budget_bytes - (0 if evict else self.nbytes)
+        fit, used = [], 0
+        for s in todo:
+            used += len(s.expert_ids) * per_elem
+            if used > room and (fit or not evict):
+                break
+            fit.append(s)
+        chunk = PRECOMPUTE_CHUNK_MB * 2**20 / 2  # float16 bytes of the float32 outputs of one group
+        a = 0
+        while a < len(fit):
+            b, size = a, 0
+            while b < len(fit) and (b == a or size + len(fit[b].expert_ids) * per_elem <= chunk):
+                size += len(fit[b].expert_ids) * per_elem
+                b += 1
+            group = fit[a:b]
+            tabs = self.many(group)
+            for s, tab in zip(group, tabs, strict=True):
+                self.store(self.key(s), tab)
+            del tabs
+            a = b
+
+
+@dataclass
+class ForecastScores:
+    """What one forecast sets (SeqMoE 7.1): ``before`` / ``after`` [L, E] the CacheScore of each expert before
+    and after its next execution, ``first_exec`` int [L] the layer-execution index of each layer's next
+    execution, ``first_probs`` [L, E] P(active) at that execution (the prefetch input); ``second_probs``
+    [L, E] P(active) at the execution after it (None when the horizon is 1)."""
+
+    before: np.ndarray
+    after: np.ndarray
+    first_exec: np.ndarray
+    first_probs: np.ndarray
+    second_probs: np.ndarray | None = None

@@ -38,7 +38,7 @@ capacities; the results equal the online path's (a test checks it).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,6 +51,8 @@ from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
 from expertcast.inference.policies.device import EVICT_FORECAST, DeviceKeys, DeviceProgram, overrides_any
 from expertcast.inference.policies.forecast_tables import (
+    ForecastScores,
+    ForecastTables,
     combine_members,
     precompute_forecasts,
     precompute_forecasts_many,
@@ -76,10 +78,6 @@ if TYPE_CHECKING:  # pragma: no cover
 PREFETCH_RULES = ("headroom", "benefit", "floor")
 """How prefetch tasks are chosen: expected hit gain against the link's headroom, expected benefit over the displaced
 resident, or probability above a floor."""
-PRECOMPUTE_CHUNK_MB = 128.0
-"""Float32 forecasts computed at once when tables are precomputed (:meth:`SeqMoEPolicy.prepare_sequences`): the
-sequences go in groups of at most this many MB of [elements, H, L, E] outputs (one sequence at least), each group's
-tables stored in float16 before the next is computed, so the transient memory does not grow with the trace."""
 _DEVICE_HOOKS = ("begin_batch", "on_step", "before_layer", "on_miss", "choose_victim", "on_access", "after_layer",
                  "on_insert", "on_evict", "_scores", "_load_scores", "_trigger", "_forecast")
 """The hooks :meth:`SeqMoEPolicy.device_program` reproduces on the device."""
@@ -123,20 +121,6 @@ def _load_model(forecaster: Any, device: str) -> tuple[ExpertForecaster, str]:
         return forecaster.model.to(device).eval(), str(forecaster.path)
     raise ValueError("seqmoe needs a forecaster: an export directory (seqmoe:forecaster=PATH, or --forecaster PATH "
                      "with `expertcast simulate`), a ForecasterExport or an ExpertForecaster")
-
-
-@dataclass
-class ForecastScores:
-    """What one forecast sets (SeqMoE 7.1): ``before`` / ``after`` [L, E] the CacheScore of each expert before
-    and after its next execution, ``first_exec`` int [L] the layer-execution index of each layer's next
-    execution, ``first_probs`` [L, E] P(active) at that execution (the prefetch input); ``second_probs``
-    [L, E] P(active) at the execution after it (None when the horizon is 1)."""
-
-    before: np.ndarray
-    after: np.ndarray
-    first_exec: np.ndarray
-    first_probs: np.ndarray
-    second_probs: np.ndarray | None = None
 
 
 class SeqMoEPolicy(Policy):
@@ -228,10 +212,10 @@ class SeqMoEPolicy(Policy):
         self.precompute = bool(getattr(o, "precompute", False))
         self.device = o.device
         self.forecast_cache_bytes = int(o.forecast_cache_mb * 2**20)
-        self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._table_bytes = 0
-        self._replayed: list[Any] = []  # the replay's sequences, in order (streaming)
-        self._upcoming: dict[str, int] = {}  # table key -> its index in _replayed
+        self._step_flops = self.model.step_flops() if self.model is not None else 0  # one step at batch 1
+        self.tables = ForecastTables(self.forecast_cache_bytes, self._one_table, self._many_tables,
+                                     lambda: self.horizon * self.fc.num_layers * self.fc.num_experts * 2,
+                                     store=lambda key, tab: self._store_table(key, tab))
         self.disc = self.gamma ** np.arange(self.horizon)
         self.forecasting = True
         """Run the forecaster (False: a composing policy uses this one's eviction and prefetch steps with its own
@@ -288,7 +272,8 @@ class SeqMoEPolicy(Policy):
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._row_tables: list[np.ndarray | None] = []
         self.priority_extra = None
-        self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0}
+        self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0, "forecast_seconds": 0.0,
+                      "forecast_path_seconds": 0.0, "forecast_calls": 0, "forecast_flops": 0, "dropped": 0}
 
     def add_priority(self, extra: np.ndarray | None) -> None:
         """From now on the priority of (layer, expert) is its CacheScore plus ``extra`` float [L, E] (in expected
@@ -345,79 +330,30 @@ class SeqMoEPolicy(Policy):
             raise UsageError("seqmoe:forecast=oracle reads the replayed routing: every batch member needs its "
                              "recorded expert_ids (a trace replay or forced routing), not live generation")
         if self.precomputed:
-            self._row_tables = [self._table_for(m) for m in self.members]
+            self._row_tables = [self.tables.table_for(m) for m in self.members]
         else:
             self._state = self.model.init_state(B, self.device)
             self._latest = np.zeros((B, self.L, self.E), np.float32)
 
-    @staticmethod
-    def _table_key(seq: Any) -> str:
-        return f"{getattr(seq, 'seq_id', id(seq))}:{len(seq.expert_ids)}"
-
     def _store_table(self, key: str, tab: np.ndarray) -> np.ndarray:
-        tab = tab.astype(np.float16)
-        self._tables[key] = tab
-        self._table_bytes += tab.nbytes
-        while self._table_bytes > self.forecast_cache_bytes and len(self._tables) > 1:
-            _, old = self._tables.popitem(last=False)
-            self._table_bytes -= old.nbytes
-        return tab
+        return self.tables.put(key, tab)
 
-    def _table_for(self, seq: Any) -> np.ndarray:
-        key = self._table_key(seq)
-        tab = self._tables.get(key)
-        if tab is None and key in self._upcoming:  # streamed: this sequence and the next ones, as many as fit
-            self._compute_tables(self._replayed[self._upcoming[key]:])
-            tab = self._tables.get(key)
-        if tab is None:
-            tab = self._store_table(key, self.oracle.table(seq, self.fc, self.horizon) if self.oracle is not None
-                                    else precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights,
-                                                              self.horizon))
-        else:
-            self._tables.move_to_end(key)
-        return tab
+    _tables = property(lambda self: self.tables.tables, doc="The cached tables, by key (:class:`ForecastTables`).")
+    _table_bytes = property(lambda self: self.tables.nbytes, doc="Their float16 bytes.")
 
     def prepare_sequences(self, sequences: Sequence[Any]) -> None:
-        """Simulator hook: all sequences of the replay are known up front, so their forecast tables are
-        computed together (:func:`precompute_forecasts_many`, in groups of :data:`PRECOMPUTE_CHUNK_MB`), as many as
-        fit ``forecast_cache_mb``. The rest stream: when the replay reaches a sequence without a table,
-        :meth:`_table_for` computes it and the following ones the same way, the least recently used tables making
-        room (so a replay holds at most ``forecast_cache_mb`` of tables, whatever the trace's length).
-        Sequences already cached (an earlier capacity) are skipped."""
-        if not ((self.precompute or self.oracle is not None) and self.forecasting):
-            return
-        traced = [s for s in sequences if hasattr(s, "expert_ids") and hasattr(s, "expert_weights")]
-        self._replayed = traced
-        self._upcoming = {self._table_key(s): i for i, s in enumerate(traced)}
-        self._compute_tables(traced, evict=False)
+        """Simulator hook: every sequence of the replay is known up front, so their forecast tables are computed
+        together and streamed within ``forecast_cache_mb`` (:meth:`ForecastTables.prepare`)."""
+        if (self.precompute or self.oracle is not None) and self.forecasting:
+            self.tables.prepare(sequences)
 
-    def _compute_tables(self, seqs: Sequence[Any], evict: bool = True) -> None:
-        """Tables of the first of ``seqs`` without one and of those after it, as many as ``forecast_cache_mb`` holds
-        (the first always; ``evict``: least recently used tables make room, else only the free room is used),
-        computed and stored group by group (:data:`PRECOMPUTE_CHUNK_MB`)."""
-        todo = [s for s in seqs if self._table_key(s) not in self._tables]
-        per_elem = self.horizon * self.fc.num_layers * self.fc.num_experts * 2  # float16 bytes per element
-        room = self.forecast_cache_bytes - (0 if evict else self._table_bytes)
-        fit, used = [], 0
-        for s in todo:
-            used += len(s.expert_ids) * per_elem
-            if used > room and (fit or not evict):
-                break
-            fit.append(s)
-        chunk = PRECOMPUTE_CHUNK_MB * 2**20 / 2  # float16 bytes of the float32 outputs of one group
-        a = 0
-        while a < len(fit):
-            b, size = a, 0
-            while b < len(fit) and (b == a or size + len(fit[b].expert_ids) * per_elem <= chunk):
-                size += len(fit[b].expert_ids) * per_elem
-                b += 1
-            group = fit[a:b]
-            tabs = self.oracle.tables(group, self.fc, self.horizon) if self.oracle is not None else \
-                precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in group], self.horizon)
-            for s, tab in zip(group, tabs, strict=True):
-                self._store_table(self._table_key(s), tab)
-            del tabs
-            a = b
+    def _one_table(self, seq: Any) -> np.ndarray:
+        return self.oracle.table(seq, self.fc, self.horizon) if self.oracle is not None else \
+            precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights, self.horizon)
+
+    def _many_tables(self, seqs: Sequence[Any]) -> list[np.ndarray]:
+        return self.oracle.tables(seqs, self.fc, self.horizon) if self.oracle is not None else \
+            precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in seqs], self.horizon)
 
     def on_step(self, t: int, info: StepInfo) -> None:
         self._pos = info.positions.tolist()
@@ -434,13 +370,15 @@ class SeqMoEPolicy(Policy):
         assert self._latest is not None
         active = [b for b, pos in enumerate(self._pos) if pos >= 0]
         obs = self._observed.get(layer)
-        for b in active:
-            row = np.zeros(self.E, np.float32)
-            if obs is not None:
-                np.add.at(row, obs[0][b].astype(np.int64), obs[1][b])
-            else:
-                np.add.at(row, np.asarray(selected, np.int64), np.asarray(counts, np.float32))
-            self._latest[b, layer] = row / max(row.sum(), 1e-9)
+        rows = np.zeros((len(active), self.E), np.float32)
+        if obs is not None:  # one scatter for every member (the same adds, in the same order, as one per member)
+            ids = obs[0][active].astype(np.int64)
+            np.add.at(rows, (np.repeat(np.arange(len(active)), ids.shape[1]), ids.reshape(-1)),
+                      np.asarray(obs[1][active], np.float32).reshape(-1))
+        else:
+            np.add.at(rows[0], np.asarray(selected, np.int64), np.asarray(counts, np.float32))
+            rows[1:] = rows[0]
+        self._latest[active, layer] = rows / np.maximum(rows.sum(axis=1, keepdims=True), 1e-9)
 
     @property
     def precomputed(self) -> bool:
@@ -464,22 +402,29 @@ class SeqMoEPolicy(Policy):
         self._latest[list(rows), layers] = act
 
     @torch.no_grad()
-    def forecast(self, rows: Sequence[int], x: np.ndarray, rollout: bool = True) -> np.ndarray | None:
+    def forecast(self, rows: Sequence[int], x: np.ndarray, rollout: bool = True,
+                 state: ForecasterState | None = None) -> np.ndarray | None:
         """Online forecaster step: members ``rows`` consume element ``x`` float32 [len(rows), L, E]; with
         ``rollout``, returns the [H, L, E] combined activation probabilities of their next ``horizon`` elements
-        (float16-rounded per member, as precomputed tables store them), else None. Runs on any one thread."""
-        assert self._state is not None
+        (float16-rounded per member, as precomputed tables store them), else None. Runs on any one thread; ``state``:
+        the recurrent state it advances (default the batch's). Its time, calls and FLOPs go to :attr:`stats`."""
+        state = self._state if state is None else state
+        assert state is not None
+        t0 = time.perf_counter()
         rows = list(rows)
-        sub = self._state.select(rows)
+        sub = state.select(rows)
         logits, _ = self.model.step(torch.from_numpy(np.ascontiguousarray(x)).to(self.device), sub,
                                     all_horizons=True)
-        if not rollout:
-            self._state.put_rows(rows, sub)
-            return None
-        roll = self.model.rollout(logits, sub, self.horizon)
-        self._state.put_rows(rows, sub)
-        probs = self.model.probs(roll).cpu().numpy().astype(np.float16)  # as stored when precomputed
-        return combine_members([pm.astype(np.float32) for pm in probs])
+        steps = 1 + (max(self.horizon - logits.shape[1], 0) if rollout else 0)  # rollout beyond the direct heads
+        F = None
+        if rollout:  # float16-rounded, as stored when precomputed
+            probs = self.model.probs(self.model.rollout(logits, sub, self.horizon)).cpu().numpy().astype(np.float16)
+            F = combine_members([pm.astype(np.float32) for pm in probs])
+        state.put_rows(rows, sub)
+        st, st["forecast_calls"] = self.stats, self.stats["forecast_calls"] + 1
+        st["forecast_seconds"] += time.perf_counter() - t0
+        st["forecast_flops"] += self._step_flops * steps * len(rows)
+        return F
 
     def forecast_from_tables(self, members: Sequence[int], positions: Sequence[int]) -> np.ndarray | None:
         """[H, L, E] combined precomputed forecasts of ``members`` at ``positions`` (precomputed mode), or None."""
@@ -527,7 +472,9 @@ class SeqMoEPolicy(Policy):
 
     def _trigger(self, t: int) -> None:
         if self.forecasting:
+            t0 = time.perf_counter()
             self.trigger(t, self._forecast(t))
+            self.stats["forecast_path_seconds"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------ scores
     def _scores(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
@@ -570,7 +517,9 @@ class SeqMoEPolicy(Policy):
         self.last_use[layer, np.asarray(selected, np.int64)] = x
         self.calibration.resolve(x, selected, self._missed[1] if self._missed[0] == x else ())
         if not (self._traced and self.precompute) and self._latest is not None:
+            t0 = time.perf_counter()
             self._record_routing(t, layer, selected, counts)
+            self.stats["forecast_path_seconds"] += time.perf_counter() - t0
 
     def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
         self._now = (t, layer, 0)

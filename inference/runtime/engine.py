@@ -53,7 +53,7 @@ from expertcast.inference.runtime.run_state import (
     left_padded_prompts,
 )
 from expertcast.inference.runtime.slots import SlotPool
-from expertcast.inference.runtime.stats import MemoryReport, RuntimeStats
+from expertcast.inference.runtime.stats import MemoryReport, RuntimeStats, forecaster_counters
 from expertcast.inference.runtime.store import (
     HostExpertStore,
     MoELayerRef,
@@ -348,6 +348,7 @@ class OffloadedModel:
             rs.flush_decode_log()
             if self.graph is not None and self.graph.active:
                 self.graph.end_decode()
+            self.stats.add_forecaster_cost(forecaster_counters(self.policy), getattr(rs, "forecaster0", None))
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         rs = self._run
@@ -394,6 +395,7 @@ class OffloadedModel:
         self._io_busy0 = self._busy_now()
         rs.warmup = time.perf_counter() - t0
         self.stats.warmup_seconds += rs.warmup
+        rs.forecaster0 = forecaster_counters(self.policy)  # decode's forecaster cost counts from here
 
     # ------------------------------------------------------------------------------------------ layers
     def forward_layer(self, module: nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,

@@ -20,6 +20,7 @@ from typing import Any
 
 from expertcast.inference.cache.counters import adj_hit_rate, resident_hit_rate
 from expertcast.inference.cache.policy import MissAction, Policy
+from expertcast.inference.runtime.stats import FORECASTER_FIELDS, forecaster_cost
 
 
 # -- one batch ----------------------------------------------------------------------------------------
@@ -136,7 +137,8 @@ def counters_now(om: Any) -> dict[str, Any]:
             "prefetch_used": st.prefetch_used.copy(), "late": st.late.copy(), "cpu": st.cpu.copy(),
             "hits": st.hits.copy(), "decoded_tokens": st.decoded_tokens, "decode_seconds": st.decode_seconds,
             "stall_seconds": st.stall_seconds, "read_bytes": st.read_bytes, "read_exposed": st.read_exposed,
-            "steps": len(st.step_demand)}
+            "steps": len(st.step_demand), "decode_steps": st.decode_steps,
+            **{f: getattr(st, f) for f in FORECASTER_FIELDS.values()}}
 
 
 def batch_stats(om: Any, before: dict[str, Any], res: Any, wall: float, clock: StepClock | None = None
@@ -174,6 +176,8 @@ def batch_stats(om: Any, before: dict[str, Any], res: Any, wall: float, clock: S
         "expert_bytes": om.layout.expert_bytes, "wall_seconds": wall,
         "per_layer_accesses": acc.tolist(), "per_layer_demand": dem.tolist(),
         "per_layer_resident_hits": (st.hits - before["hits"]).tolist(),
+        "decode_steps": st.decode_steps - before["decode_steps"],
+        **({k: getattr(st, f) - before[f] for k, f in FORECASTER_FIELDS.items()} if st.forecaster else {}),
     }
 
 
@@ -206,13 +210,13 @@ class ResidentFit:
 
 def resident_fit(experts_bytes: int, device: str) -> ResidentFit:
     """:class:`ResidentFit` for slots of ``experts_bytes`` (every expert once) on ``device``, memory read now
-    (:func:`~expertcast.inference.runtime.loading.device_free_bytes`)."""
+    (:func:`~expertcast.inference.runtime.memory.device_free_bytes`)."""
     import torch
-    from expertcast.inference.runtime import loading
+    from expertcast.inference.runtime import memory
 
     dev = torch.device(device)
     need = int(experts_bytes * 1.1) if dev.type == "cuda" else int(experts_bytes)
-    free = loading.device_free_bytes(dev)
+    free = memory.device_free_bytes(dev)
     where = "host memory" if dev.type == "cpu" else str(dev)
     if free is not None and need > free:
         return ResidentFit(False, f"every expert resident needs {need / 1e9:.2f} GB of {where} for its slots, "
@@ -343,4 +347,7 @@ def decode_metrics(batches: list[dict[str, Any]]) -> dict[str, Any]:
         "proactive_per_token": P / max(tok, 1), "prefetches_used": U,
         "prefetch_precision": prefetch_precision(U, P) if U is not None else float("nan"),
         "late_prefetches": late, "cpu_exec": cpu,
+        **(forecaster_cost({k: sum(x[k] for x in batches) for k in FORECASTER_FIELDS},
+                           sum(x["decode_steps"] for x in batches), dec_s)
+           if batches and all("forecast_calls" in x for x in batches) else {}),
     }

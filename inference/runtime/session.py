@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from expertcast.inference.cache.expert_cache import Budget
 from expertcast.utils.errors import UsageError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -181,6 +182,12 @@ def check_artefacts(checked: CheckedRun, problem_ids: list[str] | None, *, score
 
 def model_shape(resolved: str) -> tuple[int, int, int]:
     """(L, E, K) from the model's config alone (no weights)."""
+    spec = model_spec(resolved)
+    return spec.num_layers, spec.num_experts, spec.top_k
+
+
+def model_spec(resolved: str):
+    """The model's :class:`~expertcast.models.spec.MoESpec` from its config alone (no weights)."""
     from expertcast.models.presets import get_config, is_preset
     from expertcast.models.spec import MoESpec
 
@@ -193,20 +200,21 @@ def model_shape(resolved: str) -> tuple[int, int, int]:
             config = load_moe_config(resolved)  # a router-adaptation export: its model's (or adapter base's)
         except (OSError, ValueError) as e:
             raise UsageError(f"--model {resolved}: cannot read its config ({' '.join(str(e).split())[:200]})") from None
-    spec = MoESpec.from_config(config)
-    return spec.num_layers, spec.num_experts, spec.top_k
+    return MoESpec.from_config(config)
 
 
-def check_capacity(cap: dict[str, Any], pool: str, shape: tuple[int, int, int]):
-    """The CacheConfig of ``cap`` on a model of ``shape`` (UsageError naming the flag when it cannot hold)."""
-    from expertcast.inference.cache.expert_cache import Budget, CacheConfig
+def check_capacity(budget: Budget, pool: str, shape: tuple[int, int, int], expert_bytes: int = 0):
+    """The CacheConfig of ``budget`` on a model of ``shape`` (UsageError naming the flag when it cannot hold);
+    a byte budget resolves with ``expert_bytes`` (the experts' format's row)."""
+    from expertcast.inference.cache.expert_cache import CacheConfig
 
     L, E, K = shape
-    flag = "--capacity" if "capacity" in cap else "--slots"
+    if not isinstance(budget, Budget):
+        raise UsageError(f"give the cache budget as a Budget (fraction, slots or bytes), got {budget!r}")
     try:
-        return CacheConfig(num_layers=L, num_experts=E, top_k=K, pool=pool, budget=Budget.from_flags(cap))
+        return CacheConfig(num_layers=L, num_experts=E, top_k=K, pool=pool, budget=budget, expert_bytes=expert_bytes)
     except ValueError as e:
-        raise UsageError(f"{flag} {next(iter(cap.values()))}: {e} (model: L={L}, E={E}, K={K}, --pool {pool})") from None
+        raise UsageError(f"{budget.flag} {budget.value_text}: {e} (model: L={L}, E={E}, K={K}, --pool {pool})") from None
 
 
 def check_policy_fits(policy: Any, shape: tuple[int, int, int], model: str) -> None:
@@ -240,11 +248,14 @@ class CheckedRun:
     """A stage policy's cue set against the model's identity (:func:`fit_stage_policy`); None: no cue set."""
 
 
-def check_run(model: str, policy_spec: str, capacity: dict[str, Any], pool: str, *,
+def check_run(model: str, policy_spec: str, capacity: Budget, pool: str, expert_bytes: int = 0, *,
               allow_model_mismatch: bool = False) -> CheckedRun:
-    """Every cheap check of a run of ``policy_spec`` at ``capacity`` (``{"capacity": f}`` or ``{"slots": n}``) on
-    ``model`` (as the user named it): the policy and its options, the model's config, the capacity against its
-    shape, artefacts made for another model, a stage policy's cue set and tokenizer. UsageError on any."""
+    """Every cheap check of a run of ``policy_spec`` at ``capacity`` (a
+    :class:`~expertcast.inference.cache.expert_cache.Budget`) on ``model`` (as the user named it): the policy and
+    its options, the model's config, the capacity against its shape, artefacts made for another model, a stage
+    policy's cue set (against the model's identity, unless ``allow_model_mismatch``) and tokenizer. UsageError on
+    any. A byte budget resolves with ``expert_bytes`` (the experts' format's row; 0: one expert at the config's
+    dtype, what the runtime stores unless told another format)."""
     from expertcast.inference.runtime.live_routers import is_router_policy, router_export_model
     from expertcast.models.names import resolve_model
 
@@ -254,7 +265,9 @@ def check_run(model: str, policy_spec: str, capacity: dict[str, Any], pool: str,
     else:
         resolved = resolve_model(model, announce=True)
     shape = model_shape(resolved)
-    cache_config = check_capacity(capacity, pool, shape)
+    if isinstance(capacity, Budget) and capacity.kind == "bytes" and not expert_bytes:
+        expert_bytes = model_spec(resolved).expert_bytes
+    cache_config = check_capacity(capacity, pool, shape, expert_bytes)
     check_policy_fits(policy, shape, model)
     cue_guard = fit_stage_policy(policy, resolved, allow_model_mismatch)
     return CheckedRun(policy, name, opts, files, resolved, shape, cache_config, cue_guard)
@@ -305,20 +318,18 @@ class ModelSession:
         session.model, session.tok, session.full = model, tok, True
         return session
 
-    def offload(self, policy: Any, capacity: dict[str, Any], measure_latency: bool = False):
+    def offload(self, policy: Any, capacity: Budget, measure_latency: bool = False):
         """An OffloadedModel of the session's model under ``policy`` at ``capacity`` (the model is loaded on the
         first call; later calls reuse its host store)."""
-        from expertcast.inference.cache.expert_cache import Budget
         from expertcast.inference.runtime.engine import OffloadedModel
         from expertcast.inference.runtime.live_routers import attach_live_routers
 
         s = self.settings
-        cap = Budget.from_flags(capacity)
         if self.model is None:
             from expertcast.inference.runtime.eval_run import pad_left
             from expertcast.inference.runtime.loading import load_offloaded
 
-            om, self.tok, report = load_offloaded(s.model_path, policy, cap, device=s.device, dtype=s.dtype,
+            om, self.tok, report = load_offloaded(s.model_path, policy, capacity, device=s.device, dtype=s.dtype,
                                                   pool=s.pool, link_gbps=s.link_gbps, mmap_path=s.mmap_path,
                                                   seed=s.seed, decode_path=s.decode_path, store=s.store,
                                                   disk_path=s.disk_path, readers=s.readers,
@@ -332,7 +343,7 @@ class ModelSession:
             if measure_latency:
                 om.use_measured_latency()
         else:
-            om = OffloadedModel(self.model, policy, cap, pool=s.pool, device=s.device, link_gbps=s.link_gbps,
+            om = OffloadedModel(self.model, policy, capacity, pool=s.pool, device=s.device, link_gbps=s.link_gbps,
                                 store=self.store, measure_latency=measure_latency, decode_path=s.decode_path,
                                 readers=s.readers)
             self.store = om.store  # a session over a full-load model (:meth:`of_model`): packed on its first run
@@ -360,7 +371,7 @@ class ModelSession:
         self.model = om.restore()
         self.full = True
 
-    def decode(self, policy: Any, capacity: dict[str, Any], batches: list[list[Any]], *, benchmark: str,
+    def decode(self, policy: Any, capacity: Budget, batches: list[list[Any]], *, benchmark: str,
                max_new_tokens: int, eos: list[int]) -> Decoding:
         """Every batch of benchmark problems through one offloaded run under ``policy`` at ``capacity``, each
         graded by the runtime's graded batch (the one ``expertcast eval`` runs), with the run's decode-only
@@ -518,7 +529,7 @@ def choose_baseline(choice: str, session: ModelSession, who: str = "eval") -> tu
 
 
 def paired_speed_passes(session: ModelSession, encs: list[dict[str, Any]], make_policy: Any,
-                        capacity: dict[str, Any], host_slots: int, baseline: str, repeats: int, *,
+                        capacity: Budget, host_slots: int, baseline: str, repeats: int, *,
                         max_new_tokens: int, eos: list[int]) -> dict[str, Any]:
     """:func:`paired_speed` over the encoded batches ``encs`` (``input_ids``, ``attention_mask``): a fresh
     ``make_policy()`` and an empty cache of ``capacity`` each offloaded pass, against ``baseline``, the same
@@ -535,7 +546,7 @@ def paired_speed_passes(session: ModelSession, encs: list[dict[str, Any]], make_
     pad = session.tok.pad_token_id
     gen_kw = {"max_new_tokens": max_new_tokens, "eos_token_id": eos or None, "pad_token_id": pad}
 
-    def offloaded(policy: Any, cap: dict[str, Any], kind: str) -> SpeedRun:
+    def offloaded(policy: Any, cap: Budget, kind: str) -> SpeedRun:
         om = session.offload(policy, cap)
         try:
             seqs = []
@@ -549,8 +560,8 @@ def paired_speed_passes(session: ModelSession, encs: list[dict[str, Any]], make_
 
     def run_baseline() -> SpeedRun:
         if baseline == RESIDENT_BASELINE:
-            return offloaded(AllResidentPolicy(), {"capacity": 1.0}, RESIDENT_BASELINE)
-        return offloaded(HostExecutionPolicy(), {"slots": host_slots}, HostExecutionPolicy.name)
+            return offloaded(AllResidentPolicy(), Budget.fraction(1.0), RESIDENT_BASELINE)
+        return offloaded(HostExecutionPolicy(), Budget.slots(host_slots), HostExecutionPolicy.name)
 
     speed = paired_speed(lambda: offloaded(make_policy(), capacity, "offloaded"), run_baseline, repeats)
     speed["flag"] = speed_flag(speed)

@@ -29,6 +29,17 @@ class RuntimeStats(Counters):
     """Host time blocked waiting for transfers (demand loads and late prefetches) in decode."""
     ttft_seconds: list[float] = field(default_factory=list)
     """Time to first token of each generate() call."""
+    forecaster: bool = False
+    """The policy runs a forecaster (the ``forecaster_*`` fields below are its decode-time cost)."""
+    forecaster_seconds: float = 0.0
+    """Time of the forecaster's steps (and rollouts) in decode, on whichever thread ran them."""
+    forecaster_path_seconds: float = 0.0
+    """Time the decoding thread spent on forecasting (the steps themselves when they run inline; handing elements
+    to the worker and installing its forecasts when asynchronous)."""
+    forecaster_calls: int = 0
+    forecaster_flops: int = 0
+    forecasts_dropped: int = 0
+    """Forecasts that did not arrive by their deadline (too stale, superseded, or abandoned with their batch)."""
 
     @property
     def io_overlap(self) -> float:
@@ -56,7 +67,24 @@ class RuntimeStats(Counters):
             **self.read_metrics(),
             "miss_free_token_frac": self.steps_without_miss / max(len(self.step_demand), 1),
             "io_overlap": self.io_overlap,
+            **self.forecaster_metrics(),
         }
+
+    def forecaster_metrics(self) -> dict[str, Any]:
+        """:func:`forecaster_cost` of this run's decode ({} without a forecaster)."""
+        if not self.forecaster:
+            return {}
+        return forecaster_cost({k: getattr(self, f) for k, f in FORECASTER_FIELDS.items()}, self.decode_steps,
+                               self.decode_seconds)
+
+    def add_forecaster_cost(self, now: dict[str, float] | None, before: dict[str, float] | None) -> None:
+        """Add the policy's forecaster counters accumulated between ``before`` and ``now``
+        (:func:`forecaster_counters` readings; nothing when the policy has no forecaster)."""
+        if now is None:
+            return
+        self.forecaster = True
+        for k, f in FORECASTER_FIELDS.items():
+            setattr(self, f, getattr(self, f) + now[k] - (before[k] if before is not None else 0))
 
     def snapshot(self) -> dict:
         """A copy of every field (for :meth:`since`)."""
@@ -72,9 +100,54 @@ class RuntimeStats(Counters):
                 setattr(out, k, v - b)
             elif isinstance(v, list):
                 setattr(out, k, v[len(b):])
-            elif isinstance(v, (int, float)) and k not in ("num_layers", "expert_bytes"):
+            elif isinstance(v, (int, float)) and k not in ("num_layers", "expert_bytes", "forecaster"):
                 setattr(out, k, v - b)
+        out.forecaster = self.forecaster
         return out
+
+
+FORECASTER_FIELDS = {"forecast_seconds": "forecaster_seconds", "forecast_path_seconds": "forecaster_path_seconds",
+                     "forecast_calls": "forecaster_calls", "forecast_flops": "forecaster_flops",
+                     "dropped": "forecasts_dropped"}
+"""A forecasting policy's ``stats`` keys (:func:`forecaster_counters`) and the :class:`RuntimeStats` fields they
+add to."""
+
+
+def forecaster_counters(policy: Any) -> dict[str, float] | None:
+    """The forecaster's running counters in ``policy.stats`` (keys of :data:`FORECASTER_FIELDS`), None when the
+    policy runs no forecaster."""
+    st = getattr(policy, "stats", None)
+    if not isinstance(st, dict) or "forecast_calls" not in st:
+        return None
+    return {k: st.get(k, 0) for k in FORECASTER_FIELDS}
+
+
+def forecaster_cost(totals: dict[str, float], steps: int, decode_seconds: float) -> dict[str, Any]:
+    """The forecaster's cost per decode step from its totals over ``steps`` decode steps of ``decode_seconds``
+    (keys of :data:`FORECASTER_FIELDS`): its time (ms and share of the step), the decoding thread's share of it
+    (``path``: what the decode waited for), calls and FLOPs per step, forecasts dropped."""
+    n = max(int(steps), 1)
+
+    def share(s: float) -> float:
+        return s / decode_seconds if decode_seconds > 0 else float("nan")
+
+    return {"forecaster_ms_per_step": 1e3 * totals["forecast_seconds"] / n,
+            "forecaster_share": share(totals["forecast_seconds"]),
+            "forecaster_path_ms_per_step": 1e3 * totals["forecast_path_seconds"] / n,
+            "forecaster_path_share": share(totals["forecast_path_seconds"]),
+            "forecaster_calls_per_step": totals["forecast_calls"] / n,
+            "forecaster_flops_per_step": totals["forecast_flops"] / n,
+            "forecasts_dropped": int(totals["dropped"])}
+
+
+def forecaster_line(m: dict[str, Any]) -> str | None:
+    """One printed line of :func:`forecaster_cost`'s metrics ``m`` (None without them)."""
+    if m.get("forecaster_ms_per_step") is None:
+        return None
+    return (f"forecaster: {m['forecaster_ms_per_step']:.3f} ms/step ({100 * m['forecaster_share']:.1f}% of the decode "
+            f"step), on the decode path {m['forecaster_path_ms_per_step']:.3f} ms/step "
+            f"({100 * m['forecaster_path_share']:.1f}%), {m['forecaster_calls_per_step']:.2f} calls/step, "
+            f"{m['forecaster_flops_per_step'] / 1e6:.3f} MFLOP/step, {m['forecasts_dropped']} forecasts dropped")
 
 
 @dataclass

@@ -3,6 +3,7 @@ flags override the file, required flags satisfied by it, and one-line errors nam
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,30 @@ def test_other_commands_config_flags_are_their_own_files():
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs/tiny_default/default.yaml")
     assert build_default.build_parser().parse_args(["--config", recipe]).config == recipe  # not read as flags
+
+
+def test_capacity_flags_become_typed_budgets():
+    """``--capacity`` / ``--slots`` / ``--budget-gb`` each give Budgets (never dicts); ``--budget-gb`` is exclusive
+    of the other two; a single-capacity command takes one value."""
+    import argparse
+
+    from expertcast.commands.common import add_capacity_args, capacities_from_args
+    from expertcast.inference.cache.expert_cache import Budget
+
+    p = argparse.ArgumentParser()
+    add_capacity_args(p, multiple=True, budget_gb=True)
+    caps = capacities_from_args(p.parse_args(["--capacity", "0.25,0.5", "--slots", "8"]), multiple=True)
+    assert caps == [Budget.fraction(0.25), Budget.fraction(0.5), Budget.slots(8)]
+    assert [c.row() for c in caps] == [{"capacity": 0.25}, {"capacity": 0.5}, {"slots": 8}]
+    assert capacities_from_args(p.parse_args(["--budget-gb", "1.5,2"]), multiple=True) == \
+        [Budget.bytes(1_500_000_000), Budget.bytes(2_000_000_000)]
+    for argv, match in ((["--slots", "8", "--budget-gb", "1"], "give --budget-gb (bytes of experts) or --slots"),
+                        (["--budget-gb", "-1"], "--budget-gb: -1; a byte budget must be a positive number of GB"),
+                        (["--budget-gb", "x"], "--budget-gb: 'x' is not a number of gigabytes")):
+        with pytest.raises(UsageError, match=re.escape(match)):
+            capacities_from_args(p.parse_args(argv), multiple=True)
+    with pytest.raises(UsageError, match="takes one capacity"):
+        capacities_from_args(p.parse_args(["--budget-gb", "1,2"]), multiple=False)
+    plain = argparse.ArgumentParser()
+    add_capacity_args(plain, multiple=False)
+    assert not hasattr(plain.parse_args([]), "budget_gb")  # only the commands that take bytes

@@ -62,13 +62,13 @@ def test_host_baseline_named_and_stage_uses_measured_latency(tmp_path, data_dir)
 
 def test_auto_baseline_picks_the_host_one_when_a_slot_for_every_expert_does_not_fit(tmp_path, data_dir,
                                                                                    capsys, monkeypatch):
-    from expertcast.inference.runtime import eval_run, loading
+    from expertcast.inference.runtime import eval_run, memory
 
     def no_resident(self, config):
         raise AssertionError("the all-resident baseline ran without room for its slots")
 
     # MemAvailable: 1 MB, far below the experts; the store is memory-mapped, so the offloaded load itself fits
-    monkeypatch.setattr(loading, "host_available_bytes", lambda: 10 ** 6)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 10 ** 6)
     monkeypatch.setattr(eval_run.AllResidentPolicy, "reset", no_resident)
     args = [*ARGS[:-1], "1", "--limit", "1", "--mmap-store"]
     out = tmp_path / "auto"

@@ -124,3 +124,35 @@ def test_two_policies_on_the_disk_store_load_once_and_report_each_rows_own_peak(
     by_cap = {r["capacity"]: r["rss_bound_gb"] for r in rows}
     slot_gb = 4 * 4 * 24576 / 1e9  # 4 more slots in each of the L=4 layers at 0.5 than at 0.25, of 24 kB experts
     assert by_cap[0.5] - by_cap[0.25] == pytest.approx(slot_gb, rel=0.01)  # each row's own slots in its bound
+
+
+def test_a_byte_budget_buys_more_slots_of_a_smaller_expert_format(tmp_path, capsys):
+    """``--budget-gb``: the same bytes of resident experts hold >= 3x the int4 experts of bfloat16 (the cache
+    resolves the budget with the format's row size); the row reports the budget and the slots it bought."""
+    from expertcast.inference.runtime.session import model_spec
+
+    spec = model_spec("qwen3_moe-tiny")
+    L, K = spec.num_layers, spec.top_k
+    gb = L * K * (spec.expert_bytes // 2) / 1e9  # top-K bfloat16 experts per layer (the model is float32)
+    args = ["replay", "--model", "qwen3_moe-tiny", "--synthetic", "markov", "--synthetic-size", "2,16",
+            "--budget-gb", str(gb), "--threads", "1", "--dtype", "bfloat16"]
+    assert cli([*args, "--json", str(tmp_path / "bf.json")]) == 0
+    assert cli([*args, "--expert-dtype", "int4", "--json", str(tmp_path / "q.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"replay: budget {gb:.4g} GB of bfloat16 experts" in out and f"{L * K} slots (per-layer pool)" in out
+    a = json.loads((tmp_path / "bf.json").read_text())["rows"][0]
+    b = json.loads((tmp_path / "q.json").read_text())["rows"][0]
+    assert a["budget_gb"] == b["budget_gb"] == a["capacity"] == gb
+    assert a["slots"] == L * K and b["slots"] >= 3 * a["slots"]
+    assert b["hit"] > a["hit"]  # more resident experts, same forced routing
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["--capacity", "0.5", "--budget-gb", "1"], "give --budget-gb (bytes of experts) or --capacity, not both"),
+    (["--budget-gb", "0"], "--budget-gb: 0; a byte budget must be a positive number of GB"),
+    (["--budget-gb", "1e-9"], "budget 1e-09 GB of 24576-byte experts gives 0 slots per layer, below top-K"),
+])
+def test_byte_budget_refusals_are_one_line(flags, match, capsys):
+    rc = cli(["replay", "--model", "qwen3_moe-tiny", "--synthetic", "markov", "--synthetic-size", "1,16", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and match in err and len(err.strip().splitlines()) == 1

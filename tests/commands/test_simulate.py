@@ -304,3 +304,26 @@ def test_a_forecaster_of_another_models_routing_is_refused_unless_allowed(tmp_pa
     saved = json.loads((tmp_path / "o2" / "simulate.settings.json").read_text())["train_overlap"]
     [got] = [v for k, v in saved.items() if k.startswith("seqmoe")]
     assert got["model_match"] is False and got["scored_model"] == {"path": "org/router-adapted"}
+
+
+def test_a_byte_budget_resolves_with_the_traces_expert_bytes(tmp_path, capsys):
+    """``--budget-gb``: the trace meta's bytes per expert decide the slots; a trace set that does not record them
+    is refused in one line."""
+    from dataclasses import replace
+
+    tr = zipf_traces(4, 40, num_layers=2, num_experts=8, top_k=2, seed=5)
+    xb = tr.meta.expert_bytes
+    sized = write_traces(tmp_path / "sized", tr.meta, tr.sequences)
+    gb = 2 * 4 * xb / 1e9  # 4 slots per layer
+    assert main(["--traces", str(sized), "--policies", "lru", "--budget-gb", str(gb), "--out", str(tmp_path / "a")]) == 0
+    rec = json.loads((tmp_path / "a" / "simulate.json").read_text())[0]
+    assert rec["slots_per_layer"] == 4 and rec["capacity_requested"] == round(gb * 1e9)
+    assert main(["--traces", str(sized), "--policies", "lru", "--capacity", "0.5", "--out", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "simulate.json").read_text())[0]["hit"] == rec["hit"]  # the same 4 of 8
+    bare = write_traces(tmp_path / "bare", replace(tr.meta, expert_bytes=0), tr.sequences)
+    capsys.readouterr()
+    assert main(["--traces", str(bare), "--policies", "lru", "--budget-gb", "1", "--out", str(tmp_path / "c")]) == 2
+    err = _err(capsys)
+    assert "--budget-gb: the trace's meta does not record the bytes of one expert" in err
+    assert main(SMALL + ["--capacity", "0.5", "--budget-gb", "1", "--out", str(tmp_path / "d")]) == 2
+    assert "give --budget-gb (bytes of experts) or --capacity, not both" in _err(capsys)

@@ -8,9 +8,11 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from expertcast.cli import main as cli_main
 from expertcast.commands.evaluate import SAMPLES
 from expertcast.commands.sweep import main
+from expertcast.utils.errors import UsageError
 from expertcast.utils.tracking import offline_run_contents
 
 ARGS = ["--model", "qwen3_moe-tiny", "--benchmarks", "gsm8k,math500", "--policies", "lru", "--capacity", "0.5",
@@ -127,3 +129,25 @@ def test_sweep_runs_int8_experts_and_records_the_format(tmp_path, data_dir):
     (cell,) = out.glob("cells/arith/*/summary.json")
     s = json.loads(cell.read_text())
     assert s["expert_dtype"] == "int8" and s["load"]["plan"]["expert_format"] == "int8" and s["speed"]["tokens_match"]
+
+
+def test_a_byte_budget_sweep_plans_its_cells_in_place_of_the_default_fractions(data_dir):
+    """``--budget-gb`` (no ``--capacity``): the default fractions give way; each cell is an eval run at
+    ``--budget-gb G`` whose capacity row is ``{"budget_gb": G}`` and whose folder names the bytes."""
+    from expertcast.commands.sweep import SWEEP_CAPACITIES, build_parser, plan_cells, table_row
+    from expertcast.inference.cache.expert_cache import Budget
+    from expertcast.inference.runtime.session import model_spec
+
+    spec = model_spec("qwen3_moe-tiny")
+    gb = spec.num_layers * (spec.num_experts // 2) * spec.expert_bytes / 1e9  # half the experts at the config dtype
+    argv = [a for a in ARGS if a not in ("--capacity", "0.5")]
+    cells = plan_cells(build_parser().parse_args([*argv, "--budget-gb", str(gb), "--out", "unused"]))
+    assert [c["cap"] for c in cells] == [Budget.gb(gb)] * 2 and cells[0]["args"].budget_gb == str(gb)
+    info = cells[0]["cell"]["info"]
+    assert info["capacity"] == {"budget_gb": gb} and cells[0]["rel"].endswith(f"lru@b{round(gb * 1e9)}")
+    assert info["cache"] == f"per-layer pools of {spec.num_experts // 2} slots (50.0% of L*E)"
+    row = table_row("gsm8k", "lru", cells[0]["cap"], {})
+    assert row["capacity"] == gb and row["capacity_kind"] == "budget_gb"
+    with pytest.raises(UsageError, match="give --budget-gb"):
+        plan_cells(build_parser().parse_args([*ARGS, "--budget-gb", str(gb), "--out", "unused"]))
+    assert build_parser().parse_args([*argv, "--out", "x"]).capacity == SWEEP_CAPACITIES

@@ -109,6 +109,9 @@ def test_loglikelihood_is_the_plain_models(lm):
     ({"capacity": 0.5, "temperature_x": 1}, "unknown argument(s) temperature_x"),
     ({}, "give capacity=F"),
     ({"capacity": 0.5, "slots": 2}, "give capacity=F"),
+    ({"capacity": 0.5, "budget_gb": 1}, "slots=N or budget_gb=G, one of them (got capacity, budget_gb)"),
+    ({"budget_gb": "lots"}, "budget_gb='lots': expected a positive number of GB"),
+    ({"budget_gb": 1e-9}, "--budget-gb 1e-09: budget 1e-09 GB"),
     ({"capacity": 0.5, "policy": "nosuch"}, "nosuch"),
     ({"capacity": 0.5, "batch_size": "auto"}, "fixed batch size"),
 ])

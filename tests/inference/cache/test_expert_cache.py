@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache, SlotState
@@ -71,10 +73,10 @@ def test_evict_and_reuse_slot():
 def test_budget_carries_its_unit():
     assert Budget.parse(0.25) == Budget.fraction(0.25) and Budget.parse(8) == Budget.slots(8)
     assert Budget.parse([2, 4, 3]) == Budget.per_layer([2, 4, 3]) and Budget.parse(Budget.slots(3)) == Budget.slots(3)
-    assert Budget.from_flags({"capacity": 0.25}) == Budget.fraction(0.25)
-    assert Budget.from_flags({"slots": 8}) == Budget.slots(8)
+    assert Budget.from_row({"capacity": 0.25}) == Budget.fraction(0.25)
+    assert Budget.from_row({"slots": 8}) == Budget.slots(8)
     with pytest.raises(ValueError, match="'capacity': fraction"):
-        Budget.from_flags({"capacity": 0.25, "slots": 8})
+        Budget.from_row({"capacity": 0.25, "slots": 8})
     with pytest.raises(ValueError, match="a cache budget is"):
         Budget.parse("0.25")
     assert [b.requested for b in (Budget.fraction(0.25), Budget.slots(8), Budget.per_layer([2, 4]))] == \
@@ -87,9 +89,10 @@ def test_budget_carries_its_unit():
 
 def test_byte_budget_resolves_with_the_expert_size():
     """A budget in bytes of expert weights: n // expert_bytes slots, shared or split evenly over the layers;
-    it needs the experts' size and names itself in GiB."""
+    it needs the experts' size and names itself in decimal GB (``--budget-gb``)."""
     gib = Budget.bytes(2**30)
-    assert gib == Budget.from_flags({"bytes": 2**30}) and gib.tag == "b1073741824" and gib.label == "budget 1 GiB"
+    assert gib.tag == "b1073741824" and gib.label == "budget 1.074 GB"
+    assert Budget.gb(1.5) == Budget.bytes(1_500_000_000) and Budget.gb(1.5).flag == "--budget-gb"
     per = CacheConfig(3, 16, 2, budget=Budget.bytes(20 * 1000 + 999), expert_bytes=1000)  # 20 experts' worth
     assert per.pool_capacities.tolist() == [6, 6, 6]
     shared = CacheConfig(3, 16, 2, pool="shared", budget=Budget.bytes(20 * 1000), expert_bytes=1000)
@@ -100,3 +103,33 @@ def test_byte_budget_resolves_with_the_expert_size():
         CacheConfig(3, 16, 2, budget=Budget.bytes(3 * 1000), expert_bytes=1000)
     with pytest.raises(UsageError, match="positive number of bytes"):
         Budget.bytes(0)
+
+
+@pytest.mark.parametrize("budget", [Budget.fraction(0.25), Budget.fraction(1.0), Budget.slots(8), Budget.gb(1.5),
+                                    Budget.gb(0.017304)])
+def test_budget_row_round_trips(budget):
+    """The one-key row form outputs and resume keys record (``{"capacity": f}`` / ``{"slots": n}`` /
+    ``{"budget_gb": g}``) reads back to the same Budget; fraction and slot rows are the flags' old dicts."""
+    row = budget.row()
+    assert len(row) == 1 and Budget.from_row(row) == budget
+    assert Budget.from_row(json.loads(json.dumps(row))) == budget
+    if budget.kind == "fraction":
+        assert row == {"capacity": budget.value} and type(row["capacity"]) is float
+    if budget.kind == "slots":
+        assert row == {"slots": 8} and type(row["slots"]) is int
+    if budget.kind == "bytes":
+        assert set(row) == {"budget_gb"} and budget.value_text == str(row["budget_gb"])
+    with pytest.raises(UsageError, match="no one-key row form"):
+        Budget.per_layer([2, 4]).row()
+
+
+@pytest.mark.parametrize("cap", [{"capacity": 0.25}, {"slots": 4}, 0.25])
+def test_a_dict_never_reaches_the_cache(cap):
+    """The cache takes a Budget (or the library's number forms), never a flag dict: a dict is refused."""
+    if isinstance(cap, dict):
+        with pytest.raises(UsageError, match="as a Budget"):
+            CacheConfig(2, 8, 2, budget=cap)
+        with pytest.raises(UsageError, match="a cache budget is"):
+            Budget.parse(cap)
+    else:
+        assert CacheConfig(2, 8, 2, budget=Budget.parse(cap)).total_slots == 4

@@ -87,3 +87,60 @@ def test_worker_failure_surfaces_in_the_decoding_thread():
             _run(model, pol, ids, am, model.config.num_experts_per_tok)
     finally:
         pol.close()
+
+
+def test_forecaster_worker_never_blocks_a_decode_step():
+    """A forecaster whose step blocks (on an Event not set until decoding is over) never holds the decode: two
+    generate() calls (a new batch and a policy reset between them) return while the worker is still inside its
+    first step, with the full-load model's tokens; the forecasts that never arrived are counted dropped."""
+    import threading
+
+    model, ids, am, ref, fc = _setup()
+    entered, release, left = threading.Event(), threading.Event(), threading.Event()
+    step = fc.step
+
+    def stuck(*a, **k):
+        entered.set()
+        release.wait(120)
+        left.set()
+        return step(*a, **k)
+
+    pol = AsyncSeqMoEPolicy(forecaster=fc)
+    pol.model.step = stuck
+    try:
+        seq1, cnt1, model = _run(model, pol, ids, am, model.config.num_experts_per_tok)
+        seq2, cnt2, model = _run(model, pol, ids, am, model.config.num_experts_per_tok)
+        blocked = entered.is_set() and not left.is_set()  # the worker is still inside its first step
+        assert pol.stats["forecasts"] == 0
+        release.set()
+        pol.worker.drain()
+        assert blocked, "a decode step waited for the forecaster worker"
+        assert pol.worker.dropped >= 9 + NEW - 2  # the first batch's elements after the stuck one were abandoned
+    finally:
+        release.set()
+        pol.close()
+    assert torch.equal(seq1, ref) and torch.equal(seq2, ref)
+    assert cnt1[0] > 0 and cnt2[0] > 0
+
+
+def test_runtime_reports_the_forecasters_cost():
+    """A run with a forecaster reports its time per decode step (ms, share of the step, and the share the decoding
+    thread spent on it), calls and FLOPs per step; the synchronous policy's steps all run on the decode path."""
+    model, ids, am, ref, fc = _setup()
+    pol = make_policy("seqmoe", forecaster=fc, precompute=False)
+    om = OffloadedModel(model, pol, model.config.num_experts_per_tok, pool="per-layer")
+    om.generate(ids, am, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    st = om.stats
+    m = st.metrics()
+    om.restore()
+    assert st.forecaster and st.decode_steps == NEW - 1
+    assert st.forecaster_calls == NEW - 1  # one forecast per decode step (both rows in one batched step)
+    assert m["forecaster_calls_per_step"] == 1.0
+    # two rows; one direct head, so the step and horizon - 1 recursive rollout steps
+    assert m["forecaster_flops_per_step"] == 2 * fc.step_flops() * pol.horizon
+    assert 0 < m["forecaster_ms_per_step"] <= m["forecaster_path_ms_per_step"]
+    assert 0 < m["forecaster_share"] <= m["forecaster_path_share"] < 1
+    lru = OffloadedModel(model, make_policy("lru"), model.config.num_experts_per_tok, pool="per-layer")
+    lru.generate(ids, am, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    assert not lru.stats.forecaster and "forecaster_ms_per_step" not in lru.stats.metrics()
+    lru.restore()

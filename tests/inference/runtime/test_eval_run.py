@@ -45,7 +45,7 @@ def _run(om: OffloadedModel, batch: int, new: int = 12, record: bool = False):
 def test_eval_and_stages_eval_agree_on_hits_when_experts_run_on_the_cpu():
     """SAEM's placement with CPU execution and no stage update (no prefetch, whose landing would depend on the link:
     the machine's here, the cost model's in the simulator): same routing, same decisions, the same Hit."""
-    from expertcast.inference.saem.evaluate import make_policies, run_grid
+    from expertcast.recipes.saem_eval import make_policies, run_grid
 
     torch.set_num_threads(1)
     model = build_tiny("qwen3_moe-tiny", seed=0)

@@ -9,6 +9,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from expertcast.inference.cache.expert_cache import Budget
 from expertcast.inference.runtime.session import (
     ModelSession,
     SessionSettings,
@@ -36,14 +37,41 @@ def test_settings_refuse_what_cannot_run(kwargs, says):
 
 
 def test_check_run_checks_before_anything_loads():
-    run = check_run("qwen3_moe-tiny", "lrfu:lam=0.1", {"capacity": 0.5}, "per-layer")
+    run = check_run("qwen3_moe-tiny", "lrfu:lam=0.1", Budget.fraction(0.5), "per-layer")
     assert run.policy_name == "lrfu" and run.options == {"lam": 0.1} and run.files == {}
     L, E, K = run.shape
     assert run.cache_config.total_slots == L * (E // 2) and run.model_path == "qwen3_moe-tiny"
     with pytest.raises(UsageError, match="is an oracle"):
-        check_run("qwen3_moe-tiny", "belady", {"capacity": 0.5}, "per-layer")
+        check_run("qwen3_moe-tiny", "belady", Budget.fraction(0.5), "per-layer")
     with pytest.raises(UsageError, match="--slots 1"):
-        check_run("qwen3_moe-tiny", "lru", {"slots": 1}, "per-layer")  # below top-K
+        check_run("qwen3_moe-tiny", "lru", Budget.slots(1), "per-layer")  # below top-K
+
+
+def test_a_byte_budget_is_checked_with_the_models_expert_size():
+    """``--budget-gb``: check_run resolves bytes // (one expert at the config's dtype) slots, split over the
+    layers, and names the flag when what it buys is below top-K."""
+    from expertcast.inference.runtime.session import model_spec
+
+    spec = model_spec("qwen3_moe-tiny")
+    L, E, K, xb = spec.num_layers, spec.num_experts, spec.top_k, spec.expert_bytes
+    run = check_run("qwen3_moe-tiny", "lru", Budget.bytes(L * (E // 2) * xb), "per-layer")
+    assert run.cache_config.total_slots == L * (E // 2)
+    with pytest.raises(UsageError, match="^--budget-gb "):
+        check_run("qwen3_moe-tiny", "lru", Budget.bytes(L * (K - 1) * xb), "per-layer")
+    assert check_run("qwen3_moe-tiny", "lru", Budget.bytes(L * (E // 2) * xb // 2), "per-layer",
+                     expert_bytes=xb // 2).cache_config.total_slots == L * (E // 2)  # a format of half the bytes
+
+
+def test_a_flag_dict_never_reaches_the_cache():
+    """The session and the engine take a Budget: the flags' old dict form is refused before anything loads."""
+    from expertcast.inference.policies import make_policy
+
+    session = ModelSession(SessionSettings(model="qwen3_moe-tiny", model_path="qwen3_moe-tiny"))
+    with pytest.raises(UsageError, match="a cache budget is"):
+        session.offload(make_policy("lru"), {"capacity": 0.5})
+    assert session.model is None
+    with pytest.raises(UsageError, match="as a Budget"):
+        check_run("qwen3_moe-tiny", "lru", {"slots": 8}, "per-layer")
 
 
 def test_the_model_loads_once_and_its_store_serves_every_run():
@@ -51,13 +79,13 @@ def test_the_model_loads_once_and_its_store_serves_every_run():
     from expertcast.inference.policies import make_policy
 
     session = ModelSession(SessionSettings(model="qwen3_moe-tiny", model_path="qwen3_moe-tiny"))
-    om = session.offload(make_policy("lru"), {"capacity": 0.5})
+    om = session.offload(make_policy("lru"), Budget.fraction(0.5))
     model, store = session.model, session.store
     ids = session.tok(["1 + 1 ="], return_tensors="pt")
     first = om.generate(ids["input_ids"], ids["attention_mask"], max_new_tokens=4).sequences
     session.give_back(om)
     assert om.pool is None  # its slots released before the next run allocates its own
-    om2 = session.offload(make_policy("lfu"), {"slots": 8})
+    om2 = session.offload(make_policy("lfu"), Budget.slots(8))
     assert session.model is model and om2.store is store  # loaded once, the store reused
     again = om2.generate(ids["input_ids"], ids["attention_mask"], max_new_tokens=4).sequences
     assert torch.equal(first, again)  # offloading never changes a token
@@ -125,11 +153,11 @@ def test_paired_passes_run_against_the_same_runtime_with_every_expert_resident()
     from expertcast.inference.runtime.session import choose_baseline, paired_speed_passes
 
     session = ModelSession(SessionSettings(model="qwen3_moe-tiny", model_path="qwen3_moe-tiny"))
-    session.give_back(session.offload(make_policy("lru"), {"capacity": 0.25}))  # loaded: the store is there
+    session.give_back(session.offload(make_policy("lru"), Budget.fraction(0.25)))  # loaded: the store is there
     kind, choice = choose_baseline("auto", session)
     assert kind == RESIDENT_BASELINE and choice["needed_bytes"] == session.store.nbytes
     enc = session.tok(["1 + 1 =", "2 + 3 ="], return_tensors="pt", padding=True)
-    speed = paired_speed_passes(session, [dict(enc)], lambda: make_policy("lru"), {"capacity": 0.25}, 4, kind, 2,
+    speed = paired_speed_passes(session, [dict(enc)], lambda: make_policy("lru"), Budget.fraction(0.25), 4, kind, 2,
                                 max_new_tokens=5, eos=[])
     assert speed["baseline"] == RESIDENT_BASELINE and speed["tokens_match"]  # same runtime, same tokens
     assert len(speed["baseline_passes"]) == 3 and speed["flag"] == speed_flag_of(speed)
