@@ -63,6 +63,7 @@ from expertcast.inference.runtime.session import (
     ModelSession,
     SessionSettings,
     build_policy,
+    check_artefacts,
     check_run,
     check_store,
     choose_baseline,
@@ -76,6 +77,8 @@ from expertcast.inference.runtime.stats import RowPeak, forecaster_line
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 PROG = "expertcast eval"
+EXPERT_DTYPES = ("bfloat16", "int8", "int4", "int4-g32", "int4-g128", "int8-g128")
+"""``--expert-dtype`` choices (:class:`~expertcast.inference.runtime.quant.ExpertFormat`)."""
 SUMMARY_COLUMNS = ["samples", "accuracy", "hit", "cpu_exec", "adj_hit", "mb_per_token", "read_mb_per_token",
                    "exposed_misses_per_token", "miss_free_token_frac", "stall_ms_per_token", "tokens_per_s",
                    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
@@ -134,7 +137,8 @@ def session_settings(args: Any, model_path: str, device: str, out: str | None = 
         link_gbps=args.link_gbps, decode_path=args.decode_path, seed=args.seed, store=getattr(args, "store", "ram"),
         disk_path=(getattr(args, "disk_path", None) or default_disk_path(out)) if disk else None,
         readers=getattr(args, "readers", 4),
-        mmap_path=mmap_store_path(out) if getattr(args, "mmap_store", False) else None)
+        mmap_path=mmap_store_path(out) if getattr(args, "mmap_store", False) else None,
+        expert_dtype=getattr(args, "expert_dtype", "bfloat16"))
 
 
 def add_run_args(ap: CommandParser) -> None:
@@ -149,6 +153,9 @@ def add_run_args(ap: CommandParser) -> None:
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch CPU threads (None = torch's default; 1 avoids oversubscription on a shared host)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="model dtype (auto = the checkpoint's)")
+    ap.add_argument("--expert-dtype", default="bfloat16", choices=EXPERT_DTYPES,
+                    help="experts' format in the stores, slots and transfers: bfloat16 (unquantized), int8, int4 "
+                         "(group 64), int4-g32/g128, int8-g128; the speed baseline runs the same format")
     ap.add_argument("--decode-path", choices=("eager", "graph", "auto"), default="eager",
                     help="MoE decode path: eager (the reference), graph (residency and miss handling on the device, "
                          "no host sync per layer; lru and seqmoe), auto (graph where it applies; the run prints "
@@ -161,6 +168,9 @@ def add_run_args(ap: CommandParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of a random-init preset model")
     ap.add_argument("--allow-overlap", action="store_true",
                     help="evaluate even when the policy's forecaster was trained on evaluated problems "
+                         "(reported in the summary)")
+    ap.add_argument("--allow-model-mismatch", action="store_true",
+                    help="evaluate even when the policy's forecaster or cue set was fitted on another model's routing "
                          "(reported in the summary)")
     add_speed_args(ap)
     ap.add_argument("--wandb", action="store_true", help="log the summary and per-batch metrics to W&B")
@@ -185,17 +195,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- validation (cheap, before the model loads) --------------------------------------------------------
-def check_leakage(name: str, files: dict[str, str], problem_ids: list[str], allow: bool) -> dict[str, Any] | None:
-    """Overlap of the evaluated problems with the training sequences of the policy's forecaster (None
-    when the policy has no forecaster)."""
-    from expertcast.models.forecaster_export import training_ids
-    from expertcast.utils.provenance import check_overlap
-
-    export = files.get("forecaster")
-    if export is None:
-        return None
-    return check_overlap(problem_ids, training_ids(export), what=f"the forecaster {export} of --policy {name}",
-                         allow_overlap=allow)
+def check_guard(checked: Any, problem_ids: list[str], args: Any) -> dict[str, dict[str, Any]]:
+    """The overlap / model-identity guard of the run's artefacts (forecaster, cue set) against the evaluated
+    problems and model (:func:`~expertcast.inference.runtime.session.check_artefacts`); exit 2 unless allowed."""
+    return check_artefacts(checked, problem_ids, scored=f"the evaluated problems of --model {args.model}",
+                           allow_overlap=args.allow_overlap,
+                           allow_model_mismatch=getattr(args, "allow_model_mismatch", False))
 
 
 # -- settings that determine the samples --------------------------------------------------------------
@@ -220,7 +225,17 @@ def eval_settings(args: Any, *, resolved: str, device: str, policy_name: str, op
         policy={"name": policy_name, "options": {k: v for k, v in sorted(opts.items()) if k not in files},
                 "artefacts_sha256": artefact_hashes(files)},
         capacity=capacity, pool=args.pool, batch_size=args.batch_size, link_gbps=args.link_gbps, greedy=True,
-        decode_path=args.decode_path)
+        decode_path=args.decode_path,
+        # a quantized format changes the samples; bfloat16 (the format before formats existed) adds no key, so
+        # earlier output folders still resume
+        **({} if session_expert_dtype(args) == "bfloat16" else {"expert_dtype": session_expert_dtype(args)}))
+
+
+def session_expert_dtype(args: Any) -> str:
+    """``--expert-dtype``'s canonical name (:class:`~expertcast.inference.runtime.quant.ExpertFormat`)."""
+    from expertcast.inference.runtime.quant import ExpertFormat
+
+    return ExpertFormat.parse(getattr(args, "expert_dtype", "bfloat16")).name
 
 
 def resume_rows(out: Any, settings: dict[str, Any], settings_hash: str) -> list[dict[str, Any]]:
@@ -373,6 +388,7 @@ def prepare(args: Any) -> dict[str, Any]:
     """Every cheap check of one evaluation (before the model loads); returns the cell: the policy factory,
     the problems and the run's info (settings, hash, capacity, artefacts, overlap)."""
     from expertcast.data.benchmarks import load_benchmark
+    from expertcast.utils.fitted_on import guard_note
     from expertcast.utils.provenance import sha256_json
 
     caps = capacities_from_args(args, multiple=False)
@@ -381,15 +397,19 @@ def prepare(args: Any) -> dict[str, Any]:
     check_store_args(args)
     device = resolve_device(args.device)
     budget = caps[0]
-    checked = check_run(args.model, args.policy, budget, args.pool)
+    checked = check_run(args.model, args.policy, budget, args.pool,
+                        allow_model_mismatch=getattr(args, "allow_model_mismatch", False))
     policy, name, opts, files = checked.policy, checked.policy_name, checked.options, checked.files
     resolved, shape, cache_config = checked.model_path, checked.shape, checked.cache_config
     problems = load_benchmark(args.benchmark, args.split, data_dir=args.data_dir, limit=args.limit)
-    overlap = check_leakage(name, files, [p.id for p in problems], args.allow_overlap)
+    guard = check_guard(checked, [p.id for p in problems], args)
+    fc = guard.get("forecaster")
+    overlap = None if fc is None else {k: fc.get(k) for k in ("overlap", "evaluated", "allowed")}
     settings = eval_settings(args, resolved=resolved, device=device, policy_name=name, opts=opts, files=files,
                              capacity=budget.row())
     info = {"model": args.model, "model_path": resolved, "policy": args.policy, "capacity": budget.row(),
-            "cache": cache_config.describe(), "artefacts": files, "overlap": overlap, "settings": settings,
+            "cache": cache_config.describe(), "artefacts": files, "overlap": overlap, "guard": guard,
+            "guard_note": guard_note(guard), "expert_dtype": session_expert_dtype(args), "settings": settings,
             "settings_hash": sha256_json(settings)}
     return {"policy": policy, "problems": problems, "device": device, "info": info, "shape": shape, "budget": budget}
 
@@ -571,7 +591,7 @@ def measure_speed(args: Any, session: ModelSession, cell: dict[str, Any], probs:
 
     def make_policy() -> Any:
         policy = build_policy(args.policy)[0]
-        fit_stage_policy(policy, info["model_path"])
+        fit_stage_policy(policy, info["model_path"], getattr(args, "allow_model_mismatch", False))
         if lat_model is not None and hasattr(policy, "use_latency"):
             policy.use_latency(lat_model)  # the latency model measured at start-up
         return policy
@@ -651,8 +671,11 @@ def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict
     summary.update(peak_rss_gb=(memory.get("row_peak_rss") or 0) / 1e9, rss_bound_gb=bound / 1e9 if bound else None)
     head = {"policy": args.policy, **info["capacity"]}
     table = [{**head, **{k: summary[k] for k in SUMMARY_COLUMNS}}]
-    print_table(table, title=f"expertcast eval: {args.model} on {args.benchmark}, {info['cache']} "
-                             f"({summary['accounting']})")
+    fmt = info.get("expert_dtype", "bfloat16")
+    print_table(table, title=f"expertcast eval: {args.model} on {args.benchmark}, {info['cache']}"
+                             + ("" if fmt == "bfloat16" else f", experts {fmt}") + f" ({summary['accounting']})")
+    if info.get("guard_note"):
+        print(f"guard: {info['guard_note']}")
     if info["overlap"] is not None:
         ov = info["overlap"]
         print(f"forecaster training overlap: {ov['overlap']} of {ov['evaluated']} evaluated problems"

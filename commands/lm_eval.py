@@ -39,6 +39,14 @@ def harness_argv(argv: list[str]) -> list[str]:
     return [*out, "--include_path", str(TASKS_DIR)]
 
 
+def unknown_tasks_message(e: ValueError) -> str:
+    """One line for lm_eval's ``Tasks not found`` error, naming the local tasks."""
+    from expertcast.harness.local_tasks import LOCAL_TASKS
+
+    first = " ".join(str(e).split(". Try")[0].split())
+    return (f"--tasks: {first} (local tasks: {', '.join(LOCAL_TASKS)}; the harness's own: lm_eval ls tasks)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
@@ -57,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             cli_evaluate()
         except SystemExit as e:  # lm_eval's argparse errors and --help
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        except ValueError as e:  # lm_eval's "Tasks not found: ..." (a traceback otherwise)
+            if not str(e).startswith("Tasks not found"):
+                raise
+            raise UsageError(unknown_tasks_message(e)) from None
         finally:
             sys.argv = saved
         return 0

@@ -102,8 +102,9 @@ def heldout_fraction(text: str) -> float:
 
 def build_parser() -> CommandParser:
     p = CommandParser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
-    p.add_argument("--model", default="default",
-                   help="backbone of the runs trained here: tiny-default/default, a tiny preset or a model folder")
+    p.add_argument("--model", default=None,
+                   help="backbone of the runs trained here: tiny-default/default (when omitted), a tiny preset or a "
+                        "model folder; with --exports, the base every export must have been adapted from")
     p.add_argument("--out", default="runs/router-eval", help="output folder (exports, tables, plot); reused to resume")
     p.add_argument("--overwrite", action="store_true", help="remove this command's earlier output in --out first")
     p.add_argument("--exports", nargs="+", default=None, metavar="DIR",
@@ -149,6 +150,8 @@ def build_parser() -> CommandParser:
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads; when omitted: torch's choice")
     p.add_argument("--allow-overlap", action="store_true",
                    help="evaluate even when an export was trained on evaluated texts (reported in every row)")
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="with --exports and --model: evaluate an export adapted from another base model (reported)")
     p.add_argument("--progress", action="store_true", help="Lightning progress bars while training")
     p.add_argument("--wandb", action="store_true", help="log the tables to W&B")
     p.add_argument("--wandb-project", default="expertcast-router", help="W&B project")
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         from expertcast.data.benchmarks import load_benchmark
 
         cfg = StudyConfig(
-            model=args.model, steps=args.steps, budget=args.budget, budgets=list(args.budgets),
+            model=args.model or "default", steps=args.steps, budget=args.budget, budgets=list(args.budgets),
             sw=args.sw, sw_sweep=list(args.sw_sweep), R=list(args.R), modes=args.modes or None, tau=args.tau, lr=args.lr,
             router_lr=args.router_lr, batch_size=args.batch_size,
             decode_batch_size=args.decode_batch_size, max_length=args.max_length, heldout=args.heldout,
@@ -182,14 +185,16 @@ def main(argv: list[str] | None = None) -> int:
             wandb_project=args.wandb_project)
         # input errors (exports, run names, model) fail before the output folder is claimed
         exports = given_exports(args.exports) if args.exports else None
+        guards = check_export_models(exports, args.model, args.seed, args.allow_model_mismatch) \
+            if exports is not None and args.model is not None else {}
         load_benchmark(args.benchmark, "test", data_dir=args.data_dir, limit=args.prompts)  # unknown/missing: exit 2
         if exports is None:
             select_runs(cfg)
-            cfg.model = resolve_model(args.model)
+            cfg.model = resolve_model(cfg.model)
         if args.threads:
             torch.set_num_threads(args.threads)
         with claim_output_dir(args.out, "router-eval", overwrite=args.overwrite) as out:
-            run_study(cfg, out, exports=exports)
+            run_study(cfg, out, exports=exports, guards=guards)
         return 0
 
     return run_command(PROG, body)
@@ -463,9 +468,32 @@ COLUMNS = ["run", "policy", "sw", "B", "R", "hit", "d_hit_vs_lru_pts", "d_hit_vs
            "lm_vs_lm_only_pct", "agree_lm_only", "topB_mass", "train_overlap"]
 
 
-def run_study(cfg: StudyConfig, out: OutputDir, exports: list[EvalTarget] | None = None) -> list[dict[str, Any]]:
+def check_export_models(exports: list[EvalTarget], model: str, seed: int,
+                        allow_model_mismatch: bool) -> dict[str, dict[str, Any]]:
+    """The model-identity guard (:func:`~expertcast.utils.fitted_on.check_fitted_on`) of every given export: its
+    base against ``--model`` (a preset built with ``seed``); exit 2 on another base unless allowed.
+    ``{export name: result}``."""
+    from expertcast.models.backbone import model_identity
+    from expertcast.models.router_export import router_fitted_on
+    from expertcast.utils.fitted_on import check_fitted_on, guard_note
+
+    scored = model_identity(resolve_model(model), init_seed=seed)
+    guards = {t.name: check_fitted_on(router_fitted_on(t.export), None, scored, scored=f"--model {model}",
+                                      allow_model_mismatch=allow_model_mismatch,
+                                      mismatch_hint="give --model the export's base or pass --allow-model-mismatch "
+                                                    "(reported in every row)")
+              for t in exports}
+    note = guard_note(guards)
+    if note:
+        print(f"router-eval: guard: {note}")
+    return guards
+
+
+def run_study(cfg: StudyConfig, out: OutputDir, exports: list[EvalTarget] | None = None,
+              guards: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Train the study's runs (or take ``exports``, from :func:`given_exports`), evaluate each through the
-    runtime, write the tables and the plot into ``out``; returns every row."""
+    runtime, write the tables and the plot into ``out``; returns every row (with ``guards``, the
+    :func:`check_export_models` result of given exports: ``model_match`` per row)."""
     from expertcast.data.benchmarks import load_benchmark
     from expertcast.models.cache_routers import resolve_budget
     from tqdm.auto import tqdm
@@ -489,6 +517,10 @@ def run_study(cfg: StudyConfig, out: OutputDir, exports: list[EvalTarget] | None
             budgets += sorted({resolve_budget(x, E) for x in cfg.budgets} - set(budgets))
         for B in budgets:
             got = _evaluate_cached(t, examples, problems, B, cfg, overlaps[t.name], out)
+            if guards and t.name in guards:
+                for r in got["rows"]:
+                    r.update(model_match=guards[t.name]["model_match"],
+                             model_mismatch_allowed=guards[t.name]["model_mismatch_allowed"])
             rows += got["rows"]
             completions[t.name] = got["completions"]
     add_lm_only_refs(rows, completions)

@@ -147,8 +147,13 @@ def _write_outputs(args: argparse.Namespace, out: Any, rows: list[dict[str, Any]
                                      "tokens/s: the paired offloaded passes; peak RSS: each cell's own)")
     settings = {k: v for k, v in sorted(vars(args).items()) if k != "config"}  # what the flags would give
     config = {"config": config_record(args)} if args.config else {}
+    guard = {f"{c['benchmark']} {c['spec']}": c["cell"]["info"]["guard_note"] for c in cells
+             if c["cell"]["info"].get("guard_note")}  # allowed overlaps and model mismatches, per cell
+    for cell, note in guard.items():
+        print(f"guard: {cell}: {note}")
     atomic_write_json(out.file("sweep.json"), {"model": args.model, "model_path": info["model_path"],
-                                               "settings": settings, **config, "rows": rows})
+                                               "settings": settings, **config, "guard": guard,
+                                               "expert_dtype": info.get("expert_dtype", "bfloat16"), "rows": rows})
     write_csv(out.file("sweep.csv"), table)
     plot_sweep(rows, out.file("sweep.png"), title)
     if args.wandb:

@@ -38,7 +38,14 @@ Model arguments: ``model`` (any ``--model`` of ``expertcast eval``; default ``ti
 expert weights), one of them, ``pool``, ``dtype``,
 ``decode_path``, ``link_gbps``, ``seed`` (a random-init preset), ``threads``, ``max_length`` and
 ``max_gen_toks`` (default 256, the harness's), ``speed_samples``, ``speed_repeats`` and ``baseline`` (the speed
-measurement above), plus the harness's ``batch_size`` and ``device``.
+measurement above), ``expert_dtype`` (``eval --expert-dtype``: ``bfloat16``, ``int8``, ``int4``, ...),
+``allow_overlap`` and ``allow_model_mismatch`` (the guard below), plus the harness's ``batch_size`` and ``device``.
+
+The guard (``expertcast eval``'s, :func:`~expertcast.inference.runtime.session.check_artefacts`): a policy's
+forecaster or cue set fitted on another model's routing is refused at load unless ``allow_model_mismatch=true``;
+before any request runs, its documents are named in the benchmark's problem-id form (:func:`problem_id`:
+``gsm8k-test-00012`` as ``expertcast eval`` names them) and scoring problems the forecaster was fitted on is
+refused unless ``allow_overlap=true``. The result is in the results JSON (``config.expertcast["guard"]``).
 """
 
 from __future__ import annotations
@@ -93,6 +100,36 @@ def _int_arg(name: str, value: Any, minimum: int = 1) -> int:
     return n
 
 
+def _bool_arg(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise UsageError(f"--model_args {name}={value!r}: expected true or false")
+
+
+TASK_BENCHMARKS = {"gsm8k": "gsm8k", "minerva_math500": "math500", "expertcast_arith": "arith"}
+"""The local tasks (:mod:`expertcast.harness.local_tasks`, their ``test`` split) and the benchmark each scores."""
+
+
+def problem_id(task: str, doc_id: Any, doc: Any) -> str | None:
+    """The problem id ``expertcast eval`` gives the harness document ``doc_id`` of a local task (its test split;
+    :func:`~expertcast.data.benchmarks.load_benchmark`'s naming: GSM8K by row, MATH-500 by ``unique_id``, arith by
+    its own ``id``), or None for another task."""
+    bench = TASK_BENCHMARKS.get(str(task))
+    doc = doc if isinstance(doc, dict) else {}
+    if bench == "arith" and doc.get("id") is not None:
+        return str(doc["id"])
+    if bench is None or doc_id is None:
+        return None
+    if bench == "math500" and doc.get("unique_id"):
+        return str(doc["unique_id"])
+    return f"{bench}-test-{int(doc_id):05d}"
+
+
 @register_model(MODEL_NAME)
 class ExpertcastLM(TemplateLM):
     """The harness's view of one offloaded model (see the module docstring for the arguments)."""
@@ -102,12 +139,14 @@ class ExpertcastLM(TemplateLM):
                  batch_size: int | str | None = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, seed: int = 0, link_gbps: float | None = None, decode_path: str = "eager",
                  threads: int | None = None, speed_samples: int = 2, speed_repeats: int = 3, baseline: str = "auto",
+                 expert_dtype: str = "bfloat16", allow_overlap: Any = False, allow_model_mismatch: Any = False,
                  **unknown: Any):
         super().__init__()
         if unknown:
             raise UsageError(f"--model_args: unknown argument(s) {', '.join(sorted(unknown))} of model {MODEL_NAME} "
-                             f"(model, policy, capacity, slots, budget_gb, pool, dtype, decode_path, link_gbps, seed, threads, "
-                             f"max_length, max_gen_toks, speed_samples, speed_repeats, baseline)")
+                             f"(model, policy, capacity, slots, budget_gb, pool, dtype, decode_path, link_gbps, seed, "
+                             f"threads, max_length, max_gen_toks, speed_samples, speed_repeats, baseline, expert_dtype, "
+                             f"allow_overlap, allow_model_mismatch)")
         if str(batch_size).startswith("auto"):
             raise UsageError(f"--batch_size {batch_size}: model {MODEL_NAME} takes a fixed batch size (an integer)")
         self._batch_size = _int_arg("batch_size", batch_size if batch_size is not None else 1)
@@ -118,6 +157,11 @@ class ExpertcastLM(TemplateLM):
         if baseline not in BASELINES:
             raise UsageError(f"--model_args baseline={baseline!r}: expected one of {', '.join(BASELINES)}")
         self._baseline = baseline
+        self._allow_overlap = _bool_arg("allow_overlap", allow_overlap)
+        self._allow_model_mismatch = _bool_arg("allow_model_mismatch", allow_model_mismatch)
+        self._expert_dtype = str(expert_dtype)
+        self._scored_ids: set[str] = set()
+        self._unchecked_tasks: set[str] = set()
         self._speed_contexts: list[tuple[list[int], int]] = []
         """(prompt ids, max new tokens) of the first ``speed_samples`` generate_until contexts."""
         self._model_info: dict[str, Any] | None = None
@@ -146,18 +190,57 @@ class ExpertcastLM(TemplateLM):
             raise UsageError(f"--model_args decode_path={decode_path!r}: expected eager, graph or auto")
         spec = str(policy).replace(";", ",")
         self._policy_spec = spec
-        checked = check_run(model, spec, cap, pool)
+        checked = check_run(model, spec, cap, pool, allow_model_mismatch=self._allow_model_mismatch)
+        self._checked = checked
+        self.guard = self._check_guard(None)  # another model's routing: refused before the model loads
         self.policy, name, opts, files = checked.policy, checked.policy_name, checked.options, checked.files
         resolved, shape = checked.model_path, checked.shape
         self.session_settings = SessionSettings(
             model=str(model), model_path=resolved, device=resolve_device(device), dtype=dtype, pool=pool,
-            link_gbps=None if link_gbps is None else float(link_gbps), decode_path=decode_path, seed=int(seed))
+            link_gbps=None if link_gbps is None else float(link_gbps), decode_path=decode_path, seed=int(seed),
+            expert_dtype=self._expert_dtype)
         ss = self.session_settings
         return {"model": ss.model, "model_path": resolved, "policy": spec, "policy_name": name,
                 "policy_options": {k: v for k, v in sorted(opts.items()) if k not in files}, "artefacts": files,
                 "capacity": cap.row(), "pool": pool, "shape": list(shape), "cache": checked.cache_config.describe(),
                 "device": ss.device, "dtype": dtype, "seed": ss.seed, "link_gbps": ss.link_gbps,
-                "decode_path": decode_path, "batch_size": self._batch_size, "greedy": True}
+                "decode_path": decode_path, "batch_size": self._batch_size, "greedy": True,
+                "expert_dtype": ss.expert_dtype}
+
+    def _check_guard(self, problem_ids: list[str] | None) -> dict[str, dict[str, Any]]:
+        from expertcast.inference.runtime.session import check_artefacts
+
+        try:
+            return check_artefacts(self._checked, problem_ids, scored=f"the harness's documents on --model_args "
+                                                                     f"model={self._checked.model_path}",
+                                   allow_overlap=self._allow_overlap, allow_model_mismatch=self._allow_model_mismatch)
+        except UsageError as e:  # name the harness's spelling of the flags
+            text = str(e).replace("--allow-overlap", "--model_args allow_overlap=true")
+            raise type(e)(text.replace("--allow-model-mismatch", "--model_args allow_model_mismatch=true")) from None
+
+    def check_requests(self, requests: list[Any]) -> None:
+        """The guard on the documents of ``requests`` (before any of them runs): their problem ids
+        (:func:`problem_id`) with every id scored so far against the policy's forecaster; tasks whose documents
+        have no problem id are listed as unchecked."""
+        for req in requests:
+            task = getattr(req, "task_name", None)
+            if task is None:
+                continue
+            pid = problem_id(task, getattr(req, "doc_id", None), getattr(req, "doc", None))
+            if pid is None:
+                self._unchecked_tasks.add(str(task))
+            else:
+                self._scored_ids.add(pid)
+        if self._scored_ids and "forecaster" in self._checked.files:
+            self.guard = self._check_guard(sorted(self._scored_ids))
+
+    def guard_record(self) -> dict[str, Any]:
+        """``config.expertcast["guard"]``: every check's result, its one-line note, the scored problem ids."""
+        from expertcast.utils.fitted_on import guard_note
+
+        return {"checks": self.guard, "note": guard_note(self.guard), "scored_problems": len(self._scored_ids),
+                "unchecked_tasks": sorted(self._unchecked_tasks),
+                "allow_overlap": self._allow_overlap, "allow_model_mismatch": self._allow_model_mismatch}
 
     def _load(self) -> None:
         from expertcast.inference.runtime.eval_run import eos_ids
@@ -230,7 +313,12 @@ class ExpertcastLM(TemplateLM):
             until = [self.tok.decode([self.eot_token_id])]
         return tuple(until), _int_arg("max_gen_toks", gen_kwargs.get("max_gen_toks", self.max_gen_toks))
 
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self.check_requests(requests)
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        self.check_requests(requests)
         groups: dict[tuple[str | None, tuple[str, ...], int], list[int]] = defaultdict(list)
         for i, req in enumerate(requests):
             # one task per batch: a batch's counters belong to one task (the per-task metrics)
@@ -326,6 +414,7 @@ class ExpertcastLM(TemplateLM):
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+        self.check_requests(requests)
         out = []
         for req in requests:
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
@@ -355,6 +444,7 @@ class ExpertcastLM(TemplateLM):
             "accounting": "decode-only; prefill (and every loglikelihood request) uncounted",
             "settings": s, "model_identity": model_identity(s["model_path"], init_seed=s["seed"]),
             "memory": self.om.memory_report().to_dict(), "load": self.load_report,
+            "expert_dtype": s["expert_dtype"], "guard": self.guard_record(),
         }
 
     def measure_speed(self) -> dict[str, Any] | None:
@@ -385,7 +475,7 @@ class ExpertcastLM(TemplateLM):
 
         def make_policy() -> Any:
             policy = build_policy(self._policy_spec)[0]
-            fit_stage_policy(policy, s["model_path"])
+            fit_stage_policy(policy, s["model_path"], self._allow_model_mismatch)
             return policy
 
         max_new = self._speed_contexts[0][1]
@@ -429,5 +519,7 @@ class ExpertcastLM(TemplateLM):
         if speed is not None:
             print(speed_line(speed, f"{speed['speed_samples']} contexts") + f"; tokens match: {speed['tokens_match']}")
         print(f"tokens_per_s: {metrics['tokens_per_s_source']}")
+        if metrics["guard"]["note"]:
+            print(f"guard: {metrics['guard']['note']}")
         self._model_info = {MODEL_NAME: metrics}
         return self._model_info

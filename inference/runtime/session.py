@@ -63,8 +63,14 @@ class SessionSettings:
     """``store="disk"``: reader threads of the reader pool."""
     mmap_path: str | None = None
     """Memory-map the host store in this safetensors file (None: in RAM)."""
+    expert_dtype: str = "bfloat16"
+    """The experts' format in the stores, slots and transfers (:class:`~expertcast.inference.runtime.quant.ExpertFormat`;
+    docs/design.md, "Expert formats"); every run of the session, its speed baseline included, reuses that store."""
 
     def __post_init__(self) -> None:
+        from expertcast.inference.runtime.quant import ExpertFormat
+
+        self.expert_dtype = ExpertFormat.parse(self.expert_dtype).name
         check_store(self.store, self.disk_path, mmap=self.mmap_path is not None, link_gbps=self.link_gbps)
         if self.store == "disk" and self.disk_path is None:
             raise UsageError("the disk store needs the path of its expert file")
@@ -124,21 +130,54 @@ def build_policy(spec: str) -> tuple[Any, str, dict[str, Any], dict[str, str]]:
     return policy, name, opts, parsed.files()
 
 
-def fit_stage_policy(policy: Any, resolved: str) -> None:
+def fit_stage_policy(policy: Any, resolved: str, allow_model_mismatch: bool = False) -> dict[str, Any] | None:
     """A policy that decodes the generated tokens (its spec needs a tokenizer) reads the evaluated model's: its
-    cue set must come from this model (else a UsageError naming both), and without a tokenizer of its own it
-    decodes with the model's."""
+    cue set must come from this model (else a :class:`~expertcast.utils.fitted_on.ModelMismatchError` naming both,
+    unless ``allow_model_mismatch``), and without a tokenizer of its own it decodes with the model's. Returns the
+    cue set's guard result (None: no cue set)."""
     from expertcast.inference.policies import spec_of
+    from expertcast.models.backbone import model_identity
 
     if "tokenizer" not in spec_of(policy).needs:
-        return
+        return None
     cue_set = getattr(policy, "cue_set", None)
+    guard = None
     if cue_set is not None:
-        cue_set.check_model(resolved, source=f"cue set of --policy {policy.name}", what="the evaluated tokens")
+        from expertcast.utils.fitted_on import ModelMismatchError
+
+        try:
+            guard = cue_set.check_model(resolved, source=f"cue set of --policy {policy.name}",
+                                        what="the evaluated tokens", model=model_identity(resolved, init_seed=None),
+                                        allow_mismatch=allow_model_mismatch)
+        except ModelMismatchError as e:
+            raise ModelMismatchError(f"{e} or pass --allow-model-mismatch (reported in the output)") from None
     if policy.wants_tokenizer():
         from expertcast.inference.policies.artifacts import load_tokenizer
 
         policy.use_tokenizer(load_tokenizer(resolved))
+    return guard
+
+
+def check_artefacts(checked: CheckedRun, problem_ids: list[str] | None, *, scored: str, allow_overlap: bool = False,
+                    allow_model_mismatch: bool = False) -> dict[str, dict[str, Any]]:
+    """The overlap / model-identity guard (:func:`~expertcast.utils.fitted_on.check_fitted_on`, docs/design.md
+    "Provenance") of a checked run's artefacts: its forecaster against ``problem_ids`` (the scored problems, in
+    the benchmark's id form; None: none recorded) and the evaluated model's identity, and its cue set's guard
+    (:func:`fit_stage_policy`). ``{label: result}`` for :func:`~expertcast.utils.fitted_on.guard_note` and the JSON."""
+    from expertcast.utils.fitted_on import check_fitted_on
+
+    out: dict[str, dict[str, Any]] = {}
+    export = checked.files.get("forecaster")
+    if export is not None:
+        from expertcast.models.backbone import model_identity
+        from expertcast.models.forecaster_export import forecaster_fitted_on
+
+        out["forecaster"] = check_fitted_on(
+            forecaster_fitted_on(export), problem_ids, model_identity(checked.model_path, init_seed=None),
+            scored=scored, allow_overlap=allow_overlap, allow_model_mismatch=allow_model_mismatch)
+    if checked.cue_guard is not None:
+        out["cue set"] = checked.cue_guard
+    return out
 
 
 def model_shape(resolved: str) -> tuple[int, int, int]:
@@ -205,14 +244,18 @@ class CheckedRun:
     """(L, E, K) of the model."""
     cache_config: Any
     """The :class:`~expertcast.inference.cache.expert_cache.CacheConfig` of the budget on this model."""
+    cue_guard: dict[str, Any] | None = None
+    """A stage policy's cue set against the model's identity (:func:`fit_stage_policy`); None: no cue set."""
 
 
-def check_run(model: str, policy_spec: str, capacity: Budget, pool: str, expert_bytes: int = 0) -> CheckedRun:
+def check_run(model: str, policy_spec: str, capacity: Budget, pool: str, expert_bytes: int = 0, *,
+              allow_model_mismatch: bool = False) -> CheckedRun:
     """Every cheap check of a run of ``policy_spec`` at ``capacity`` (a
     :class:`~expertcast.inference.cache.expert_cache.Budget`) on ``model`` (as the user named it): the policy and
     its options, the model's config, the capacity against its shape, artefacts made for another model, a stage
-    policy's cue set and tokenizer. UsageError on any. A byte budget resolves with ``expert_bytes`` (the experts'
-    format's row; 0: one expert at the config's dtype, what the runtime stores unless told another format)."""
+    policy's cue set (against the model's identity, unless ``allow_model_mismatch``) and tokenizer. UsageError on
+    any. A byte budget resolves with ``expert_bytes`` (the experts' format's row; 0: one expert at the config's
+    dtype, what the runtime stores unless told another format)."""
     from expertcast.inference.runtime.live_routers import is_router_policy, router_export_model
     from expertcast.models.names import resolve_model
 
@@ -226,8 +269,8 @@ def check_run(model: str, policy_spec: str, capacity: Budget, pool: str, expert_
         expert_bytes = model_spec(resolved).expert_bytes
     cache_config = check_capacity(capacity, pool, shape, expert_bytes)
     check_policy_fits(policy, shape, model)
-    fit_stage_policy(policy, resolved)
-    return CheckedRun(policy, name, opts, files, resolved, shape, cache_config)
+    cue_guard = fit_stage_policy(policy, resolved, allow_model_mismatch)
+    return CheckedRun(policy, name, opts, files, resolved, shape, cache_config, cue_guard)
 
 
 # -- the session ---------------------------------------------------------------------------------------
@@ -289,7 +332,8 @@ class ModelSession:
             om, self.tok, report = load_offloaded(s.model_path, policy, capacity, device=s.device, dtype=s.dtype,
                                                   pool=s.pool, link_gbps=s.link_gbps, mmap_path=s.mmap_path,
                                                   seed=s.seed, decode_path=s.decode_path, store=s.store,
-                                                  disk_path=s.disk_path, readers=s.readers)
+                                                  disk_path=s.disk_path, readers=s.readers,
+                                                  expert_dtype=s.expert_dtype)
             pad_left(self.tok)
             if s.store == "disk" and s.disk_path:  # expertcast's own output from now on (a rerun may replace it)
                 from expertcast.utils.outdir import DISK_STORE_KIND, OutputFile

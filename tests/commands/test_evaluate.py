@@ -329,3 +329,70 @@ def test_disk_store_eval_equals_ram_and_reports_rss(finished, tmp_path, capsys, 
                        (["--disk-path", str(tmp_path / "x")], "needs --store disk")):
         rc, err = run([*BASE, *extra, "--out", str(tmp_path / "bad")], capsys)
         assert rc == 2 and len(err.strip().splitlines()) == 1 and msg in err, err
+
+
+# -- the fitted-on guard: another model's routing ------------------------------------------------------
+def _other_model_forecaster(tmp: Path, model_id: str) -> Path:
+    from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+    from expertcast.models.forecaster_export import save_forecaster
+
+    cfg = ForecasterConfig(num_layers=4, num_experts=16, top_k=4, hidden_size=16, num_blocks=1, state_size=8,
+                           head_dim=8, chunk_size=16, direct_horizons=2)
+    return save_forecaster(ExpertForecaster(cfg), tmp / "fc-other", source={"model_id": model_id},
+                           training={"train_ids": ["gsm8k-train-00000"], "val_ids": []})
+
+
+def test_forecaster_of_another_model_is_refused_unless_allowed(tmp_path, capsys, data_dir):
+    from expertcast.commands.evaluate import build_parser, prepare
+
+    fc = _other_model_forecaster(tmp_path, "olmoe-tiny")
+    argv = [*with_opt("--policy", f"seqmoe:forecaster={fc}"), "--out", str(tmp_path / "o")]
+    rc, err = run(argv, capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "was fitted on model 'olmoe-tiny'" in err and "'qwen3_moe-tiny'" in err and "--allow-model-mismatch" in err
+    assert not (tmp_path / "o").exists()
+    info = prepare(build_parser().parse_args([*argv, "--allow-model-mismatch"]))["info"]
+    assert info["guard"]["forecaster"]["model_match"] is False and info["overlap"]["overlap"] == 0
+    assert "--allow-model-mismatch" in info["guard_note"] and "olmoe-tiny" in info["guard_note"]
+
+
+def test_router_adapted_model_is_not_its_base(tmp_path, capsys, data_dir):
+    """A forecaster fitted on the base's routing, evaluated on the router-adapted model (another routing)."""
+    from expertcast.train.router_module import RouterAdaptationModule
+
+    torch.set_num_threads(1)
+    export = tmp_path / "adapted"
+    RouterAdaptationModule(model="qwen3_moe-tiny", mode="lm_only", budget=6).export(export, training=None)
+    fc = _other_model_forecaster(tmp_path, "qwen3_moe-tiny")
+    capsys.readouterr()  # the export's own progress bar
+    argv = with_opt("--model", str(export), with_opt("--policy", f"seqmoe:forecaster={fc}"))
+    rc, err = run([*argv, "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "was fitted on model 'qwen3_moe-tiny'" in err and "router-adapted" in err, err
+
+
+# -- expert formats ------------------------------------------------------------------------------------
+def test_int4_experts_run_and_match_the_all_resident_int4_baseline(tmp_path, capsys, data_dir):
+    out = tmp_path / "o"
+    argv = with_opt("--baseline", "resident", with_opt("--limit", "1"))
+    assert main([*argv, "--expert-dtype", "int4", "--speed-repeats", "1", "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["expert_dtype"] == "int4" and s["settings"]["expert_dtype"] == "int4"
+    assert s["load"]["plan"]["expert_format"] == "int4"
+    sp = json.loads((out / "speed.json").read_text())
+    # the baseline reuses the session's int4 store (same kernels): its tokens are the offloaded run's
+    assert sp["baseline"] == "all-resident" and sp["tokens_match"] and sp["decoded_tokens"] > 0
+    assert "experts int4" in capsys.readouterr().out
+
+
+def test_cue_set_of_another_model_is_reported_when_allowed(tmp_path, capsys, data_dir):
+    from expertcast.commands.evaluate import build_parser, prepare
+    from expertcast.inference.saem.cues import CueSet
+
+    p = tmp_path / "cues.json"
+    CueSet(cues=["Wait"], model_id="olmoe-tiny", expert_frequency=[[1.0] * 16] * 4).save(p)
+    argv = [*with_opt("--policy", f"stage:cue_set={p}"), "--out", str(tmp_path / "o")]
+    rc, err = run(argv, capsys)
+    assert rc == 2 and "'olmoe-tiny'" in err and "--allow-model-mismatch" in err, err
+    info = prepare(build_parser().parse_args([*argv, "--allow-model-mismatch"]))["info"]
+    assert info["guard"]["cue set"]["model_match"] is False and "olmoe-tiny" in info["guard_note"]

@@ -265,3 +265,18 @@ def test_without_wandb_no_run_is_made(exports, tmp_path, wandb_dir, data_dir, ru
     rc, err = run_router_eval(["--exports", str(exports / "clean"), "--out", str(tmp_path / "study"), *EVAL])
     assert rc == 0, err
     assert not (wandb_dir / "wandb").exists() or not list((wandb_dir / "wandb").glob("offline-run-*"))
+
+
+def test_an_export_of_another_base_is_refused_unless_allowed(exports, tmp_path, run_router_eval, data_dir):
+    """--model names the base the given exports must have been adapted from: another base is another routing."""
+    rc, err = run_router_eval(["--exports", str(exports / "clean"), "--model", "mixtral-tiny",
+                               "--out", str(tmp_path / "o"), *EVAL])
+    assert rc == 2 and len(err) == 1 and "was fitted on model 'qwen3_moe-tiny'" in err[0], err
+    assert "'mixtral-tiny'" in err[0] and "--allow-model-mismatch" in err[0]
+    assert not (tmp_path / "o").exists()
+    from expertcast.commands.router_eval import check_export_models, given_exports
+
+    same = check_export_models(given_exports([str(exports / "clean")]), "qwen3_moe-tiny", 0, False)
+    assert same["clean"]["model_match"] is True
+    allowed = check_export_models(given_exports([str(exports / "clean")]), "mixtral-tiny", 0, True)
+    assert allowed["clean"]["model_match"] is False and allowed["clean"]["model_mismatch_allowed"] is True

@@ -120,6 +120,17 @@ def test_config_file_values_and_flag_override_equal_the_command_line(tmp_path):
     assert got == flags
 
 
+def test_sweep_runs_int8_experts_and_records_the_format(tmp_path, data_dir):
+    out = tmp_path / "q"
+    argv = [*with_opt("--benchmarks", "arith"), "--expert-dtype", "int8", "--baseline", "resident"]
+    assert main([*argv, "--out", str(out)]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sweep["expert_dtype"] == "int8" and sweep["guard"] == {}
+    (cell,) = out.glob("cells/arith/*/summary.json")
+    s = json.loads(cell.read_text())
+    assert s["expert_dtype"] == "int8" and s["load"]["plan"]["expert_format"] == "int8" and s["speed"]["tokens_match"]
+
+
 def test_a_byte_budget_sweep_plans_its_cells_in_place_of_the_default_fractions(data_dir):
     """``--budget-gb`` (no ``--capacity``): the default fractions give way; each cell is an eval run at
     ``--budget-gb G`` whose capacity row is ``{"budget_gb": G}`` and whose folder names the bytes."""

@@ -211,3 +211,83 @@ def test_cli_writes_the_results_json_with_the_cache_metrics(tmp_path, data_dir):
     out = json.loads(path.read_text())
     assert 0.0 <= out["results"]["expertcast_arith"]["exact_match,none"] <= 1.0
     assert out["config"]["expertcast"]["decoded_tokens"] > 0
+
+
+# -- the fitted-on guard: the harness scores no problem a forecaster was fitted on ---------------------------
+def _forecaster(tmp: Path, trained: list[str], model_id: str = "qwen3_moe-tiny") -> Path:
+    from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+    from expertcast.models.forecaster_export import save_forecaster
+
+    cfg = ForecasterConfig(num_layers=4, num_experts=16, top_k=4, hidden_size=16, num_blocks=1, state_size=8,
+                           head_dim=8, chunk_size=16, direct_horizons=2)
+    return save_forecaster(ExpertForecaster(cfg), tmp / "fc", source={"model_id": model_id},
+                           training={"train_ids": trained, "val_ids": []})
+
+
+def test_problem_ids_are_evals():
+    from expertcast.data.benchmarks import load_benchmark
+    from expertcast.harness.lm_eval_adapter import problem_id
+
+    assert problem_id("gsm8k", 12, {}) == "gsm8k-test-00012" == load_benchmark("gsm8k", "test", limit=13)[12].id
+    arith = load_benchmark("arith", "test", limit=1)[0]
+    assert problem_id("expertcast_arith", 0, {"id": arith.id}) == arith.id
+    assert problem_id("some_other_task", 3, {}) is None
+
+
+def test_scoring_a_forecasters_fit_problems_is_refused_unless_allowed(tmp_path, data_dir):
+    from expertcast.utils.errors import OverlapError
+    from expertcast.utils.fitted_on import ModelMismatchError
+
+    fc = _forecaster(tmp_path, ["gsm8k-test-00000"])
+    kw = {"model": "qwen3_moe-tiny", "policy": f"seqmoe:forecaster={fc}", "capacity": 0.5, "device": "cpu",
+          "max_gen_toks": 2, "speed_samples": 0}
+    req = [SimpleNamespace(args=("2 + 2 =", {"until": ["\n"]}), task_name="gsm8k", doc_id=0, doc={})]
+    lm = ExpertcastLM(**kw)
+    with pytest.raises(OverlapError, match="gsm8k-test-00000"):
+        lm.generate_until(req)
+    assert lm._batches == []  # refused before any generation
+    lm = ExpertcastLM(**kw, allow_overlap="true")
+    lm.generate_until(req)
+    g = lm.get_model_info()[MODEL_NAME]["guard"]
+    assert g["checks"]["forecaster"]["overlap"] == 1 and "--allow-overlap" in g["note"] and g["scored_problems"] == 1
+    other = _forecaster(tmp_path / "o", [], model_id="olmoe-tiny")
+    with pytest.raises(ModelMismatchError, match="olmoe-tiny"):  # refused before the model loads
+        ExpertcastLM(**{**kw, "policy": f"seqmoe:forecaster={other}"})
+
+
+def test_cli_refuses_the_overlap_in_one_line(tmp_path, data_dir, monkeypatch, capsys):
+    from expertcast.commands.lm_eval import main
+
+    monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(data_dir))
+    fc = _forecaster(tmp_path, ["gsm8k-test-00001"])
+    rc = main(["--model_args", f"model=qwen3_moe-tiny,policy=seqmoe:forecaster={fc},capacity=0.5,max_gen_toks=2",
+               "--tasks", "gsm8k", "--limit", "2", "--num_fewshot", "0", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("expertcast lm-eval: error:"), err[-5:]
+    assert "were used to train" in err[-1] and "gsm8k-test-00001" in err[-1], err[-1]
+    assert "--model_args allow_overlap=true" in err[-1], err[-1]
+
+
+def test_unknown_task_is_one_line(capsys):
+    from expertcast.commands.lm_eval import main
+
+    rc = main(["--model_args", TINY, "--tasks", "nosuchtask", "--limit", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("expertcast lm-eval: error: --tasks: Tasks not found"), err[-5:]
+    assert "nosuchtask" in err[-1] and "expertcast_arith" in err[-1]
+    assert not any(line.startswith("ValueError: Tasks not found") for line in err), err  # lm_eval's traceback's end
+
+
+@pytest.mark.slow
+def test_int4_experts_through_the_harness(data_dir, monkeypatch):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("EXPERTCAST_DATA_DIR", str(data_dir))
+    out = simple_evaluate(model=MODEL_NAME, model_args=TINY + ",expert_dtype=int4,speed_repeats=1", tasks=["gsm8k"],
+                          limit=1, num_fewshot=0, device="cpu",
+                          task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
+    m = out["config"]["expertcast"]
+    assert m["expert_dtype"] == "int4" and m["load"]["plan"]["expert_format"] == "int4"
+    assert m["speed"]["baseline"] == "all-resident" and m["speed"]["tokens_match"]  # the same int4 kernels
+    assert m["guard"]["checks"] == {} and m["guard"]["scored_problems"] == 1
