@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from expertcast.commands.evaluate import append_samples, read_samples, summarize
+from expertcast.commands.evaluate import summarize
+from expertcast.inference.runtime.eval_samples import append_samples, read_samples
 from expertcast.utils.errors import ResumeMismatchError, UsageError
 
 
