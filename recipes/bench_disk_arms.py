@@ -181,8 +181,8 @@ class Timeline:
 
 
 def forecaster_guard(cfg: BenchConfig, meta, seqs) -> dict[str, Any] | None:
-    """The overlap and model guard of ``cfg.forecaster`` against the replayed sequences (docs/design.md, "Fitted
-    on"): refuses its own fit sequences or another model's routing unless allowed; None without a forecaster."""
+    """The overlap and model guard of ``cfg.forecaster`` against the replayed sequences (docs/design.md,
+    "Provenance"): refuses its own fit sequences or another model's routing unless allowed; None without a forecaster."""
     if not cfg.forecaster:
         return None
     from expertcast.models.forecaster_export import forecaster_fitted_on

@@ -21,7 +21,8 @@ COLUMNS = ["policy", "format", "budget", "budget_kind", "start", "slots", "token
 def bound_disk_gbps(measured_gbps: float, rows: list[dict[str, Any]]) -> tuple[float, str]:
     """(GB/s, source): the disk figure of the full-overlap bound, the largest of the one-pass measurement and every
     run's achieved read rates (over its read-busy time and over its wall time): the disk gave each run at least
-    that, so a bound at a lower rate would not bound (docs/results.md, "The bound is not a bound")."""
+    that, so a bound at a lower rate would not bound (docs/results.md,
+    "Disk tier: recall axis, expert formats, a bound that bounds")."""
     best, source = float(measured_gbps), "one-pass measurement"
     for r in rows:
         busy = r.get("read_gbps", float("nan"))

@@ -73,7 +73,7 @@ def test_eval_declares_the_forecaster_export_it_consumed(tmp_path, wandb_dir, of
     from expertcast.commands.evaluate import main
     from expertcast.models.forecaster_export import verify_export
 
-    exp = _forecaster(tmp_path / "fc", 4, 16, 4, chunk_size=16)
+    exp = _forecaster(tmp_path / "fc", 4, 16, 4, model_id="qwen3_moe-tiny", chunk_size=16)
     assert main(["--model", "qwen3_moe-tiny", "--benchmark", "gsm8k", "--policy", f"seqmoe:forecaster={exp},horizon=2",
                  "--capacity", "0.5", "--limit", "1", "--max-new-tokens", "2", "--no-progress", "--device", "cpu",
                  "--baseline", "none", "--out", str(tmp_path / "o"), "--wandb", "--wandb-project", "t"]) == 0

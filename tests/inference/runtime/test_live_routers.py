@@ -160,6 +160,7 @@ def test_eval_runs_live_router_policies_on_an_export(exports, tmp_path, capsys, 
                          "--policy", spec, "--out", str(tmp_path / name), *base], capsys)
         assert rc == 0, err
         done[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        assert done[name]["guard_note"] and "allow-model-mismatch" in done[name]["guard_note"], done[name]["guard"]
     lru, full = done["lru"], done["full"]
     assert full["settings"]["policy"]["artefacts_sha256"]["routers"]
     assert full["proactive_loads"] > 0 and full["accesses"] == lru["accesses"]
@@ -301,7 +302,8 @@ def test_eval_runs_hybrid_with_live_routers(exports, tmp_path, capsys, data_dir)
     fc = save_forecaster(_tiny_forecaster(model), tmp_path / "fc", source={"model_id": "qwen3_moe-tiny"},
                          training={"train_ids": [], "val_ids": []})
     base = ["--benchmark", "arith", "--limit", "2", "--max-new-tokens", "6", "--slots", "6", "--no-progress",
-            "--device", "cpu", "--baseline", "none", "--batch-size", "2"]
+            "--device", "cpu", "--baseline", "none", "--batch-size", "2",
+            "--allow-model-mismatch"]  # the forecaster learnt the base's routing: allowed, and reported (below)
     spec = f"hybrid:forecaster={fc},prefetch_rule=floor,min_confidence=0.05"
     runs = {"export": str(exports["temporal"]), "plain": str(exports["temporal"] / "model")}
     done, errs = {}, {}
@@ -309,6 +311,7 @@ def test_eval_runs_hybrid_with_live_routers(exports, tmp_path, capsys, data_dir)
         rc, errs[name] = _eval(["--model", where, "--policy", spec, "--out", str(tmp_path / name), *base], capsys)
         assert rc == 0, errs[name]
         done[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        assert done[name]["guard_note"] and "allow-model-mismatch" in done[name]["guard_note"], done[name]["guard"]
     assert "hybrid: routers part on: s^T from the live temporal routers" in errs["export"]
     assert "hybrid: routers part off (--model" in errs["plain"] and "no router-adaptation export" in errs["plain"]
     from expertcast.utils.provenance import sha256_files
