@@ -14,11 +14,9 @@ JsonLines`); sequences keep their ``source`` (prompt set / dataset) when the lay
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import warnings
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from expertcast.data.importers.common import (
 from expertcast.data.importers.spec import FLAGS, FormatSpec
 from expertcast.data.trace_format import TraceMeta
 from expertcast.utils.errors import UsageError
+from expertcast.utils.registry import spec_registry
 
 __all__ = ["FORMAT_MODULES", "FormatSpec", "ImportOptions", "Imported", "detect_format", "import_traces",
            "read_traces", "registry"]
@@ -55,20 +54,9 @@ FORMAT_MODULES: tuple[str, ...] = (
 module and its name here."""
 
 
-@cache
-def _build(modules: tuple[str, ...]) -> dict[str, FormatSpec]:
-    specs: dict[str, FormatSpec] = {}
-    for module in modules:
-        spec = importlib.import_module(module).SPEC
-        if spec.name in specs:
-            raise RuntimeError(f"trace layout {spec.name!r} is registered twice ({module})")
-        specs[spec.name] = spec
-    return specs
-
-
 def registry() -> dict[str, FormatSpec]:
     """``{--format name: FormatSpec}`` of every layout ``expertcast traces import`` reads, in registry order."""
-    return _build(FORMAT_MODULES)
+    return spec_registry(FORMAT_MODULES, "trace layout")
 
 
 def _hint() -> str:

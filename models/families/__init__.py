@@ -10,11 +10,10 @@ every family's config must pass (:func:`config_problems`) and the keys its confi
 
 from __future__ import annotations
 
-import importlib
-from functools import cache
 from typing import Any
 
 from expertcast.models.families.spec import FamilySpec
+from expertcast.utils.registry import spec_registry
 
 FAMILY_MODULES: tuple[str, ...] = (
     "expertcast.models.families.qwen3_moe",
@@ -32,20 +31,9 @@ class UnsupportedModelError(ValueError):
     """The model is not an MoE causal LM of a supported family."""
 
 
-@cache
-def _build(modules: tuple[str, ...]) -> dict[str, FamilySpec]:
-    specs: dict[str, FamilySpec] = {}
-    for module in modules:
-        spec = importlib.import_module(module).SPEC
-        if spec.name in specs:
-            raise RuntimeError(f"model family {spec.name!r} is registered twice ({module})")
-        specs[spec.name] = spec
-    return specs
-
-
 def registry() -> dict[str, FamilySpec]:
     """``{model_type: FamilySpec}`` of every supported family, in registry order."""
-    return _build(FAMILY_MODULES)
+    return spec_registry(FAMILY_MODULES, "model family")
 
 
 def supported_message() -> str:
