@@ -346,21 +346,6 @@ class QWeight:
 
 
 # --------------------------------------------------------------------------------------------- budgets
-def slots_for_bytes(budget_bytes: int | float, expert_bytes: int, num_layers: int | None = None,
-                    pool: str = "per-layer") -> int:
-    """Resident slots a byte budget buys at ``expert_bytes`` per expert (``--budget-gb``): per layer for a
-    per-layer pool (the budget split evenly over ``num_layers``), in total for a shared pool. A format with
-    fewer bytes per expert buys more slots."""
-    if expert_bytes <= 0:
-        raise UsageError(f"bytes per expert must be positive, got {expert_bytes}")
-    if budget_bytes <= 0:
-        raise UsageError(f"a byte budget must be positive, got {budget_bytes}")
-    total = int(budget_bytes // expert_bytes)
-    if pool == "shared" or num_layers is None:
-        return total
-    return total // int(num_layers)
-
-
 def relative_error(ref: torch.Tensor, got: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| (float32)."""
     r = ref.float()

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 from expertcast.inference.policies import make_policy
 from expertcast.inference.runtime import quant
 from expertcast.inference.runtime.quant import (
@@ -20,7 +21,6 @@ from expertcast.inference.runtime.quant import (
     native_int4_pack,
     pack_int4,
     quantize_fp8_blocks,
-    slots_for_bytes,
     unpack_int4,
 )
 from expertcast.inference.runtime.store import (
@@ -137,6 +137,13 @@ def test_bytes_per_expert_and_slots_for_a_byte_budget():
     sz = (H // 64) * 2 * I * 4 + (I // 64) * H * 4
     assert q4 + sz <= i4.expert_bytes <= q4 + sz + 4 * 64
     budget = 25 * base.expert_bytes
+
+    def slots_for_bytes(n: int, expert_bytes: int, num_layers: int = 4, pool: str = "per-layer") -> int:
+        """The slots the cache resolves a byte budget to (``Budget.bytes``, the one byte-budget rule)."""
+        cfg = CacheConfig(num_layers=num_layers, num_experts=256, top_k=6, pool=pool, budget=Budget.bytes(n),
+                          expert_bytes=expert_bytes)
+        return cfg.total_slots if pool == "shared" else cfg.total_slots // num_layers
+
     assert slots_for_bytes(budget, base.expert_bytes, pool="shared") == 25
     assert slots_for_bytes(budget, i4.expert_bytes, pool="shared") >= 3.5 * 25
     assert slots_for_bytes(budget, i8.expert_bytes, pool="shared") >= 1.9 * 25
