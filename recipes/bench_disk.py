@@ -236,6 +236,20 @@ def layer_share(om, seqs, repeats: int = 3) -> tuple[float, float]:
     return float(np.median(per_tok)), float(np.median(shares))
 
 
+def format_all_in_ram(model, disk, seqs, readers: int) -> tuple[float, float]:
+    """(seconds per decoded token, decoder-layer share) of ``model`` with every expert of ``disk``'s format resident
+    in RAM slots (capacity 1.0, warmed by one replay, then :func:`layer_share`): the all-in-RAM speed of that format,
+    the compute floor of its rows' bound (a faster kernel on fewer bytes moves it; docs/design.md, "Disk tier")."""
+    from expertcast.inference.policies import make_policy
+
+    om = OffloadedModel_(model, make_policy("lru"), 1.0, store=disk, readers=readers)
+    try:
+        om.replay(seqs)
+        return layer_share(om, seqs)
+    finally:
+        om.close()
+
+
 def scaled_full_seconds(sub_seconds: float, share: float, sub_layers: int, full_layers: int) -> float:
     """Per-token seconds of the full-depth model all in RAM, from its ``sub_layers``-layer subset's ``sub_seconds``
     of which ``share`` is spent inside the decoder layers (:func:`layer_share`):
@@ -335,6 +349,15 @@ def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, expert_s, extr
     return row
 
 
+def set_format_floor(rows: list[dict[str, Any]], format_s: float) -> None:
+    """Give ``rows`` (one quantized format's) the all-in-RAM speed of their own format, ``format_s`` s/token: the
+    compute floor of their bounds and ``pct_full_format``, % of it (``pct_full`` stays against bf16)."""
+    for r in rows:
+        r["compute_floor_s"] = format_s
+        r["full_format_tokens_per_s"] = 1.0 / format_s
+        r["pct_full_format"] = 100 * r["tokens_per_s"] * format_s
+
+
 def dep_bound_of(row: dict[str, Any], disk_bytes_per_s: float) -> float:
     st, expert_s = row["_dep"]
     return dependency_bound_seconds(st, row["expert_bytes"], disk_bytes_per_s, expert_s, row["compute_floor_s"])
@@ -381,7 +404,8 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
                              disk_gbps, 1.0 / b, expert_s, {
                                  "format": fmt, "budget_kind": kind,
                                  "pct_full": 100 * float(np.median(ratios)), "pct_full_min": 100 * min(ratios),
-                                 "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b, "start": start}))
+                                 "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b, "start": start,
+                                 "pct_full_format": 100 * float(np.median(ratios)), "full_format_tokens_per_s": b}))
     return rows, skipped
 
 
@@ -537,6 +561,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
         return m, d
 
     skipped: dict[str, str] = {}
+    fmt_full: dict[str, tuple[float, float]] = {}  # format -> its all-in-RAM (s/token, decoder share), bf16 aside
     sub_rows: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
     rss_bound = {}
@@ -546,6 +571,9 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
             sub_model, sub_disk, _ = _load_streamed(cfg.baseline_model, cfg, sub_path, min(cfg.budgets), fmt)
             r, sk = _paired_grid(cfg, sub_model, sub_disk, base, meta_b, seqs_b, arms, K, E, sub_disk.expert_bytes,
                                  disk_gbps, L_b, expert_s.get(fmt, ms1 * 1e-3), stream, calib_b, fmt, xbytes)
+            if fmt != "bfloat16":  # this format's own all-in-RAM speed (the bf16 one is the paired baseline)
+                fmt_full[fmt] = format_all_in_ram(sub_model, sub_disk, seqs_b, cfg.readers)
+                set_format_floor(r, fmt_full[fmt][0])
             sub_rows += r
             skipped.update(sk)
             _partial(out, [], _public(sub_rows))
@@ -555,6 +583,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
             release_memory()
         base_s, share = layer_share(base, seqs_b)
         full_s = scaled_full_seconds(base_s, share, n_dec_sub, n_dec_full)
+        full_s_of = {f: scaled_full_seconds(s_f, sh_f, n_dec_sub, n_dec_full) for f, (s_f, sh_f) in fmt_full.items()}
         base.close()
         del base, base_model, plain
         release_memory()
@@ -587,12 +616,14 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     sub = sub_by.get((name, float(budget), fmt, kind), {})
                     bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
                     rows.append(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots,
-                                     fx, disk_gbps, full_s, expert_s.get(fmt, ms1 * 1e-3), {
+                                     fx, disk_gbps, full_s_of.get(fmt, full_s), expert_s.get(fmt, ms1 * 1e-3), {
                         "format": fmt, "budget_kind": kind,
                         "pct_full": sub.get("pct_full", float("nan")),
                         "pct_full_min": sub.get("pct_full_min", float("nan")),
                         "pct_full_max": sub.get("pct_full_max", float("nan")),
                         "pct_full_scaled": 100 * st.tokens_per_s * full_s, "full_tokens_per_s": 1.0 / full_s,
+                        "pct_full_format": 100 * st.tokens_per_s * full_s_of.get(fmt, full_s),
+                        "full_format_tokens_per_s": 1.0 / full_s_of.get(fmt, full_s),
                         "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
                         "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start}))
                     rss_bound[f"{name}@{budget}@{fmt}@{kind}"] = bound_b
@@ -612,6 +643,9 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
             m_f, disk = model_store(fmt)
             r, sk = _paired_grid(cfg, m_f, disk, base, meta, seqs, arms, K, E, disk.expert_bytes, disk_gbps, L,
                                  expert_s.get(fmt, ms1 * 1e-3), stream, calib, fmt, xbytes)
+            if fmt != "bfloat16":  # this format's own all-in-RAM speed (the bf16 one is the paired baseline)
+                fmt_full[fmt] = format_all_in_ram(m_f, disk, seqs, cfg.readers)
+                set_format_floor(r, fmt_full[fmt][0])
             rows += r
             skipped.update(sk)
             disk.close()
@@ -641,14 +675,15 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
         "subset_rows": _public(sub_rows),
         "skipped": skipped,
         "plain_model_tokens_per_s": plain_tps,
+        "format_all_in_ram_tokens_per_s": {f: 1.0 / s_f for f, (s_f, _) in fmt_full.items()},
         "baseline": baseline_note,
         "peak_rss_bytes": peak_rss_bytes(),
         "load": load_report.to_dict() if load_report is not None else None,
         "disk_gbps_bound": bound_gbps,
         "disk_gbps_source": bound_source,
         "forecaster_recall": forecaster_recall(cfg, seqs, guard) if cfg.forecaster else None,
-        "bound_definition": "1 / max(reads/token x expert bytes (the row's format) / B, min(all-in-RAM bf16 "
-                            "s/token, the run's own)), B = max(the one-pass disk measurement at the reader pool's "
+        "bound_definition": "1 / max(reads/token x expert bytes (the row's format) / B, min(all-in-RAM s/token "
+                            "of the row's format, the run's own)), B = max(the one-pass disk measurement at the reader pool's "
                             "queue depth, every run's achieved read rate over its read-busy and its wall time): the "
                             "policy's own loads with full I/O-compute overlap (a demand miss cannot have it); "
                             "achieved_vs_bound <= 1 by construction",

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 COLUMNS = ["policy", "format", "budget", "budget_kind", "start", "slots", "tokens_per_s", "pct_full", "pct_full_min",
-           "pct_full_max", "pct_full_scaled", "sub_tokens_per_s", "hit", "reads_per_token", "exposed_misses_per_token",
+           "pct_full_max", "pct_full_scaled", "pct_full_format", "sub_tokens_per_s", "hit", "reads_per_token", "exposed_misses_per_token",
            "miss_free_token_frac", "read_mb_per_token", "read_gbps", "read_vs_disk", "io_overlap",
            "disk_busy_ms_per_token", "disk_idle_ms_per_token", "late_prefetches", "bound_tokens_per_s",
            "achieved_vs_bound", "dep_bound_tokens_per_s", "achieved_vs_dep_bound", "sub_achieved_vs_bound",
@@ -73,6 +73,9 @@ def write_report(out: Path, record: dict[str, Any]) -> None:
         print(f"bound's disk figure: {record['disk_gbps_bound']:.2f} GB/s ({record['disk_gbps_source']})")
     print(f"all-in-RAM baseline: {record['baseline']}; the plain model's forced replay: "
           f"{record['plain_model_tokens_per_s']:.1f} tokens/s")
+    for f, tps in (record.get("format_all_in_ram_tokens_per_s") or {}).items():
+        print(f"all-in-RAM {f} (every expert resident in its format, warmed; the compute floor of its rows' bound, "
+              f"pct_full_format): {tps:.2f} tokens/s" + (" on the subset" if record.get("subset_rows") else ""))
     print(f"routing: {record['provenance']['routing']}; sequences {record['provenance']['sequences']}; "
           f"scheduling {record['provenance']['scheduling']}")
     cal = record["provenance"].get("static_calibration")
@@ -130,6 +133,10 @@ def plot_budget(path: Path, record: dict[str, Any]) -> None:
     budgets = sorted({100 * r["budget"] for r in rows})
     full = [float(np.median([r["full_tokens_per_s"] for r in rows if 100 * r["budget"] == b])) for b in budgets]
     ax.plot(budgets, full, "k-", label="all experts in RAM (bf16)")
+    for j, f in enumerate(sorted(record.get("format_all_in_ram_tokens_per_s") or {})):
+        fr = [float(np.median([r["full_format_tokens_per_s"] for r in rows
+                               if 100 * r["budget"] == b and r.get("format") == f])) for b in budgets]
+        ax.plot(budgets, fr, "k" + (":", "-.")[j % 2], label=f"all experts in RAM ({f})")
     ax.set_xlabel("RAM budget (% of experts; bf16 bytes for 'bf16 bytes' rows)")
     ax.set_ylabel("tokens/s (dashed: full-overlap bound)")
     ax.set_title(f"disk tier, bound's disk {record.get('disk_gbps_bound', record['machine']['disk_gbps']):.2f} GB/s")

@@ -91,6 +91,30 @@ def test_streamed_model_with_subset_baseline(builds, tmp_path):
     assert json.loads((tmp_path / "o" / "bench_disk.json").read_text())["provenance"]["sequences"]
 
 
+def test_subset_baseline_per_format_floor(builds, tmp_path):
+    """A quantized format at full depth: its bound's compute floor is its own all-in-RAM speed, measured on the
+    subset in that format and scaled to the full depth like the bf16 one."""
+    from expertcast.recipes.bench_disk import scaled_full_seconds
+
+    d, _, _ = builds
+    threads = torch.get_num_threads()
+    cfg = BenchConfig(out=str(tmp_path / "o"), model=str(d / "full"), baseline_model=str(d / "sub"),
+                      policies=("lru",), budgets=(0.45,), repeats=1, sequences=1, tokens=6, prompt=3,
+                      disk_mb=4, readers=2, dtype="bfloat16", expert_dtypes=("int4",))
+    try:
+        rec = run_bench(cfg, stream=build_stream)
+    finally:
+        torch.set_num_threads(threads)
+    (r,), (s,) = rec["rows"], rec["subset_rows"]
+    sub_int4 = rec["format_all_in_ram_tokens_per_s"]["int4"]
+    assert s["full_format_tokens_per_s"] == pytest.approx(sub_int4)
+    assert r["full_format_tokens_per_s"] < sub_int4  # 4 decoder layers cost more than the subset's 2
+    assert r["full_format_tokens_per_s"] != pytest.approx(r["full_tokens_per_s"])
+    assert 1.0 / r["full_format_tokens_per_s"] <= scaled_full_seconds(1.0 / sub_int4, 1.0, 2, 4) * (1 + 1e-9)
+    assert r["pct_full_format"] == pytest.approx(100 * r["tokens_per_s"] / r["full_format_tokens_per_s"])
+    assert r["bound_tokens_per_s"] <= max(r["full_format_tokens_per_s"], r["tokens_per_s"]) * (1 + 1e-9)
+
+
 def test_trim_and_scale():
     from expertcast.data.trace_format import TraceSequence
 
@@ -202,6 +226,13 @@ def test_recall_axis_formats_and_timeline(tmp_path):
     assert rec["disk_gbps_bound"] >= rec["machine"]["disk_gbps"] and rec["disk_gbps_source"]
     assert set(rec["machine"]["format_gemm"]) == {"bfloat16", "int4"} and rec["machine"]["kernel_table"]
     assert rec["machine"]["disk_seconds"] >= 0.2
+    # int4's bound stands on int4's own all-in-RAM speed, bf16's on the paired bf16 baseline
+    assert set(rec["format_all_in_ram_tokens_per_s"]) == {"int4"}
+    for r in rows:
+        own = rec["format_all_in_ram_tokens_per_s"]["int4"] if r["format"] == "int4" else r["full_tokens_per_s"]
+        assert r["full_format_tokens_per_s"] == pytest.approx(own)
+        assert r["pct_full_format"] == pytest.approx(100 * r["tokens_per_s"] / own)
+        assert r["bound_tokens_per_s"] <= max(own, r["tokens_per_s"]) * (1 + 1e-9)
     tl = json.loads((tmp_path / "tl.json").read_text())
     assert "recall=1" in tl["what"] and tl["layers"] and tl["reads"]
     assert all(r["submit"] <= r["start"] <= r["end"] for r in tl["reads"])
