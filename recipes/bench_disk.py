@@ -329,6 +329,11 @@ def dependency_bound_seconds(st, xbytes: int, disk_bytes_per_s: float, expert_s:
     return max(full_s + exposed / tok, st.reads * read_s / tok)
 
 
+FORECASTER_COLUMNS = ("forecaster_ms_per_step", "forecaster_share", "forecaster_path_ms_per_step",
+                      "forecaster_path_share", "forecasts_dropped")
+"""The forecaster's cost per decode step a row carries when its policy runs one (the runtime's own report)."""
+
+
 def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, expert_s, extra):
     """One cell's row; its full-overlap and dependency-aware bounds are provisional (the measured disk figure) until
     :func:`~expertcast.recipes.bench_disk_report.finish_bounds` sets them at the figure that bounds every run."""
@@ -342,7 +347,8 @@ def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, expert_s, extr
            "read_gbps": m["read_gbps"], "io_overlap": m["io_overlap"], "reads_per_token": st.reads / tok,
            "disk_busy_ms_per_token": busy_ms, "disk_idle_ms_per_token": max(0.0, 1e3 / st.tokens_per_s - busy_ms),
            "expert_bytes": xbytes, "compute_floor_s": full_s, "reads": st.reads, "loads": st.D + st.P,
-           "late_prefetches": int(st.late.sum()), "decoded_tokens": st.decoded_tokens, **extra}
+           "late_prefetches": int(st.late.sum()), "decoded_tokens": st.decoded_tokens,
+           **{k: m[k] for k in FORECASTER_COLUMNS if k in m}, **extra}
     row.update({"recall": None, "breakeven": None, **oracle_of(name)})
     finish_bounds([row], disk_gbps)
     row["_dep"] = (st, expert_s)

@@ -226,6 +226,10 @@ def test_recall_axis_formats_and_timeline(tmp_path):
     assert rec["disk_gbps_bound"] >= rec["machine"]["disk_gbps"] and rec["disk_gbps_source"]
     assert set(rec["machine"]["format_gemm"]) == {"bfloat16", "int4"} and rec["machine"]["kernel_table"]
     assert rec["machine"]["disk_seconds"] >= 0.2
+    for r in rows:  # a forecasting policy's rows carry its cost per decode step (the oracle's: reading its tables)
+        assert ("forecaster_ms_per_step" in r) == (r["recall"] is not None), r["policy"]
+        if r["recall"] is not None:
+            assert r["forecaster_ms_per_step"] >= 0 and 0 <= r["forecaster_share"] < 1
     # int4's bound stands on int4's own all-in-RAM speed, bf16's on the paired bf16 baseline
     assert set(rec["format_all_in_ram_tokens_per_s"]) == {"int4"}
     for r in rows:
