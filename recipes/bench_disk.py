@@ -36,6 +36,7 @@ time per token from the reader pool's own timestamps; the report and figures: :m
 from __future__ import annotations
 
 import copy
+import math
 import os
 import platform
 import sys
@@ -130,7 +131,10 @@ class BenchConfig:
     disk_seconds: float = 2.0
     """The disk measurement reads its file again until at least this long has passed."""
     trace_timeline: str | None = None
-    """Write one pass's per-layer timeline here (JSON; :class:`Timeline`)."""
+    """Write one pass's per-layer timeline here (JSON; :class:`Timeline`): the first pass of :func:`timeline_arm` at
+    ``timeline_budget``, first format, at the model's full depth (the subset's only without a subset)."""
+    timeline_budget: float | None = None
+    """The budget of the timeline's pass (None: the first of ``budgets``)."""
     allow_overlap: bool = False
     """Replay sequences the forecaster was fitted on (reported)."""
     allow_model_mismatch: bool = False
@@ -369,8 +373,15 @@ def dep_bound_of(row: dict[str, Any], disk_bytes_per_s: float) -> float:
     return dependency_bound_seconds(st, row["expert_bytes"], disk_bytes_per_s, expert_s, row["compute_floor_s"])
 
 
+def is_timeline_cell(cfg, name: str, budget: float, kind: str, fmt: str) -> bool:
+    """Whether ``--trace-timeline`` records this cell's first pass (:attr:`BenchConfig.trace_timeline`)."""
+    at = cfg.budgets[0] if cfg.timeline_budget is None else cfg.timeline_budget
+    return bool(cfg.trace_timeline) and name == timeline_arm(cfg) and kind == "experts" and \
+        math.isclose(float(budget), float(at)) and fmt == formats_of(cfg)[0]
+
+
 def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, disk_gbps, L, expert_s, stream=None,
-                 calib=(), fmt="bfloat16", bf16_bytes=None):
+                 calib=(), fmt="bfloat16", bf16_bytes=None, full_depth_timeline=False):
     """Per budget and policy: ``cfg.repeats`` policy passes through ``disk`` (experts in format ``fmt``), each
     between two passes of the all-in-RAM ``base`` (the paired % of full speed: median, min-max)."""
     def baseline() -> float:
@@ -389,8 +400,7 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
                     skipped[f"{name} {fmt} {kind}"] = " ".join(str(e).split())
                     break
                 start = start_of(pol, om.cache_config)
-                traced = (cfg.trace_timeline and rep == 0 and name == timeline_arm(cfg) and kind == "experts"
-                          and budget == float(cfg.budgets[0]) and fmt == formats_of(cfg)[0])
+                traced = (not full_depth_timeline and is_timeline_cell(cfg, name, budget, kind, fmt) and rep == 0)
                 timeline = Timeline(om) if traced else None
                 st = om.replay(seqs)
                 om.close()
@@ -576,7 +586,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
             sub_path = out / f"subset.{fmt}.disk.safetensors"
             sub_model, sub_disk, _ = _load_streamed(cfg.baseline_model, cfg, sub_path, min(cfg.budgets), fmt)
             r, sk = _paired_grid(cfg, sub_model, sub_disk, base, meta_b, seqs_b, arms, K, E, sub_disk.expert_bytes,
-                                 disk_gbps, L_b, expert_s.get(fmt, ms1 * 1e-3), stream, calib_b, fmt, xbytes)
+                                 disk_gbps, L_b, expert_s.get(fmt, ms1 * 1e-3), stream, calib_b, fmt, xbytes,
+                                 full_depth_timeline=True)
             if fmt != "bfloat16":  # this format's own all-in-RAM speed (the bf16 one is the paired baseline)
                 fmt_full[fmt] = format_all_in_ram(sub_model, sub_disk, seqs_b, cfg.readers)
                 set_format_floor(r, fmt_full[fmt][0])
@@ -610,8 +621,12 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                             break
                         start = start_of(pol, om.cache_config)
                         reset_peak_rss()
+                        traced = not runs and is_timeline_cell(cfg, name, budget, kind, fmt)
+                        timeline = Timeline(om) if traced else None
                         st = om.replay(seqs)
                         om.close()
+                        if timeline is not None:
+                            timeline.save(cfg.trace_timeline, f"{name}, {fmt}, budget {budget:g}, full depth")
                         runs.append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes()))
                         del om, pol, fut  # the slots go before the next cell allocates its own
                         release_memory()

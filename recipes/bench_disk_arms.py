@@ -116,10 +116,11 @@ def formats_of(cfg: BenchConfig) -> list[str]:
 
 
 def timeline_arm(cfg: BenchConfig) -> str:
-    """The policy whose first pass at the first budget and format ``--trace-timeline`` records: the oracle at the
-    highest recall with break-even off when there is one, else the first policy."""
+    """The policy whose first pass ``--trace-timeline`` records: the oracle arm (``--recall`` or ``--policies``) at
+    the highest recall, break-even off before on, when there is one, else the first policy."""
     arms = policy_arms(cfg)
-    return f"seqmoe:forecast=oracle,recall={max(cfg.recall):g},breakeven=false" if cfg.recall else arms[0]
+    oracles = [(o["recall"], not o["breakeven"], i) for i, a in enumerate(arms) if (o := oracle_of(a))]
+    return arms[max(oracles)[2]] if oracles else arms[0]
 
 
 class Timeline:

@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-seconds", type=float, default=d.disk_seconds,
                     help="the disk measurement reads for at least this long")
     ap.add_argument("--trace-timeline", default=None, help="write one pass's per-layer timeline (JSON) here")
+    ap.add_argument("--timeline-budget", type=float, default=None, help="the budget of the timeline's pass (default: "
+                    "the first of --budgets)")
     ap.add_argument("--allow-overlap", action="store_true",
                     help="replay sequences the forecaster was fitted on (reported)")
     ap.add_argument("--allow-model-mismatch", action="store_true",
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--recall: {a.recall!r} is not a comma-separated list of numbers") from None
     dtypes = tuple(x.strip() for x in a.expert_dtype.split(",") if x.strip())
     common = dict(recall=recall, expert_dtypes=dtypes, equal_bytes=a.equal_bytes, trace_timeline=a.trace_timeline,
+                  timeline_budget=a.timeline_budget,
                   allow_overlap=a.allow_overlap, allow_model_mismatch=a.allow_model_mismatch,
                   truncate_trace=a.truncate_trace)
     if a.quick:
@@ -71,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in common.items():
             setattr(cfg, k, v)
     else:
-        skip = {"quick", "recall", "expert_dtype", "equal_bytes", "trace_timeline", "allow_overlap",
+        skip = {"quick", "recall", "expert_dtype", "equal_bytes", "trace_timeline", "timeline_budget", "allow_overlap",
                 "allow_model_mismatch", "truncate_trace"}
         cfg = BenchConfig(**{k: v for k, v in vars(a).items() if k not in skip}, **common)
         cfg.policies, cfg.budgets, cfg.seq_ids = tuple(a.policies), tuple(a.budgets), tuple(a.seq_ids)
+    if cfg.trace_timeline and cfg.timeline_budget is not None and \
+            not any(abs(b - cfg.timeline_budget) < 1e-9 for b in cfg.budgets):
+        raise SystemExit(f"--timeline-budget {cfg.timeline_budget:g} is not one of --budgets")
     for b in cfg.budgets:
         if not 0 < b <= 1:
             raise SystemExit(f"--budgets: {b} is not a fraction in (0, 1]")

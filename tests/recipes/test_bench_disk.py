@@ -100,7 +100,8 @@ def test_subset_baseline_per_format_floor(builds, tmp_path):
     threads = torch.get_num_threads()
     cfg = BenchConfig(out=str(tmp_path / "o"), model=str(d / "full"), baseline_model=str(d / "sub"),
                       policies=("lru",), budgets=(0.45,), repeats=1, sequences=1, tokens=6, prompt=3,
-                      disk_mb=4, readers=2, dtype="bfloat16", expert_dtypes=("int4",))
+                      disk_mb=4, readers=2, dtype="bfloat16", expert_dtypes=("int4",),
+                      trace_timeline=str(tmp_path / "tl.json"))
     try:
         rec = run_bench(cfg, stream=build_stream)
     finally:
@@ -113,6 +114,8 @@ def test_subset_baseline_per_format_floor(builds, tmp_path):
     assert 1.0 / r["full_format_tokens_per_s"] <= scaled_full_seconds(1.0 / sub_int4, 1.0, 2, 4) * (1 + 1e-9)
     assert r["pct_full_format"] == pytest.approx(100 * r["tokens_per_s"] / r["full_format_tokens_per_s"])
     assert r["bound_tokens_per_s"] <= max(r["full_format_tokens_per_s"], r["tokens_per_s"]) * (1 + 1e-9)
+    tl = json.loads((tmp_path / "tl.json").read_text())  # the timeline is the full-depth pass's, not the subset's
+    assert tl["what"].endswith("full depth") and {ly["layer"] for ly in tl["layers"]} == {0, 1, 2, 3}
 
 
 def test_trim_and_scale():
