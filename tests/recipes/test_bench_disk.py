@@ -274,3 +274,10 @@ def test_learned_forecaster_guard_and_recall(tmp_path):
     guard = forecaster_guard(cfg, syn.meta, seqs)
     fr = forecaster_recall(cfg, seqs, guard)
     assert 0.0 <= fr["h1"] <= 1.0 and len(fr["per_sequence"]) == 1
+    # the plain "seqmoe" arm (no options in its text) is built with --forecaster; an oracle arm shares its config
+    from expertcast.recipes.bench_disk_arms import arm_policy
+
+    pol, _ = arm_policy("seqmoe", cfg, syn.meta, seqs, 1e9, 1.0)
+    assert pol.model is not None and pol.oracle is None and pol.fc.trigger_layer == fcfg.trigger_layer
+    orc, _ = arm_policy("seqmoe:forecast=oracle,recall=1,breakeven=false", cfg, syn.meta, seqs, 1e9, 1.0)
+    assert orc.oracle is not None and orc.model is not None and orc.fc == pol.fc
