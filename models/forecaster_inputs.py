@@ -13,8 +13,6 @@ next-step forecasting.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -94,12 +92,11 @@ def activation_probs(logits: torch.Tensor, top_k: int, temperature: float | torc
     :data:`LAMBDA_CAP`). ``temperature`` T is the calibration fitted on held-out data
     (:attr:`ForecasterConfig.temperature`).
 
-    The root is found in float64 by Newton's method on u = log lambda, safeguarded by a bracket that every step
-    keeps (a step leaving it bisects instead; docs/results.md "Forecaster cost per decode step"): below,
-    lambda >= K / sum(w); above, K + 1 experts at lambda·w >= log(K + 1) reach K. It starts from the estimate
-    that 1 - exp(-x) <= min(1, x) gives, lambda ~ max over j < K of (K - j) / (the weight outside the j
-    largest), and iterates until every layer's step in u is at most ``tol`` (a few iterations; ``max_iters``
-    bounds them).
+    The root is found in float64 by Newton's method from below (docs/results.md "Forecaster cost per decode
+    step"): the sum is concave and increasing in lambda, so from a lambda below the root every step stays below
+    it and the steps converge monotonically. The start is below the root because 1 - exp(-x) <= min(1, x):
+    lambda >= (K - j) / (the weight outside the j largest), every j < K. It stops when every layer's step is at
+    most ``tol`` times its lambda (a few steps; ``max_iters`` bounds them).
     """
     w = torch.softmax(logits.float() / temperature, dim=-1)
     E = w.shape[-1]
@@ -108,23 +105,18 @@ def activation_probs(logits: torch.Tensor, top_k: int, temperature: float | torc
     few = (w > 0).sum(-1, keepdim=True) <= top_k  # the sum cannot reach K: lambda at the cap
     wn = torch.where(few, 1.0 / E, w.double())  # those layers solved on a stand-in (result discarded)
     top = wn.topk(top_k + 1, dim=-1).values  # the K + 1 largest, descending
-    rest = torch.where(wn < top[..., -1:], wn, 0.0).sum(-1, keepdim=True)  # the weight below them
+    v = top[..., -1:]
+    # the weight outside them: every weight <= v, less the copies of v among them (ties of v may lie outside)
+    rest = (torch.where(wn <= v, wn, 0.0).sum(-1, keepdim=True) - (top == v).sum(-1, keepdim=True) * v).clamp_min(0)
     idx = torch.arange(top_k + 1, device=w.device)
     outside = top @ (idx.view(-1, 1) >= idx).double()[:, :top_k] + rest  # [..., j]: outside the j largest
-    lo = torch.log(top_k / wn.sum(-1, keepdim=True))
-    hi = torch.log(math.log(top_k + 1) / top[..., -1:])
-    u = torch.log(((top_k - idx[:top_k]) / outside).amax(-1, keepdim=True)).clamp(lo, hi)
+    lam = ((top_k - idx[:top_k]) / outside).amax(-1, keepdim=True)
     for _ in range(max_iters):
-        x = torch.exp(u) * wn
-        e = torch.exp(-x)
-        f = (E - top_k) - e.sum(-1, keepdim=True)  # sum(1 - e) - K, increasing in u
-        lo = torch.where(f <= 0, u, lo)
-        hi = torch.where(f >= 0, u, hi)
-        nxt = u - f / (x * e).sum(-1, keepdim=True)
-        nxt = torch.where((nxt >= lo) & (nxt <= hi), nxt, (lo + hi) / 2)  # NaN (a zero slope) bisects too
-        done = bool(((nxt - u).abs() <= tol).all())
-        u = nxt
-        if done:
+        e = torch.exp(-lam * wn)
+        # sum(1 - e) - K over its slope: <= 0 below the root
+        step = ((E - top_k) - e.sum(-1, keepdim=True)) / (wn * e).sum(-1, keepdim=True)
+        lam = lam - step
+        if not bool((step.abs() > tol * lam).any()):
             break
-    lam = torch.where(few, LAMBDA_CAP, torch.exp(u).clamp_max(LAMBDA_CAP)).float()
+    lam = torch.where(few, LAMBDA_CAP, lam.clamp_max(LAMBDA_CAP)).float()
     return 1 - torch.exp(-lam * w)  # in float32, as the probabilities always were
