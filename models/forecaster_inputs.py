@@ -104,7 +104,7 @@ def activation_probs(logits: torch.Tensor, top_k: int, temperature: float | torc
         return torch.ones_like(w)
     few = (w > 0).sum(-1, keepdim=True) <= top_k  # the sum cannot reach K: lambda at the cap
     wn = torch.where(few, 1.0 / E, w.double())  # those layers solved on a stand-in (result discarded)
-    top = wn.topk(top_k + 1, dim=-1).values  # the K + 1 largest, descending
+    top = torch.where(few, 1.0 / E, w.topk(top_k + 1, dim=-1).values.double())  # the K + 1 largest, descending
     v = top[..., -1:]
     # the weight outside them: every weight <= v, less the copies of v among them (ties of v may lie outside)
     rest = (torch.where(wn <= v, wn, 0.0).sum(-1, keepdim=True) - (top == v).sum(-1, keepdim=True) * v).clamp_min(0)

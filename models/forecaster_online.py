@@ -139,12 +139,12 @@ class OnlinePrior(nn.Module):
         return torch.zeros(batch_size, self.num_sources, self.L * self.E + 1, device=device)
 
     def init_hedge(self, batch_size: int, device: torch.device | str) -> list[torch.Tensor] | None:
-        """Zero hedge state (None without per-sequence weighting): frequencies of the last H_d elements
-        [B, H_d, M, L·E], scores [B, H_d, M+1], elements seen [B, 1]."""
+        """Zero hedge state (None without per-sequence weighting): the top-K of the sources' frequencies at the
+        last H_d elements [B, H_d, M, L, K] (long, newest first), scores [B, H_d, M+1], elements seen [B, 1]."""
         if self.rate <= 0:
             return None
         M, H = self.num_sources, self.heads
-        return [torch.zeros(batch_size, H, M, self.L * self.E, device=device),
+        return [torch.zeros(batch_size, H, M, self.L, self.K, dtype=torch.long, device=device),
                 torch.zeros(batch_size, H, M + 1, device=device), torch.zeros(batch_size, 1, device=device)]
 
     def forward(self, x: torch.Tensor, state: ForecasterState | None, heads: int) -> torch.Tensor:
@@ -176,12 +176,13 @@ class OnlinePrior(nn.Module):
         if state is not None:
             buf, c_prev, seen = state.hedge[:3]
         else:
-            buf, c_prev, seen = (x.new_zeros(B, H, M, L * E, dtype=torch.float32), x.new_zeros(B, H, M + 1),
+            buf, c_prev, seen = (x.new_zeros(B, H, M, L, K, dtype=torch.long), x.new_zeros(B, H, M + 1),
                                  x.new_zeros(B, 1))
-        # the new and the kept frequencies, newest first, and their top-K (indices are cat, not the frequencies)
+        # the top-K of the new frequencies and the kept top-K of the last H elements', newest first: a row's top-K
+        # depends on that row alone, so it is taken once, when the row is new; the zero rows before the sequence
+        # start are never scored (valid = 0 below)
         fresh = freq.flip(1) if T > 1 else freq
-        top = torch.cat([fresh.reshape(B, T, M, L, E).topk(K, dim=-1).indices,
-                         buf.reshape(B, H, M, L, E).topk(K, dim=-1).indices], dim=1)  # [B, T + H, M, L, K]
+        top = torch.cat([fresh.reshape(B, T, M, L, E).topk(K, dim=-1).indices, buf], dim=1)  # [B, T + H, M, L, K]
         support = (x > 0).view(B, T, 1, L, E).expand(B, T, M, L, E)
         t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)  # [B, T] index of element t
         # every horizon at once: horizon j's forecasts of element t were issued at element t-j-1 (top index T-t+j)
@@ -195,7 +196,7 @@ class OnlinePrior(nn.Module):
         c = ema_scan(r.view(B, T, H * (M + 1)), dec, (c_prev * (1 - d)).view(B, 1, H * (M + 1)))
         c = (c[:, :, 0] / (1 - d)).view(B, T, H, M + 1)
         if state is not None and T:
-            buf.copy_(torch.cat([fresh, buf], dim=1)[:, :H] if T < H else fresh[:, :H])
+            buf.copy_(top[:, :H])
             c_prev.copy_(c[:, -1])
             seen.add_(T)
         return c

@@ -1,6 +1,7 @@
 """The per-sequence scores of the online statistics (:func:`history_scores`, :meth:`OnlinePrior._scores`), all
-horizons at once and their buffers newest first: bit for bit the per-horizon loops they replaced (kept here only as
-the reference), over windows and one element at a time, from the sequence start and from a state."""
+horizons at once and their buffers newest first (the hedge keeping the kept frequencies' top-K, not the
+frequencies): bit for bit the per-horizon loops they replaced (kept here only as the reference), over windows and
+one element at a time, from the sequence start and from a state."""
 
 from __future__ import annotations
 
@@ -102,8 +103,8 @@ def test_hedge_scores_equal_the_per_horizon_loop(chunks, activation_inputs):
         ema = ema_scan(xs, prior.decays)
         freq = (ema[..., :-1] / ema[..., -1:]).contiguous()
         assert torch.equal(prior._scores(x, freq, None), _scores_loop(prior, x, freq, None))
-        new = prior.init_hedge(B, "cpu")
-        ref = [t.clone() for t in new]
+        new = prior.init_hedge(B, "cpu")  # the top-K of the kept frequencies, not the frequencies
+        ref = [torch.zeros(B, H, prior.num_sources, L * E)] + [t.clone() for t in new[1:]]
 
         class _State:
             hedge = new
@@ -112,6 +113,9 @@ def test_hedge_scores_equal_the_per_horizon_loop(chunks, activation_inputs):
         for n in chunks:
             got = prior._scores(x[:, a:a + n], freq[:, a:a + n].contiguous(), _State)
             want = _scores_loop(prior, x[:, a:a + n], freq[:, a:a + n].contiguous(), ref)
-            assert torch.equal(got, want)
-            assert all(torch.equal(p, q) for p, q in zip(new, ref, strict=True))
             a += n
+            assert torch.equal(got, want)
+            assert all(torch.equal(p, q) for p, q in zip(new[1:], ref[1:], strict=True))
+            kept = min(a, H)  # rows of elements seen so far (the rest: before the sequence start)
+            ref_top = ref[0].view(B, H, prior.num_sources, L, E).topk(K, dim=-1).indices
+            assert torch.equal(new[0][:, :kept], ref_top[:, :kept])
