@@ -111,12 +111,13 @@ def activation_probs(logits: torch.Tensor, top_k: int, temperature: float | torc
     idx = torch.arange(top_k + 1, device=w.device)
     outside = top @ (idx.view(-1, 1) >= idx).double()[:, :top_k] + rest  # [..., j]: outside the j largest
     lam = ((top_k - idx[:top_k]) / outside).amax(-1, keepdim=True)
+    neg = -wn
     for _ in range(max_iters):
-        e = torch.exp(-lam * wn)
+        e = torch.exp(lam * neg)
         # sum(1 - e) - K over its slope: <= 0 below the root
         step = ((E - top_k) - e.sum(-1, keepdim=True)) / (wn * e).sum(-1, keepdim=True)
         lam = lam - step
-        if not bool((step.abs() > tol * lam).any()):
+        if not bool((step < -tol * lam).any()):  # every |step| <= tol * lambda (steps are <= 0 up to rounding)
             break
     lam = torch.where(few, LAMBDA_CAP, lam.clamp_max(LAMBDA_CAP)).float()
     return 1 - torch.exp(-lam * w)  # in float32, as the probabilities always were
