@@ -76,30 +76,48 @@ def predictions_to_input(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, top_i, top_w)
 
 
-def activation_probs(logits: torch.Tensor, top_k: int, temperature: float = 1.0, iters: int = 40) -> torch.Tensor:
+LAMBDA_CAP = 4.0 ** 60
+"""Largest per-layer time lambda of :func:`activation_probs`: a layer with at most K experts of nonzero weight (the
+sum never reaches K) gets it, every expert of nonzero weight then at probability 1."""
+
+
+def activation_probs(logits: torch.Tensor, top_k: int, temperature: float | torch.Tensor = 1.0,
+                     tol: float = 1e-10, max_iters: int = 100) -> torch.Tensor:
     """Per-expert probability of being among a layer's K selected experts, from logits [..., L, E].
 
     The selection is modelled as K draws without replacement in proportion to w = softmax(logits / T)
     (Plackett-Luce). Its inclusion probabilities follow from the exponential-clocks view of that
     sampling, approximated with a per-layer time lambda: P(e) = 1 - exp(-lambda * w_e), with lambda
-    solved (bisection) so that the probabilities sum to K, as a K-subset's inclusion probabilities do.
-    ``temperature`` T is the calibration fitted on held-out data (:attr:`ForecasterConfig.temperature`).
+    solved so that the probabilities sum to K, as a K-subset's inclusion probabilities do (at most
+    :data:`LAMBDA_CAP`). ``temperature`` T is the calibration fitted on held-out data
+    (:attr:`ForecasterConfig.temperature`).
+
+    The root is found in float64 by Newton's method from below (docs/results.md "Forecaster cost per decode
+    step"): the sum is concave and increasing in lambda, so from a lambda below the root every step stays below
+    it and the steps converge monotonically. The start is below the root because 1 - exp(-x) <= min(1, x):
+    lambda >= (K - j) / (the weight outside the j largest), every j < K. It stops when every layer's step is at
+    most ``tol`` times its lambda (a few steps; ``max_iters`` bounds them).
     """
     w = torch.softmax(logits.float() / temperature, dim=-1)
     E = w.shape[-1]
     if top_k >= E:
         return torch.ones_like(w)
-    target = float(top_k)
-    lo = torch.zeros(w.shape[:-1] + (1,), device=w.device)
-    hi = torch.ones_like(lo)
-    for _ in range(60):  # grow hi until the sum reaches K (w_min > 0 so it always does)
-        done = (1 - torch.exp(-hi * w)).sum(-1, keepdim=True) >= target
-        if bool(done.all()):
+    few = (w > 0).sum(-1, keepdim=True) <= top_k  # the sum cannot reach K: lambda at the cap
+    wn = torch.where(few, 1.0 / E, w.double())  # those layers solved on a stand-in (result discarded)
+    top = torch.where(few, 1.0 / E, w.topk(top_k + 1, dim=-1).values.double())  # the K + 1 largest, descending
+    v = top[..., -1:]
+    # the weight outside them: every weight <= v, less the copies of v among them (ties of v may lie outside)
+    rest = (torch.where(wn <= v, wn, 0.0).sum(-1, keepdim=True) - (top == v).sum(-1, keepdim=True) * v).clamp_min(0)
+    idx = torch.arange(top_k + 1, device=w.device)
+    outside = top @ (idx.view(-1, 1) >= idx).double()[:, :top_k] + rest  # [..., j]: outside the j largest
+    lam = ((top_k - idx[:top_k]) / outside).amax(-1, keepdim=True)
+    neg = -wn
+    for _ in range(max_iters):
+        e = torch.exp(lam * neg)
+        # sum(1 - e) - K over its slope: <= 0 below the root
+        step = ((E - top_k) - e.sum(-1, keepdim=True)) / (wn * e).sum(-1, keepdim=True)
+        lam = lam - step
+        if not bool((step < -tol * lam).any()):  # every |step| <= tol * lambda (steps are <= 0 up to rounding)
             break
-        hi = torch.where(done, hi, hi * 4)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        big = (1 - torch.exp(-mid * w)).sum(-1, keepdim=True) > target
-        hi = torch.where(big, mid, hi)
-        lo = torch.where(big, lo, mid)
-    return 1 - torch.exp(-hi * w)
+    lam = torch.where(few, LAMBDA_CAP, lam.clamp_max(LAMBDA_CAP)).float()
+    return 1 - torch.exp(-lam * w)  # in float32, as the probabilities always were

@@ -69,18 +69,22 @@ def history_scores(x: torch.Tensor, top: torch.Tensor, saved: list[torch.Tensor]
         buf, prev, seen = saved
     else:
         buf, prev, seen = top.new_zeros(B, H, H, N, L, K), None, x.new_zeros(B, 1, dtype=torch.float32)
-    hist = torch.cat([buf.flip(1), top], dim=1)  # [B, H + T, H, N, L, K], oldest first
+    hist = torch.cat([top.flip(1) if T > 1 else top, buf], dim=1)  # [B, T + H, H, N, L, K], newest first
     support = (x > 0).view(B, T, 1, L, E).expand(B, T, N, L, E)
     t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)
-    r = torch.stack([score(support.gather(-1, hist[:, H - j - 1: H - j - 1 + T, j]).float())
-                     * (t_glob - j - 1 >= 0).float().unsqueeze(-1) for j in range(H)], dim=2)  # [B, T, H, F]
+    # every head at once: head j's forecasts of element t were issued at element t-j-1, hist index T - t + j
+    j = torch.arange(H, device=x.device)
+    src = hist[:, (T - torch.arange(T, device=x.device)).view(T, 1) + j, j]  # [B, T, H, N, L, K]
+    hits = support.unsqueeze(2).expand(B, T, H, N, L, E).gather(-1, src).float()
+    r = score(hits.reshape(B, T * H, N, L, K)).view(B, T, H, -1) \
+        * (t_glob.unsqueeze(-1) - j - 1 >= 0).float().unsqueeze(-1)  # [B, T, H, F]
     F = r.shape[-1]
     d = 0.5 ** (1.0 / half_life)
     out = ema_scan(r.reshape(B, T, H * F), torch.tensor([d], device=x.device),
                    None if prev is None else (prev * (1 - d)).view(B, 1, H * F))
     out = out[:, :, 0] / (1 - d)  # [B, T, H·F]: the discounted sums
     if saved is not None and T:
-        buf.copy_(hist[:, -H:].flip(1))
+        buf.copy_(hist[:, :H])
         prev.copy_(out[:, -1])
         seen.add_(T)
     return out
@@ -135,12 +139,12 @@ class OnlinePrior(nn.Module):
         return torch.zeros(batch_size, self.num_sources, self.L * self.E + 1, device=device)
 
     def init_hedge(self, batch_size: int, device: torch.device | str) -> list[torch.Tensor] | None:
-        """Zero hedge state (None without per-sequence weighting): frequencies of the last H_d elements
-        [B, H_d, M, L·E], scores [B, H_d, M+1], elements seen [B, 1]."""
+        """Zero hedge state (None without per-sequence weighting): the top-K of the sources' frequencies at the
+        last H_d elements [B, H_d, M, L, K] (long, newest first), scores [B, H_d, M+1], elements seen [B, 1]."""
         if self.rate <= 0:
             return None
         M, H = self.num_sources, self.heads
-        return [torch.zeros(batch_size, H, M, self.L * self.E, device=device),
+        return [torch.zeros(batch_size, H, M, self.L, self.K, dtype=torch.long, device=device),
                 torch.zeros(batch_size, H, M + 1, device=device), torch.zeros(batch_size, 1, device=device)]
 
     def forward(self, x: torch.Tensor, state: ForecasterState | None, heads: int) -> torch.Tensor:
@@ -172,26 +176,27 @@ class OnlinePrior(nn.Module):
         if state is not None:
             buf, c_prev, seen = state.hedge[:3]
         else:
-            buf, c_prev, seen = (x.new_zeros(B, H, M, L * E, dtype=torch.float32), x.new_zeros(B, H, M + 1),
+            buf, c_prev, seen = (x.new_zeros(B, H, M, L, K, dtype=torch.long), x.new_zeros(B, H, M + 1),
                                  x.new_zeros(B, 1))
-        # top-K of the kept and the new frequencies, oldest first (indices are cat, not the [.., L·E] frequencies)
-        top = torch.cat([buf.flip(1).reshape(B, H, M, L, E).topk(K, dim=-1).indices,
-                         freq.reshape(B, T, M, L, E).topk(K, dim=-1).indices], dim=1)  # [B, H + T, M, L, K]
+        # the top-K of the new frequencies and the kept top-K of the last H elements', newest first: a row's top-K
+        # depends on that row alone, so it is taken once, when the row is new; the zero rows before the sequence
+        # start are never scored (valid = 0 below)
+        fresh = freq.flip(1) if T > 1 else freq
+        top = torch.cat([fresh.reshape(B, T, M, L, E).topk(K, dim=-1).indices, buf], dim=1)  # [B, T + H, M, L, K]
         support = (x > 0).view(B, T, 1, L, E).expand(B, T, M, L, E)
         t_glob = seen + torch.arange(T, device=x.device, dtype=seen.dtype).view(1, T)  # [B, T] index of element t
-        r = x.new_zeros(B, T, H, M + 1, dtype=torch.float32)
-        for j in range(H):
-            src = top[:, H - j - 1: H - j - 1 + T]  # forecasts issued at element t-j-1
-            hit = support.gather(-1, src).float().mean(dim=(-1, -2))  # [B, T, M]
-            valid = (t_glob - j - 1 >= 0).float().unsqueeze(-1)
-            r[:, :, j, :M] = hit * valid
-            r[:, :, j, M] = (K / E) * valid[..., 0]
+        # every horizon at once: horizon j's forecasts of element t were issued at element t-j-1 (top index T-t+j)
+        j = torch.arange(H, device=x.device)
+        src = top[:, (T - torch.arange(T, device=x.device)).view(T, 1) + j]  # [B, T, H, M, L, K]
+        hit = support.unsqueeze(2).expand(B, T, H, M, L, E).gather(-1, src).float().mean(dim=(-1, -2))  # [B, T, H, M]
+        valid = (t_glob.unsqueeze(-1) - j - 1 >= 0).float().unsqueeze(-1)  # [B, T, H, 1]
+        r = torch.cat([hit * valid, (K / E) * valid], dim=-1)  # [B, T, H, M+1]
         d = self.hedge_decay
         dec = torch.tensor([d], device=x.device)
         c = ema_scan(r.view(B, T, H * (M + 1)), dec, (c_prev * (1 - d)).view(B, 1, H * (M + 1)))
         c = (c[:, :, 0] / (1 - d)).view(B, T, H, M + 1)
         if state is not None and T:
-            buf.copy_(torch.cat([buf.flip(1), freq], dim=1)[:, -H:].flip(1) if T < H else freq[:, -H:].flip(1))
+            buf.copy_(top[:, :H])
             c_prev.copy_(c[:, -1])
             seen.add_(T)
         return c

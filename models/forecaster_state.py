@@ -17,8 +17,8 @@ class ForecasterState:
     Shapes (B = batch): ``conv`` per block [B, expand·d + 2·G·N, k] (the last k inputs of the block's causal
     convolution), ``ssm`` per block [B, H, head_dim, N] (the SSD state); ``online`` [B, M, L·E + 1] (the M moving averages
     of :class:`~expertcast.models.forecaster_online.OnlinePrior`, last column their mass) or None without online statistics; ``hedge`` (with
-    ``online_hedge_rate`` > 0): the sources' frequencies of the last H_d elements [B, H_d, M, L·E]
-    (newest first), their discounted per-head scores [B, H_d, M+1] and the elements each row has seen [B, 1];
+    ``online_hedge_rate`` > 0): the top-K of the sources' frequencies at the last H_d elements [B, H_d, M, L, K]
+    (long, newest first), their discounted per-head scores [B, H_d, M+1] and the elements each row has seen [B, 1];
     then (with ``learned_gate_rate`` > 0) the top-K of the last H_d forecasts with and without the learned part
     [B, H_d, H_d, 2, L, K] (long, newest first), their discounted recall difference [B, H_d] and the elements
     seen [B, 1]. None when neither is on. ``components`` [B, M', L, E]: the moving averages of the exact recent-freq
