@@ -22,7 +22,12 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-from expertcast.models.forecaster_components import COMPONENT_SCALE, ExactComponents, component_names, decay_of
+from expertcast.models.forecaster_components import (
+    COMPONENT_SCALE,
+    ExactComponents,
+    component_names,
+    decay_of,
+)
 from expertcast.models.forecaster_inputs import (
     activation_probs,
     activation_vector,
