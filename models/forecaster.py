@@ -22,7 +22,12 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-from expertcast.models.forecaster_components import COMPONENT_SCALE, ExactComponents, component_names
+from expertcast.models.forecaster_components import (
+    COMPONENT_SCALE,
+    ExactComponents,
+    component_names,
+    decay_of,
+)
 from expertcast.models.forecaster_inputs import (
     activation_probs,
     activation_vector,
@@ -125,6 +130,13 @@ class ForecasterConfig:
     head_rank: int = 0
     """0: one dense output head d -> H_d·L·E. r > 0: factored per-layer heads, d -> H_d·L·r then a per-layer
     [r, E] expert table (scales to wide L x E: d·H_d·L·r + L·r·E weights instead of d·H_d·L·E)."""
+    skip_hidden: int = 0
+    """s > 0: the per-element branch (docs/design.md "Forecaster"): the learned logits are the backbone's head plus
+    an MLP over the current element and its recent frequency, [x_t ; m_t] (2·L·E, m the moving average of the
+    elements at half-life :data:`SKIP_HALF_LIFE`) -> s (ReLU) -> H_d·L·E, the MLP reference's form, so what one
+    element shows (e.g. layer p's experts, which predict the later layers of the same token) reaches the logits
+    without passing the backbone's width and head rank. Its moving average is recurrent state. 0: none (every
+    export before it)."""
     residual_scale: list[float] | None = None
     """Per direct head j, the factor alpha_j in [0, 1] on the learned logits (logits = alpha_j · learned + online
     prior term). Fitted after training on held-out elements (:func:`fit_residual_scale` in the training code,
@@ -189,6 +201,8 @@ class ForecasterConfig:
             raise ValueError(f"switch_half_life must be >= 0, got {self.switch_half_life}")
         if self.head_rank < 0:
             raise ValueError(f"head_rank must be >= 0, got {self.head_rank}")
+        if self.skip_hidden < 0:
+            raise ValueError(f"skip_hidden must be >= 0, got {self.skip_hidden}")
         check_backbone(self.backbone)
         inner = self.expand * self.hidden_size
         if inner % self.head_dim:
@@ -237,9 +251,33 @@ def scaled_width(num_layers: int, num_experts: int) -> int:
     return int(min(1024, max(64, 64 * round(num_layers * num_experts / 8 / 64))))
 
 
+SKIP_HALF_LIFE = 16.0
+"""Half-life (elements) of the recent frequency the per-element branch reads (the MLP reference's and the recent-freq
+baseline's)."""
+
+
+class ElementBranch(nn.Module):
+    """The per-element branch (:attr:`ForecasterConfig.skip_hidden`): [x_t ; m_t] -> hidden (ReLU) -> H_d·L·E logits,
+    m_t = d·m_{t-1} + (1-d)·x_t the moving average of the elements (d = 0.5^(1/:data:`SKIP_HALF_LIFE`), zero before a
+    sequence's first element), as the MLP reference reads them."""
+
+    def __init__(self, input_size: int, hidden: int, outputs: int):
+        super().__init__()
+        self.hidden = nn.Linear(2 * input_size, hidden)
+        self.out = nn.Linear(hidden, outputs)
+        self.register_buffer("decay", decay_of(SKIP_HALF_LIFE), persistent=False)
+
+    def forward(self, x: torch.Tensor, prev: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, L·E]; prev [B, 1, L·E] the moving average before x[:, 0] (None: zeros); the first ``rows``
+        outputs -> (logits [B, T, rows], the moving average after x[:, -1] [B, 1, L·E])."""
+        m = ema_scan(x, self.decay.to(x.dtype), prev)[:, :, 0]
+        h = torch.relu(self.hidden(torch.cat([x, m], dim=-1)))
+        return nn.functional.linear(h, self.out.weight[:rows], self.out.bias[:rows]), m[:, -1:]
+
+
 class ExpertForecaster(nn.Module):
-    """Input projection -> Mamba-2 backbone -> per-layer expert logits (+ the :class:`OnlinePrior` term when
-    ``online_half_lives`` is set).
+    """Input projection -> Mamba-2 backbone -> per-layer expert logits (+ the :class:`ElementBranch` when
+    ``skip_hidden`` is set, + the :class:`OnlinePrior` term when ``online_half_lives`` is set).
 
     ``forward(x)``: x [B, T, L, E] (or [B, T, L·E]) -> logits [B, T, L, E], where logits[:, i] predict
     element i+1 (see :func:`trigger_sequence`). With ``all_horizons=True`` it returns
@@ -260,6 +298,9 @@ class ExpertForecaster(nn.Module):
             self.head_experts = nn.Parameter(torch.randn(c.num_layers, c.head_rank, c.num_experts) / c.head_rank ** 0.5)
         else:
             self.head = nn.Linear(c.hidden_size, c.input_size * c.direct_horizons)
+        self.skip: ElementBranch | None = None
+        if c.skip_hidden:
+            self.skip = ElementBranch(c.input_size, c.skip_hidden, c.input_size * c.direct_horizons)
         self.components: ExactComponents | None = None
         if c.component_half_lives is not None:
             self.components = ExactComponents(c.num_layers, c.num_experts, c.component_half_lives)
@@ -270,6 +311,9 @@ class ExpertForecaster(nn.Module):
             # the learned part starts at zero: the first forecasts are the online prior's
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
+            if self.skip is not None:
+                nn.init.zeros_(self.skip.out.weight)
+                nn.init.zeros_(self.skip.out.bias)
 
     # --- state ---
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> ForecasterState:
@@ -294,7 +338,9 @@ class ExpertForecaster(nn.Module):
             switch = [torch.zeros(batch_size, H, H, n, c.num_layers, c.top_k, dtype=torch.long, device=device),
                       torch.zeros(batch_size, H * n * c.num_layers, device=device),
                       torch.zeros(batch_size, 1, device=device)]
-        return ForecasterState(conv, ssm, online=online, hedge=hedge or None, components=comp, switch=switch)
+        skip = torch.zeros(batch_size, 1, self.config.input_size, device=device) if self.skip is not None else None
+        return ForecasterState(conv, ssm, online=online, hedge=hedge or None, components=comp, switch=switch,
+                               skip=skip)
 
     # --- compute ---
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
@@ -419,6 +465,11 @@ class ExpertForecaster(nn.Module):
             n = c.input_size * heads  # only the rows of the heads asked for
             learned = nn.functional.linear(out, self.head.weight[:n], self.head.bias[:n]).view(
                 B, T, heads, c.num_layers, c.num_experts)
+        if self.skip is not None:  # the per-element branch adds to the head's logits
+            sk, last = self.skip(x, state.skip if state is not None else None, heads * c.input_size)
+            learned = learned + sk.view(B, T, heads, c.num_layers, c.num_experts)
+            if state is not None:
+                state.skip.copy_(last)
         prior = self.online(x, state, heads) if self.online is not None else None
         if state is not None:
             state.steps += T
@@ -503,6 +554,8 @@ class ExpertForecaster(nn.Module):
         macs += (c.hidden_size + c.num_experts) * c.num_layers * c.head_rank * H if c.head_rank else \
             c.input_size * c.hidden_size * H  # head
         macs += self.backbone.step_macs()
+        if self.skip is not None:  # moving average, hidden layer, every head's outputs
+            macs += c.input_size + 2 * c.input_size * c.skip_hidden + c.skip_hidden * c.input_size * H
         if self.online is not None:  # moving averages + mixture and gate of every head
             M = self.online.num_sources
             macs += M * (c.input_size + 1) + c.direct_horizons * c.input_size * (M + 2)

@@ -26,7 +26,8 @@ class ForecasterState:
     ``switch`` (with components and ``switch_half_life`` > 0): the top-K of the last H_d forecasts of the selected
     forecast and of every component [B, H_d, H_d, 1 + C, L, K] (long, newest first), their discounted recall
     [B, H_d·(1 + C)·L] and the elements seen [B, 1]; None otherwise.
-    ``steps`` counts the elements consumed.
+    ``skip`` [B, 1, L·E]: the moving average the per-element branch reads (:class:`~expertcast.models.forecaster.ElementBranch`),
+    or None without it. ``steps`` counts the elements consumed.
 
     :class:`~expertcast.models.mamba2.Mamba2Backbone` reads and advances ``conv`` / ``ssm``; the forecaster's other
     parts the rest. State tensors are updated in place; use :meth:`clone` / :meth:`copy_` to save and restore.
@@ -34,7 +35,8 @@ class ForecasterState:
 
     def __init__(self, conv: list[torch.Tensor], ssm: list[torch.Tensor], steps: int = 0,
                  online: torch.Tensor | None = None, hedge: list[torch.Tensor] | None = None,
-                 components: torch.Tensor | None = None, switch: list[torch.Tensor] | None = None):
+                 components: torch.Tensor | None = None, switch: list[torch.Tensor] | None = None,
+                 skip: torch.Tensor | None = None):
         if len(conv) != len(ssm):
             raise ValueError("conv and ssm state lists differ in length")
         if hedge is not None and online is None:
@@ -46,12 +48,14 @@ class ForecasterState:
         self.hedge = hedge
         self.components = components
         self.switch = switch
+        self.skip = skip
 
     def tensors(self) -> list[torch.Tensor]:
         """Every state tensor (batch first): conv, ssm, then the online statistics, hedge state, components'
-        moving averages and switch state when present."""
+        moving averages, switch state and the per-element branch's moving average when present."""
         return self.conv + self.ssm + ([self.online] if self.online is not None else []) + list(self.hedge or []) \
-            + ([self.components] if self.components is not None else []) + list(self.switch or [])
+            + ([self.components] if self.components is not None else []) + list(self.switch or []) \
+            + ([self.skip] if self.skip is not None else [])
 
     # --- save / restore ---
     @property
@@ -62,13 +66,14 @@ class ForecasterState:
         """A state of the same layout holding ``tensors`` (in :meth:`tensors` order)."""
         n = len(self.conv)
         rest = list(tensors[2 * n:])
+        skip = rest.pop() if self.skip is not None else None
         switch = None
         if self.switch is not None:
             switch, rest = rest[len(rest) - len(self.switch):], rest[:len(rest) - len(self.switch)]
         comp = rest.pop() if self.components is not None else None
         online = rest[0] if self.online is not None else None
         hedge = rest[1:] if self.hedge is not None else None
-        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online, hedge, comp, switch)
+        return ForecasterState(tensors[:n], tensors[n:2 * n], self.steps, online, hedge, comp, switch, skip)
 
     def clone(self) -> ForecasterState:
         return self._like([t.clone() for t in self.tensors()])

@@ -184,6 +184,8 @@ class ForecasterModule(pl.LightningModule):
             has the best discounted recall (this half-life) on the sequence so far
             (:attr:`~expertcast.models.forecaster.ForecasterConfig.switch_half_life`; 0 = off).
         head_rank: factored per-layer output heads of this rank (0: one dense head).
+        skip_hidden: width of the per-element branch added to the head's logits
+            (:attr:`~expertcast.models.forecaster.ForecasterConfig.skip_hidden`; 0: none).
         hidden_size: 0 scales the width with L x E (:func:`~expertcast.models.forecaster.scaled_width`).
 
     Loss normalisation: every loss term is a mean over the valid targets of all data-parallel ranks (the
@@ -208,7 +210,7 @@ class ForecasterModule(pl.LightningModule):
                  online_hedge_half_life: float = 64.0, prior_start: float | None = None,
                  learned_gate_rate: float = 0.0, learned_gate_half_life: float = 8.0,
                  component_half_lives: list[float] | None = None, head_rank: int = 0,
-                 select_margin: float = SELECT_MARGIN, switch_half_life: float = 0.0):
+                 select_margin: float = SELECT_MARGIN, switch_half_life: float = 0.0, skip_hidden: int = 0):
         super().__init__()
         check_backbone(backbone)  # before any trace is read
         if sampling_rollout < 2:
@@ -238,7 +240,8 @@ class ForecasterModule(pl.LightningModule):
                                online_hedge_half_life=float(h.get("online_hedge_half_life", 64.0)),
                                learned_gate_rate=float(h.get("learned_gate_rate", 0.0)),
                                learned_gate_half_life=float(h.get("learned_gate_half_life", 8.0)),
-                               switch_half_life=float(h.get("switch_half_life", 0.0)))
+                               switch_half_life=float(h.get("switch_half_life", 0.0)),
+                               skip_hidden=int(h.get("skip_hidden", 0)))
         self.net = ExpertForecaster(cfg)
         start = h.get("prior_start")
         if start is not None:

@@ -498,3 +498,53 @@ def test_worker_stream_is_its_own_on_cuda():
     with forecaster_stream("cuda") as s:
         assert s is not None and torch.cuda.current_stream() == s and s != torch.cuda.default_stream()
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+def test_element_branch_is_an_mlp_over_the_element_and_its_recent_frequency(tiny_forecaster_cfg, activation_inputs):
+    """The per-element branch (``skip_hidden``): with the backbone's head at zero the learned logits are exactly
+    relu(W1 [x_t ; m_t] + b1) W2 + b2, m_t the half-life-16 moving average of x from zero; a window equals its
+    elements one at a time, and the branch's average travels with the state (clone, select, restore)."""
+    from expertcast.models.forecaster import SKIP_HALF_LIFE
+
+    m = ExpertForecaster(tiny_forecaster_cfg(direct_horizons=2, skip_hidden=12)).eval()
+    with torch.no_grad():
+        m.head.weight.zero_()
+        m.head.bias.zero_()
+        torch.nn.init.normal_(m.skip.out.weight, std=0.5)
+    x = activation_inputs(2, 9)
+    with torch.no_grad():
+        learned, _ = m.forward_parts(x, all_horizons=True)
+        d = 0.5 ** (1 / SKIP_HALF_LIFE)
+        ema = torch.zeros(2, 24)
+        for t in range(9):
+            xt = x[:, t].reshape(2, 24)
+            ema = d * ema + (1 - d) * xt
+            want = m.skip.out(torch.relu(m.skip.hidden(torch.cat([xt, ema], -1)))).view(2, 2, 3, 8)
+            assert torch.allclose(learned[:, t], want, atol=1e-5), t
+        full = m(x, all_horizons=True)
+        st = m.init_state(2)
+        assert st.skip is not None and st.skip.shape == (2, 1, 24)
+        stepped = [m.step(x[:, t], st, all_horizons=True)[0] for t in range(5)]
+        saved = st.clone()
+        row1 = st.select([1])
+        stepped += [m.step(x[:, t], st, all_horizons=True)[0] for t in range(5, 9)]
+        assert torch.allclose(torch.stack(stepped, 1), full, atol=1e-4)
+        assert torch.allclose(st.skip[:, 0], ema, atol=1e-5)
+        st.copy_(saved)  # restored: the next element's forecast is the windowed one again
+        assert torch.allclose(m.step(x[:, 5], st, all_horizons=True)[0], full[:, 5], atol=1e-4)
+        assert torch.allclose(m.step(x[1:, 5], row1, all_horizons=True)[0], full[1:, 5], atol=1e-4)
+    plain = ExpertForecaster(tiny_forecaster_cfg(direct_horizons=2))
+    assert m.step_flops() - plain.step_flops() == 2 * (24 + 2 * 24 * 12 + 12 * 24 * 2)
+    assert plain.init_state(1).skip is None and len(m.init_state(1).tensors()) == len(plain.init_state(1).tensors()) + 1
+    with pytest.raises(ValueError, match="skip_hidden"):
+        tiny_forecaster_cfg(skip_hidden=-1)
+
+
+def test_element_branch_starts_at_zero_beside_the_online_prior(tiny_forecaster_cfg, activation_inputs):
+    """With online statistics the learned part starts at zero, the branch included (an untrained forecaster ranks
+    like the online baselines); without them the branch starts random like the head."""
+    m = ExpertForecaster(tiny_forecaster_cfg(skip_hidden=8, online_half_lives=[0.0, 16.0]))
+    with torch.no_grad():
+        learned, _ = m.forward_parts(activation_inputs(1, 4))
+    assert float(learned.abs().max()) == 0.0
+    assert float(ExpertForecaster(tiny_forecaster_cfg(skip_hidden=8)).skip.out.weight.abs().max()) > 0

@@ -198,3 +198,39 @@ def test_mamba1_export_is_refused_naming_the_format(tmp_path):
     with pytest.raises(ForecasterExportError, match=r"format 4 with backbone 'mamba' \(transformers' Mamba-1\)") as e:
         load_forecaster(d)
     assert "\n" not in str(e.value)
+
+
+def test_element_branch_round_trips_and_exports_without_it_still_load(tmp_path, model):
+    """The per-element branch (``skip_hidden``) travels in the export (config + ``skip.*`` tensors; same outputs,
+    recurrent state included); an export written before it (no ``skip_hidden`` key) loads as the forecaster without
+    it; a branch whose tensors are missing is refused."""
+    cfg = ForecasterConfig(**{**model.config.to_dict(), "skip_hidden": 6, "direct_horizons": 2})
+    torch.manual_seed(1)
+    skip = ExpertForecaster(cfg).eval()
+    out = save_forecaster(skip, tmp_path / "skip")
+    exp = load_forecaster(out)
+    assert exp.config.skip_hidden == 6 and exp.model.skip is not None
+    from safetensors.torch import load_file
+
+    assert {"skip.hidden.weight", "skip.out.weight"} <= set(load_file(out / WEIGHTS_NAME))
+    x = torch.rand(2, 5, 2, 8)
+    with torch.no_grad():
+        assert torch.equal(exp.model(x, all_horizons=True), skip(x, all_horizons=True))
+        sa, sb = exp.model.init_state(2), skip.init_state(2)
+        for t in range(5):
+            assert torch.equal(exp.model.step(x[:, t], sa)[0], skip.step(x[:, t], sb)[0])
+        assert torch.equal(sa.skip, sb.skip)
+    old = save_forecaster(model, tmp_path / "before")
+    c = json.loads((old / CONFIG_NAME).read_text())
+    del c["config"]["skip_hidden"]
+    (old / CONFIG_NAME).write_text(json.dumps(c))
+    write_export_manifest(old, [WEIGHTS_NAME, CONFIG_NAME])
+    before = load_forecaster(old)
+    assert before.config.skip_hidden == 0 and before.model.skip is None
+    with torch.no_grad():
+        assert torch.equal(before.model(x), model(x))
+    c["config"]["skip_hidden"] = 6  # a branch the weights do not hold
+    (old / CONFIG_NAME).write_text(json.dumps(c))
+    write_export_manifest(old, [WEIGHTS_NAME, CONFIG_NAME])
+    with pytest.raises(ForecasterExportError, match="missing.*skip"):
+        load_forecaster(old)

@@ -182,6 +182,41 @@ def test_lightning_fit_applies_the_last_validations_choice_at_the_end_and_the_ex
         assert torch.equal(exp.model(x, all_horizons=True), module.net.eval()(x, all_horizons=True))
 
 
+
+def test_element_branch_is_trained_from_zero_and_the_export_keeps_it(tmp_path):
+    """The per-element branch (``skip_hidden``) starts at zero beside the online prior and is trained with the rest
+    (its output layer moves off zero, its hidden layer off its initialisation); the Lightning fit's export carries it
+    and reproduces the fitted network's outputs, recurrent steps included."""
+    proc = StickyRoutingProcess.realistic(num_layers=3, num_experts=8, top_k=2, seed=0, cross_layer=0.8)
+    seqs = proc.sample(24, 20, prompt_len=2, seed=1)
+    dm = ForecasterDataModule.from_sequences(proc.meta(), seqs, window=16, batch_size=8, val_fraction=0.3,
+                                             trigger_layer=0)
+    module = ForecasterModule(hidden_size=32, head_dim=16, state_size=8, num_blocks=1, chunk_size=16, direct_horizons=2,
+                              online_half_lives=[0.0, 16.0], prior_start=16.0, max_sampling_rate=0.0, skip_hidden=16)
+    init: dict[str, torch.Tensor] = {}
+
+    class Keep(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            init.update({k: v.detach().clone() for k, v in pl_module.net.skip.state_dict().items()})
+
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[Keep()])
+    trainer.fit(module, dm)
+    assert module.net.config.skip_hidden == 16
+    assert float(init["out.weight"].abs().max()) == 0.0 and float(module.net.skip.out.weight.abs().max()) > 0
+    assert not torch.equal(init["hidden.weight"], module.net.skip.hidden.weight.detach())
+    net = module.net.eval()
+    exp = load_forecaster(save_forecaster(net, tmp_path / "exp"))
+    assert exp.config.skip_hidden == 16
+    x = activation_vector(torch.from_numpy(seqs[0].expert_ids.astype(np.int64))[None, :9],
+                          torch.from_numpy(seqs[0].expert_weights.astype(np.float32))[None, :9], 8)
+    with torch.no_grad():
+        assert torch.equal(exp.model(x, all_horizons=True), net(x, all_horizons=True))
+        st = exp.model.init_state(1)
+        steps = torch.stack([exp.model.step(x[:, t], st, all_horizons=True)[0] for t in range(9)], 1)
+        torch.testing.assert_close(steps, net(x, all_horizons=True), atol=1e-4, rtol=1e-4)
+
 torch.set_num_threads(1)
 
 
