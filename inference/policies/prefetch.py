@@ -102,7 +102,7 @@ def demand_probability(probs: np.ndarray, skip: np.ndarray | None = None) -> np.
 def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None, pool_of: np.ndarray,
                          victims: Sequence[np.ndarray], now: int, compute_ms: np.ndarray, transfer_ms: float,
                          backlog: int = 0, max_per_layer: int = 1, min_net: float = 0.0,
-                         net_scale: float = 1.0) -> list[PrefetchTask]:
+                         net_scale: float = 1.0, num_layers: int | None = None) -> list[PrefetchTask]:
     """The proactive loads worth issuing now: expected hit gain against the link's headroom per layer
     (docs/design.md, "Prefetch").
 
@@ -120,13 +120,15 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
     surely misses: none is issued on a saturated link.
 
     Args:
-        probs: float [L, E] P(active) at each layer's next execution.
-        deadlines: int [L] layer-execution index of each layer's next execution (>= ``now``).
+        probs: float [L, E] P(active) at each layer's next execution; or [R, E] rows of later executions too
+            (``num_layers`` L: row r is an execution of layer r mod L, e.g. the next two of every layer).
+        deadlines: int [L] (or [R]) layer-execution index of each row's execution (>= ``now``, distinct).
         skip: bool [L, E] experts holding a slot (resident or in flight); None: none.
         pool_of: int [L] the pool of each layer; victims: per pool, float [n] the ``v`` of the loads into it in
             eviction order (free slots first, as zeros); a pool runs out after n loads.
         now: the layer-execution that starts next (its compute window is the first).
         compute_ms: float [L] compute time of each layer; transfer_ms: one transfer's time.
+        num_layers: L when ``probs`` has rows of later executions (None: its row count).
         backlog: transfers already queued or in flight (placed first, their delays sunk).
         min_net: a load is issued only where ``q - v`` (the expected demand misses it spares) is at least this. The
             AdjHit break-even: with ``min_net`` = the running (A - D) / (A + P), no load lowers AdjHit in expectation.
@@ -137,16 +139,17 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
         ``victims`` of the slot it takes.
     """
     probs = np.asarray(probs, dtype=np.float64)
-    L, E = probs.shape
+    R, E = probs.shape
+    L = int(num_layers or R)
     deadlines = np.asarray(deadlines, dtype=np.int64)
     comp = np.asarray(compute_ms, dtype=np.float64)
     q = probs if skip is None else np.where(skip, -1.0, probs)
-    rho = demand_probability(probs, skip)
+    rho_at = dict(zip(deadlines.tolist(), demand_probability(probs, skip).tolist(), strict=True))  # by execution
     k = min(max_per_layer, E)
     top = np.argsort(-q, axis=1, kind="stable")[:, :k]
     taken = [0] * len(victims)
     x, used = int(now), 0.0
-    last = int(deadlines.max()) if L else int(now)
+    last = int(deadlines.max()) if R else int(now)
 
     def place(x: int, used: float, dur: float) -> tuple[int, float, float]:
         """Where a transfer of ``dur`` ms put on the link at (execution ``x``, ``used`` ms of its window) ends, and
@@ -155,7 +158,7 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
         while dur > comp[x % L] - used + 1e-12 and x <= last:
             dur -= max(comp[x % L] - used, 0.0)
             x, used = x + 1, 0.0
-            r = rho[x % L]
+            r = rho_at.get(x, 0.0)
             cost += r * dur
             dur *= 1.0 - r
         return x, used + dur, cost
@@ -163,14 +166,16 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
     for _ in range(int(backlog)):
         x, used, _ = place(x, used, transfer_ms)
     out: list[PrefetchTask] = []
-    for layer in np.argsort(deadlines, kind="stable").tolist():
-        d = int(deadlines[layer])
-        vic = victims[int(pool_of[layer])]
-        for e in top[layer].tolist():
-            qe = float(q[layer, e])
-            if qe <= 0.0 or taken[pool_of[layer]] >= len(vic):
+    for row in np.argsort(deadlines, kind="stable").tolist():
+        d = int(deadlines[row])
+        layer = row % L
+        pool = int(pool_of[layer])
+        vic = victims[pool]
+        for e in top[row].tolist():
+            qe = float(q[row, e])
+            if qe <= 0.0 or taken[pool] >= len(vic):
                 break
-            net = min(net_scale * (qe - float(vic[taken[pool_of[layer]]])), 1.0)  # a load spares one miss at most
+            net = min(net_scale * (qe - float(vic[taken[pool]])), 1.0)  # a load spares one miss at most
             gain = net * transfer_ms
             if gain <= 0.0 or net < min_net:
                 break
@@ -178,8 +183,8 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
             if nx >= d or gain <= cost:
                 continue
             x, used = nx, nused
-            out.append(PrefetchTask(layer, int(e), gain - cost, float(d), victim=taken[pool_of[layer]]))
-            taken[pool_of[layer]] += 1
+            out.append(PrefetchTask(layer, int(e), gain - cost, float(d), victim=taken[pool]))
+            taken[pool] += 1
     return out
 
 

@@ -162,6 +162,9 @@ class SeqMoEPolicy(Policy):
                                  "expectation (q - v, calibrated) reach this run's AdjHit (A - D)/(A + P), so that no "
                                  "proactive load lowers AdjHit in expectation (false: the link's headroom alone "
                                  "decides: more loads on an idle link, a little more speed, a lower AdjHit)")
+        plan_executions: int = option(1, "headroom rule: plan each layer's next N executions (2: also the one "
+                                      "after, which reaches the layers right after the trigger a step ahead and fills "
+                                      "the link's idle time at the end of a step)", low=1, high=2)
         calibration_half_life: float = option(64.0, "break-even: half-life in decode steps of the realised/expected "
                                               "ratio of demand misses spared by the loads issued, which scales every "
                                               "q - v (0: take the forecast's q - v as it is)", low=0.0)
@@ -202,6 +205,7 @@ class SeqMoEPolicy(Policy):
         self.prefetch_rule = getattr(o, "prefetch_rule", "floor")
         self.breakeven = bool(getattr(o, "breakeven", False))
         self.calibration_half_life = float(getattr(o, "calibration_half_life", 0.0))
+        self.plan_executions = int(getattr(o, "plan_executions", 1))
         self.lookahead = float(o.lookahead)
         self.transfer_layers = o.transfer_layers
         self.bandwidth_gbps = float(o.bandwidth_gbps)
@@ -250,6 +254,7 @@ class SeqMoEPolicy(Policy):
         self.score_after = np.zeros((L, E))
         self.first_exec = np.full(L, -1, np.int64)
         self.first_probs = np.zeros((L, E))
+        self.second_probs: np.ndarray | None = None
         self.has_forecast = False
         tau = self.transfer_layers
         if tau is None:
@@ -457,6 +462,7 @@ class SeqMoEPolicy(Policy):
         self.stats["forecasts"] += 1
         self.score_before, self.score_after = sc.before, sc.after
         self.first_exec, self.first_probs = sc.first_exec, sc.first_probs
+        self.second_probs = sc.second_probs
         self.has_forecast = True
 
     def _forecast(self, t: int) -> np.ndarray | None:
@@ -617,13 +623,19 @@ class SeqMoEPolicy(Policy):
         backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight)
         a, d, p = self._tally
         floor = (a - d) / (a + p) if (self.breakeven and a) else 0.0  # the running AdjHit
-        tasks = plan_within_headroom(self.first_probs, self.first_exec, skip, pool_of, victims,
-                                     int(self.first_exec.min()), np.full(self.L, self.layer_compute_ms), tms,
-                                     backlog, self.max_tasks, min_net=floor, net_scale=self.calibration.scale)
+        probs, execs, mask = self.first_probs, self.first_exec, skip
+        if self.plan_executions > 1 and self.second_probs is not None:  # each layer's execution after next too:
+            # P(needed there and not at the next one, whose load would serve both)
+            probs = np.concatenate([probs, self.second_probs * (1.0 - self.first_probs)])
+            execs, mask = np.concatenate([execs, execs + self.L]), np.concatenate([skip, skip])
+        tasks = plan_within_headroom(probs, execs, mask, pool_of, victims, int(self.first_exec.min()),
+                                     np.full(self.L, self.layer_compute_ms), tms, backlog, self.max_tasks,
+                                     min_net=floor, net_scale=self.calibration.scale, num_layers=self.L)
         for task in tasks:  # the outcome each load is expected to have, settled as the routing arrives
             pool = int(pool_of[task.layer])
             vk = victim_keys[pool][task.victim]
-            net = float(self.first_probs[task.layer, task.expert]) - float(victims[pool][task.victim])
+            row = task.layer + (self.L if task.deadline > self.first_exec[task.layer] else 0)
+            net = float(probs[row, task.expert]) - float(victims[pool][task.victim])
             self.calibration.expect(int(task.deadline), task.expert, net,
                                     None if vk is None else (int(self.first_exec[vk[0]]), vk[1]))
         return tasks

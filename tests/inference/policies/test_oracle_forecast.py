@@ -207,6 +207,56 @@ def test_prefetched_expert_is_never_evicted_before_its_deadline():
     assert res.prefetch_used.sum() < res.P  # false prefetches were made (and left unused)
 
 
+def test_planning_the_execution_after_next_reaches_the_layer_after_the_trigger():
+    """``plan_executions=2``: the layer right after the trigger (whose next execution starts as the forecast is made)
+    is loaded a step ahead, for its execution after next: at recall 1 its demand misses fall to those before the
+    second forecast, the other layers' demand misses do not rise, and no load is evicted before the execution it was
+    loaded for (at recall 1 that is the expert's first use after the load)."""
+    meta, seqs = _trace(tokens=40)
+    stream = build_stream(meta, seqs, 1)
+    p = 1
+    one = replay(stream, _oracle(horizon=32, trigger_layer=p), _config(slots=5), FAST)
+    pol = _oracle(horizon=32, trigger_layer=p, plan_executions=2)
+    ids = np.asarray(seqs[0].expert_ids)
+    now = {"x": (0, 0, 0)}
+    pending: dict[tuple[int, int], int] = {}
+    seen = {"loads": 0}
+    before, after, insert, evict = pol.before_layer, pol.after_layer, pol.on_insert, pol.on_evict
+
+    def before_layer(t, layer, cache):
+        now["x"] = (t, layer, 0)
+        for k in [k for k, d in pending.items() if k[0] == layer and d <= t]:
+            del pending[k]
+        return before(t, layer, cache)
+
+    def after_layer(t, layer, cache):
+        now["x"] = (t, layer, 1)
+        return after(t, layer, cache)
+
+    def on_insert(layer, expert, proactive):
+        if proactive:
+            t, cur, phase = now["x"]
+            t0 = t if (layer > cur or (layer == cur and phase == 0)) else t + 1
+            uses = [u for u in range(t0, len(ids)) if expert in ids[u, layer]]
+            assert uses, f"recall 1 loaded {(layer, expert)}, which is never used again"
+            pending[(layer, expert)] = uses[0]
+            seen["loads"] += 1
+        return insert(layer, expert, proactive)
+
+    def on_evict(layer, expert):
+        assert (layer, expert) not in pending, f"{(layer, expert)} evicted at {now['x']} before its deadline"
+        return evict(layer, expert)
+
+    pol.before_layer, pol.after_layer, pol.on_insert, pol.on_evict = before_layer, after_layer, on_insert, on_evict
+    two = replay(stream, pol, _config(slots=5), FAST)
+    nxt = (p + 1) % L
+    assert seen["loads"] == two.P > one.P
+    assert two.demand[nxt] < one.demand[nxt]
+    assert two.demand[nxt] <= int(sum(len(set(ids[t, nxt])) for t in range(2)))  # only before the second forecast
+    assert all(two.demand[layer] <= one.demand[layer] for layer in range(L) if layer != nxt)
+    assert np.array_equal(two.prefetch_used, two.proactive) and two.late.sum() == 0
+
+
 def test_recall_axis_in_simulate():
     meta, seqs = _trace(tokens=64, n=3, prompt=8)
     recs = simulate((meta, seqs), ["lru", *[f"seqmoe:forecast=oracle,recall={r},link_bytes_per_s=1e15"
