@@ -162,9 +162,10 @@ class SeqMoEPolicy(Policy):
                                  "expectation (q - v, calibrated) reach this run's AdjHit (A - D)/(A + P), so that no "
                                  "proactive load lowers AdjHit in expectation (false: the link's headroom alone "
                                  "decides: more loads on an idle link, a little more speed, a lower AdjHit)")
-        plan_executions: int = option(1, "headroom rule: plan each layer's next N executions (2: also the one "
-                                      "after, which reaches the layers right after the trigger a step ahead and fills "
-                                      "the link's idle time at the end of a step)", low=1, high=2)
+        plan_executions: int = option(2, "headroom rule: plan each layer's next N executions (2: also the one "
+                                      "after, which reaches the layer right after the trigger a step ahead and fills "
+                                      "the link's idle time at the end of a step; 1: the next only, SeqMoE 6)",
+                                      low=1, high=2)
         calibration_half_life: float = option(64.0, "break-even: half-life in decode steps of the realised/expected "
                                               "ratio of demand misses spared by the loads issued, which scales every "
                                               "q - v (0: take the forecast's q - v as it is)", low=0.0)

@@ -149,7 +149,7 @@ def test_recall_one_with_prefetch_gives_the_belady_with_prefetch_counters(p):
             window = x >= s * L + p + 2 and layer != (p + 1) % L
             (p_ref if window else d_ref)[layer] += 1
         assert np.array_equal(d_ref + p_ref, ref.demand) and p_ref.sum() > 0
-        pol = _oracle(horizon=32, trigger_layer=p)
+        pol = _oracle(horizon=32, trigger_layer=p, plan_executions=1)  # the reference plans the next execution
         got = replay(stream, pol, cfg, FAST)
         assert np.array_equal(got.accesses, ref.accesses)
         assert np.array_equal(got.demand, d_ref), (slots, got.demand, d_ref)
@@ -164,7 +164,8 @@ def test_prefetched_expert_is_never_evicted_before_its_deadline():
     other layers compete for the slots the prefetches took: no proactively loaded expert is evicted before the
     execution it was loaded for has started."""
     meta, seqs = _trace(tokens=48, n=3, prompt=4)
-    pol = _oracle(recall=0.5, forecast_seed=1, breakeven=False, trigger_layer=1)
+    pol = _oracle(recall=0.5, forecast_seed=1, breakeven=False, trigger_layer=1, plan_executions=1)  # deadlines below
+    # are the next execution's (the execution after next: test_planning_the_execution_after_next_...)
     now = {"x": (0, 0, 0)}  # (step, layer, phase): 0 = before the layer runs, 1 = after it ran
     pending: dict[tuple[int, int], int] = {}  # (layer, expert) -> the step of its deadline
     seen = {"loads": 0, "evictions": 0}
@@ -215,8 +216,8 @@ def test_planning_the_execution_after_next_reaches_the_layer_after_the_trigger()
     meta, seqs = _trace(tokens=40)
     stream = build_stream(meta, seqs, 1)
     p = 1
-    one = replay(stream, _oracle(horizon=32, trigger_layer=p), _config(slots=5), FAST)
-    pol = _oracle(horizon=32, trigger_layer=p, plan_executions=2)
+    one = replay(stream, _oracle(horizon=32, trigger_layer=p, plan_executions=1), _config(slots=5), FAST)
+    pol = _oracle(horizon=32, trigger_layer=p)  # plan_executions=2, the default
     ids = np.asarray(seqs[0].expert_ids)
     now = {"x": (0, 0, 0)}
     pending: dict[tuple[int, int], int] = {}
