@@ -162,7 +162,7 @@ class SeqMoEPolicy(Policy):
                                  "expectation (q - v, calibrated) reach this run's AdjHit (A - D)/(A + P), so that no "
                                  "proactive load lowers AdjHit in expectation (false: the link's headroom alone "
                                  "decides: more loads on an idle link, a little more speed, a lower AdjHit)")
-        plan_executions: int = option(2, "headroom rule: plan each layer's next N executions (2: also the one "
+        plan_executions: int = option(1, "headroom rule: plan each layer's next N executions (2: also the one "
                                       "after, which reaches the layer right after the trigger a step ahead and fills "
                                       "the link's idle time at the end of a step; 1: the next only, SeqMoE 6)",
                                       low=1, high=2)

@@ -217,7 +217,7 @@ def test_planning_the_execution_after_next_reaches_the_layer_after_the_trigger()
     stream = build_stream(meta, seqs, 1)
     p = 1
     one = replay(stream, _oracle(horizon=32, trigger_layer=p, plan_executions=1), _config(slots=5), FAST)
-    pol = _oracle(horizon=32, trigger_layer=p)  # plan_executions=2, the default
+    pol = _oracle(horizon=32, trigger_layer=p, plan_executions=2)
     ids = np.asarray(seqs[0].expert_ids)
     now = {"x": (0, 0, 0)}
     pending: dict[tuple[int, int], int] = {}
