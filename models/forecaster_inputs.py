@@ -93,7 +93,7 @@ def activation_probs(logits: torch.Tensor, top_k: int, temperature: float | torc
     (:attr:`ForecasterConfig.temperature`).
 
     The root is found in float64 by Newton's method from below (docs/results.md "Forecaster cost per decode
-    step"): the sum is concave and increasing in lambda, so from a lambda below the root every step stays below
+    step (default model, CPU, contended)"): the sum is concave and increasing in lambda, so from a lambda below the root every step stays below
     it and the steps converge monotonically. The start is below the root because 1 - exp(-x) <= min(1, x):
     lambda >= (K - j) / (the weight outside the j largest), every j < K. It stops when every layer's step is at
     most ``tol`` times its lambda (a few steps; ``max_iters`` bounds them).
