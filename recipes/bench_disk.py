@@ -636,15 +636,15 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     st, slots, pool_bytes, rss = runs[i_med]
                     sub = sub_by.get((name, float(budget), fmt, kind), {})
                     bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
+                    floor_s = full_s_of.get(fmt, full_s)  # this format's all-in-RAM s/token
                     rows.append(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots,
-                                     fx, disk_gbps, full_s_of.get(fmt, full_s), expert_s.get(fmt, ms1 * 1e-3), {
+                                     fx, disk_gbps, floor_s, expert_s.get(fmt, ms1 * 1e-3), {
                         "format": fmt, "budget_kind": kind,
                         "pct_full": sub.get("pct_full", float("nan")),
                         "pct_full_min": sub.get("pct_full_min", float("nan")),
                         "pct_full_max": sub.get("pct_full_max", float("nan")),
                         "pct_full_scaled": 100 * st.tokens_per_s * full_s, "full_tokens_per_s": 1.0 / full_s,
-                        "pct_full_format": 100 * st.tokens_per_s * full_s_of.get(fmt, full_s),
-                        "full_format_tokens_per_s": 1.0 / full_s_of.get(fmt, full_s),
+                        "pct_full_format": 100 * st.tokens_per_s * floor_s, "full_format_tokens_per_s": 1.0 / floor_s,
                         "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
                         "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start}))
                     rss_bound[f"{name}@{budget}@{fmt}@{kind}"] = bound_b

@@ -159,20 +159,13 @@ def test_recall_one_with_prefetch_gives_the_belady_with_prefetch_counters(p):
         assert got.hit == pytest.approx(1 - d_ref.sum() / ref.accesses.sum())
 
 
-def test_prefetched_expert_is_never_evicted_before_its_deadline():
-    """A degraded oracle (recall 0.5: half its prefetches are false) in a tight shared pool, where demand loads of
-    other layers compete for the slots the prefetches took: no proactively loaded expert is evicted before the
-    execution it was loaded for has started."""
-    meta, seqs = _trace(tokens=48, n=3, prompt=4)
-    pol = _oracle(recall=0.5, forecast_seed=1, breakeven=False, trigger_layer=1, plan_executions=1)  # deadlines below
-    # are the next execution's (the execution after next: test_planning_the_execution_after_next_...)
+def _watch_deadlines(pol, deadline_of):
+    """Wrap ``pol``'s hooks so that evicting a proactively loaded expert before its deadline fails the test:
+    ``deadline_of(layer, expert, t0)`` is the step whose execution of ``layer`` the load was made for, ``t0`` the
+    step of that layer's next execution at the load. Returns the counts {"loads", "evictions"}."""
     now = {"x": (0, 0, 0)}  # (step, layer, phase): 0 = before the layer runs, 1 = after it ran
     pending: dict[tuple[int, int], int] = {}  # (layer, expert) -> the step of its deadline
     seen = {"loads": 0, "evictions": 0}
-
-    def wrap(name, fn):
-        setattr(pol, name, fn)
-
     before, after, insert, evict = pol.before_layer, pol.after_layer, pol.on_insert, pol.on_evict
 
     def before_layer(t, layer, cache):
@@ -189,7 +182,7 @@ def test_prefetched_expert_is_never_evicted_before_its_deadline():
         if proactive:
             t, cur, phase = now["x"]
             ahead = layer > cur or (layer == cur and phase == 0)
-            pending[(layer, expert)] = t if ahead else t + 1
+            pending[(layer, expert)] = deadline_of(layer, expert, t if ahead else t + 1)
             seen["loads"] += 1
         return insert(layer, expert, proactive)
 
@@ -198,10 +191,18 @@ def test_prefetched_expert_is_never_evicted_before_its_deadline():
         seen["evictions"] += 1
         return evict(layer, expert)
 
-    wrap("before_layer", before_layer)
-    wrap("after_layer", after_layer)
-    wrap("on_insert", on_insert)
-    wrap("on_evict", on_evict)
+    pol.before_layer, pol.after_layer, pol.on_insert, pol.on_evict = before_layer, after_layer, on_insert, on_evict
+    return seen
+
+
+def test_prefetched_expert_is_never_evicted_before_its_deadline():
+    """A degraded oracle (recall 0.5: half its prefetches are false) in a tight shared pool, where demand loads of
+    other layers compete for the slots the prefetches took: no proactively loaded expert is evicted before the
+    execution it was loaded for has started."""
+    meta, seqs = _trace(tokens=48, n=3, prompt=4)
+    pol = _oracle(recall=0.5, forecast_seed=1, breakeven=False, trigger_layer=1, plan_executions=1)  # deadlines below
+    # are the next execution's (the execution after next: test_planning_the_execution_after_next_...)
+    seen = _watch_deadlines(pol, lambda layer, expert, t0: t0)
     res = replay(build_stream(meta, seqs, 1), pol, _config("shared", slots=12),
                  CostConfig(bandwidth_gbps=0.05, layer_compute_ms=0.15))
     assert seen["loads"] > 20 and seen["evictions"] > 20 and res.P > 0
@@ -219,36 +220,13 @@ def test_planning_the_execution_after_next_reaches_the_layer_after_the_trigger()
     one = replay(stream, _oracle(horizon=32, trigger_layer=p, plan_executions=1), _config(slots=5), FAST)
     pol = _oracle(horizon=32, trigger_layer=p, plan_executions=2)
     ids = np.asarray(seqs[0].expert_ids)
-    now = {"x": (0, 0, 0)}
-    pending: dict[tuple[int, int], int] = {}
-    seen = {"loads": 0}
-    before, after, insert, evict = pol.before_layer, pol.after_layer, pol.on_insert, pol.on_evict
 
-    def before_layer(t, layer, cache):
-        now["x"] = (t, layer, 0)
-        for k in [k for k, d in pending.items() if k[0] == layer and d <= t]:
-            del pending[k]
-        return before(t, layer, cache)
+    def first_use(layer, expert, t0):
+        uses = [u for u in range(t0, len(ids)) if expert in ids[u, layer]]
+        assert uses, f"recall 1 loaded {(layer, expert)}, which is never used again"
+        return uses[0]
 
-    def after_layer(t, layer, cache):
-        now["x"] = (t, layer, 1)
-        return after(t, layer, cache)
-
-    def on_insert(layer, expert, proactive):
-        if proactive:
-            t, cur, phase = now["x"]
-            t0 = t if (layer > cur or (layer == cur and phase == 0)) else t + 1
-            uses = [u for u in range(t0, len(ids)) if expert in ids[u, layer]]
-            assert uses, f"recall 1 loaded {(layer, expert)}, which is never used again"
-            pending[(layer, expert)] = uses[0]
-            seen["loads"] += 1
-        return insert(layer, expert, proactive)
-
-    def on_evict(layer, expert):
-        assert (layer, expert) not in pending, f"{(layer, expert)} evicted at {now['x']} before its deadline"
-        return evict(layer, expert)
-
-    pol.before_layer, pol.after_layer, pol.on_insert, pol.on_evict = before_layer, after_layer, on_insert, on_evict
+    seen = _watch_deadlines(pol, first_use)
     two = replay(stream, pol, _config(slots=5), FAST)
     nxt = (p + 1) % L
     assert seen["loads"] == two.P > one.P
