@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -26,22 +25,15 @@ def with_opt(flag: str, value: str) -> list[str]:
     return out
 
 
-def test_sweep_table_and_resume(tmp_path, data_dir, capsys, monkeypatch):
-    wb = tmp_path / "wb"
-    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(wb), "WANDB_SILENT": "true",
-                 "WANDB_CACHE_DIR": str(wb / "cache"), "WANDB_DATA_DIR": str(wb / "data")}.items():
-        monkeypatch.setenv(k, v)
-    wb.mkdir()
+def test_sweep_table_and_resume(tmp_path, data_dir, capsys, wandb_dir, offline_contents):
     out = tmp_path / "sw"
     assert main([*ARGS, "--wandb", "--wandb-project", "t", "--out", str(out)]) == 0
     table = list(csv.DictReader((out / "sweep.csv").open()))
-    [run] = sorted((wb / "wandb").glob("offline-run-*"))  # the table and the plot, logged offline
-    for _ in range(240):  # wandb's service may still be writing the run's log (slow on a loaded machine)
-        got = offline_run_contents(run)
-        if any(Path(t).name.startswith("sweep") for t in got["tables"]) and \
-                any(Path(i).name.startswith("sweep_plot") for i in got["images"]):
-            break
-        time.sleep(0.25)
+    [run] = sorted((wandb_dir / "wandb").glob("offline-run-*"))  # the table and the plot, logged offline
+    # the media files land before wandb's service writes the run's log (its metric definitions): wait for all three
+    got = offline_contents(run, lambda g: any(Path(t).name.startswith("sweep") for t in g["tables"])
+                           and any(Path(i).name.startswith("sweep_plot") for i in g["images"])
+                           and {"gsm8k lru/hit", "math500 lru/hit"} <= set(g["step_axes"]))
     [logged] = [json.loads((run / t).read_text()) for t in got["tables"] if Path(t).name.startswith("sweep")]
     assert [r[logged["columns"].index("benchmark")] for r in logged["data"]] == ["gsm8k", "math500"]
     assert any(Path(i).name.startswith("sweep_plot") for i in got["images"])
