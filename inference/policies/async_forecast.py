@@ -44,12 +44,15 @@ import torch
 from expertcast.inference.cache.options import option
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
+from expertcast.inference.policies.forecast_process import ProcessForecastWorker
 from expertcast.inference.policies.seqmoe import ForecastOptions, SeqMoEPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache.expert_cache import ExpertCache
 
 _STOP = object()
+WORKER_KINDS = ("auto", "process", "thread")
+"""Where ``seqmoe-async`` runs its forecaster (:class:`ForecastWorker`, a thread; :class:`ProcessForecastWorker`)."""
 
 
 @contextmanager
@@ -221,9 +224,12 @@ class AsyncSeqMoEPolicy(Policy):
         super().__init__(options)
         self.inner = SeqMoEPolicy(self.options, forecaster=forecaster)  # its options have no precompute
         self.blocking = bool(self.options.blocking)
-        self.worker: ForecastWorker | None = None
+        self.worker: ForecastWorker | ProcessForecastWorker | None = None
+        self.worker_kind = self.options.worker if self.options.worker != "auto" else \
+            ("thread" if torch.device(self.inner.device).type == "cuda" else "process")
         self._generation = 0
         self._dropped0 = 0
+        self._counters0: dict[str, float] = {}
 
     @property
     def demand_only(self) -> bool:
@@ -247,25 +253,39 @@ class AsyncSeqMoEPolicy(Policy):
         self.inner.check_compatible(num_layers, num_experts, top_k, what)
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def _ensure_worker(self) -> ForecastWorker:
-        if self.worker is None or not self.worker.thread.is_alive():
-            self.worker = ForecastWorker(self.inner, every=self.blocking)
-            self.worker.generation = self._generation
-        return self.worker
+    def _ensure_worker(self) -> ForecastWorker | ProcessForecastWorker:
+        w = self.worker
+        if w is not None and (w.alive if isinstance(w, ProcessForecastWorker) else w.thread.is_alive()):
+            return w
+        if self.worker_kind == "process":
+            w = ProcessForecastWorker(self.inner.model, self.inner.horizon, every=self.blocking,
+                                      step_flops=self.inner._step_flops)
+        else:
+            w = ForecastWorker(self.inner, every=self.blocking)
+        w.generation = self._generation
+        self.worker = w
+        return w
 
     def reset(self, config) -> None:
-        if self.blocking and self.worker is not None:
+        if self.blocking and isinstance(self.worker, ForecastWorker):
             self.worker.drain()
         super().reset(config)
         self.inner.reset(config)
-        self.inner.stats.update({"staleness": 0, "stale_dropped": 0, "worker_steps": 0, "worker_rollouts": 0})
+        self.inner.stats.update({"staleness": 0, "stale_dropped": 0, "worker_steps": 0, "worker_rollouts": 0,
+                                 "worker_start_seconds": 0.0})
+        if self.worker_kind == "process" and self.inner.forecasting:
+            self._ensure_worker()  # started (and its start timed) before any batch: never inside a decode step
         self._dropped0 = self.worker.dropped if self.worker is not None else 0
+        self._counters0 = dict(self.worker.counters) if isinstance(self.worker, ProcessForecastWorker) else {}
 
     def begin_batch(self, batch: Any) -> None:
         w = self._ensure_worker()
         self._generation += 1
-        w.begin(self._generation, wait=self.blocking)  # a job still running keeps its own batch's state
         self.inner.begin_batch(batch)
+        if isinstance(w, ProcessForecastWorker):
+            w.begin(self._generation, len(self.inner.members))  # the process keeps the batch's state
+        else:
+            w.begin(self._generation, wait=self.blocking)  # a job still running keeps its own batch's state
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)  # the state was made on this thread's stream; the worker has its own
 
@@ -273,7 +293,7 @@ class AsyncSeqMoEPolicy(Policy):
         self.inner.prepare_sequences(sequences)
 
     def close(self) -> None:
-        """Stop the worker thread (also done at interpreter exit: it is a daemon)."""
+        """Stop the worker thread or process (also done at interpreter exit: both are daemons)."""
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -292,7 +312,10 @@ class AsyncSeqMoEPolicy(Policy):
         if rows:
             w = self._ensure_worker()
             x = self.inner.element(rows)
-            w.submit(ForecastJob(self._generation, t, lambda rows=rows, x=x: (rows, x), state=self.inner._state))
+            if isinstance(w, ProcessForecastWorker):
+                w.submit(t, rows, x)
+            else:
+                w.submit(ForecastJob(self._generation, t, lambda rows=rows, x=x: (rows, x), state=self.inner._state))
             if self.blocking:
                 w.wait_for(t)
         self._apply_published(t, after_trigger=True)
@@ -301,8 +324,9 @@ class AsyncSeqMoEPolicy(Policy):
     def _apply_published(self, t: int, after_trigger: bool) -> bool:
         """Install the latest published forecast if it is new. ``t``: the current step; before the trigger
         layer of step t the last trigger point is t - 1. Returns whether a forecast was installed."""
-        if self.worker is None or self.worker.latest is None:  # nothing new (a lock-free read): no work this layer
-            return False
+        w = self.worker
+        if w is None or (w.latest is None if isinstance(w, ForecastWorker) else not w.has_new()):
+            return False  # nothing new (a lock-free read, or a poll of the process's pipe): no work this layer
         pub = self.worker.take()
         if pub is None:
             return False
@@ -353,10 +377,15 @@ class AsyncSeqMoEPolicy(Policy):
             self._trigger(t)
             inner.plan_prefetch(cache)
         out = inner.issue_after(t, layer, cache)
-        if self.worker is not None:
-            self.stats["worker_steps"] = self.worker.steps
-            self.stats["worker_rollouts"] = self.worker.rollouts
-            self.stats["dropped"] = self.stats["stale_dropped"] + self.worker.dropped - self._dropped0
+        w = self.worker
+        if w is not None:
+            self.stats["worker_steps"] = w.steps
+            self.stats["worker_rollouts"] = w.rollouts
+            self.stats["dropped"] = self.stats["stale_dropped"] + w.dropped - self._dropped0
+            if isinstance(w, ProcessForecastWorker):  # the process's own cost, since this run's reset
+                self.stats["worker_start_seconds"] = w.start_seconds  # apart: before any batch, never in a step
+                for k in ("forecast_seconds", "forecast_calls", "forecast_flops"):
+                    self.stats[k] = w.counters.get(k, 0) - self._counters0.get(k, 0)
         return out
 
 
@@ -365,6 +394,9 @@ class AsyncSeqMoEOptions(ForecastOptions):
     """SeqMoE with the forecaster on a background thread (forecasts may arrive late)."""
 
     blocking: bool = option(False, "wait for each forecast (deterministic; tests)")
+    worker: str = option("auto", "where the forecaster runs: process (its own interpreter: no lock shared with "
+                         "decoding), thread, or auto (process on the CPU, thread on CUDA)",
+                         choices=WORKER_KINDS)
 
 
 AsyncSeqMoEPolicy.Options = AsyncSeqMoEOptions

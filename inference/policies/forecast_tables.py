@@ -134,6 +134,28 @@ def _precompute_direct(model: ExpertForecaster, els: list[torch.Tensor], horizon
     return outs
 
 
+@torch.no_grad()
+def online_forecast(model: ExpertForecaster, state: ForecasterState, rows: Sequence[int], x: np.ndarray, horizon: int,
+                    rollout: bool = True, device: str | torch.device = "cpu") -> tuple[np.ndarray | None, int]:
+    """One online forecaster step: members ``rows`` of ``state`` consume element ``x`` float32 [len(rows), L, E] (the
+    state advanced in place); with ``rollout``, also the [H, L, E] combined activation probabilities of their next
+    ``horizon`` elements (float16-rounded per member, as the tables store them), else None. Returns (that, the
+    forecaster steps it took: 1 plus any recursive rollout beyond the direct heads). The one online step of the
+    package: the ``seqmoe`` hooks, its worker thread and its worker process run it."""
+    rows = list(rows)
+    every = rows == list(range(state.batch_size))  # every row in order: advanced in place, no copy out and back
+    sub = state if every else state.select(rows)
+    logits, _ = model.step(torch.from_numpy(np.ascontiguousarray(x)).to(device), sub, all_horizons=True)
+    steps = 1 + (max(horizon - logits.shape[1], 0) if rollout else 0)
+    F = None
+    if rollout:
+        probs = model.probs(model.rollout(logits, sub, horizon)).cpu().numpy().astype(np.float16)
+        F = combine_members([pm.astype(np.float32) for pm in probs])
+    if not every:
+        state.put_rows(rows, sub)
+    return F, steps
+
+
 def combine_members(per_member: Sequence[np.ndarray]) -> np.ndarray:
     """P(active for any member) = 1 - prod_b (1 - P_b) of per-member [H, L, E] probabilities."""
     miss = np.ones_like(per_member[0])

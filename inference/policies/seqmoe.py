@@ -54,6 +54,7 @@ from expertcast.inference.policies.forecast_tables import (
     ForecastScores,
     ForecastTables,
     combine_members,
+    online_forecast,
     precompute_forecasts,
     precompute_forecasts_many,
 )
@@ -417,18 +418,7 @@ class SeqMoEPolicy(Policy):
         state = self._state if state is None else state
         assert state is not None
         t0 = time.perf_counter()
-        rows = list(rows)
-        every = rows == list(range(state.batch_size))  # every row in order: advanced in place, no copy out and back
-        sub = state if every else state.select(rows)
-        logits, _ = self.model.step(torch.from_numpy(np.ascontiguousarray(x)).to(self.device), sub,
-                                    all_horizons=True)
-        steps = 1 + (max(self.horizon - logits.shape[1], 0) if rollout else 0)  # rollout beyond the direct heads
-        F = None
-        if rollout:  # float16-rounded, as stored when precomputed
-            probs = self.model.probs(self.model.rollout(logits, sub, self.horizon)).cpu().numpy().astype(np.float16)
-            F = combine_members([pm.astype(np.float32) for pm in probs])
-        if not every:
-            state.put_rows(rows, sub)
+        F, steps = online_forecast(self.model, state, rows, x, self.horizon, rollout, self.device)
         st, st["forecast_calls"] = self.stats, self.stats["forecast_calls"] + 1
         st["forecast_seconds"] += time.perf_counter() - t0
         st["forecast_flops"] += self._step_flops * steps * len(rows)

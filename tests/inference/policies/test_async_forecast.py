@@ -1,12 +1,17 @@
-"""SeqMoE with the forecaster on a worker thread beside decoding (inference/policies/async_forecast.py)."""
+"""SeqMoE with the forecaster on a worker thread or process beside decoding (inference/policies/async_forecast.py,
+forecast_process.py)."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import numpy as np
 import pytest
 import torch
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.async_forecast import AsyncSeqMoEPolicy
+from expertcast.inference.policies.forecast_process import ProcessForecastWorker
 from expertcast.inference.runtime.engine import OffloadedModel
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
 from expertcast.models.presets import build_tiny
@@ -38,14 +43,23 @@ def _run(model, pol, ids, am, cap):
     return out.sequences, counters, om.restore()
 
 
-def test_blocking_async_equals_synchronous_online_seqmoe():
+WORKERS = ("thread", "process")
+
+
+def test_the_default_worker_is_a_process_on_the_cpu():
+    _, _, _, _, fc = _setup()
+    assert AsyncSeqMoEPolicy(forecaster=fc).worker_kind == "process"
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_blocking_async_equals_synchronous_online_seqmoe(worker):
     """Waiting for each step's forecast reproduces the synchronous online policy exactly (same forecasts,
-    same prefetches, same evictions), and the tokens equal the full-load model's."""
+    same prefetches, same evictions), and the tokens equal the full-load model's: on a thread and in a process."""
     model, ids, am, ref, fc = _setup()
     K = model.config.num_experts_per_tok
     sync = make_policy("seqmoe", forecaster=fc, precompute=False, prefetch_rule="floor")  # the async policy's rule
     seq_s, cnt_s, model = _run(model, sync, ids, am, K + 1)
-    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(blocking=True), forecaster=fc)
+    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(blocking=True, worker=worker), forecaster=fc)
     try:
         seq_a, cnt_a, model = _run(model, pol, ids, am, K + 1)
     finally:
@@ -57,10 +71,11 @@ def test_blocking_async_equals_synchronous_online_seqmoe():
     assert pol.stats["staleness"] == 0
 
 
-def test_nonblocking_async_keeps_tokens_and_consumes_every_element():
+@pytest.mark.parametrize("worker", WORKERS)
+def test_nonblocking_async_keeps_tokens_and_consumes_every_element(worker):
     model, ids, am, ref, fc = _setup()
     K = model.config.num_experts_per_tok
-    pol = AsyncSeqMoEPolicy(forecaster=fc)
+    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(worker=worker), forecaster=fc)
     try:
         seq, cnt, model = _run(model, pol, ids, am, K)
         pol.worker.drain()
@@ -76,7 +91,7 @@ def test_nonblocking_async_keeps_tokens_and_consumes_every_element():
 
 def test_worker_failure_surfaces_in_the_decoding_thread():
     model, ids, am, ref, fc = _setup()
-    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(blocking=True), forecaster=fc)
+    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(blocking=True, worker="thread"), forecaster=fc)
 
     def broken(*a, **k):
         raise ValueError("forecaster exploded")
@@ -87,6 +102,44 @@ def test_worker_failure_surfaces_in_the_decoding_thread():
             _run(model, pol, ids, am, model.config.num_experts_per_tok)
     finally:
         pol.close()
+
+
+def test_worker_process_failure_surfaces_in_the_decoding_thread():
+    """An element the forecaster cannot take fails in the worker process; the failure, with its traceback, is
+    raised on the caller's thread at its next wait, and nothing hangs."""
+    _, _, _, _, fc = _setup()
+    w = ProcessForecastWorker(fc, horizon=4)
+    try:
+        w.begin(1, 2)
+        w.submit(0, [0, 1], np.zeros((2, 3, 3), np.float32))  # not [rows, L, E]
+        with pytest.raises(RuntimeError, match="(?s)forecaster worker process failed.*ValueError"):
+            w.drain(timeout=120)
+    finally:
+        w.close()
+    assert not w.proc.is_alive()
+
+
+def test_forecaster_process_never_blocks_a_decode_step():
+    """With the worker process stopped (SIGSTOP) for the whole run, two generate() calls (a new batch and a policy
+    reset between them) return with the full-load model's tokens and no forecast installed; once it runs again it
+    consumes what was sent, and the first batch's forecasts count as dropped."""
+    model, ids, am, ref, fc = _setup()
+    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(worker="process"), forecaster=fc)
+    w = pol._ensure_worker()
+    os.kill(w.proc.pid, signal.SIGSTOP)
+    try:
+        seq1, cnt1, model = _run(model, pol, ids, am, model.config.num_experts_per_tok)
+        seq2, cnt2, model = _run(model, pol, ids, am, model.config.num_experts_per_tok)
+        assert pol.worker is w and w.steps == 0 and pol.stats["forecasts"] == 0
+        os.kill(w.proc.pid, signal.SIGCONT)
+        w.drain(timeout=120)
+        assert w.dropped >= 9 + NEW - 1  # the first batch's elements were skipped once the second began
+        assert w.steps == 9 + NEW - 1  # the second batch's were all consumed
+    finally:
+        os.kill(w.proc.pid, signal.SIGCONT)
+        pol.close()
+    assert torch.equal(seq1, ref) and torch.equal(seq2, ref)
+    assert cnt1[0] > 0 and cnt2[0] > 0
 
 
 def test_forecaster_worker_never_blocks_a_decode_step():
@@ -105,7 +158,7 @@ def test_forecaster_worker_never_blocks_a_decode_step():
         left.set()
         return step(*a, **k)
 
-    pol = AsyncSeqMoEPolicy(forecaster=fc)
+    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(worker="thread"), forecaster=fc)
     pol.model.step = stuck
     try:
         seq1, cnt1, model = _run(model, pol, ids, am, model.config.num_experts_per_tok)
@@ -144,3 +197,23 @@ def test_runtime_reports_the_forecasters_cost():
     lru.generate(ids, am, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
     assert not lru.stats.forecaster and "forecaster_ms_per_step" not in lru.stats.metrics()
     lru.restore()
+
+
+def test_the_worker_process_reports_its_cost_off_the_decode_path():
+    """seqmoe-async with its process: the forecaster's time, calls and FLOPs come from the process (every element
+    consumed, blocking mode: one call per element), its start is timed apart, and the decoding thread's part is only
+    the hand-over."""
+    model, ids, am, ref, fc = _setup()
+    pol = AsyncSeqMoEPolicy(AsyncSeqMoEPolicy.Options(worker="process", blocking=True), forecaster=fc)
+    try:
+        om = OffloadedModel(model, pol, model.config.num_experts_per_tok, pool="per-layer")
+        om.generate(ids, am, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+        st = om.stats
+        om.restore()
+        calls = pol.stats["forecast_calls"]
+        assert calls == pol.worker.steps == 9 + NEW - 1  # prompt elements and every decode step's
+        assert pol.stats["forecast_flops"] == calls * 2 * fc.step_flops() * pol.inner.horizon
+        assert pol.stats["forecast_seconds"] > 0 and pol.stats["worker_start_seconds"] > 0
+        assert st.forecaster
+    finally:
+        pol.close()
