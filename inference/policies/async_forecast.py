@@ -259,7 +259,7 @@ class AsyncSeqMoEPolicy(Policy):
             return w
         if self.worker_kind == "process":
             w = ProcessForecastWorker(self.inner.model, self.inner.horizon, every=self.blocking,
-                                      step_flops=self.inner._step_flops)
+                                      step_flops=self.inner._step_flops, device=self.inner.device)
         else:
             w = ForecastWorker(self.inner, every=self.blocking)
         w.generation = self._generation

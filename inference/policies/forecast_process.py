@@ -46,7 +46,7 @@ def _context() -> Any:
 
 
 def _serve(conn: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], horizon: int, every: bool,
-           step_flops: int) -> None:
+           step_flops: int, device: str) -> None:
     """The worker process's loop (see the module docstring)."""
     from expertcast.inference.policies.forecast_tables import online_forecast
     from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
@@ -59,7 +59,7 @@ def _serve(conn: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], 
     try:
         model = ExpertForecaster(ForecasterConfig.from_dict(config))
         model.load_state_dict(weights, strict=True)
-        model.eval()
+        model.to(device).eval()
         conn.send(("ready", None, -1, None, None))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", None, -1, traceback.format_exc(), None))
@@ -77,7 +77,7 @@ def _serve(conn: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], 
         if kind == "stop":
             return
         if kind == "begin":
-            generation, state = g, model.init_state(int(payload))
+            generation, state = g, model.init_state(int(payload), device)
             continue
         rows, x = payload
         try:
@@ -87,7 +87,7 @@ def _serve(conn: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], 
                 continue
             last = every or not any(m[0] == "element" for m in pending)
             t0 = time.perf_counter()
-            F, steps = online_forecast(model, state, rows, x, horizon, rollout=last)
+            F, steps = online_forecast(model, state, rows, x, horizon, rollout=last, device=device)
             counters["forecast_seconds"] += time.perf_counter() - t0
             counters["forecast_calls"] += 1
             counters["forecast_flops"] += step_flops * steps * len(rows)
@@ -108,18 +108,19 @@ class ProcessForecastWorker:
         horizon: forecast steps rolled out.
         every: roll out after every element (blocking mode).
         step_flops: FLOPs of one forecaster step at batch 1 (for the cost report).
+        device: where the process runs the forecaster.
     """
 
     kind = "process"
 
-    def __init__(self, model: Any, horizon: int, every: bool = False, step_flops: int = 0):
+    def __init__(self, model: Any, horizon: int, every: bool = False, step_flops: int = 0, device: str = "cpu"):
         ctx = _context()
         self._conn, child = ctx.Pipe(duplex=True)
         weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         t0 = time.perf_counter()
         self.proc = ctx.Process(target=_serve, name="expertcast-forecaster", daemon=True,
                                 args=(child, model.config.to_dict(), weights, int(horizon), bool(every),
-                                      int(step_flops)))
+                                      int(step_flops), str(device)))
         self.proc.start()
         child.close()
         self.generation = 0

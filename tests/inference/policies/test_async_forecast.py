@@ -81,7 +81,11 @@ def test_nonblocking_async_keeps_tokens_and_consumes_every_element(worker):
         pol.worker.drain()
         # 9 prompt positions + NEW - 1 decode forwards, each hands one element to the worker
         assert pol.worker.steps == 9 + NEW - 1
-        assert pol.stats["forecasts"] > 0 and pol.worker.rollouts >= 1
+        assert pol.worker.rollouts >= 1
+        if worker == "thread":
+            assert pol.stats["forecasts"] > 0
+        else:  # the process may publish after the last decode step: then its forecast waits in the pipe
+            assert pol.stats["forecasts"] > 0 or pol.worker.take() is not None
         assert pol.worker.rollouts <= pol.worker.steps
     finally:
         pol.close()
