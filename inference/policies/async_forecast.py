@@ -2,7 +2,9 @@
 "Graph-compatible decode path").
 
 :class:`AsyncSeqMoEPolicy` is the ``seqmoe`` policy (same eviction score, prefetch tasks, scheduler and
-admission) whose forecaster runs online on a worker thread instead of inside the runtime's hooks:
+admission) whose forecaster runs online in a worker instead of inside the runtime's hooks: by default on the CPU a
+worker process (:class:`~expertcast.inference.policies.forecast_process.ProcessForecastWorker`, no interpreter lock
+shared with decoding), on CUDA (or with ``worker=thread``) the worker thread below. The thread's protocol:
 
 * at the trigger layer p of step t the hook copies the step's element (activation vectors [B, L, E]
   of the active members) into the worker's queue and returns at once;
@@ -391,7 +393,7 @@ class AsyncSeqMoEPolicy(Policy):
 
 @dataclass
 class AsyncSeqMoEOptions(ForecastOptions):
-    """SeqMoE with the forecaster on a background thread (forecasts may arrive late)."""
+    """SeqMoE with the forecaster in a background process or thread (forecasts may arrive late)."""
 
     blocking: bool = option(False, "wait for each forecast (deterministic; tests)")
     worker: str = option("auto", "where the forecaster runs: process (its own interpreter: no lock shared with "
@@ -402,5 +404,5 @@ class AsyncSeqMoEOptions(ForecastOptions):
 AsyncSeqMoEPolicy.Options = AsyncSeqMoEOptions
 SPECS = (
     PolicySpec("seqmoe-async", AsyncSeqMoEPolicy, AsyncSeqMoEOptions, needs={"forecaster"},
-               help="seqmoe with the forecaster on a background thread"),
+               help="seqmoe with the forecaster in a background process (CPU) or thread (CUDA)"),
 )
