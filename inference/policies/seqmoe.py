@@ -263,7 +263,7 @@ class SeqMoEPolicy(Policy):
             tau = max(ms / max(self.layer_compute_ms, 1e-9), 1e-6)
         self.scheduler = PrefetchScheduler(TransferEstimator(float(tau), self.ema_alpha), self.lookahead)
         self._inflight: set[tuple[int, int]] = set()
-        self._planned: list[tuple[int, int]] = []
+        self._planned: list[tuple[int, int, int]] = []
         self._tally = [0, 0, 0]  # accesses, demand misses, proactive loads seen by the hooks (the AdjHit break-even)
         self.calibration = SparedMissCalibration(self.calibration_half_life if self.prefetch_rule == "headroom"
                                                  and self.breakeven else 0.0)
@@ -565,8 +565,8 @@ class SeqMoEPolicy(Policy):
         tasks = self._generate(cache, rule)
         self.scheduler.clear()
         self._planned = []
-        if (rule or self.prefetch_rule) == "headroom":  # placed on the link already: issued as planned
-            self._planned = [t.key for t in tasks]
+        if (rule or self.prefetch_rule) == "headroom":  # placed on the link already: issued as planned, each load
+            self._planned = [(t.layer, t.expert, int(t.deadline)) for t in tasks]  # kept until its deadline
         else:
             self.scheduler.submit(tasks)
         self.stats["tasks"] += len(tasks)
@@ -670,7 +670,7 @@ class SeqMoEPolicy(Policy):
         self._prior = set(still)
         self._prior_x = x
 
-    def _issue(self, now: float, cache: ExpertCache) -> list[tuple[int, int]]:
+    def _issue(self, now: float, cache: ExpertCache) -> list[tuple[int, ...]]:
         if self._planned:  # the headroom rule's plan, issued at once in its (EDF) order
             out, self._planned = self._planned, []
             self.stats["issued"] += len(out)
