@@ -325,22 +325,34 @@ def test_runtime_forced_replay_equals_the_simulator_and_reads_from_disk(tmp_path
     assert st.D < runs["belady"][0].D
 
 
-def test_runtime_forced_replay_equals_the_simulator_planning_two_executions():
-    """``plan_executions=2`` on the RAM store: the layer after the trigger (layer 0 here) gets loads a step ahead,
-    which land long before their deadline in the runtime and sit through the layer's next execution; its demand
-    misses must not evict them there (they are still needed), so the runtime's counters equal the simulator's, where
-    the same loads are still in flight at that execution. Every load is used. (Hits against late prefetches
-    depend on when the real copies land: their sum is compared.)"""
+def test_runtime_forced_replay_equals_the_simulator_planning_two_executions(tmp_path):
+    """``plan_executions=2``: the layer after the trigger (layer 0 here) gets loads a step ahead, which in the runtime
+    land long before their deadline (RAM store) or whenever the disk reads finish (disk store) and sit through the
+    layer's next execution; its demand misses must not evict them there (they are still needed), so the runtime's
+    counters equal the simulator's, where the same loads are still in flight at that execution. Every load is used.
+    (Hits against late prefetches depend on when the real copies land: their sum is compared.)"""
+    from expertcast.inference.runtime.disk_store import DiskExpertStore, write_disk_store_from
     from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.inference.runtime.store import HostExpertStore
 
     syn = zipf_traces(num_sequences=2, num_tokens=20, num_layers=4, num_experts=16, top_k=4, seed=3)
     seqs = syn.sequences
-    om = OffloadedModel(_tiny(), _oracle(horizon=24, plan_executions=2), 0.25)
-    st = om.replay(seqs)
-    cfg = om.cache_config
-    om.restore()
-    sim = replay(build_stream(syn.meta, seqs, 1), _oracle(horizon=24, plan_executions=2), cfg, FAST)
-    for k in ("accesses", "demand", "temp", "proactive", "evictions", "prefetch_used"):
-        assert np.array_equal(getattr(st, k), getattr(sim, k)), (k, getattr(st, k), getattr(sim, k))
-    assert np.array_equal(st.hits + st.late, sim.hits + sim.late)  # served from a slot (landed or not: real timing)
-    assert st.proactive[0] > 0 and np.array_equal(st.prefetch_used, st.proactive)
+    path = write_disk_store_from(HostExpertStore.from_model(_tiny()), tmp_path / "experts.safetensors")
+    for on_disk in (False, True):
+        disk = DiskExpertStore(path) if on_disk else None
+        om = OffloadedModel(_tiny(), _oracle(horizon=24, plan_executions=2), 0.25,
+                            **({"store": disk, "readers": 2} if on_disk else {}))
+        try:
+            st = om.replay(seqs)
+            cfg = om.cache_config
+        finally:
+            om.close()
+            if disk is not None:
+                disk.close()
+        sim = replay(build_stream(syn.meta, seqs, 1), _oracle(horizon=24, plan_executions=2), cfg, FAST)
+        for k in ("accesses", "demand", "temp", "proactive", "evictions", "prefetch_used"):
+            assert np.array_equal(getattr(st, k), getattr(sim, k)), (on_disk, k, getattr(st, k), getattr(sim, k))
+        assert np.array_equal(st.hits + st.late, sim.hits + sim.late)
+        assert st.proactive[0] > 0 and np.array_equal(st.prefetch_used, st.proactive)
+        if on_disk:
+            assert st.reads == st.D + st.P and st.read_prefetch == st.P
