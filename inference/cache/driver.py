@@ -26,7 +26,8 @@ Hook order (what :class:`Driver` calls; the numbers are the order within a layer
         1. land: transport.begin_layer(x) lists the proactive transfers that finished; their slots
            go Fetch -> Compute
         2. issue policy.before_layer(t, l, cache)       # proactive loads, see "issue" below
-        3. the slots of layer l in Compute (landed prefetches) become Used
+        3. the slots of layer l in Compute (landed prefetches) whose deadline is x or earlier become Used
+           (a load for a later execution of l stays Compute, never evicted, until its deadline)
         4. serve the selection (the union of the active members' top-K in first-appearance order,
            with the tokens routed to each), expert by expert in that order:
            resident (Used/Compute) -> hit; Fetch -> late prefetch (transport.late, slot -> Compute);
@@ -40,18 +41,20 @@ Hook order (what :class:`Driver` calls; the numbers are the order within a layer
              CPU:  transport.cpu (executed on the host copy)
            counted steps: hits, late, demand (LOAD and TEMP), temp, cpu, accesses
         5. the layer computes (transport.compute for the modelled link; real compute in the runtime)
-        6. the selection's slots in Compute become Used
+        6. the selection's slots in Compute become Used (a prefetch used before its deadline: at its deadline)
         7. policy.on_access(t, l, selected, counts, cache)
         8. issue policy.after_layer(t, l, cache)
       end of step: policy.observe_tokens(t, tokens)     # one entry per member: the token fed to its
                                                         # next position, None when it has none;
                                                         # skipped when every entry is None
 
-    issue(items): for each (layer, expert) in order: outside [0, L) x [0, E) -> error; already
-        holding a slot -> skipped; acquire_slot without protection (-1 -> counted as dropped);
-        slot Fetch (proactive), policy.on_insert(layer, expert, True),
-        transport.prefetch(slot, deadline) with deadline = the next execution of that layer
-        (this step if it has not run yet, else the next step); counted steps: proactive += 1.
+    issue(items): for each (layer, expert) or (layer, expert, deadline) in order: outside [0, L) x [0, E)
+        -> error; already holding a slot -> skipped; acquire_slot without protection (-1 -> counted as
+        dropped); slot Fetch (proactive), policy.on_insert(layer, expert, True),
+        transport.prefetch(slot, deadline) with deadline = the layer-execution the load is for: the
+        layer's next execution (this step if it has not run yet, else the next step), or the item's when
+        later (an execution of that layer, else an error); counted steps: proactive += 1. The slot is
+        not evictable before its deadline's execution starts, whenever the transfer lands (step 3).
 
 Counters are the per-layer int64 [L] arrays ``accesses, hits, late, demand, temp, cpu, proactive,
 dropped, prefetch_used`` of a :class:`~expertcast.inference.cache.counters.Counters` (the runtime passes its stats), with its
@@ -176,6 +179,8 @@ class Driver:
         """The current step's accesses are counted (decode steps)."""
         self._pf_counted = np.zeros(cache.num_slots, np.bool_)
         """Per slot: its proactive load was issued on a counted step (its first use counts as ``prefetch_used``)."""
+        self._due = np.full(cache.num_slots, -1, np.int64)
+        """Per slot: the layer-execution its proactive load is for (-1: a demand load); it stays Compute until then."""
 
     # -- run / batch / step ------------------------------------------------------------------------
     @classmethod
@@ -205,6 +210,7 @@ class Driver:
         self.schedule = self.info = None
         self.counted = False
         self._pf_counted[:] = False
+        self._due[:] = -1
         self.landings = []
 
     def begin_batch(self, members: Sequence[Any], schedule: BatchSchedule) -> None:
@@ -243,10 +249,12 @@ class Driver:
         counted = self.counted
         if routing is not None and self.wants_routing:
             policy.observe_routing(t, layer, *routing)
-        self._land(t * self.L + layer)
+        x = t * self.L + layer
+        self._land(x)
         self._issue(layer, policy.before_layer(t, layer, cache), after=False)
         for s in cache.slots_in_state(COMPUTE, layer):
-            cache.set_state(int(s), USED)
+            if self._due[s] <= x:
+                cache.set_state(int(s), USED)
         plan: dict[int, tuple] = {}
         missing = []
         for e in sel.tolist():
@@ -292,6 +300,7 @@ class Driver:
             c.step_demand[-1] += 1
         if action == MissAction.LOAD:
             cache.assign(slot, layer, e, COMPUTE)
+            self._due[slot] = -1
             policy.on_insert(layer, e, False)
             self.transport.demand(slot, layer, e, t)
             return (SLOT, slot)
@@ -302,10 +311,10 @@ class Driver:
 
     def finish(self, layer: int, sel: np.ndarray, cnt: np.ndarray) -> None:
         """Steps 6-8 of the hook order, after ``layer`` computed."""
-        cache = self.cache
+        cache, x = self.cache, self.t * self.L + layer
         for e in sel.tolist():
             s = cache.slot(layer, e)
-            if s >= 0 and cache.state[s] == COMPUTE:
+            if s >= 0 and cache.state[s] == COMPUTE and self._due[s] <= x:
                 cache.set_state(s, USED)
         self.policy.on_access(self.t, layer, sel, cnt, cache)
         self._issue(layer, self.policy.after_layer(self.t, layer, cache), after=True)
@@ -338,13 +347,19 @@ class Driver:
                 if self.record_landings:
                     self.landings.append((x, layer, expert))
 
-    def _issue(self, cur_layer: int, items: Iterable[tuple[int, int]], after: bool) -> None:
+    def _issue(self, cur_layer: int, items: Iterable[tuple[int, ...]], after: bool) -> None:
         t, cache, policy, L, E = self.t, self.cache, self.policy, self.L, self.E
         counted = self.counted
-        for pl, pe in items:
-            pl, pe = int(pl), int(pe)
+        for item in items:
+            pl, pe = int(item[0]), int(item[1])
             if not (0 <= pl < L and 0 <= pe < E):
                 raise ValueError(f"{policy.name} asked to prefetch ({pl}, {pe}) outside L={L}, E={E}")
+            later = pl > cur_layer or (pl == cur_layer and not after)
+            nxt = (t if later else t + 1) * L + pl
+            due = max(int(item[2]), nxt) if len(item) > 2 else nxt  # a deadline passed: the next execution
+            if (due - pl) % L:
+                raise ValueError(f"{policy.name} asked to prefetch ({pl}, {pe}) for layer-execution {due}, not an "
+                                 f"execution of layer {pl}")
             if cache.contains(pl, pe):
                 continue
             slot = self._acquire(pl, None, counted)
@@ -354,8 +369,8 @@ class Driver:
                 continue
             cache.assign(slot, pl, pe, FETCH, proactive=True)
             self._pf_counted[slot] = counted
+            self._due[slot] = due
             policy.on_insert(pl, pe, True)
-            later = pl > cur_layer or (pl == cur_layer and not after)
-            self.transport.prefetch(slot, pl, pe, t, (t if later else t + 1) * L + pl)
+            self.transport.prefetch(slot, pl, pe, t, due)
             if counted:
                 self.counters.proactive[pl] += 1

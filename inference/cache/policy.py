@@ -96,7 +96,9 @@ class Policy:
         no next position (idle or finished). SAEM stage detection."""
 
     def before_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
-        """Proactive loads ``(layer, expert)`` to issue before ``layer`` routes at step ``t``."""
+        """Proactive loads ``(layer, expert)`` to issue before ``layer`` routes at step ``t``; an item
+        ``(layer, expert, deadline)`` names the layer-execution the load is for (default: the layer's next;
+        the driver keeps it from eviction until then)."""
         return ()
 
     def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: ExpertCache) -> MissAction:
@@ -111,7 +113,7 @@ class Policy:
         """``selected`` int [S] experts routed at (t, layer); ``counts`` int [S] tokens routed to each."""
 
     def after_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
-        """Proactive loads to issue after ``layer`` ran at step ``t``."""
+        """Proactive loads to issue after ``layer`` ran at step ``t`` (items as :meth:`before_layer`'s)."""
         return ()
 
     def on_insert(self, layer: int, expert: int, proactive: bool) -> None:

@@ -16,10 +16,14 @@ re-selected, which drops the lowest-confidence tasks that no longer fit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from expertcast.inference.cache.expert_cache import ExpertCache
 
 
 @dataclass
@@ -84,6 +88,23 @@ def expected_benefit(scores: np.ndarray, displaced: np.ndarray) -> np.ndarray:
     return np.asarray(scores, dtype=np.float64) - np.asarray(displaced, dtype=np.float64)[:, None]
 
 
+def displaced_scores(cache: ExpertCache, scores: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """float [L]: the score of the resident a load into each layer's pool would evict now (:func:`expected_benefit`'s
+    ``displaced``): the lowest ``scores(layers, experts)`` of the pool's evictable residents when it is full, 0 with
+    a free slot."""
+    low: dict[int, float] = {}
+    out = np.zeros(cache.num_layers)
+    for layer in range(cache.num_layers):
+        pool = cache.pool_of(layer)
+        if pool not in low:
+            cands = cache.eviction_candidates(pool)
+            full = cache.free_count(pool) == 0 and len(cands)
+            low[pool] = float(scores(cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)).min()) \
+                if full else 0.0
+        out[layer] = low[pool]
+    return out
+
+
 def chance_level(num_experts: int, top_k: int) -> float:
     """Probability that an arbitrary expert is among a layer's top-K under uniform routing (K / E): a forecast at
     or below it carries no information about that expert."""
@@ -97,6 +118,36 @@ def demand_probability(probs: np.ndarray, skip: np.ndarray | None = None) -> np.
     if skip is not None:
         p = np.where(skip, 0.0, p)
     return 1.0 - np.prod(1.0 - p, axis=1)
+
+
+def pool_victims(cache: ExpertCache, value: np.ndarray, order: Callable[[np.ndarray, np.ndarray], np.ndarray]
+                 ) -> tuple[list[np.ndarray], list[list[tuple[int, int] | None]]]:
+    """:func:`plan_within_headroom`'s ``victims`` for ``cache``'s pools: per pool, the ``value`` [L, E] (P(needed at
+    its next execution)) of the slot each successive load into it takes, free slots first (as zeros), then the
+    evictable residents in ``order(layers, experts)`` (indices: the policy's eviction order); and the (layer, expert)
+    each load evicts (None for a free slot)."""
+    victims, keys = [], []
+    for pool in range(len(cache.config.pool_capacities)):
+        cands = cache.eviction_candidates(pool)
+        cl, ce = cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)
+        idx = order(cl, ce) if len(cands) else np.zeros(0, np.int64)
+        free = cache.free_count(pool)
+        victims.append(np.concatenate([np.zeros(free), value[cl[idx], ce[idx]]]))
+        keys.append([None] * free + list(zip(cl[idx].tolist(), ce[idx].tolist(), strict=True)))
+    return victims, keys
+
+
+def execution_rows(first_probs: np.ndarray, first_exec: np.ndarray, skip: np.ndarray,
+                   second_probs: np.ndarray | None = None, executions: int = 1
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The executions :func:`plan_within_headroom` plans, as its ``(probs, deadlines, skip)``: each layer's next one
+    (``first_probs`` [L, E] at ``first_exec`` [L]); with ``executions`` 2 and ``second_probs`` also the one after
+    (rows L..2L-1, at ``first_exec + L``), with P(needed there and not at the next one, whose load would serve
+    both) = ``second_probs * (1 - first_probs)`` (docs/design.md, "Prefetch")."""
+    if executions > 1 and second_probs is not None:
+        return (np.concatenate([first_probs, second_probs * (1.0 - first_probs)]),
+                np.concatenate([first_exec, first_exec + len(first_exec)]), np.concatenate([skip, skip]))
+    return first_probs, first_exec, skip
 
 
 def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None, pool_of: np.ndarray,

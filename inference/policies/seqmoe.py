@@ -64,9 +64,12 @@ from expertcast.inference.policies.prefetch import (
     SparedMissCalibration,
     TransferEstimator,
     chance_level,
+    displaced_scores,
+    execution_rows,
     expected_benefit,
     generate_tasks,
     plan_within_headroom,
+    pool_victims,
 )
 from expertcast.models.forecaster import ExpertForecaster, ForecasterState, trigger_offset
 from expertcast.utils.errors import UsageError
@@ -264,7 +267,7 @@ class SeqMoEPolicy(Policy):
             tau = max(ms / max(self.layer_compute_ms, 1e-9), 1e-6)
         self.scheduler = PrefetchScheduler(TransferEstimator(float(tau), self.ema_alpha), self.lookahead)
         self._inflight: set[tuple[int, int]] = set()
-        self._planned: list[tuple[int, int]] = []
+        self._planned: list[tuple[int, int, int]] = []
         self._tally = [0, 0, 0]  # accesses, demand misses, proactive loads seen by the hooks (the AdjHit break-even)
         self.calibration = SparedMissCalibration(self.calibration_half_life if self.prefetch_rule == "headroom"
                                                  and self.breakeven else 0.0)
@@ -493,11 +496,12 @@ class SeqMoEPolicy(Policy):
         :attr:`priority_extra`)."""
         return self.score_before if self.priority_extra is None else self.score_before + self.priority_extra
 
+    def eviction_order(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """Indices of (layers[i], experts[i]) in eviction order: lowest CacheScore first, ties least recent first."""
+        return np.lexsort((self.last_use[layers, experts], self._scores(layers, experts)))
+
     def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
-        cl = candidates[:, 0].astype(np.int64)
-        ce = candidates[:, 1].astype(np.int64)
-        sc = self._scores(cl, ce)
-        return int(np.lexsort((self.last_use[cl, ce], sc))[0])
+        return int(self.eviction_order(candidates[:, 0].astype(np.int64), candidates[:, 1].astype(np.int64))[0])
 
     # ------------------------------------------------------------------------------------------ hooks
     def on_miss(self, t: int, layer: int, expert: int, n_tokens: int, cache: ExpertCache):
@@ -555,8 +559,8 @@ class SeqMoEPolicy(Policy):
         tasks = self._generate(cache, rule)
         self.scheduler.clear()
         self._planned = []
-        if (rule or self.prefetch_rule) == "headroom":  # placed on the link already: issued as planned
-            self._planned = [t.key for t in tasks]
+        if (rule or self.prefetch_rule) == "headroom":  # placed on the link already: issued as planned, each load
+            self._planned = [(t.layer, t.expert, int(t.deadline)) for t in tasks]  # kept until its deadline
         else:
             self.scheduler.submit(tasks)
         self.stats["tasks"] += len(tasks)
@@ -587,7 +591,7 @@ class SeqMoEPolicy(Policy):
         if rule == "floor":
             return generate_tasks(self.first_probs, deadlines, skip, self.max_tasks, self.min_confidence)
         floor = min(self.min_confidence, chance_level(self.E, self.K))
-        value = expected_benefit(self._load_scores(), self._displaced(cache))
+        value = expected_benefit(self._load_scores(), displaced_scores(cache, self._scores))
         return generate_tasks(self.first_probs, deadlines, skip, self.max_tasks, floor, value=value)
 
     def transfer_ms(self) -> float:
@@ -598,27 +602,14 @@ class SeqMoEPolicy(Policy):
     def _plan_headroom(self, cache: ExpertCache, skip: np.ndarray) -> list:
         """``prefetch_rule=headroom``: :func:`~expertcast.inference.policies.prefetch.plan_within_headroom` over the
         newest forecast, victims in this policy's eviction order, the link's backlog = our transfers in flight."""
-        victims, victim_keys = [], []
+        victims, victim_keys = pool_victims(cache, self.first_probs, self.eviction_order)
         pool_of = cache.config.pool_of_layer.astype(np.int64)
-        for pool in range(len(cache.config.pool_capacities)):
-            cands = cache.eviction_candidates(pool)
-            v, keys = np.zeros(0), np.zeros((0, 2), np.int64)
-            if len(cands):
-                cl, ce = cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)
-                order = np.lexsort((self.last_use[cl, ce], self._scores(cl, ce)))
-                v, keys = self.first_probs[cl[order], ce[order]], np.stack([cl[order], ce[order]], 1)
-            free = cache.free_count(pool)
-            victims.append(np.concatenate([np.zeros(free), v]))
-            victim_keys.append([None] * free + [tuple(k) for k in keys.tolist()])
         tms = self.transfer_ms()
         backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight)
         a, d, p = self._tally
         floor = (a - d) / (a + p) if (self.breakeven and a) else 0.0  # the running AdjHit
-        probs, execs, mask = self.first_probs, self.first_exec, skip
-        if self.plan_executions > 1 and self.second_probs is not None:  # each layer's execution after next too:
-            # P(needed there and not at the next one, whose load would serve both)
-            probs = np.concatenate([probs, self.second_probs * (1.0 - self.first_probs)])
-            execs, mask = np.concatenate([execs, execs + self.L]), np.concatenate([skip, skip])
+        probs, execs, mask = execution_rows(self.first_probs, self.first_exec, skip, self.second_probs,
+                                            self.plan_executions)
         tasks = plan_within_headroom(probs, execs, mask, pool_of, victims, int(self.first_exec.min()),
                                      np.full(self.L, self.layer_compute_ms), tms, backlog, self.max_tasks,
                                      min_net=floor, net_scale=self.calibration.scale, num_layers=self.L)
@@ -630,20 +621,6 @@ class SeqMoEPolicy(Policy):
             self.calibration.expect(int(task.deadline), task.expert, net,
                                     None if vk is None else (int(self.first_exec[vk[0]]), vk[1]))
         return tasks
-
-    def _displaced(self, cache: ExpertCache) -> np.ndarray:
-        """float [L]: the score of the resident a load into each layer's pool would evict now (0 with a free slot)."""
-        low: dict[int, float] = {}
-        out = np.zeros(self.L)
-        for layer in range(self.L):
-            pool = cache.pool_of(layer)
-            if pool not in low:
-                cands = cache.eviction_candidates(pool)
-                full = cache.free_count(pool) == 0 and len(cands)
-                low[pool] = float(self._scores(cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)).min()) \
-                    if full else 0.0
-            out[layer] = low[pool]
-        return out
 
     def _in_cache_mask(self, cache: ExpertCache) -> np.ndarray:
         return cache.slot_of >= 0
@@ -660,7 +637,7 @@ class SeqMoEPolicy(Policy):
         self._prior = set(still)
         self._prior_x = x
 
-    def _issue(self, now: float, cache: ExpertCache) -> list[tuple[int, int]]:
+    def _issue(self, now: float, cache: ExpertCache) -> list[tuple[int, ...]]:
         if self._planned:  # the headroom rule's plan, issued at once in its (EDF) order
             out, self._planned = self._planned, []
             self.stats["issued"] += len(out)

@@ -9,7 +9,12 @@ from expertcast.data import synthetic
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.hybrid import HybridPolicy, parse_parts
-from expertcast.inference.policies.prefetch import chance_level, expected_benefit, generate_tasks
+from expertcast.inference.policies.prefetch import (
+    chance_level,
+    displaced_scores,
+    expected_benefit,
+    generate_tasks,
+)
 from expertcast.inference.policies.router import RouterRecord, RouterReplay
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
 from expertcast.inference.sim.simulator import simulate
@@ -62,7 +67,7 @@ def test_benefit_rule_prefetches_spread_forecasts_the_floor_rule_ignores():
     assert {(t.layer, t.expert) for t in floor._generate(cache)} == {(lyr, e) for lyr in range(L) for e in (0, 1)}
     benefit, cache = _spread_policy("benefit")
     assert {(t.layer, t.expert) for t in benefit._generate(cache)} == {(lyr, e) for lyr in range(L) for e in (0, 1)}
-    assert benefit._displaced(cache).tolist() == [0.0] * L  # free slots: nothing displaced
+    assert displaced_scores(cache, benefit._scores).tolist() == [0.0] * L  # free slots: nothing displaced
     benefit.min_confidence, floor.min_confidence = 0.5, 0.5  # a floor above every forecast
     assert floor._generate(cache) == []
     assert len(benefit._generate(cache)) == 2 * L  # capped at chance K/E = 0.25: the favourites still go

@@ -162,10 +162,11 @@ def test_recall_one_with_prefetch_gives_the_belady_with_prefetch_counters(p):
 def _watch_deadlines(pol, deadline_of):
     """Wrap ``pol``'s hooks so that evicting a proactively loaded expert before its deadline fails the test:
     ``deadline_of(layer, expert, t0)`` is the step whose execution of ``layer`` the load was made for, ``t0`` the
-    step of that layer's next execution at the load. Returns the counts {"loads", "evictions"}."""
+    step of that layer's next execution at the load. Returns the counts {"loads", "evictions", "later"} (later: loads
+    for an execution after the next)."""
     now = {"x": (0, 0, 0)}  # (step, layer, phase): 0 = before the layer runs, 1 = after it ran
     pending: dict[tuple[int, int], int] = {}  # (layer, expert) -> the step of its deadline
-    seen = {"loads": 0, "evictions": 0}
+    seen = {"loads": 0, "evictions": 0, "later": 0}
     before, after, insert, evict = pol.before_layer, pol.after_layer, pol.on_insert, pol.on_evict
 
     def before_layer(t, layer, cache):
@@ -182,8 +183,10 @@ def _watch_deadlines(pol, deadline_of):
         if proactive:
             t, cur, phase = now["x"]
             ahead = layer > cur or (layer == cur and phase == 0)
-            pending[(layer, expert)] = deadline_of(layer, expert, t if ahead else t + 1)
+            t0 = t if ahead else t + 1
+            pending[(layer, expert)] = deadline_of(layer, expert, t0)
             seen["loads"] += 1
+            seen["later"] += pending[(layer, expert)] > t0
         return insert(layer, expert, proactive)
 
     def on_evict(layer, expert):
@@ -195,18 +198,39 @@ def _watch_deadlines(pol, deadline_of):
     return seen
 
 
-def test_prefetched_expert_is_never_evicted_before_its_deadline():
+def _planned_deadlines(pol):
+    """Wrap ``pol``'s headroom planner: returns {(layer, expert): the layer-execution its newest planned load is for}
+    (the planner's own deadline, whichever execution of the layer it is)."""
+    planned: dict[tuple[int, int], int] = {}
+    plan = pol._plan_headroom
+
+    def _plan_headroom(*a, **kw):
+        tasks = plan(*a, **kw)
+        planned.update({t.key: int(t.deadline) for t in tasks})
+        return tasks
+
+    pol._plan_headroom = _plan_headroom
+    return planned
+
+
+@pytest.mark.parametrize("executions", [1, 2])
+@pytest.mark.parametrize("bandwidth_gbps", [0.05, 1e6])
+def test_prefetched_expert_is_never_evicted_before_its_deadline(executions, bandwidth_gbps):
     """A degraded oracle (recall 0.5: half its prefetches are false) in a tight shared pool, where demand loads of
     other layers compete for the slots the prefetches took: no proactively loaded expert is evicted before the
-    execution it was loaded for has started."""
+    execution it was loaded for has started, on a slow link (loads land late) and a fast one (loads land long before
+    their deadline); with ``plan_executions=2`` also the loads for a layer's execution after next, which a landed load
+    sits through its next execution for."""
     meta, seqs = _trace(tokens=48, n=3, prompt=4)
-    pol = _oracle(recall=0.5, forecast_seed=1, breakeven=False, trigger_layer=1, plan_executions=1)  # deadlines below
-    # are the next execution's (the execution after next: test_planning_the_execution_after_next_...)
-    seen = _watch_deadlines(pol, lambda layer, expert, t0: t0)
+    pol = _oracle(recall=0.5, forecast_seed=1, breakeven=False, trigger_layer=1, plan_executions=executions)
+    planned = _planned_deadlines(pol)
+    seen = _watch_deadlines(pol, lambda layer, expert, t0: planned[(layer, expert)] // L)
     res = replay(build_stream(meta, seqs, 1), pol, _config("shared", slots=12),
-                 CostConfig(bandwidth_gbps=0.05, layer_compute_ms=0.15))
+                 CostConfig(bandwidth_gbps=bandwidth_gbps, layer_compute_ms=0.15))
     assert seen["loads"] > 20 and seen["evictions"] > 20 and res.P > 0
     assert res.prefetch_used.sum() < res.P  # false prefetches were made (and left unused)
+    if executions == 2:  # loads for the execution after next were made
+        assert seen["later"] > 0
 
 
 def test_planning_the_execution_after_next_reaches_the_layer_after_the_trigger():
@@ -299,3 +323,36 @@ def test_runtime_forced_replay_equals_the_simulator_and_reads_from_disk(tmp_path
     assert st.P > 0 and np.array_equal(st.prefetch_used, st.proactive)
     assert st.reads == st.D + st.P and st.read_prefetch == st.P
     assert st.D < runs["belady"][0].D
+
+
+def test_runtime_forced_replay_equals_the_simulator_planning_two_executions(tmp_path):
+    """``plan_executions=2``: the layer after the trigger (layer 0 here) gets loads a step ahead, which in the runtime
+    land long before their deadline (RAM store) or whenever the disk reads finish (disk store) and sit through the
+    layer's next execution; its demand misses must not evict them there (they are still needed), so the runtime's
+    counters equal the simulator's, where the same loads are still in flight at that execution. Every load is used.
+    (Hits against late prefetches depend on when the real copies land: their sum is compared.)"""
+    from expertcast.inference.runtime.disk_store import DiskExpertStore, write_disk_store_from
+    from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.inference.runtime.store import HostExpertStore
+
+    syn = zipf_traces(num_sequences=2, num_tokens=20, num_layers=4, num_experts=16, top_k=4, seed=3)
+    seqs = syn.sequences
+    path = write_disk_store_from(HostExpertStore.from_model(_tiny()), tmp_path / "experts.safetensors")
+    for on_disk in (False, True):
+        disk = DiskExpertStore(path) if on_disk else None
+        om = OffloadedModel(_tiny(), _oracle(horizon=24, plan_executions=2), 0.25,
+                            **({"store": disk, "readers": 2} if on_disk else {}))
+        try:
+            st = om.replay(seqs)
+            cfg = om.cache_config
+        finally:
+            om.close()
+            if disk is not None:
+                disk.close()
+        sim = replay(build_stream(syn.meta, seqs, 1), _oracle(horizon=24, plan_executions=2), cfg, FAST)
+        for k in ("accesses", "demand", "temp", "proactive", "evictions", "prefetch_used"):
+            assert np.array_equal(getattr(st, k), getattr(sim, k)), (on_disk, k, getattr(st, k), getattr(sim, k))
+        assert np.array_equal(st.hits + st.late, sim.hits + sim.late)
+        assert st.proactive[0] > 0 and np.array_equal(st.prefetch_used, st.proactive)
+        if on_disk:
+            assert st.reads == st.D + st.P and st.read_prefetch == st.P

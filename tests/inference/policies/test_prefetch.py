@@ -13,9 +13,12 @@ from expertcast.inference.policies.prefetch import (
     SparedMissCalibration,
     TransferEstimator,
     demand_probability,
+    displaced_scores,
     edf_feasible,
+    execution_rows,
     generate_tasks,
     plan_within_headroom,
+    pool_victims,
     select_feasible,
 )
 
@@ -141,6 +144,30 @@ def test_headroom_rule_breakeven_floor_drops_loads_that_would_lower_adjhit():
     assert [(t.layer, t.expert) for t in plan(0.0)] == [(2, 0), (2, 1), (0, 0), (0, 1)]
     assert [(t.layer, t.expert) for t in plan(0.45)] == [(2, 0), (0, 0), (0, 1)]  # q = .4 at layer 2 falls below
     assert [(t.layer, t.expert) for t in plan(0.8)] == [(0, 0)]  # only layer 0's q = .9
+
+
+def test_pool_victims_displaced_scores_and_execution_rows():
+    """The planner's inputs over a cache: per pool, free slots first (v = 0) then the evictable residents in the
+    policy's order with their keys (Fetch/Compute slots are not victims); the lowest score a load would displace
+    (0 with a free slot); the rows of the next execution and, with two, the one after at P2 x (1 - P1)."""
+    from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache, SlotState
+
+    cache = ExpertCache(CacheConfig(num_layers=2, num_experts=4, top_k=1, budget=Budget.slots(3)))
+    for e, st in ((0, SlotState.USED), (1, SlotState.USED), (2, SlotState.FETCH)):  # layer 0: full
+        cache.assign(cache.take_free_slot(0), 0, e, st)
+    cache.assign(cache.take_free_slot(1), 1, 3, SlotState.USED)  # layer 1: two free slots
+    value = np.arange(8, dtype=np.float64).reshape(2, 4) / 10
+    score = np.array([[0.9, 0.2, 0.0, 0.0], [0.0, 0.0, 0.0, 0.7]])
+    by_score = lambda cl, ce: np.argsort(score[cl, ce], kind="stable")  # noqa: E731
+    victims, keys = pool_victims(cache, value, by_score)
+    assert [v.tolist() for v in victims] == [[0.1, 0.0], [0.0, 0.0, 0.7]]
+    assert keys == [[(0, 1), (0, 0)], [None, None, (1, 3)]]
+    assert displaced_scores(cache, lambda cl, ce: score[cl, ce]).tolist() == [0.2, 0.0]
+    p1, p2, skip = np.full((2, 4), 0.5), np.full((2, 4), 0.4), np.zeros((2, 4), bool)
+    probs, execs, mask = execution_rows(p1, np.array([5, 2]), skip, p2, executions=2)
+    assert probs.shape == (4, 4) and np.allclose(probs[2:], 0.2) and execs.tolist() == [5, 2, 7, 4]
+    assert mask.shape == (4, 4)
+    assert execution_rows(p1, np.array([5, 2]), skip, p2, executions=1)[0] is p1
 
 
 # ---------------------------------------------------------------------------------------------- calibration

@@ -163,7 +163,7 @@ def test_headroom_rule_is_the_default_and_prefetches_only_when_the_link_has_room
     fast, cache = _headroom_policy(64, link_bytes_per_s=1e11)  # 0.01 ms per transfer: both loads fit
     assert fast.prefetch_rule == "headroom" and fast.transfer_ms() == pytest.approx(0.01)
     fast.plan_prefetch(cache)
-    assert fast.issue_after(0, 0, cache) == [(0, 0), (0, 1)]
+    assert fast.issue_after(0, 0, cache) == [(0, 0, 2), (0, 1, 2)]  # (layer, expert, the execution it is for)
     assert fast.issue_after(0, 1, cache) == []  # issued once
     slow, cache = _headroom_policy(64, link_bytes_per_s=1e8)  # 10 ms per transfer: nothing lands before x=2
     slow.plan_prefetch(cache)

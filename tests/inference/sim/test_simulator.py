@@ -115,6 +115,27 @@ def test_hand_worked_prefetch_counters_used_late_precision():
     assert (m["hit"], m["adj_hit"], m["resident_hit"]) == pytest.approx((1 - 2 / 5, (5 - 2) / (5 + 3), 1 / 5))
 
 
+def test_hand_worked_prefetch_for_a_later_execution_is_kept_until_its_deadline():
+    # L=2, 1 slot per layer, top-1. Layer 1 routes 0 | 2 | 1. After (t0, L1) prefetch (1, 1) for layer 1's execution
+    # after next (x = 2 * L + 1 = 5), evicting (1, 0); issued at 3, it runs [3, 3.5] during t1 L0's compute and lands
+    # at t1 L1 (4), before its next execution. Given as (layer, expert, deadline) it stays Compute there: (1, 2) finds
+    # no evictable slot and is served from a temporary one; at t2 L1 it is a hit, a used prefetch. Given as
+    # (layer, expert), its deadline is that next execution: (1, 2) evicts it and t2 L1 misses.
+    meta, seq = trace([[0, 0], [0, 2], [0, 1]], E=4)
+    cfg = CacheConfig(2, 4, 1, budget=Budget.slots(1), expert_bytes=meta.expert_bytes)
+    kept = replay(build_stream(meta, [seq]), ScriptedPrefetch({(0, 1): [(1, 1, 5)]}), cfg, COST)
+    m = kept.metrics()
+    assert (m["accesses"], m["hits"], m["demand_misses"], m["proactive_loads"], m["prefetches_used"]) == (6, 3, 3, 1, 1)
+    assert kept.temp.tolist() == [0, 1] and kept.late.sum() == 0
+    plain = replay(build_stream(meta, [seq]), ScriptedPrefetch({(0, 1): [(1, 1)]}), cfg, COST)
+    m = plain.metrics()
+    assert (m["hits"], m["demand_misses"], m["proactive_loads"], m["prefetches_used"]) == (2, 4, 1, 0)
+    passed = replay(build_stream(meta, [seq]), ScriptedPrefetch({(0, 1): [(1, 1, 1)]}), cfg, COST)  # a deadline passed:
+    assert passed.metrics() == plain.metrics()  # the next execution
+    with pytest.raises(ValueError, match="not an execution of layer 1"):
+        replay(build_stream(meta, [seq]), ScriptedPrefetch({(0, 1): [(1, 1, 4)]}), cfg, COST)
+
+
 def test_cpu_execution_cost_and_counts():
     # batch of two sequences both routing layer 0 to expert 3 -> one access with 2 tokens, run on CPU:
     # cpu = 0.3 + 2 * 0.1 = 0.5 ms beside a 0.4 ms layer: 0.1 ms of stall. Not a demand miss.
