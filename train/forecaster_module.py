@@ -275,9 +275,12 @@ class ForecasterModule(pl.LightningModule):
 
         ``trainer.min_steps`` is a floor on it that does not depend on the trace set's size: Lightning stops
         at ``max_epochs`` even below ``min_steps``, so where ``max_epochs`` whole epochs make fewer steps,
-        ``max_epochs`` is raised to the fewest whole epochs that reach the floor (validation and checkpoints
-        keep their epoch cadence; ``max_steps`` still caps). On big trace sets the epochs reach it: nothing
-        changes there (docs/results.md, "Forecaster training length: a steps floor")."""
+        ``max_epochs`` is raised to the fewest whole epochs that reach the floor (``max_steps`` still caps).
+        Validation keeps its epoch cadence, stretched by the same factor (``check_val_every_n_epoch`` x
+        new/old epochs, the epochs rounded up to a multiple of it): a fit validates as often as its recipe's
+        epochs planned and at its last epoch, not once per epoch of a one-batch set. On big trace sets the
+        epochs reach the floor: nothing changes there (docs/results.md, "Forecaster training length: a steps
+        floor")."""
         t = self.trainer
         floor = int(t.fit_loop.min_steps or 0)
         total = t.estimated_stepping_batches
@@ -286,7 +289,13 @@ class ForecasterModule(pl.LightningModule):
                 and (t.max_steps == -1 or total < t.max_steps)):
             per_epoch = math.ceil(t.num_training_batches / t.accumulate_grad_batches)
             if per_epoch > 0:
-                t.fit_loop.max_epochs = math.ceil(floor / per_epoch)
+                grown = math.ceil(floor / per_epoch)
+                every = t.check_val_every_n_epoch
+                if every:
+                    every = max(every, every * grown // epochs)
+                    t.check_val_every_n_epoch = every
+                    grown = math.ceil(grown / every) * every
+                t.fit_loop.max_epochs = grown
                 total = t.estimated_stepping_batches
         return max(1, int(total))
 
