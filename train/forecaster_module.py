@@ -276,9 +276,9 @@ class ForecasterModule(pl.LightningModule):
         ``trainer.min_steps`` is a floor on it that does not depend on the trace set's size: Lightning stops
         at ``max_epochs`` even below ``min_steps``, so where ``max_epochs`` whole epochs make fewer steps,
         ``max_epochs`` is raised to the fewest whole epochs that reach the floor (``max_steps`` still caps).
-        Validation keeps its epoch cadence, stretched by the same factor (``check_val_every_n_epoch`` x
-        new/old epochs, the epochs rounded up to a multiple of it): a fit validates as often as its recipe's
-        epochs planned and at its last epoch, not once per epoch of a one-batch set. On big trace sets the
+        Validation keeps its epoch cadence, stretched with the epochs (``check_val_every_n_epoch`` grows so
+        that the fit validates as often as its recipe's epochs planned, the epochs rounded up to a multiple of
+        it): the last validation at the last epoch, not one per epoch of a one-batch set. On big trace sets the
         epochs reach the floor: nothing changes there (docs/results.md, "Forecaster training length: a steps
         floor")."""
         t = self.trainer
@@ -292,7 +292,8 @@ class ForecasterModule(pl.LightningModule):
                 grown = math.ceil(floor / per_epoch)
                 every = t.check_val_every_n_epoch
                 if every:
-                    every = max(every, every * grown // epochs)
+                    checks = max(1, epochs // every)
+                    every = max(every, math.ceil(grown / checks))
                     t.check_val_every_n_epoch = every
                     grown = math.ceil(grown / every) * every
                 t.fit_loop.max_epochs = grown
