@@ -270,12 +270,42 @@ class ForecasterModule(pl.LightningModule):
             raise ValueError("ForecasterModule needs shape={num_layers, num_experts, top_k} or a ForecasterDataModule")
 
     # --- schedule ---
+    def planned_steps(self) -> int:
+        """Optimizer steps this fit makes, the total the LR schedule and the sampling ramp are fractions of.
+
+        ``trainer.min_steps`` is a floor on it that does not depend on the trace set's size: Lightning stops
+        at ``max_epochs`` even below ``min_steps``, so where ``max_epochs`` whole epochs make fewer steps,
+        ``max_epochs`` is raised to the fewest whole epochs that reach the floor (``max_steps`` still caps).
+        Validation keeps its epoch cadence, stretched with the epochs (``check_val_every_n_epoch`` grows so
+        that the fit validates as often as its recipe's epochs planned, the epochs rounded up to a multiple of
+        it): the last validation at the last epoch, not one per epoch of a one-batch set. On big trace sets the
+        epochs reach the floor: nothing changes there (docs/results.md, "Forecaster training length: a steps
+        floor")."""
+        t = self.trainer
+        floor = int(t.fit_loop.min_steps or 0)
+        total = t.estimated_stepping_batches
+        epochs = t.max_epochs
+        if (floor > 0 and epochs is not None and epochs > 0 and total != float("inf") and total < floor
+                and (t.max_steps == -1 or total < t.max_steps)):
+            per_epoch = math.ceil(t.num_training_batches / t.accumulate_grad_batches)
+            if per_epoch > 0:
+                grown = math.ceil(floor / per_epoch)
+                every = t.check_val_every_n_epoch
+                if every:
+                    checks = max(1, epochs // every)
+                    every = max(every, math.ceil(grown / checks))
+                    t.check_val_every_n_epoch = every
+                    grown = math.ceil(grown / every) * every
+                t.fit_loop.max_epochs = grown
+                total = t.estimated_stepping_batches
+        return max(1, int(total))
+
     def sampling_rate(self) -> float:
         """Current scheduled-sampling replacement rate (0 while teacher forcing)."""
         h = self.hparams
         if h.max_sampling_rate <= 0 or self._trainer is None:
             return 0.0
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        total = self.planned_steps()
         return sampling_schedule(self.global_step / total, h.teacher_forcing_fraction, h.sampling_ramp_fraction,
                                  h.max_sampling_rate)
 
@@ -437,7 +467,7 @@ class ForecasterModule(pl.LightningModule):
         if prior:  # the online prior's mixture and gates: no decay, their own rate (same schedule)
             groups.append({"params": prior, "weight_decay": 0.0, "lr": float(h.prior_lr)})
         opt = torch.optim.AdamW(groups, lr=h.lr)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        total = self.planned_steps()
         warm = max(1, int(h.warmup_fraction * total))
 
         def lr_lambda(step: int) -> float:

@@ -40,7 +40,7 @@ def traces(tmp_path_factory) -> dict[str, Path]:
 def fit_args(root: Path, traces: Path, epochs: int = 2, *extra: str) -> list[str]:
     """A tiny forecaster fit: 12 batches per epoch, no logger, validation every epoch."""
     return ["--config", str(REPO / "configs/forecaster/tiny.yaml"), "--data.init_args.traces", str(traces),
-            "--trainer.default_root_dir", str(root), "--trainer.max_epochs", str(epochs),
+            "--trainer.default_root_dir", str(root), "--trainer.max_epochs", str(epochs), "--trainer.min_steps", "0",
             "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_progress_bar", "false",
             "--trainer.enable_model_summary", "false", "--trainer.check_val_every_n_epoch", "1",
             "--model.init_args.hidden_size", "16", "--model.init_args.head_dim", "8",

@@ -26,7 +26,7 @@ def traces(tmp_path) -> Path:
 
 def _config(tmp_path: Path, traces: Path, epochs: int) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / "forecaster" / "tiny.yaml").read_text())
-    cfg["trainer"].update(max_epochs=epochs, default_root_dir=str(tmp_path / "runs"), check_val_every_n_epoch=1,
+    cfg["trainer"].update(max_epochs=epochs, min_steps=0, default_root_dir=str(tmp_path / "runs"), check_val_every_n_epoch=1,
                           log_every_n_steps=1, enable_progress_bar=False)
     cfg["model"]["init_args"].update(hidden_size=32, head_dim=16, state_size=8)
     # a test split the export never sees: forecast-eval scores only sequences outside train and val

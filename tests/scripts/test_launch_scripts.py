@@ -78,7 +78,7 @@ def test_torchrun_script_fits_the_tiny_config_on_two_cpu_processes(tmp_path):
     env = {**os.environ, "CONFIG": "configs/forecaster/tiny.yaml", "RUN_DIR": str(run_dir), "NPROC": "2",
            "TORCHRUN": str(BIN / "torchrun"), "EXPERTCAST": str(BIN / "expertcast"),
            "MASTER_PORT": str(29500 + os.getpid() % 1000), "OMP_NUM_THREADS": "1"}
-    args = ["--data.init_args.traces", str(traces), "--trainer.max_epochs", "1", "--trainer.logger", "false",
+    args = ["--data.init_args.traces", str(traces), "--trainer.max_epochs", "1", "--trainer.min_steps", "0", "--trainer.logger", "false",
             "--trainer.callbacks", "[]", "--trainer.enable_progress_bar", "false",
             "--trainer.enable_model_summary", "false", "--model.init_args.hidden_size", "16",
             "--model.init_args.head_dim", "8", "--model.init_args.state_size", "8", "--model.init_args.num_blocks", "1",

@@ -389,6 +389,50 @@ def test_sampling_schedule_teacher_forces_then_ramps_and_caps():
     assert sampling_schedule(0.9, 0.4, 0.4, 0.0) == 0.0
 
 
+@pytest.mark.parametrize("max_epochs, min_steps, max_steps, expect, validations",
+                         [(2, 0, -1, 4, 2), (2, 7, -1, 8, 2), (2, 11, -1, 12, 2), (2, 7, 5, 5, 1), (1, 7, -1, 8, 1)])
+def test_min_steps_floor_extends_whole_epochs_and_the_schedules_use_the_real_total(max_epochs, min_steps, max_steps,
+                                                                                   expect, validations):
+    """``trainer.min_steps`` is a floor on the fit's optimizer steps whatever the trace set's size: epochs of 2
+    batches with a floor of 7 run 4 whole epochs (8 steps; Lightning alone stops at ``max_epochs``); the LR
+    schedule and the sampling ramp are fractions of those steps (the LR ends at its floor, the ramp at its cap);
+    validation runs as often as the recipe's epochs planned, the last at the last epoch (a floor of 11 over 2
+    planned epochs: 6 epochs, cadence 3); ``max_steps`` still caps; without a floor nothing changes."""
+    proc = StickyRoutingProcess.realistic(num_layers=2, num_experts=8, top_k=2, seed=0)
+    parts = split_sequences(proc.sample(16, 12, prompt_len=2, seed=1), 0, 0.3)
+    seqs = parts["train"][:4] + parts["val"][:1]  # 2 training batches of 2, 1 validation sequence
+    dm = ForecasterDataModule.from_sequences(proc.meta(), seqs, window=16, batch_size=2, val_fraction=0.3,
+                                             split_seed=0)
+    module = ForecasterModule(hidden_size=16, head_dim=8, state_size=8, num_blocks=1, chunk_size=16, lr=1e-2,
+                              warmup_fraction=0.25, min_lr_ratio=0.1, teacher_forcing_fraction=0.25,
+                              sampling_ramp_fraction=0.25, max_sampling_rate=0.5)
+    seen: list = []
+
+    validated: list = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((trainer.optimizers[0].param_groups[0]["lr"], pl_module.sampling_rate()))
+
+        def on_validation_end(self, trainer, pl_module):
+            validated.append(trainer.global_step)
+
+    trainer = pl.Trainer(max_epochs=max_epochs, min_steps=min_steps, max_steps=max_steps, accelerator="cpu",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Spy()])
+    trainer.fit(module, dm)
+    assert trainer.num_training_batches == 2 and len(dm.splits["val"]) == 1
+    assert trainer.global_step == expect and len(seen) == expect and module.planned_steps() == expect
+    assert trainer.current_epoch == -(-expect // 2)
+    assert len(validated) == validations and (max_steps != -1 or validated[-1] == expect)
+    if min_steps and max_steps == -1:
+        warm = int(0.25 * expect)  # LambdaLR: step s < warm runs at (s + 1) / warm of the peak, then cosine decay
+        assert seen[warm - 1][0] == pytest.approx(1e-2) and seen[0][0] < 1e-2
+        prog = (expect - 1 - warm) / (expect - warm)
+        assert seen[-1][0] == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * prog))))
+        assert seen[1][1] == 0.0 and seen[-1][1] == pytest.approx(0.5)
+
+
 def test_replacements_spare_segment_starts_and_padding():
     mask = torch.ones(64, 20, dtype=torch.bool)
     mask[:, 15:] = False
