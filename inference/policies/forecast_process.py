@@ -131,10 +131,20 @@ class ProcessForecastWorker:
         self._done_t = -1
         self._sent = self._answered = 0  # elements submitted / answered (every element gets one answer)
         self._error: str | None = None
-        if not self._conn.poll(START_TIMEOUT_S):
+        try:
+            if not self._conn.poll(START_TIMEOUT_S):
+                raise EOFError
+            self._receive()
+        except (EOFError, OSError):
+            self.proc.join(timeout=5)
+            code = self.proc.exitcode
             self.close()
-            raise RuntimeError(f"the forecaster worker process did not start within {START_TIMEOUT_S:.0f} s")
-        self._receive()
+            if code is None:
+                raise RuntimeError(f"the forecaster worker process did not start within {START_TIMEOUT_S:.0f} s") from None
+            raise RuntimeError(
+                f"the forecaster worker process did not start (exit code {code}): a script that runs the policy must "
+                "keep its entry under `if __name__ == \"__main__\":` (the process imports the script's main module), "
+                "or pass worker=thread") from None
         self._raise()
         self.start_seconds = time.perf_counter() - t0
         """Wall time from starting the process to its forecaster being ready."""
@@ -203,16 +213,21 @@ class ProcessForecastWorker:
             self._receive()
             self._raise()
 
-    def close(self) -> None:
-        if self.proc.is_alive():
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the process: it finishes the element in hand (its answers are read and discarded meanwhile, so a
+        process blocked on a full pipe can reach the stop), else it is terminated after ``timeout`` seconds."""
+        if self.proc.is_alive() and not self._conn.closed:
             try:
                 self._conn.send(("stop", None, -1, None))
-            except (BrokenPipeError, OSError):
+                end = time.perf_counter() + timeout
+                while self.proc.is_alive() and time.perf_counter() < end:
+                    if self._conn.poll(0.05):
+                        self._conn.recv()
+            except (BrokenPipeError, EOFError, OSError):
                 pass
-            self.proc.join(timeout=30)
-            if self.proc.is_alive():
-                self.proc.terminate()
-                self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(timeout=5)
         self._conn.close()
 
     # -- internals ---------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -221,3 +222,37 @@ def test_the_worker_process_reports_its_cost_off_the_decode_path():
         assert st.forecaster
     finally:
         pol.close()
+
+
+def test_worker_process_stops_while_its_answers_fill_the_pipe():
+    """Unread forecasts (here 40 of them, far more than a pipe holds) never keep the process from its stop: close()
+    drains them and the process exits by itself (not terminated)."""
+    _, _, _, _, fc = _setup()
+    c = fc.config
+    w = ProcessForecastWorker(fc, horizon=32, every=True)
+    w.begin(1, 64)
+    for t in range(40):  # each answer: [32, L, E] float32 probabilities (8 KB), every one rolled out
+        w.submit(t, list(range(64)), np.full((64, c.num_layers, c.num_experts), 1.0 / c.num_experts, np.float32))
+    time.sleep(1.0)
+    w.close(timeout=60)
+    assert not w.proc.is_alive() and w.proc.exitcode == 0
+
+
+def test_worker_process_that_cannot_start_says_why(tmp_path):
+    """A script without a main guard makes the process re-run it on import and die before it is ready: the caller
+    gets one clear error naming the fix, not a broken pipe."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from expertcast.inference.policies.forecast_process import ProcessForecastWorker\n"
+        "from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig\n"
+        "fc = ExpertForecaster(ForecasterConfig(num_layers=2, num_experts=8, top_k=2, hidden_size=16, num_blocks=1,\n"
+        "                                       state_size=8, head_dim=16, chunk_size=16)).eval()\n"
+        "ProcessForecastWorker(fc, horizon=2)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "RuntimeError: the forecaster worker process did not start (exit code 1): a script that runs the policy must "
+        "keep its entry under `if __name__ == \"__main__\":`")
