@@ -124,10 +124,19 @@ class ForecastWorker:
         self.thread = threading.Thread(target=self._run, name="expertcast-forecaster", daemon=True)
         self.thread.start()
 
-    def begin(self, generation: int, wait: bool = True) -> None:
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def has_new(self) -> bool:
+        """Whether a publication waits (a lock-free read)."""
+        return self.latest is not None
+
+    def begin(self, generation: int, wait: bool = True, batch_size: int | None = None) -> None:
         """A new batch: forget the previous one's publication, after its queued elements are consumed (``wait``; the
         graph planner's jobs write the policy's online state) or skipping them (no wait: a job still running keeps its
-        own batch's state, :attr:`ForecastJob.state`, and the decoding thread never waits for it)."""
+        own batch's state, :attr:`ForecastJob.state`, and the decoding thread never waits for it). ``batch_size``:
+        unused here (each job carries its state; :class:`ProcessForecastWorker` makes its own)."""
         if wait:
             self.drain()
         self.generation = generation
@@ -140,6 +149,11 @@ class ForecastWorker:
     def submit(self, job: ForecastJob) -> None:
         self._raise()
         self.jobs.put(job)
+
+    def submit_element(self, t: int, rows: list[int], x: np.ndarray, state: Any = None) -> None:
+        """Element ``x`` [len(rows), L, E] of step ``t`` for members ``rows``, advancing ``state`` (None: the policy's
+        current one); returns at once."""
+        self.submit(ForecastJob(self.generation, t, lambda: (rows, x), state=state))
 
     def wait_for(self, t: int, timeout: float = 60.0) -> None:
         """Block until element ``t`` was consumed and its forecast, if any, published (blocking mode)."""
@@ -257,7 +271,7 @@ class AsyncSeqMoEPolicy(Policy):
     # ------------------------------------------------------------------------------------------ lifecycle
     def _ensure_worker(self) -> ForecastWorker | ProcessForecastWorker:
         w = self.worker
-        if w is not None and (w.alive if isinstance(w, ProcessForecastWorker) else w.thread.is_alive()):
+        if w is not None and w.alive:
             return w
         if self.worker_kind == "process":
             w = ProcessForecastWorker(self.inner.model, self.inner.horizon, every=self.blocking,
@@ -269,14 +283,15 @@ class AsyncSeqMoEPolicy(Policy):
         return w
 
     def reset(self, config) -> None:
-        if self.blocking and isinstance(self.worker, ForecastWorker):
+        if self.blocking and self.worker is not None:
             self.worker.drain()
         super().reset(config)
         self.inner.reset(config)
         self.inner.stats.update({"staleness": 0, "stale_dropped": 0, "worker_steps": 0, "worker_rollouts": 0,
                                  "worker_start_seconds": 0.0})
         if self.worker_kind == "process" and self.inner.forecasting:
-            self._ensure_worker()  # started (and its start timed) before any batch: never inside a decode step
+            # started (and its start timed) before any batch: never inside a decode step
+            self.inner.stats["worker_start_seconds"] = self._ensure_worker().start_seconds
         self._dropped0 = self.worker.dropped if self.worker is not None else 0
         self._counters0 = dict(self.worker.counters) if isinstance(self.worker, ProcessForecastWorker) else {}
 
@@ -284,10 +299,8 @@ class AsyncSeqMoEPolicy(Policy):
         w = self._ensure_worker()
         self._generation += 1
         self.inner.begin_batch(batch)
-        if isinstance(w, ProcessForecastWorker):
-            w.begin(self._generation, len(self.inner.members))  # the process keeps the batch's state
-        else:
-            w.begin(self._generation, wait=self.blocking)  # a job still running keeps its own batch's state
+        # a thread's job still running keeps its own batch's state; the process makes the new batch's
+        w.begin(self._generation, wait=self.blocking, batch_size=len(self.inner.members))
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)  # the state was made on this thread's stream; the worker has its own
 
@@ -313,11 +326,7 @@ class AsyncSeqMoEPolicy(Policy):
         rows = self.inner.trigger_rows()
         if rows:
             w = self._ensure_worker()
-            x = self.inner.element(rows)
-            if isinstance(w, ProcessForecastWorker):
-                w.submit(t, rows, x)
-            else:
-                w.submit(ForecastJob(self._generation, t, lambda rows=rows, x=x: (rows, x), state=self.inner._state))
+            w.submit_element(t, rows, self.inner.element(rows), state=self.inner._state)
             if self.blocking:
                 w.wait_for(t)
         self._apply_published(t, after_trigger=True)
@@ -327,7 +336,7 @@ class AsyncSeqMoEPolicy(Policy):
         """Install the latest published forecast if it is new. ``t``: the current step; before the trigger
         layer of step t the last trigger point is t - 1. Returns whether a forecast was installed."""
         w = self.worker
-        if w is None or (w.latest is None if isinstance(w, ForecastWorker) else not w.has_new()):
+        if w is None or not w.has_new():
             return False  # nothing new (a lock-free read, or a poll of the process's pipe): no work this layer
         pub = self.worker.take()
         if pub is None:
@@ -385,7 +394,6 @@ class AsyncSeqMoEPolicy(Policy):
             self.stats["worker_rollouts"] = w.rollouts
             self.stats["dropped"] = self.stats["stale_dropped"] + w.dropped - self._dropped0
             if isinstance(w, ProcessForecastWorker):  # the process's own cost, since this run's reset
-                self.stats["worker_start_seconds"] = w.start_seconds  # apart: before any batch, never in a step
                 for k in ("forecast_seconds", "forecast_calls", "forecast_flops"):
                     self.stats[k] = w.counters.get(k, 0) - self._counters0.get(k, 0)
         return out

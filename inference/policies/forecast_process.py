@@ -171,17 +171,20 @@ class ProcessForecastWorker:
         return self.latest is not None or self._conn.poll()
 
     # -- commands ----------------------------------------------------------------------------------------
-    def begin(self, generation: int, batch_size: int) -> None:
+    def begin(self, generation: int, wait: bool = False, batch_size: int | None = None) -> None:
         """A new batch of ``batch_size`` members: a fresh recurrent state; the previous batch's publication and
-        queued elements are dropped."""
+        queued elements are dropped (``wait`` changes nothing: the process takes the batches in order)."""
+        if batch_size is None:
+            raise ValueError("the forecaster worker process needs the batch's size")
         self._raise()
         self.generation = generation
         self._conn.send(("begin", generation, -1, int(batch_size)))
         self.take()
         self._done_t = -1
 
-    def submit(self, t: int, rows: list[int], x: np.ndarray) -> None:
-        """Element ``x`` float32 [len(rows), L, E] of step ``t`` for members ``rows`` (returns at once)."""
+    def submit_element(self, t: int, rows: list[int], x: np.ndarray, state: Any = None) -> None:
+        """Element ``x`` float32 [len(rows), L, E] of step ``t`` for members ``rows`` (returns at once; ``state`` is
+        ignored: the process advances its own copy of the batch's)."""
         self._raise()
         self._conn.send(("element", self.generation, t, (list(rows), np.ascontiguousarray(x, np.float32))))
         self._sent += 1

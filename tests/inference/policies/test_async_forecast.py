@@ -115,8 +115,8 @@ def test_worker_process_failure_surfaces_in_the_decoding_thread():
     _, _, _, _, fc = _setup()
     w = ProcessForecastWorker(fc, horizon=4)
     try:
-        w.begin(1, 2)
-        w.submit(0, [0, 1], np.zeros((2, 3, 3), np.float32))  # not [rows, L, E]
+        w.begin(1, batch_size=2)
+        w.submit_element(0, [0, 1], np.zeros((2, 3, 3), np.float32))  # not [rows, L, E]
         with pytest.raises(RuntimeError, match="(?s)forecaster worker process failed.*ValueError"):
             w.drain(timeout=120)
     finally:
@@ -230,9 +230,9 @@ def test_worker_process_stops_while_its_answers_fill_the_pipe():
     _, _, _, _, fc = _setup()
     c = fc.config
     w = ProcessForecastWorker(fc, horizon=32, every=True)
-    w.begin(1, 64)
+    w.begin(1, batch_size=64)
     for t in range(40):  # each answer: [32, L, E] float32 probabilities (8 KB), every one rolled out
-        w.submit(t, list(range(64)), np.full((64, c.num_layers, c.num_experts), 1.0 / c.num_experts, np.float32))
+        w.submit_element(t, list(range(64)), np.full((64, c.num_layers, c.num_experts), 1.0 / c.num_experts, np.float32))
     time.sleep(1.0)
     w.close(timeout=60)
     assert not w.proc.is_alive() and w.proc.exitcode == 0
