@@ -262,8 +262,19 @@ class AsyncSeqMoEPolicy(Policy):
 
     @property
     def stats(self) -> dict:
-        """The inner policy's stats plus ``staleness``, ``stale_dropped``, ``worker_steps``, ``worker_rollouts``."""
-        return self.inner.stats
+        """The inner policy's stats plus ``staleness``, ``stale_dropped``, ``worker_steps``, ``worker_rollouts``; the
+        worker's counters are read when the stats are (not on every layer)."""
+        st = self.inner.stats
+        w = self.worker
+        if w is not None and "stale_dropped" in st:
+            st["worker_steps"] = w.steps
+            st["worker_rollouts"] = w.rollouts
+            st["dropped"] = st["stale_dropped"] + w.dropped - self._dropped0
+            if isinstance(w, ProcessForecastWorker):  # the process's own cost, since this run's reset
+                counters = w.counters
+                for k in ("forecast_seconds", "forecast_calls", "forecast_flops"):
+                    st[k] = counters.get(k, 0) - self._counters0.get(k, 0)
+        return st
 
     def check_compatible(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:
         self.inner.check_compatible(num_layers, num_experts, top_k, what)
@@ -325,12 +336,12 @@ class AsyncSeqMoEPolicy(Policy):
         t0 = time.perf_counter()
         rows = self.inner.trigger_rows()
         if rows:
-            w = self._ensure_worker()
+            w = self.worker or self._ensure_worker()  # started at begin_batch: no liveness check on every step
             w.submit_element(t, rows, self.inner.element(rows), state=self.inner._state)
             if self.blocking:
                 w.wait_for(t)
         self._apply_published(t, after_trigger=True)
-        self.stats["forecast_path_seconds"] += time.perf_counter() - t0
+        self.inner.stats["forecast_path_seconds"] += time.perf_counter() - t0
 
     def _apply_published(self, t: int, after_trigger: bool) -> bool:
         """Install the latest published forecast if it is new. ``t``: the current step; before the trigger
@@ -344,11 +355,12 @@ class AsyncSeqMoEPolicy(Policy):
         _, t_f, F = pub
         t_eff = t if after_trigger else t - 1
         d = max(t_eff - t_f, 0)
+        st = self.inner.stats
         if d >= F.shape[0]:
-            self.stats["stale_dropped"] += 1
-            self.stats["dropped"] += 1
+            st["stale_dropped"] += 1
+            st["dropped"] += 1
             return False
-        self.stats["staleness"] += d
+        st["staleness"] += d
         self.inner.trigger(t_eff, F[d:])  # scores, first_exec, first_probs from the shifted forecast
         return True
 
@@ -387,16 +399,7 @@ class AsyncSeqMoEPolicy(Policy):
         if layer == inner.p:
             self._trigger(t)
             inner.plan_prefetch(cache)
-        out = inner.issue_after(t, layer, cache)
-        w = self.worker
-        if w is not None:
-            self.stats["worker_steps"] = w.steps
-            self.stats["worker_rollouts"] = w.rollouts
-            self.stats["dropped"] = self.stats["stale_dropped"] + w.dropped - self._dropped0
-            if isinstance(w, ProcessForecastWorker):  # the process's own cost, since this run's reset
-                for k in ("forecast_seconds", "forecast_calls", "forecast_flops"):
-                    self.stats[k] = w.counters.get(k, 0) - self._counters0.get(k, 0)
-        return out
+        return inner.issue_after(t, layer, cache)
 
 
 @dataclass

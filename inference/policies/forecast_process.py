@@ -4,22 +4,27 @@ On the CPU a worker *thread* shares the interpreter lock with decoding: the fore
 torch calls whose Python overhead holds the lock, so the decode waits for it even on an idle core (docs/results.md,
 "Forecaster cost per decode step (default model, CPU, contended)"). :class:`ProcessForecastWorker` runs the same
 step (:func:`~expertcast.inference.policies.forecast_tables.online_forecast`) in a process of its own: the decoding
-thread only sends each step's element (a few KB through a pipe) and reads the newest published forecast without
-blocking; nothing of the forecaster runs on its interpreter.
+thread only writes each step's element into a pipe (a few KB as raw bytes, no pickling) and reads the newest
+published forecast from shared memory without blocking; nothing of the forecaster runs on its interpreter.
 
 The process starts from a fork server that has imported torch and the forecaster once (the first worker of a run
 pays that, later ones start in milliseconds) and receives the forecaster as its config and weights (its own
 in-memory copy; nothing is read from disk there). It consumes every element in order (the recurrent state must see
 them all), rolls out only after the last element queued (after every one with ``every``: the blocking mode), and
-answers each element with ``(generation, t, F or None, counters)``: the forecaster's cumulative seconds, calls,
-steps, rollouts and FLOPs, which the policy reports as its cost. Elements of a batch that has ended are skipped and
-counted as dropped. A failure in the process is raised on the decoding thread at its next submit or take.
+answers through a :class:`Mailbox` in shared memory: the newest forecast F [H, L, E] in one of two buffers, published
+by a sequence number written after it (a reader that finds the number moved on while it copied takes the newer one),
+the last element consumed, and the forecaster's cumulative seconds, calls, steps, rollouts and FLOPs, which the
+policy reports as its cost. The decoding thread's checks are memory reads, never a system call (docs/results.md,
+"The hand-over in shared memory"). Elements of a batch that has ended are skipped and counted as dropped. A failure
+in the process sets the mailbox's error flag and sends its traceback through the pipe; it is raised on the decoding
+thread at its next submit or take.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import struct
 import time
 import traceback
 from collections import deque
@@ -33,7 +38,8 @@ START_TIMEOUT_S = 300.0
 
 WORKER_NICE = 10
 """Niceness added to the worker process: it runs on cycles the decoding thread and the transfer thread leave (on a
-host with as many cores as threads it changes nothing)."""
+host with as many cores as threads it changes nothing). Not the idle scheduling class: that starves it behind any
+other job on the host, and the forecasts go stale (docs/results.md, "The hand-over in shared memory")."""
 
 _PRELOAD = ["torch", "expertcast.models.forecaster", "expertcast.inference.policies.forecast_tables"]
 
@@ -45,8 +51,95 @@ def _context() -> Any:
     return ctx
 
 
-def _serve(conn: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], horizon: int, every: bool,
-           step_flops: int, device: str) -> None:
+class Mailbox:
+    """What the worker process answers, in shared memory (the module docstring): ``head`` int64 [8] (publication
+    sequence number, last element consumed: its generation and step, elements answered, error flag, the sequence
+    number being written), ``meta`` int64 [2, 2] (each buffer's generation and step), ``fbuf`` float32 [2, H, L, E]
+    (the two forecast buffers), ``counts`` float64 [6] (:data:`COUNTERS`). Made by the parent and handed to the
+    process when it starts."""
+
+    SEQ, DONE_GEN, DONE_T, ANSWERED, ERROR, WRITING = range(6)
+    COUNTERS = ("forecast_seconds", "forecast_calls", "forecast_flops", "steps", "rollouts", "dropped")
+
+    def __init__(self, ctx: Any, shape: tuple[int, int, int]):
+        self.shape = tuple(int(v) for v in shape)
+        self._raw = (ctx.RawArray("q", 8), ctx.RawArray("q", 4), ctx.RawArray("f", 2 * int(np.prod(self.shape))),
+                     ctx.RawArray("d", len(self.COUNTERS)))
+        self._views()
+
+    def _views(self) -> None:
+        head, meta, fbuf, counts = self._raw
+        self.head = np.frombuffer(head, np.int64)
+        self.meta = np.frombuffer(meta, np.int64).reshape(2, 2)
+        self.fbuf = np.frombuffer(fbuf, np.float32).reshape(2, *self.shape)
+        self.counts = np.frombuffer(counts, np.float64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"shape": self.shape, "_raw": self._raw}
+
+    def __setstate__(self, st: dict[str, Any]) -> None:
+        self.shape, self._raw = st["shape"], st["_raw"]
+        self._views()
+
+    # -- the process's side --------------------------------------------------------------------------------
+    def publish(self, generation: int, t: int, F: np.ndarray) -> None:
+        """Write forecast ``F`` [H, L, E] into the buffer not last published, then publish it by its sequence
+        number."""
+        k = int(self.head[self.SEQ]) + 1
+        b = k % 2
+        self.head[self.WRITING] = k  # before the buffer: a reader of publication k - 2 sees it and copies again
+        self.fbuf[b] = F
+        self.meta[b] = (generation, t)
+        self.head[self.SEQ] = k
+
+    def answered(self, generation: int, t: int, counters: dict[str, float]) -> None:
+        """Element ``t`` of ``generation`` was consumed (after its forecast, if any, was published)."""
+        self.counts[:] = [counters[k] for k in self.COUNTERS]
+        self.head[self.DONE_GEN], self.head[self.DONE_T] = generation, t
+        self.head[self.ANSWERED] += 1
+
+    # -- the decoding thread's side ----------------------------------------------------------------------------
+    def read(self, seen: int) -> tuple[int, int, int, np.ndarray] | None:
+        """The newest publication after sequence number ``seen``: (its number, generation, step, a copy of F), or
+        None when there is none. A copy the process began to overwrite meanwhile (it writes publication k + 2 into
+        the same buffer) is taken again."""
+        while True:
+            k = int(self.head[self.SEQ])
+            if k == seen:
+                return None
+            b = k % 2
+            g, t = (int(v) for v in self.meta[b])
+            F = self.fbuf[b].copy()
+            if int(self.head[self.WRITING]) < k + 2:  # buffer b was not rewritten while it was copied
+                return k, g, t, F
+
+
+ELEMENT, BEGIN, STOP = 0, 1, 2
+"""The kinds of message the process receives."""
+
+
+def _encode(kind: int, generation: int, t: int, rows: list[int] | None = None, x: np.ndarray | None = None) -> bytes:
+    """A message to the process, raw bytes: kind (:data:`ELEMENT`, :data:`BEGIN` with ``t`` the batch size, or
+    :data:`STOP`), generation, step, then for an element its rows (int32) and its float32 [rows, L, E] values."""
+    n = len(rows) if rows is not None else 0
+    msg = struct.pack("<bqqq", kind, generation, t, n)
+    if rows is not None:
+        msg += np.asarray(rows, np.int32).tobytes() + np.ascontiguousarray(x, np.float32).tobytes()
+    return msg
+
+
+def _decode(msg: bytes, L: int, E: int) -> tuple[int, int, int, Any]:
+    kind, g, t, n = struct.unpack_from("<bqqq", msg)
+    if kind != 0:
+        return kind, g, t, None
+    off = struct.calcsize("<bqqq")
+    rows = np.frombuffer(msg, np.int32, n, off).tolist()
+    x = np.frombuffer(msg, np.float32, offset=off + 4 * n).reshape(n, -1).copy()  # writable, for torch
+    return kind, g, t, (rows, x.reshape(n, L, E) if x.size == n * L * E else x)
+
+
+def _serve(conn: Any, box: Mailbox, config: dict[str, Any], weights: dict[str, torch.Tensor], horizon: int,
+           every: bool, step_flops: int, device: str) -> None:
     """The worker process's loop (see the module docstring)."""
     from expertcast.inference.policies.forecast_tables import online_forecast
     from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
@@ -57,35 +150,36 @@ def _serve(conn: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], 
     except OSError:  # pragma: no cover - not permitted here: same priority
         pass
     try:
-        model = ExpertForecaster(ForecasterConfig.from_dict(config))
+        cfg = ForecasterConfig.from_dict(config)
+        model = ExpertForecaster(cfg)
         model.load_state_dict(weights, strict=True)
         model.to(device).eval()
-        conn.send(("ready", None, -1, None, None))
+        conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", None, -1, traceback.format_exc(), None))
+        box.head[Mailbox.ERROR] = 1
+        conn.send(("error", traceback.format_exc()))
         return
-    counters = {"forecast_seconds": 0.0, "forecast_calls": 0, "forecast_flops": 0, "steps": 0, "rollouts": 0,
-                "dropped": 0}
+    counters = dict.fromkeys(Mailbox.COUNTERS, 0.0)
     state, generation = None, None
     pending: deque = deque()
     while True:
         if not pending:
-            pending.append(conn.recv())
+            pending.append(_decode(conn.recv_bytes(), cfg.num_layers, cfg.num_experts))
         while conn.poll():
-            pending.append(conn.recv())
+            pending.append(_decode(conn.recv_bytes(), cfg.num_layers, cfg.num_experts))
         kind, g, t, payload = pending.popleft()
-        if kind == "stop":
+        if kind == STOP:
             return
-        if kind == "begin":
-            generation, state = g, model.init_state(int(payload), device)
+        if kind == BEGIN:
+            generation, state = g, model.init_state(int(t), device)
             continue
         rows, x = payload
         try:
-            if g != generation or any(m[0] == "begin" for m in pending):  # its batch has ended
+            if g != generation or any(m[0] == BEGIN for m in pending):  # its batch has ended
                 counters["dropped"] += 1
-                conn.send(("done", g, t, None, dict(counters)))
+                box.answered(g, t, counters)
                 continue
-            last = every or not any(m[0] == "element" for m in pending)
+            last = every or not any(m[0] == ELEMENT for m in pending)
             t0 = time.perf_counter()
             F, steps = online_forecast(model, state, rows, x, horizon, rollout=last, device=device)
             counters["forecast_seconds"] += time.perf_counter() - t0
@@ -94,9 +188,13 @@ def _serve(conn: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], 
             counters["steps"] += 1
             counters["rollouts"] += F is not None
             counters["dropped"] += F is None  # a rollout skipped for a newer element
-            conn.send(("done", g, t, F, dict(counters)))
+            if F is not None:
+                box.publish(g, t, F)
+            box.answered(g, t, counters)
         except BaseException:  # noqa: BLE001
-            conn.send(("error", g, t, traceback.format_exc(), dict(counters)))
+            box.head[Mailbox.ERROR] = 1
+            box.answered(g, t, counters)
+            conn.send(("error", traceback.format_exc()))
             return
 
 
@@ -115,26 +213,26 @@ class ProcessForecastWorker:
 
     def __init__(self, model: Any, horizon: int, every: bool = False, step_flops: int = 0, device: str = "cpu"):
         ctx = _context()
+        c = model.config
         self._conn, child = ctx.Pipe(duplex=True)
+        self.box = Mailbox(ctx, (int(horizon), c.num_layers, c.num_experts))
         weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         t0 = time.perf_counter()
         self.proc = ctx.Process(target=_serve, name="expertcast-forecaster", daemon=True,
-                                args=(child, model.config.to_dict(), weights, int(horizon), bool(every),
+                                args=(child, self.box, c.to_dict(), weights, int(horizon), bool(every),
                                       int(step_flops), str(device)))
         self.proc.start()
         child.close()
         self.generation = 0
-        self.counters: dict[str, float] = {}
-        self.latest: tuple[int, int, np.ndarray] | None = None
         self.dropped_here = 0
         """Publications replaced before the decode took them."""
-        self._done_t = -1
-        self._sent = self._answered = 0  # elements submitted / answered (every element gets one answer)
+        self._seen = 0  # the mailbox's sequence number last taken
+        self._sent = 0  # elements submitted (every element is answered once)
         self._error: str | None = None
         try:
             if not self._conn.poll(START_TIMEOUT_S):
                 raise EOFError
-            self._receive()
+            kind, payload = self._conn.recv()
         except (EOFError, OSError):
             self.proc.join(timeout=5)
             code = self.proc.exitcode
@@ -145,7 +243,9 @@ class ProcessForecastWorker:
                 f"the forecaster worker process did not start (exit code {code}): a script that runs the policy must "
                 "keep its entry under `if __name__ == \"__main__\":` (the process imports the script's main module), "
                 "or pass worker=thread") from None
-        self._raise()
+        if kind == "error":
+            self.close()
+            raise RuntimeError(f"the forecaster worker process failed:\n{payload}")
         self.start_seconds = time.perf_counter() - t0
         """Wall time from starting the process to its forecaster being ready."""
 
@@ -155,20 +255,25 @@ class ProcessForecastWorker:
         return self.proc.is_alive()
 
     @property
+    def counters(self) -> dict[str, float]:
+        """The process's cumulative cost counters (:data:`Mailbox.COUNTERS`)."""
+        return dict(zip(Mailbox.COUNTERS, self.box.counts.tolist(), strict=True))
+
+    @property
     def steps(self) -> int:
-        return int(self.counters.get("steps", 0))
+        return int(self.box.counts[3])
 
     @property
     def rollouts(self) -> int:
-        return int(self.counters.get("rollouts", 0))
+        return int(self.box.counts[4])
 
     @property
     def dropped(self) -> int:
-        return int(self.counters.get("dropped", 0)) + self.dropped_here
+        return int(self.box.counts[5]) + self.dropped_here
 
     def has_new(self) -> bool:
-        """Whether a publication may be waiting (a non-blocking check)."""
-        return self.latest is not None or self._conn.poll()
+        """Whether a publication is waiting (a read of shared memory: no system call)."""
+        return int(self.box.head[Mailbox.SEQ]) != self._seen
 
     # -- commands ----------------------------------------------------------------------------------------
     def begin(self, generation: int, wait: bool = False, batch_size: int | None = None) -> None:
@@ -176,52 +281,58 @@ class ProcessForecastWorker:
         queued elements are dropped (``wait`` changes nothing: the process takes the batches in order)."""
         if batch_size is None:
             raise ValueError("the forecaster worker process needs the batch's size")
+        self._check_alive()
         self._raise()
         self.generation = generation
-        self._conn.send(("begin", generation, -1, int(batch_size)))
+        self._send(_encode(BEGIN, generation, int(batch_size)))
         self.take()
-        self._done_t = -1
 
     def submit_element(self, t: int, rows: list[int], x: np.ndarray, state: Any = None) -> None:
         """Element ``x`` float32 [len(rows), L, E] of step ``t`` for members ``rows`` (returns at once; ``state`` is
         ignored: the process advances its own copy of the batch's)."""
         self._raise()
-        self._conn.send(("element", self.generation, t, (list(rows), np.ascontiguousarray(x, np.float32))))
+        self._send(_encode(ELEMENT, self.generation, t, list(rows), x))
         self._sent += 1
 
     def take(self) -> tuple[int, int, np.ndarray] | None:
         """The newest publication of the current batch not taken yet (None when there is none)."""
-        self._receive()
         self._raise()
-        pub, self.latest = self.latest, None
-        return pub
+        pub = self.box.read(self._seen)
+        if pub is None:
+            return None
+        k, g, t, F = pub
+        self.dropped_here += k - self._seen - 1  # publications replaced before this take
+        self._seen = k
+        return (g, t, F) if g == self.generation else None
 
     def wait_for(self, t: int, timeout: float = 60.0) -> None:
         """Block until element ``t`` of the current batch has been consumed (blocking mode)."""
-        self._wait(lambda: self._done_t >= t, timeout, f"forecast of step {t} not published within {timeout} s")
+        h = self.box.head
+        self._wait(lambda: int(h[Mailbox.DONE_GEN]) == self.generation and int(h[Mailbox.DONE_T]) >= t, timeout,
+                   f"forecast of step {t} not published within {timeout} s")
 
     def drain(self, timeout: float = 60.0) -> None:
         """Block until every submitted element has been consumed."""
-        self._wait(lambda: self._answered >= self._sent, timeout,
+        self._wait(lambda: int(self.box.head[Mailbox.ANSWERED]) >= self._sent, timeout,
                    f"the forecaster worker did not consume its elements within {timeout} s")
 
     def _wait(self, done: Any, timeout: float, what: str) -> None:
         end = time.perf_counter() + timeout
-        self._receive()
-        self._raise()
-        while not done():
-            left = end - time.perf_counter()
-            if left <= 0 or not self._conn.poll(left):
-                raise TimeoutError(what)
-            self._receive()
+        while True:
             self._raise()
+            if done():
+                return
+            if time.perf_counter() > end:
+                raise TimeoutError(what)
+            self._check_alive()
+            time.sleep(1e-4)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the process: it finishes the element in hand (its answers are read and discarded meanwhile, so a
-        process blocked on a full pipe can reach the stop), else it is terminated after ``timeout`` seconds."""
+        """Stop the process: it finishes the element in hand and exits, else it is terminated after ``timeout``
+        seconds."""
         if self.proc.is_alive() and not self._conn.closed:
             try:
-                self._conn.send(("stop", None, -1, None))
+                self._conn.send_bytes(_encode(STOP, 0, -1))
                 end = time.perf_counter() + timeout
                 while self.proc.is_alive() and time.perf_counter() < end:
                     if self._conn.poll(0.05):
@@ -234,26 +345,26 @@ class ProcessForecastWorker:
         self._conn.close()
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _receive(self) -> None:
-        """Read every message waiting in the pipe (never blocks)."""
-        while self._conn.poll():
-            kind, g, t, payload, counters = self._conn.recv()
-            if counters is not None:
-                self.counters = counters
-            self._answered += kind in ("done", "error") and t >= 0
-            if kind == "error":
-                self._error = payload
-                return
-            if kind != "done" or g != self.generation:
-                continue
-            self._done_t = max(self._done_t, t)
-            if payload is not None:
-                self.dropped_here += self.latest is not None
-                self.latest = (g, t, payload)
+    def _send(self, msg: bytes) -> None:
+        try:
+            self._conn.send_bytes(msg)
+        except (BrokenPipeError, OSError):
+            self._check_alive()
+            raise
+
+    def _check_alive(self) -> None:
+        if not self.proc.is_alive() and self.proc.exitcode not in (None, 0) and self._error is None:
+            raise RuntimeError(f"the forecaster worker process exited with code {self.proc.exitcode}")
 
     def _raise(self) -> None:
+        if self._error is None and self.box.head[Mailbox.ERROR]:
+            while self._error is None and self._conn.poll(5.0):  # its traceback follows the flag
+                kind, payload = self._conn.recv()
+                if kind == "error":
+                    self._error = payload
+            if self._error is None:
+                self._error = "(no traceback received)"
+            self.box.head[Mailbox.ERROR] = 0  # raised once, as any failure
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"the forecaster worker process failed:\n{err}")
-        if not self.proc.is_alive() and self.proc.exitcode not in (None, 0):
-            raise RuntimeError(f"the forecaster worker process exited with code {self.proc.exitcode}")

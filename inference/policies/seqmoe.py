@@ -277,8 +277,10 @@ class SeqMoEPolicy(Policy):
         self._now = (0, 0, 0)
         self.members: list[Any] = []
         self._pos: list[int] = []
+        self._active = np.zeros(0, np.int64)
         self._state: ForecasterState | None = None
         self._latest: np.ndarray | None = None
+        self._pending: list[tuple] = []  # routing noted for _latest, not written yet (_flush_routing)
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._row_tables: list[np.ndarray | None] = []
         self.priority_extra = None
@@ -344,6 +346,7 @@ class SeqMoEPolicy(Policy):
         else:
             self._state = self.model.init_state(B, self.device)
             self._latest = np.zeros((B, self.L, self.E), np.float32)
+            self._pending = []
 
     def _store_table(self, key: str, tab: np.ndarray) -> np.ndarray:
         return self.tables.put(key, tab)
@@ -367,6 +370,7 @@ class SeqMoEPolicy(Policy):
 
     def on_step(self, t: int, info: StepInfo) -> None:
         self._pos = info.positions.tolist()
+        self._active = np.flatnonzero(np.asarray(info.positions) >= 0)  # the members this step runs
         self._observed = {}
 
     def observe_routing(self, t: int, layer: int, expert_ids: np.ndarray, weights: np.ndarray) -> None:
@@ -375,20 +379,39 @@ class SeqMoEPolicy(Policy):
 
     # ------------------------------------------------------------------------------------------ forecasting
     def _record_routing(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray) -> None:
-        """Online mode: write this layer's routing of every active member into ``_latest`` (the driver's
-        per-member routing; without it, the selection weighted by its token counts)."""
-        assert self._latest is not None
-        active = [b for b, pos in enumerate(self._pos) if pos >= 0]
-        obs = self._observed.get(layer)
-        rows = np.zeros((len(active), self.E), np.float32)
-        if obs is not None:  # one scatter for every member (the same adds, in the same order, as one per member)
-            ids = obs[0][active].astype(np.int64)
-            np.add.at(rows, (np.repeat(np.arange(len(active)), ids.shape[1]), ids.reshape(-1)),
-                      np.asarray(obs[1][active], np.float32).reshape(-1))
-        else:
-            np.add.at(rows[0], np.asarray(selected, np.int64), np.asarray(counts, np.float32))
-            rows[1:] = rows[0]
-        self._latest[active, layer] = rows / np.maximum(rows.sum(axis=1, keepdims=True), 1e-9)
+        """Online mode: note this layer's routing of every active member (the driver's per-member routing; without
+        it, the selection weighted by its token counts) for ``_latest``; :meth:`_flush_routing` writes the noted
+        layers when an element is read, all of one step's at once."""
+        self._pending.append((layer, self._active, self._observed.get(layer), selected, counts))
+
+    def _flush_routing(self) -> None:
+        """Write the noted layers' routing into ``_latest`` (rows normalized per member and layer), in the order
+        noted; the layers of one step with per-member routing go through one weighted count."""
+        pending, self._pending = self._pending, []
+        E, i = self.E, 0
+        while i < len(pending):
+            layer, active, obs, selected, counts = pending[i]
+            n = len(active)
+            if obs is None:
+                rows = np.zeros((n, E), np.float32)
+                np.add.at(rows[0], np.asarray(selected, np.int64), np.asarray(counts, np.float32))
+                rows[1:] = rows[0]
+                self._latest[active, layer] = rows / np.maximum(rows.sum(axis=1, keepdims=True), 1e-9)
+                i += 1
+                continue
+            j = i + 1  # the run of noted layers of the same step (same active members), all with per-member routing
+            while j < len(pending) and pending[j][1] is active and pending[j][2] is not None:
+                j += 1
+            layers = [pending[k][0] for k in range(i, j)]
+            ids = np.stack([pending[k][2][0][active] for k in range(i, j)], axis=1).astype(np.int64)  # [n, G, K]
+            w = np.stack([pending[k][2][1][active] for k in range(i, j)], axis=1).astype(np.float32)
+            G = len(layers)
+            flat = ((np.arange(n * G) * E).reshape(n, G, 1) + ids).reshape(-1)
+            rows = np.bincount(flat, w.reshape(-1), n * G * E).reshape(n, G, E)
+            rows = rows.astype(np.float32)  # an entry is one weight (top-K never repeats an expert): exact
+            self._latest[active[:, None], np.asarray(layers)] = rows / np.maximum(rows.sum(axis=2, keepdims=True),
+                                                                                  1e-9)
+            i = j
 
     @property
     def precomputed(self) -> bool:
@@ -403,12 +426,16 @@ class SeqMoEPolicy(Policy):
     def element(self, rows: Sequence[int]) -> np.ndarray:
         """float32 [len(rows), L, E]: a copy of the newest element of members ``rows`` (online mode)."""
         assert self._latest is not None
+        if self._pending:
+            self._flush_routing()
         return self._latest[list(rows)].copy()
 
     def record_element(self, rows: Sequence[int], act: np.ndarray, layers: slice) -> None:
         """Online mode: members ``rows`` routed ``act`` float32 [len(rows), L', E] at ``layers`` (normalized
         activation vectors) in the current step."""
         assert self._latest is not None
+        if self._pending:
+            self._flush_routing()
         self._latest[list(rows), layers] = act
 
     @torch.no_grad()

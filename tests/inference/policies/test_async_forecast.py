@@ -256,3 +256,73 @@ def test_worker_process_that_cannot_start_says_why(tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith(
         "RuntimeError: the forecaster worker process did not start (exit code 1): a script that runs the policy must "
         "keep its entry under `if __name__ == \"__main__\":`")
+
+
+def test_mailbox_reader_takes_the_newest_publication_and_retakes_a_torn_copy():
+    """The forecasts come back through shared memory (forecast_process.Mailbox): the reader gets the newest
+    publication and skips those replaced before it looked; a copy of a buffer that the process began to rewrite
+    meanwhile (publication k + 2 goes into the buffer of k) is taken again, so no torn forecast is installed."""
+    import multiprocessing as mp
+
+    from expertcast.inference.policies.forecast_process import Mailbox
+
+    box = Mailbox(mp.get_context("forkserver"), (3, 2, 4))
+    assert box.read(0) is None
+    F = [np.full((3, 2, 4), float(i), np.float32) for i in range(4)]
+    box.publish(7, 10, F[1])
+    box.publish(7, 11, F[2])
+    k, g, t, got = box.read(0)
+    assert (k, g, t) == (2, 7, 11) and np.array_equal(got, F[2])
+    assert box.read(k) is None
+
+    # the process starts publication 4 into buffer 0 while the reader copies publication 2 from that buffer
+    box.publish(7, 12, F[3])  # publication 3, buffer 1
+    box.head[Mailbox.SEQ] = 2  # seen as the reader saw it when it began copying publication 2
+    box.head[Mailbox.WRITING] = 4
+    seqs = iter([2, 3])  # after the torn copy the reader finds publication 3 and takes it whole
+    real = box.head
+
+    class Head(np.ndarray):
+        def __getitem__(self, i):
+            if i == Mailbox.SEQ:
+                return next(seqs)
+            return real[i]
+
+    box.head = real.view(Head)
+    try:
+        k, g, t, got = box.read(0)
+    finally:
+        box.head = real
+    assert (k, t) == (3, 12) and np.array_equal(got, F[3])
+
+
+def test_the_decoding_thread_checks_for_forecasts_without_a_system_call():
+    """has_new() is a read of shared memory: it answers with the pipe unusable, and the publication it announces is
+    the process's forecast of the element submitted."""
+    _, _, _, _, fc = _setup()
+    c = fc.config
+    w = ProcessForecastWorker(fc, horizon=4)
+    try:
+        w.begin(1, batch_size=2)
+        assert not w.has_new()
+        x = np.zeros((2, c.num_layers, c.num_experts), np.float32)
+        x[:, :, 0] = 1.0
+        w.submit_element(0, [0, 1], x)
+        w.drain(timeout=120)
+        conn = w._conn
+
+        class NoPoll:
+            def poll(self, *a):
+                raise AssertionError("has_new() polled the pipe")
+
+        w._conn = NoPoll()
+        try:
+            assert w.has_new()
+        finally:
+            w._conn = conn
+        g, t, F = w.take()
+        assert (g, t) == (1, 0) and F.shape == (4, c.num_layers, c.num_experts)
+        assert not w.has_new() and w.take() is None
+        assert w.steps == 1 and w.rollouts == 1
+    finally:
+        w.close()
