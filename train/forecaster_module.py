@@ -223,6 +223,8 @@ class ForecasterModule(pl.LightningModule):
         """The residual scale chosen at the last validation; written into the network's config when fitting ends."""
         self.selection_report: dict[str, Any] | None = None
         """What :func:`select_components` measured at the end of the fit (written into the export)."""
+        self._total_steps: int | None = None
+        """The fit's optimizer steps, planned once by :meth:`plan_steps` when the optimizer is configured."""
         if shape:
             self._build(shape["num_layers"], shape["num_experts"], shape["top_k"], shape.get("trigger_layer"))
 
@@ -271,7 +273,14 @@ class ForecasterModule(pl.LightningModule):
 
     # --- schedule ---
     def planned_steps(self) -> int:
-        """Optimizer steps this fit makes, the total the LR schedule and the sampling ramp are fractions of.
+        """Optimizer steps this fit makes, the total the LR schedule and the sampling ramp are fractions of: planned
+        once (:meth:`plan_steps`) when the optimizer is configured; reading it changes nothing."""
+        if self._total_steps is None:
+            raise RuntimeError("the fit's steps are planned when its optimizer is configured (trainer.fit)")
+        return self._total_steps
+
+    def plan_steps(self) -> int:
+        """Plan the fit's optimizer steps (the setup step of :meth:`configure_optimizers`; returns them).
 
         ``trainer.min_steps`` is a floor on it that does not depend on the trace set's size: Lightning stops
         at ``max_epochs`` even below ``min_steps``, so where ``max_epochs`` whole epochs make fewer steps,
@@ -298,7 +307,8 @@ class ForecasterModule(pl.LightningModule):
                     grown = math.ceil(grown / every) * every
                 t.fit_loop.max_epochs = grown
                 total = t.estimated_stepping_batches
-        return max(1, int(total))
+        self._total_steps = max(1, int(total))
+        return self._total_steps
 
     def sampling_rate(self) -> float:
         """Current scheduled-sampling replacement rate (0 while teacher forcing)."""
@@ -467,7 +477,7 @@ class ForecasterModule(pl.LightningModule):
         if prior:  # the online prior's mixture and gates: no decay, their own rate (same schedule)
             groups.append({"params": prior, "weight_decay": 0.0, "lr": float(h.prior_lr)})
         opt = torch.optim.AdamW(groups, lr=h.lr)
-        total = self.planned_steps()
+        total = self.plan_steps()
         warm = max(1, int(h.warmup_fraction * total))
 
         def lr_lambda(step: int) -> float:
