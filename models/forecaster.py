@@ -110,6 +110,11 @@ class ForecasterConfig:
     (may be empty), the forecaster carries the online baselines repeat-last, frequency, transition, then
     recent-freq and recent-count at these half-lives as exact components (:class:`~expertcast.models.forecaster_components.ExactComponents`) that
     ``selection`` can pick. None: no components (every export before format 3)."""
+    component_cross_layer: bool = False
+    """With components: also the cross-layer component (docs/design.md "Exact components"), the fit set's map from
+    the trigger layer's experts to every layer's of the next element (the later layers of the same token), indexed
+    after the recent-count ones. False: without it (every export before it: no ``components.cross`` tensor, same
+    component indices)."""
     selection: list[list[int]] | None = None
     """Per direct head j and layer l, what issues the logits: -1 the learned part plus the online prior, c >= 0
     component c (``component_names`` order), exactly. Chosen on held-out elements after training
@@ -190,8 +195,11 @@ class ForecasterConfig:
                                                        or len(set(self.component_half_lives))
                                                        != len(self.component_half_lives)):
             raise ValueError(f"component_half_lives must be distinct and > 0, got {self.component_half_lives}")
+        if self.component_cross_layer and self.component_half_lives is None:
+            raise ValueError("component_cross_layer needs the exact components (component_half_lives)")
         if self.selection is not None:
-            n = len(component_names(self.component_half_lives)) if self.component_half_lives is not None else 0
+            n = len(component_names(self.component_half_lives, self.component_cross_layer)) \
+                if self.component_half_lives is not None else 0
             sel = self.selection
             if len(sel) != self.direct_horizons or any(len(r) != self.num_layers for r in sel) or \
                     any(not -1 <= int(v) < n for r in sel for v in r):
@@ -303,7 +311,8 @@ class ExpertForecaster(nn.Module):
             self.skip = ElementBranch(c.input_size, c.skip_hidden, c.input_size * c.direct_horizons)
         self.components: ExactComponents | None = None
         if c.component_half_lives is not None:
-            self.components = ExactComponents(c.num_layers, c.num_experts, c.component_half_lives)
+            self.components = ExactComponents(c.num_layers, c.num_experts, c.component_half_lives,
+                                              c.component_cross_layer, c.p)
         self.online: OnlinePrior | None = None
         if c.online_half_lives:
             self.online = OnlinePrior(c.online_half_lives, c.num_layers, c.num_experts, c.direct_horizons, c.top_k,
@@ -561,11 +570,17 @@ class ExpertForecaster(nn.Module):
             macs += M * (c.input_size + 1) + c.direct_horizons * c.input_size * (M + 2)
             if self.online.rate > 0:  # top-K of the sources and their scores at every horizon
                 macs += M * c.input_size + c.direct_horizons * M * c.num_layers * c.top_k
-        if self.components is not None:  # moving averages; the transition table for the heads that select it
+        if self.components is not None:  # moving averages; the transition / cross-layer tables for the heads that
+            # select them (the cross-layer one: the trigger layer through [L, E, E], then the transition table)
             macs += 4 * len(self.components.half_lives) * c.input_size
             sel = c.selection or []
             trans_heads = max([j + 1 for j, row in enumerate(sel) if 2 in row] or [0])
             macs += trans_heads * c.input_size * c.num_experts
+            x = self.components.cross_index
+            if x is not None:  # the leader computes it at every head
+                cross_heads = c.direct_horizons if self.leads else max([j + 1 for j, row in enumerate(sel) if x in row]
+                                                                       or [0])
+                macs += cross_heads * c.input_size * c.num_experts
             if self.leads:  # the leader: every component at every head, the top-K of each and its running score
                 n = 1 + self.components.num_components
                 macs += n * c.direct_horizons * (c.input_size + c.num_layers * c.top_k)

@@ -18,10 +18,17 @@ baseline's:
 - ``recent-count`` at each half-life h (``recent-count`` is h = 16, the others ``recent-count-h{h}``): the same
   moving average of the element's *membership* (1/K for each selected expert, router weights ignored): what the
   cache needs, and the LFU key as h grows (a sequence's favourites are selected with weights that vary; the
-  weighted average mixes that noise into the ranking).
+  weighted average mixes that noise into the ranking);
+- ``cross-layer`` (last, where the forecaster carries it): the fit set's table from the trigger layer p's experts
+  of element i to layer l's of element i+1, C_l[e, e'] = #(e at layer p in element i, e' at layer l in element
+  i+1) + 0.01, rows normalized. For l > p element i+1's layer l is the same token as element i's layer p, so this is
+  the within-token map from the freshly routed trigger layer to the later layers (C_p is the transition table's
+  layer p). Horizon 1 is element i's layer-p weights (normalized) through C_l for every layer l; horizon h >= 2
+  pushes horizon h-1 through the transition table; ``+ 1e-6 · freq`` for ties.
 
-The fitted tables (``freq`` [L, E], ``trans`` [L, E, E]) are buffers of the export: a forecaster reproduces the
-baselines exactly when forecast-eval fits them on the same sequences (the export's train + val ids, its default).
+The fitted tables (``freq`` [L, E], ``trans`` [L, E, E], ``cross`` [L, E, E]) are buffers of the export: a
+forecaster reproduces the baselines exactly when forecast-eval fits them on the same sequences (the export's train +
+val ids, its default).
 """
 
 from __future__ import annotations
@@ -52,11 +59,17 @@ def count_name(half_life: float) -> str:
     return "recent-count" if float(half_life) == 16.0 else f"recent-count-h{float(half_life):g}"
 
 
-def component_names(half_lives: Sequence[float]) -> list[str]:
+CROSS_LAYER = "cross-layer"
+"""Name of the cross-layer component / baseline."""
+
+
+def component_names(half_lives: Sequence[float], cross_layer: bool = False) -> list[str]:
     """The components in their index order (the values of ``ForecasterConfig.selection``): the three fitted /
-    last-element ones, recent-freq at each half-life, then recent-count at each half-life."""
+    last-element ones, recent-freq at each half-life, recent-count at each half-life, then (``cross_layer``)
+    cross-layer. Appended last, so that no earlier component's index depends on it (exports written without it
+    keep their indices)."""
     return (["repeat-last", "frequency", "transition"] + [recent_name(h) for h in half_lives]
-            + [count_name(h) for h in half_lives])
+            + [count_name(h) for h in half_lives] + ([CROSS_LAYER] if cross_layer else []))
 
 
 def decay_of(half_life: float) -> torch.Tensor:
@@ -75,10 +88,9 @@ def fit_frequency(seqs: Sequence, num_layers: int, num_experts: int) -> torch.Te
     return (freq / freq.sum(-1, keepdim=True).clamp_min(1)).float()
 
 
-def fit_transition(seqs: Sequence, num_layers: int, num_experts: int, p: int,
-                   alpha: float = TRANSITION_ALPHA) -> torch.Tensor:
-    """First-order per-layer transition table over forecaster elements of trigger layer ``p``: float32 [L, E, E],
-    T_l[e, e'] = #(e in element i, e' in element i+1) + alpha, rows normalized."""
+def _pair_table(seqs: Sequence, num_layers: int, num_experts: int, p: int, alpha: float, cross: bool) -> torch.Tensor:
+    """float32 [L, E, E] of #(e at the source layer in element i, e' at layer l in element i+1) + alpha, rows
+    normalized, over forecaster elements of trigger layer ``p``; the source layer is l itself, or p (``cross``)."""
     L, E = num_layers, num_experts
     counts = torch.full((L, E, E), alpha, dtype=torch.float64)
     for sq in seqs:
@@ -86,6 +98,8 @@ def fit_transition(seqs: Sequence, num_layers: int, num_experts: int, p: int,
         if ids.shape[0] < 2:
             continue
         a, b = ids[:-1], ids[1:]
+        if cross:
+            a = a[:, p:p + 1].expand_as(b)
         K = a.shape[-1]
         src = a.unsqueeze(-1).expand(-1, -1, K, K)
         dst = b.unsqueeze(-2).expand(-1, -1, K, K)
@@ -93,6 +107,21 @@ def fit_transition(seqs: Sequence, num_layers: int, num_experts: int, p: int,
         flat = (lidx * E * E + src * E + dst).reshape(-1)
         counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
     return (counts / counts.sum(-1, keepdim=True)).float()
+
+
+def fit_transition(seqs: Sequence, num_layers: int, num_experts: int, p: int,
+                   alpha: float = TRANSITION_ALPHA) -> torch.Tensor:
+    """First-order per-layer transition table over forecaster elements of trigger layer ``p``: float32 [L, E, E],
+    T_l[e, e'] = #(e in element i, e' in element i+1) + alpha, rows normalized."""
+    return _pair_table(seqs, num_layers, num_experts, p, alpha, cross=False)
+
+
+def fit_cross_layer(seqs: Sequence, num_layers: int, num_experts: int, p: int,
+                    alpha: float = TRANSITION_ALPHA) -> torch.Tensor:
+    """Cross-layer table over forecaster elements of trigger layer ``p``: float32 [L, E, E],
+    C_l[e, e'] = #(e at layer p in element i, e' at layer l in element i+1) + alpha, rows normalized (C_p is
+    :func:`fit_transition`'s layer p)."""
+    return _pair_table(seqs, num_layers, num_experts, p, alpha, cross=True)
 
 
 # ---------------------------------------------------------------------------------------------- the statistics
@@ -109,6 +138,20 @@ def transition_scores(x: torch.Tensor, trans: torch.Tensor, freq: torch.Tensor, 
     for _ in range(horizons):
         v = torch.einsum("ble,lef->blf", v, trans)
         out.append(v + tie)
+    return torch.stack(out, dim=1)
+
+
+def cross_layer_scores(x: torch.Tensor, cross: torch.Tensor, trans: torch.Tensor, freq: torch.Tensor, p: int,
+                       horizons: int) -> torch.Tensor:
+    """x [N, L, E] -> [N, H, L, E]: the trigger layer ``p``'s weights through the cross-layer table (horizon 1), then
+    pushed h - 1 steps through the transition table."""
+    v = x[:, p] / x[:, p].sum(-1, keepdim=True).clamp_min(1e-9)
+    tie = 1e-6 * freq
+    s = torch.einsum("be,lef->blf", v, cross)
+    out = [s + tie]
+    for _ in range(horizons - 1):
+        s = torch.einsum("ble,lef->blf", s, trans)
+        out.append(s + tie)
     return torch.stack(out, dim=1)
 
 
@@ -137,16 +180,23 @@ def recent_scores(ema: torch.Tensor, freq: torch.Tensor, decay: torch.Tensor) ->
 
 # ---------------------------------------------------------------------------------------------- the module
 class ExactComponents(nn.Module):
-    """The components of a forecaster: fitted tables ``freq`` / ``trans`` (buffers, in the export) and the
-    recent-freq decays; the per-sequence moving averages live in ``ForecasterState.components``."""
+    """The components of a forecaster: fitted tables ``freq`` / ``trans`` (and ``cross`` with ``cross_layer``;
+    buffers, in the export) and the recent-freq decays; the per-sequence moving averages live in
+    ``ForecasterState.components``. ``p``: the trigger layer (the cross-layer table's source; None: L - 1)."""
 
-    def __init__(self, num_layers: int, num_experts: int, half_lives: Sequence[float]):
+    def __init__(self, num_layers: int, num_experts: int, half_lives: Sequence[float], cross_layer: bool = False,
+                 p: int | None = None):
         super().__init__()
         self.L, self.E = num_layers, num_experts
+        self.p = num_layers - 1 if p is None else int(p)
         self.half_lives = [float(h) for h in half_lives]
-        self.names = component_names(self.half_lives)
+        self.names = component_names(self.half_lives, cross_layer)
+        self.cross_index = self.names.index(CROSS_LAYER) if cross_layer else None
+        """Index of the cross-layer component (None without it)."""
         self.register_buffer("freq", torch.zeros(num_layers, num_experts))
         self.register_buffer("trans", torch.zeros(num_layers, num_experts, num_experts))
+        # None without the component (a None buffer is not in the state dict: exports written without it match)
+        self.register_buffer("cross", torch.zeros(num_layers, num_experts, num_experts) if cross_layer else None)
         # the moving averages: recent-freq at each half-life, then recent-count at each (names 3 .. 3 + 2M - 1)
         d = torch.cat([decay_of(h) for h in self.half_lives] * 2) if self.half_lives else torch.zeros(0)
         self.register_buffer("decays", d, persistent=False)
@@ -159,9 +209,13 @@ class ExactComponents(nn.Module):
 
     @torch.no_grad()
     def fit(self, seqs: Sequence, p: int) -> None:
-        """Fit ``freq`` and ``trans`` on ``seqs`` (forecaster elements of trigger layer ``p``)."""
+        """Fit ``freq``, ``trans`` (and ``cross``) on ``seqs`` (forecaster elements of trigger layer ``p``)."""
+        if p != self.p:
+            raise ValueError(f"components of trigger layer {self.p} cannot be fitted at trigger layer {p}")
         self.freq.copy_(fit_frequency(seqs, self.L, self.E))
         self.trans.copy_(fit_transition(seqs, self.L, self.E, p))
+        if self.cross is not None:
+            self.cross.copy_(fit_cross_layer(seqs, self.L, self.E, p))
 
     def init_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
         """Zero moving averages [B, 2M, L, E] (recent-freq, then recent-count, at each half-life)."""
@@ -178,7 +232,7 @@ class ExactComponents(nn.Module):
         x = x.float()
         out: dict[int, torch.Tensor] = {}
         M = 2 * len(self.half_lives)
-        recent = [c for c in used if c >= 3]
+        recent = [c for c in used if 3 <= c < 3 + M]
         if M and (ema is not None or recent):
             e = ema if ema is not None else x.new_zeros(B, M, L, E)
             hist = []
@@ -196,4 +250,7 @@ class ExactComponents(nn.Module):
             out[1] = self.freq.expand(B, T, heads, L, E)
         if 2 in used:
             out[2] = transition_scores(x.reshape(B * T, L, E), self.trans, self.freq, heads).view(B, T, heads, L, E)
+        if self.cross_index is not None and self.cross_index in used:
+            out[self.cross_index] = cross_layer_scores(x.reshape(B * T, L, E), self.cross, self.trans, self.freq,
+                                                       self.p, heads).view(B, T, heads, L, E)
         return out

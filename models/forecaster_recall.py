@@ -16,7 +16,10 @@ Reported per horizon, per layer and overall, for:
 - ``recent-freq``: per-layer expert frequency of this sequence so far (an exponential moving average of
   the elements seen, half-life ``RecentFrequencyBaseline.half_life`` elements, training frequency as the
   prior): the stronger baseline at long horizons, where the next steps' experts are mostly the ones the
-  sequence has been using.
+  sequence has been using;
+- ``cross-layer``: the trigger layer's experts through the training sequences' per-layer map to the next
+  element's experts (for the layers after the trigger layer: the same token's), then the transition table
+  (:func:`~expertcast.models.forecaster_components.cross_layer_scores`).
 
 ``--horizons`` forecasts come from the forecaster's direct heads where it has them and from recursive
 rollout beyond (:meth:`~expertcast.models.forecaster.ExpertForecaster.rollout`).
@@ -41,9 +44,12 @@ from expertcast.models.forecaster import (
     trigger_sequence,
 )
 from expertcast.models.forecaster_components import (
+    CROSS_LAYER,
     TRANSITION_ALPHA,
     count_name,
+    cross_layer_scores,
     decay_of,
+    fit_cross_layer,
     fit_frequency,
     fit_transition,
     recent_name,
@@ -147,6 +153,22 @@ class TransitionBaseline(Baseline):
         return transition_scores(x, self.T, self.freq, horizons)
 
 
+class CrossLayerBaseline(Baseline):
+    """The trigger layer ``p``'s weights of the current element through the cross-layer table C_l[e, e'] =
+    #(e at layer p in element i, e' at layer l in element i+1), row-normalized with add-``alpha`` smoothing
+    (horizon 1), then h - 1 steps through the transition table ``trans``."""
+
+    name = CROSS_LAYER
+
+    def __init__(self, train: Sequence[TraceSequence], L: int, E: int, p: int, freq: torch.Tensor,
+                 trans: torch.Tensor, alpha: float = TRANSITION_ALPHA):
+        self.C = fit_cross_layer(train, L, E, p, alpha)  # [L, E, E]
+        self.T, self.freq, self.p = trans, freq, p
+
+    def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
+        return cross_layer_scores(x, self.C, self.T, self.freq, self.p, horizons)
+
+
 class RecentFrequencyBaseline(Baseline):
     """Per-layer expert frequency of the current sequence: an exponential moving average of its elements
     (half-life ``half_life`` elements) plus ``0.05 · (1 - d)`` x the training frequency, the same for every
@@ -183,14 +205,17 @@ def baseline_half_lives(component_half_lives: Sequence[float] | None) -> list[fl
 def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int,
                   half_lives: Sequence[float] = (16.0,)) -> list[Baseline]:
     """The three baselines of docs/design.md "Forecaster" plus the sequence's recent frequency (weights) and
-    recent count (membership) at each of ``half_lives``, fitted on ``train``."""
+    recent count (membership) at each of ``half_lives``, then the cross-layer baseline, fitted on ``train`` (the
+    order of :func:`~expertcast.models.forecaster_components.component_names`)."""
     if not train:
         raise ValueError("no training sequences to fit the baselines on")
     L, E = meta.num_layers, meta.num_experts
     freq = fit_frequency(train, L, E)
-    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), TransitionBaseline(train, L, E, p, freq)] + \
+    trans = TransitionBaseline(train, L, E, p, freq)
+    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), trans] + \
         [RecentFrequencyBaseline(freq, h) for h in half_lives] + \
-        [RecentFrequencyBaseline(freq, h, count=True) for h in half_lives]
+        [RecentFrequencyBaseline(freq, h, count=True) for h in half_lives] + \
+        [CrossLayerBaseline(train, L, E, p, freq, trans.T)]
 
 
 class MLPReference(Baseline):

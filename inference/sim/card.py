@@ -13,7 +13,7 @@ What it computes, on the evaluated sequences (``expertcast traces card``, :mod:`
 * the LRU->Belady gap at each (pool, capacity), ``belady - lru`` in hit, and the share of it each policy closes,
   ``(hit - lru) / (belady - lru)`` (NaN when the gap is 0);
 * recall@K by horizon of the online baselines (``repeat-last``, ``recent-freq``, ``recent-count``; with a fit set also ``frequency``,
-  ``transition`` and, with ``mlp_steps``, the MLP reference, all fitted on it) and of the forecaster
+  ``transition``, ``cross-layer`` and, with ``mlp_steps``, the MLP reference, all fitted on it) and of the forecaster
   (:func:`~expertcast.models.forecaster_recall.evaluate`).
 
 Replay semantics: ``lifecycle="cold"`` replays each sequence on its own (an empty cache, a fresh policy state, an

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 import torch
 from expertcast.data.synthetic import StickyRoutingProcess
+from expertcast.data.trace_format import TraceMeta, TraceSequence
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig, activation_vector
 from expertcast.models.forecaster_components import COMPONENT_SCALE, component_names
 from expertcast.models.forecaster_recall import element_arrays, evaluate, fit_baselines
 
 torch.set_num_threads(1)
 HALF_LIVES = [4.0, 16.0, 64.0]
-NAMES = component_names(HALF_LIVES)
+NAMES = component_names(HALF_LIVES, cross_layer=True)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def _forecaster(meta, fit, selection) -> ExpertForecaster:
     cfg = ForecasterConfig(num_layers=meta.num_layers, num_experts=meta.num_experts, top_k=meta.top_k, trigger_layer=1,
                            hidden_size=32, head_dim=16, state_size=8, num_blocks=1, chunk_size=16, direct_horizons=4,
                            online_half_lives=[0.0, 16.0], online_hedge_rate=1.0, learned_gate_rate=20.0,
-                           component_half_lives=HALF_LIVES, selection=selection)
+                           component_half_lives=HALF_LIVES, component_cross_layer=True, selection=selection)
     m = ExpertForecaster(cfg).eval()
     with torch.no_grad():
         m.head.weight.normal_()  # a learned part that is not zero: the components must replace it exactly
@@ -143,3 +144,86 @@ def test_switch_half_life_is_validated_and_round_trips():
         ForecasterConfig(**kw, switch_half_life=-1.0)
     c = ForecasterConfig(**kw, selection=[[4, -1], [0, 1]], switch_half_life=64.0)
     assert ForecasterConfig.from_dict(c.to_dict()) == c
+
+
+def test_cross_layer_is_appended_after_every_other_component():
+    """The cross-layer component takes the last index: every other component keeps the index it has without it (an
+    export written before it selects the same components)."""
+    assert NAMES[:-1] == component_names(HALF_LIVES) and NAMES[-1] == "cross-layer"
+    kw = dict(num_layers=2, num_experts=8, top_k=2, direct_horizons=2, component_half_lives=[16.0])
+    ForecasterConfig(**kw, component_cross_layer=True, selection=[[5, -1], [0, 5]])  # 5: cross-layer
+    with pytest.raises(ValueError, match="selection"):
+        ForecasterConfig(**kw, selection=[[5, -1], [0, 0]])  # without it: 0..4
+    with pytest.raises(ValueError, match="component_cross_layer"):
+        ForecasterConfig(num_layers=2, num_experts=8, top_k=2, component_cross_layer=True)  # no components
+
+
+def _within_token_traces(num_sequences: int, tokens: int = 40, seed: int = 0):
+    """L = 4, E = 8, K = 2, trigger layer 1: layers 0 and 1 of every token drawn uniformly at random (no
+    dependence across tokens), layer l = 2, 3 a fixed permutation of the token's layer-1 experts."""
+    L, E, K, p = 4, 8, 2, 1
+    rng = np.random.default_rng(seed)
+    perm = {2: rng.permutation(E), 3: rng.permutation(E)}
+    seqs = []
+    for s in range(num_sequences):
+        ids = np.zeros((tokens, L, K), np.int16)
+        for t in range(tokens):
+            for layer in (0, 1):
+                ids[t, layer] = rng.choice(E, K, replace=False)
+            for layer in (2, 3):
+                ids[t, layer] = perm[layer][ids[t, 1]]
+        seqs.append(TraceSequence(f"s{s}", np.zeros(tokens, np.int32), 4, ids, np.full((tokens, L, K), 1 / K,
+                                                                                        np.float16)))
+    meta = TraceMeta(model_id="within-token", num_layers=L, num_experts=E, top_k=K, expert_bytes=1)
+    return meta, seqs, p
+
+
+def test_cross_layer_recovers_a_within_token_map_that_transition_cannot():
+    """Layer l > p a fixed function of layer p's experts of the same token: the cross-layer baseline finds every
+    expert of those layers at horizon 1 (recall 1.0); transition, which maps a layer to itself across tokens, stays
+    near chance there. A forecaster selecting the component issues the same recall."""
+    meta, seqs, p = _within_token_traces(12)
+    fit, ev = seqs[:8], seqs[8:]
+    bases = [b for b in fit_baselines(fit, meta, p) if b.name in ("transition", "cross-layer")]
+    torch.manual_seed(0)
+    cfg = ForecasterConfig(num_layers=4, num_experts=8, top_k=2, trigger_layer=p, hidden_size=32, head_dim=16,
+                           state_size=8, num_blocks=1, chunk_size=16, direct_horizons=2, component_half_lives=[16.0],
+                           component_cross_layer=True, selection=[[5] * 4, [5] * 4])
+    m = ExpertForecaster(cfg).eval()
+    m.components.fit(fit, p)
+    t = evaluate(m, ev, meta, bases, horizons=2, progress=False)
+    cross, trans = t["cross-layer"].recall_per_layer(), t["transition"].recall_per_layer()
+    assert (cross[0, p + 1:] == 1.0).all(), cross
+    assert (trans[0, p + 1:] < 0.5).all(), trans
+    assert np.array_equal(t["forecaster"].hits_k, t["cross-layer"].hits_k)
+
+
+def test_selection_picks_cross_layer_where_it_wins():
+    """On the within-token traces the held-out selection gives head 1's layers after the trigger layer to the
+    cross-layer component (the learned part, random, and every other component are far below it there)."""
+    from expertcast.train.forecaster_calibration import select_components
+
+    meta, seqs, p = _within_token_traces(12, seed=1)
+    torch.manual_seed(0)
+    net = ExpertForecaster(ForecasterConfig(num_layers=4, num_experts=8, top_k=2, trigger_layer=p, hidden_size=32,
+                                            head_dim=16, state_size=8, num_blocks=1, chunk_size=16, direct_horizons=2,
+                                            component_half_lives=[16.0], component_cross_layer=True))
+    report = select_components(net, seqs[:6], seqs[6:], meta, refit=seqs)
+    cross = net.components.names.index("cross-layer")
+    assert net.config.selection[0][p + 1:] == [cross, cross], net.config.selection
+    assert report["recall"]["cross-layer"][0] > report["recall"]["transition"][0] + 0.3
+    assert net.components.cross_index == cross
+
+
+def test_step_flops_count_the_cross_layer_table_only_where_it_is_used():
+    """A head that selects the cross-layer component adds L·E·E multiply-adds per step (the trigger layer through the
+    table, or the previous head through the transition table); a forecaster that carries it unselected pays nothing."""
+    kw = dict(num_layers=3, num_experts=8, top_k=2, trigger_layer=0, hidden_size=32, head_dim=16, state_size=8,
+              num_blocks=1, direct_horizons=2, component_half_lives=[16.0])
+    base = ExpertForecaster(ForecasterConfig(**kw, selection=[[0] * 3, [0] * 3])).step_flops()
+    unused = ExpertForecaster(ForecasterConfig(**kw, component_cross_layer=True, selection=[[0] * 3, [0] * 3]))
+    one = ExpertForecaster(ForecasterConfig(**kw, component_cross_layer=True, selection=[[5, 0, 0], [0] * 3]))
+    two = ExpertForecaster(ForecasterConfig(**kw, component_cross_layer=True, selection=[[0] * 3, [0, 5, 0]]))
+    assert unused.step_flops() == base
+    assert one.step_flops() == base + 2 * 3 * 8 * 8
+    assert two.step_flops() == base + 2 * 2 * 3 * 8 * 8

@@ -234,3 +234,47 @@ def test_element_branch_round_trips_and_exports_without_it_still_load(tmp_path, 
     write_export_manifest(old, [WEIGHTS_NAME, CONFIG_NAME])
     with pytest.raises(ForecasterExportError, match="missing.*skip"):
         load_forecaster(old)
+
+
+def test_cross_layer_component_round_trips_and_exports_without_it_keep_their_components(tmp_path, model):
+    """The cross-layer component travels in the export (config + ``components.cross``; same outputs with it
+    selected); an export written before it (no ``component_cross_layer`` key, no tensor) loads with the components
+    and indices it had: the same names, the same outputs with its per-sequence leader (which runs over every
+    component) on; a config that asks for it over weights without the table is refused."""
+    from expertcast.data.synthetic import StickyRoutingProcess
+    from expertcast.models.forecaster_components import component_names
+
+    proc = StickyRoutingProcess.realistic(num_layers=2, num_experts=8, top_k=2, seed=0)
+    seqs = proc.sample(4, 20, prompt_len=4, seed=1)
+    kw = {**model.config.to_dict(), "direct_horizons": 2, "component_half_lives": [16.0], "switch_half_life": 8.0}
+    x = torch.rand(2, 9, 2, 8)
+    cfg = ForecasterConfig(**{**kw, "component_cross_layer": True, "selection": [[5, -1], [5, 2]]})
+    torch.manual_seed(1)
+    cross = ExpertForecaster(cfg).eval()
+    cross.components.fit(seqs, 0)
+    exp = load_forecaster(save_forecaster(cross, tmp_path / "cross"))
+    assert exp.config.component_cross_layer and exp.model.components.names[-1] == "cross-layer"
+    assert torch.equal(exp.model.components.cross, cross.components.cross)
+    with torch.no_grad():
+        assert torch.equal(exp.model(x, all_horizons=True), cross(x, all_horizons=True))
+    torch.manual_seed(1)
+    before = ExpertForecaster(ForecasterConfig(**{**kw, "selection": [[4, -1], [3, 2]]})).eval()
+    before.components.fit(seqs, 0)
+    old = save_forecaster(before, tmp_path / "before")
+    c = json.loads((old / CONFIG_NAME).read_text())
+    del c["config"]["component_cross_layer"]
+    (old / CONFIG_NAME).write_text(json.dumps(c))
+    write_export_manifest(old, [WEIGHTS_NAME, CONFIG_NAME])
+    from safetensors.torch import load_file
+
+    assert not any("cross" in k for k in load_file(old / WEIGHTS_NAME))
+    got = load_forecaster(old)
+    assert not got.config.component_cross_layer and got.model.components.names == component_names([16.0])
+    assert got.model.leads
+    with torch.no_grad():
+        assert torch.equal(got.model(x, all_horizons=True), before(x, all_horizons=True))
+    c["config"]["component_cross_layer"] = True  # a table the weights do not hold
+    (old / CONFIG_NAME).write_text(json.dumps(c))
+    write_export_manifest(old, [WEIGHTS_NAME, CONFIG_NAME])
+    with pytest.raises(ForecasterExportError, match="missing.*components.cross"):
+        load_forecaster(old)
