@@ -334,8 +334,10 @@ def dependency_bound_seconds(st, xbytes: int, disk_bytes_per_s: float, expert_s:
 
 
 FORECASTER_COLUMNS = ("forecaster_ms_per_step", "forecaster_share", "forecaster_path_ms_per_step",
-                      "forecaster_path_share", "forecasts_dropped")
-"""The forecaster's cost per decode step a row carries when its policy runs one (the runtime's own report)."""
+                      "forecaster_path_share", "forecasts_dropped", "forecaster_precomputed_elements",
+                      "forecaster_precompute_ms_per_element")
+"""The forecaster's cost per decode step a row carries when its policy runs one (the runtime's own report), and the
+forecast tables it computed before the decode (replayed routing; not in tokens/s)."""
 
 
 def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, expert_s, extra):

@@ -285,7 +285,8 @@ class SeqMoEPolicy(Policy):
         self._row_tables: list[np.ndarray | None] = []
         self.priority_extra = None
         self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0, "forecast_seconds": 0.0,
-                      "forecast_path_seconds": 0.0, "forecast_calls": 0, "forecast_flops": 0, "dropped": 0}
+                      "forecast_path_seconds": 0.0, "forecast_calls": 0, "forecast_flops": 0, "dropped": 0,
+                      "precompute_seconds": 0.0, "precompute_elements": 0, "precompute_flops": 0}
 
     def add_priority(self, extra: np.ndarray | None) -> None:
         """From now on the priority of (layer, expert) is its CacheScore plus ``extra`` float [L, E] (in expected
@@ -361,12 +362,30 @@ class SeqMoEPolicy(Policy):
             self.tables.prepare(sequences)
 
     def _one_table(self, seq: Any) -> np.ndarray:
-        return self.oracle.table(seq, self.fc, self.horizon) if self.oracle is not None else \
-            precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights, self.horizon)
+        if self.oracle is not None:
+            return self.oracle.table(seq, self.fc, self.horizon)
+        t0 = time.perf_counter()
+        tab = precompute_forecasts(self.model, seq.expert_ids, seq.expert_weights, self.horizon)
+        self._count_precompute([tab], time.perf_counter() - t0)
+        return tab
 
     def _many_tables(self, seqs: Sequence[Any]) -> list[np.ndarray]:
-        return self.oracle.tables(seqs, self.fc, self.horizon) if self.oracle is not None else \
-            precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in seqs], self.horizon)
+        if self.oracle is not None:
+            return self.oracle.tables(seqs, self.fc, self.horizon)
+        t0 = time.perf_counter()
+        tabs = precompute_forecasts_many(self.model, [(s.expert_ids, s.expert_weights) for s in seqs], self.horizon)
+        self._count_precompute(tabs, time.perf_counter() - t0)
+        return tabs
+
+    def _count_precompute(self, tables: Sequence[np.ndarray], seconds: float) -> None:
+        """The forecaster's cost of computing ``tables`` before the decode (its time, elements and FLOPs: one step
+        per element plus the recursive rollout beyond the direct heads), kept apart from the online counters: a
+        replay's tokens/s does not include it, and its report says so."""
+        n = sum(len(t) for t in tables)
+        st = self.stats
+        st["precompute_seconds"] += seconds
+        st["precompute_elements"] += n
+        st["precompute_flops"] += self._step_flops * (1 + max(self.horizon - self.fc.direct_horizons, 0)) * n
 
     def on_step(self, t: int, info: StepInfo) -> None:
         self._pos = info.positions.tolist()

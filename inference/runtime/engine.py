@@ -329,6 +329,7 @@ class OffloadedModel:
         sequences of a replay, else the live prompts)."""
         self.driver.record_landings = record_landings
         self.driver.landings = []
+        rs.forecaster_call0 = forecaster_counters(self.policy)  # a replay's tables are computed as its batch opens
         self.driver.begin_batch(members if members is not None else rs.members(), rs.schedule)
         self._run = rs
         return rs
@@ -348,7 +349,8 @@ class OffloadedModel:
             rs.flush_decode_log()
             if self.graph is not None and self.graph.active:
                 self.graph.end_decode()
-            self.stats.add_forecaster_cost(forecaster_counters(self.policy), getattr(rs, "forecaster0", None))
+            self.stats.add_forecaster_cost(forecaster_counters(self.policy), getattr(rs, "forecaster0", None),
+                                           getattr(rs, "forecaster_call0", None))
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         rs = self._run

@@ -40,6 +40,11 @@ class RuntimeStats(Counters):
     forecaster_flops: int = 0
     forecasts_dropped: int = 0
     """Forecasts that did not arrive by their deadline (too stale, superseded, or abandoned with their batch)."""
+    forecaster_precompute_seconds: float = 0.0
+    """Time the forecaster spent computing a replay's forecast tables before its decode (forced routing is known
+    ahead): not in the decode time, so not in tokens/s; reported beside it."""
+    forecaster_precompute_elements: int = 0
+    forecaster_precompute_flops: int = 0
 
     @property
     def io_overlap(self) -> float:
@@ -77,14 +82,17 @@ class RuntimeStats(Counters):
         return forecaster_cost({k: getattr(self, f) for k, f in FORECASTER_FIELDS.items()}, self.decode_steps,
                                self.decode_seconds)
 
-    def add_forecaster_cost(self, now: dict[str, float] | None, before: dict[str, float] | None) -> None:
+    def add_forecaster_cost(self, now: dict[str, float] | None, before: dict[str, float] | None,
+                            call_before: dict[str, float] | None = None) -> None:
         """Add the policy's forecaster counters accumulated between ``before`` and ``now``
-        (:func:`forecaster_counters` readings; nothing when the policy has no forecaster)."""
+        (:func:`forecaster_counters` readings; nothing when the policy has no forecaster); the precompute counters
+        from ``call_before`` (the call's start: tables are computed when its batch opens), else from ``before``."""
         if now is None:
             return
         self.forecaster = True
         for k, f in FORECASTER_FIELDS.items():
-            setattr(self, f, getattr(self, f) + now[k] - (before[k] if before is not None else 0))
+            b = call_before if k in PRECOMPUTE_KEYS and call_before is not None else before
+            setattr(self, f, getattr(self, f) + now[k] - (b[k] if b is not None else 0))
 
     def snapshot(self) -> dict:
         """A copy of every field (for :meth:`since`)."""
@@ -108,9 +116,13 @@ class RuntimeStats(Counters):
 
 FORECASTER_FIELDS = {"forecast_seconds": "forecaster_seconds", "forecast_path_seconds": "forecaster_path_seconds",
                      "forecast_calls": "forecaster_calls", "forecast_flops": "forecaster_flops",
-                     "dropped": "forecasts_dropped"}
+                     "dropped": "forecasts_dropped", "precompute_seconds": "forecaster_precompute_seconds",
+                     "precompute_elements": "forecaster_precompute_elements",
+                     "precompute_flops": "forecaster_precompute_flops"}
 """A forecasting policy's ``stats`` keys (:func:`forecaster_counters`) and the :class:`RuntimeStats` fields they
 add to."""
+PRECOMPUTE_KEYS = ("precompute_seconds", "precompute_elements", "precompute_flops")
+"""The keys of :data:`FORECASTER_FIELDS` counted when a replay's batch opens (its forecast tables), not in decode."""
 
 
 def forecaster_counters(policy: Any) -> dict[str, float] | None:
@@ -137,7 +149,19 @@ def forecaster_cost(totals: dict[str, float], steps: int, decode_seconds: float)
             "forecaster_path_share": share(totals["forecast_path_seconds"]),
             "forecaster_calls_per_step": totals["forecast_calls"] / n,
             "forecaster_flops_per_step": totals["forecast_flops"] / n,
-            "forecasts_dropped": int(totals["dropped"])}
+            "forecasts_dropped": int(totals["dropped"]),
+            **precompute_cost(totals)}
+
+
+def precompute_cost(totals: dict[str, float]) -> dict[str, Any]:
+    """The forecast tables a replay computed before its decode (:data:`PRECOMPUTE_KEYS` of ``totals``): elements,
+    seconds, ms and FLOPs per element ({} when none were computed in the run)."""
+    n = int(totals.get("precompute_elements", 0))
+    if n <= 0:
+        return {}
+    return {"forecaster_precomputed_elements": n, "forecaster_precompute_s": totals["precompute_seconds"],
+            "forecaster_precompute_ms_per_element": 1e3 * totals["precompute_seconds"] / n,
+            "forecaster_precompute_flops_per_element": totals["precompute_flops"] / n}
 
 
 def forecaster_line(m: dict[str, Any]) -> str | None:
@@ -147,7 +171,11 @@ def forecaster_line(m: dict[str, Any]) -> str | None:
     return (f"forecaster: {m['forecaster_ms_per_step']:.3f} ms/step ({100 * m['forecaster_share']:.1f}% of the decode "
             f"step), on the decode path {m['forecaster_path_ms_per_step']:.3f} ms/step "
             f"({100 * m['forecaster_path_share']:.1f}%), {m['forecaster_calls_per_step']:.2f} calls/step, "
-            f"{m['forecaster_flops_per_step'] / 1e6:.3f} MFLOP/step, {m['forecasts_dropped']} forecasts dropped")
+            f"{m['forecaster_flops_per_step'] / 1e6:.3f} MFLOP/step, {m['forecasts_dropped']} forecasts dropped"
+            + (f"; tables precomputed before the decode (not in tokens/s): {m['forecaster_precomputed_elements']} "
+               f"elements in {m['forecaster_precompute_s']:.2f} s, {m['forecaster_precompute_ms_per_element']:.3f} "
+               f"ms and {m['forecaster_precompute_flops_per_element'] / 1e6:.3f} MFLOP per element"
+               if m.get("forecaster_precomputed_elements") else ""))
 
 
 @dataclass

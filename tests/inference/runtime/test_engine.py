@@ -267,6 +267,36 @@ def test_forced_routing_replay_matches_simulator():
         model = om.restore()
 
 
+def test_replay_reports_the_forecast_tables_it_computed_before_the_decode():
+    """A replay with a learned forecaster computes each sequence's forecast tables as its batch opens (the routing is
+    known ahead): that work is not in the decode time, so the run reports it beside tokens/s (elements, seconds and
+    FLOPs per element), never as a forecaster that cost nothing; a second replay of the same sequences reuses the
+    tables and reports none computed."""
+    from expertcast.data.synthetic import zipf_traces
+    from expertcast.inference.runtime.stats import forecaster_line
+    from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
+    from expertcast.models.forecaster_inputs import trigger_offset
+
+    model = build_tiny("olmoe-tiny", seed=7)
+    L, K = 2, 4
+    syn = zipf_traces(num_sequences=2, num_tokens=24, num_layers=L, num_experts=16, top_k=K, seed=0)
+    fc = ExpertForecaster(ForecasterConfig(num_layers=L, num_experts=16, top_k=K, hidden_size=32, num_blocks=1,
+                                           state_size=8, head_dim=16, chunk_size=16)).eval()
+    pol = make_policy("seqmoe", forecaster=fc)
+    om = OffloadedModel(model, pol, 6, pool="per-layer")
+    st = om.replay(syn.sequences)
+    m = st.metrics()
+    elements = sum(len(s.expert_ids) - trigger_offset(L, fc.config.p) for s in syn.sequences)
+    assert m["forecaster_precomputed_elements"] == elements
+    assert m["forecaster_precompute_ms_per_element"] > 0 and m["forecaster_precompute_s"] > 0
+    assert m["forecaster_precompute_flops_per_element"] == fc.step_flops() * pol.horizon  # one head: rollout steps
+    assert m["forecaster_calls_per_step"] == 0  # nothing ran online
+    assert f"tables precomputed before the decode (not in tokens/s): {elements} elements" in forecaster_line(m)
+    again = om.replay(syn.sequences).metrics()
+    assert "forecaster_precomputed_elements" not in again and "precomputed" not in forecaster_line(again)
+    om.restore()
+
+
 def test_a_closed_runtime_is_not_kept_alive_by_the_model(qwen):
     """close() unbinds the experts modules, so a closed runtime's slots are freed before the next one over the
     same model allocates its own (the disk benchmark's cells: else two pools live at once)."""
