@@ -12,8 +12,8 @@ pays that, later ones start in milliseconds) and receives the forecaster as its 
 in-memory copy; nothing is read from disk there). It consumes every element in order (the recurrent state must see
 them all), rolls out only after the last element queued (after every one with ``every``: the blocking mode), and
 answers through a :class:`Mailbox` in shared memory: the newest forecast F [H, L, E] in one of two buffers, published
-by a sequence number written after it (a reader that finds the number moved on while it copied takes the newer one),
-the last element consumed, and the forecaster's cumulative seconds, calls, steps, rollouts and FLOPs, which the
+by a sequence number written after it (a copy of a buffer that the process began to overwrite meanwhile is taken
+again), the last element consumed, and the forecaster's cumulative seconds, calls, steps, rollouts and FLOPs, which the
 policy reports as its cost. The decoding thread's checks are memory reads, never a system call (docs/results.md,
 "The hand-over in shared memory"). Elements of a batch that has ended are skipped and counted as dropped. A failure
 in the process sets the mailbox's error flag and sends its traceback through the pipe; it is raised on the decoding
