@@ -11,11 +11,11 @@ The process starts from a fork server that has imported torch and the forecaster
 pays that, later ones start in milliseconds) and receives the forecaster as its config and weights (its own
 in-memory copy; nothing is read from disk there). It consumes every element in order (the recurrent state must see
 them all), rolls out only after the last element queued (after every one with ``every``: the blocking mode), and
-answers through a :class:`Mailbox` in shared memory: the newest forecast F [H, L, E] in one of two buffers, published
-by a sequence number written after it (a copy of a buffer that the process began to overwrite meanwhile is taken
-again), the last element consumed, and the forecaster's cumulative seconds, calls, steps, rollouts and FLOPs, which the
-policy reports as its cost. The decoding thread's checks are memory reads, never a system call (docs/results.md,
-"The hand-over in shared memory"). Elements of a batch that has ended are skipped and counted as dropped. A failure
+answers through a :class:`Mailbox` in shared memory: the newest forecast F [H, L, E] and its sequence number, written
+under a lock that the decoding thread only tries (while the process writes, the forecast is taken at the next
+check), the last element consumed, and the forecaster's cumulative seconds, calls, steps, rollouts and FLOPs, which the
+policy reports as its cost. The decoding thread's check for a new forecast is a memory read, never a system call
+(docs/results.md, "The hand-over in shared memory"). Elements of a batch that has ended are skipped and counted as dropped. A failure
 in the process sets the mailbox's error flag and sends its traceback through the pipe; it is raised on the decoding
 thread at its next submit or take.
 """
@@ -53,44 +53,43 @@ def _context() -> Any:
 
 class Mailbox:
     """What the worker process answers, in shared memory (the module docstring): ``head`` int64 [8] (publication
-    sequence number, last element consumed: its generation and step, elements answered, error flag, the sequence
-    number being written), ``meta`` int64 [2, 2] (each buffer's generation and step), ``fbuf`` float32 [2, H, L, E]
-    (the two forecast buffers), ``counts`` float64 [6] (:data:`COUNTERS`). Made by the parent and handed to the
-    process when it starts."""
+    sequence number, last element consumed: its generation and step, elements answered, error flag), ``meta`` int64
+    [2] (the forecast's generation and step), ``fbuf`` float32 [H, L, E] (the newest forecast), ``counts`` float64
+    [6] (:data:`COUNTERS`), and a lock that the process holds while it publishes and the reader while it copies (the
+    lock orders the writes on any CPU; the reader only tries it, so it never waits for the process). Made by the
+    parent and handed to the process when it starts."""
 
-    SEQ, DONE_GEN, DONE_T, ANSWERED, ERROR, WRITING = range(6)
+    SEQ, DONE_GEN, DONE_T, ANSWERED, ERROR = range(5)
     COUNTERS = ("forecast_seconds", "forecast_calls", "forecast_flops", "steps", "rollouts", "dropped")
 
     def __init__(self, ctx: Any, shape: tuple[int, int, int]):
         self.shape = tuple(int(v) for v in shape)
-        self._raw = (ctx.RawArray("q", 8), ctx.RawArray("q", 4), ctx.RawArray("f", 2 * int(np.prod(self.shape))),
+        self._raw = (ctx.RawArray("q", 8), ctx.RawArray("q", 2), ctx.RawArray("f", int(np.prod(self.shape))),
                      ctx.RawArray("d", len(self.COUNTERS)))
+        self.lock = ctx.Lock()
         self._views()
 
     def _views(self) -> None:
         head, meta, fbuf, counts = self._raw
         self.head = np.frombuffer(head, np.int64)
-        self.meta = np.frombuffer(meta, np.int64).reshape(2, 2)
-        self.fbuf = np.frombuffer(fbuf, np.float32).reshape(2, *self.shape)
+        self.meta = np.frombuffer(meta, np.int64)
+        self.fbuf = np.frombuffer(fbuf, np.float32).reshape(self.shape)
         self.counts = np.frombuffer(counts, np.float64)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"shape": self.shape, "_raw": self._raw}
+        return {"shape": self.shape, "_raw": self._raw, "lock": self.lock}
 
     def __setstate__(self, st: dict[str, Any]) -> None:
-        self.shape, self._raw = st["shape"], st["_raw"]
+        self.shape, self._raw, self.lock = st["shape"], st["_raw"], st["lock"]
         self._views()
 
     # -- the process's side --------------------------------------------------------------------------------
     def publish(self, generation: int, t: int, F: np.ndarray) -> None:
-        """Write forecast ``F`` [H, L, E] into the buffer not last published, then publish it by its sequence
-        number."""
-        k = int(self.head[self.SEQ]) + 1
-        b = k % 2
-        self.head[self.WRITING] = k  # before the buffer: a reader of publication k - 2 sees it and copies again
-        self.fbuf[b] = F
-        self.meta[b] = (generation, t)
-        self.head[self.SEQ] = k
+        """Make forecast ``F`` [H, L, E] of element ``t`` the newest (under the lock: a reader copies all or none)."""
+        with self.lock:
+            self.fbuf[...] = F
+            self.meta[:] = (generation, t)
+            self.head[self.SEQ] += 1
 
     def answered(self, generation: int, t: int, counters: dict[str, float]) -> None:
         """Element ``t`` of ``generation`` was consumed (after its forecast, if any, was published)."""
@@ -101,17 +100,17 @@ class Mailbox:
     # -- the decoding thread's side ----------------------------------------------------------------------------
     def read(self, seen: int) -> tuple[int, int, int, np.ndarray] | None:
         """The newest publication after sequence number ``seen``: (its number, generation, step, a copy of F), or
-        None when there is none. A copy the process began to overwrite meanwhile (it writes publication k + 2 into
-        the same buffer) is taken again."""
-        while True:
+        None when there is none or the process is writing one right now (then it is taken at the next check: the
+        decoding thread never waits for the process)."""
+        if int(self.head[self.SEQ]) == seen or not self.lock.acquire(False):
+            return None
+        try:
             k = int(self.head[self.SEQ])
-            if k == seen:
-                return None
-            b = k % 2
-            g, t = (int(v) for v in self.meta[b])
-            F = self.fbuf[b].copy()
-            if int(self.head[self.WRITING]) < k + 2:  # buffer b was not rewritten while it was copied
-                return k, g, t, F
+            g, t = (int(v) for v in self.meta)
+            F = self.fbuf.copy()
+        finally:
+            self.lock.release()
+        return k, g, t, F
 
 
 ELEMENT, BEGIN, STOP = 0, 1, 2
