@@ -348,8 +348,8 @@ class AsyncSeqMoEPolicy(Policy):
         layer of step t the last trigger point is t - 1. Returns whether a forecast was installed."""
         w = self.worker
         if w is None or not w.has_new():
-            return False  # nothing new (a lock-free read, or a poll of the process's pipe): no work this layer
-        pub = self.worker.take()
+            return False  # nothing new (a lock-free read: the thread's attribute or the process's mailbox)
+        pub = w.take()
         if pub is None:
             return False
         _, t_f, F = pub

@@ -127,14 +127,16 @@ def _encode(kind: int, generation: int, t: int, rows: list[int] | None = None, x
     return msg
 
 
-def _decode(msg: bytes, L: int, E: int) -> tuple[int, int, int, Any]:
+def _decode(msg: bytes) -> tuple[int, int, int, Any]:
+    """:func:`_encode`'s message back: (kind, generation, step, (rows, float32 [rows, L·E]) or None); the forecaster
+    takes the element flat and checks its size."""
     kind, g, t, n = struct.unpack_from("<bqqq", msg)
-    if kind != 0:
+    if kind != ELEMENT:
         return kind, g, t, None
     off = struct.calcsize("<bqqq")
     rows = np.frombuffer(msg, np.int32, n, off).tolist()
     x = np.frombuffer(msg, np.float32, offset=off + 4 * n).reshape(n, -1).copy()  # writable, for torch
-    return kind, g, t, (rows, x.reshape(n, L, E) if x.size == n * L * E else x)
+    return kind, g, t, (rows, x)
 
 
 def _serve(conn: Any, box: Mailbox, config: dict[str, Any], weights: dict[str, torch.Tensor], horizon: int,
@@ -149,8 +151,7 @@ def _serve(conn: Any, box: Mailbox, config: dict[str, Any], weights: dict[str, t
     except OSError:  # pragma: no cover - not permitted here: same priority
         pass
     try:
-        cfg = ForecasterConfig.from_dict(config)
-        model = ExpertForecaster(cfg)
+        model = ExpertForecaster(ForecasterConfig.from_dict(config))
         model.load_state_dict(weights, strict=True)
         model.to(device).eval()
         conn.send(("ready", None))
@@ -163,9 +164,9 @@ def _serve(conn: Any, box: Mailbox, config: dict[str, Any], weights: dict[str, t
     pending: deque = deque()
     while True:
         if not pending:
-            pending.append(_decode(conn.recv_bytes(), cfg.num_layers, cfg.num_experts))
+            pending.append(_decode(conn.recv_bytes()))
         while conn.poll():
-            pending.append(_decode(conn.recv_bytes(), cfg.num_layers, cfg.num_experts))
+            pending.append(_decode(conn.recv_bytes()))
         kind, g, t, payload = pending.popleft()
         if kind == STOP:
             return
@@ -327,16 +328,13 @@ class ProcessForecastWorker:
             time.sleep(1e-4)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the process: it finishes the element in hand and exits, else it is terminated after ``timeout``
-        seconds."""
+        """Stop the process: it finishes the element in hand and exits (it answers through the mailbox, so nothing it
+        sends can keep it from the stop), else it is terminated after ``timeout`` seconds."""
         if self.proc.is_alive() and not self._conn.closed:
             try:
                 self._conn.send_bytes(_encode(STOP, 0, -1))
-                end = time.perf_counter() + timeout
-                while self.proc.is_alive() and time.perf_counter() < end:
-                    if self._conn.poll(0.05):
-                        self._conn.recv()
-            except (BrokenPipeError, EOFError, OSError):
+                self.proc.join(timeout)
+            except (BrokenPipeError, OSError):
                 pass
         if self.proc.is_alive():
             self.proc.terminate()
