@@ -12,8 +12,9 @@
     (:mod:`expertcast.inference.runtime.machine`);
 then per policy and RAM budget a forced-routing replay of the traces through the disk store
 (:class:`~expertcast.inference.runtime.disk_store.ReaderPoolEngine`), in paired passes: all-in-RAM baseline,
-policy, baseline, ... (``repeats`` policy passes, each against the mean of its neighbouring baselines; median and
-min-max). The all-in-RAM baseline is the runtime with every expert resident in RAM slots (capacity 1.0, warmed):
+policy, baseline, ... (``repeats`` rounds, each running every policy once, the order reversed in odd rounds; each
+pass against the mean of its neighbouring baselines; median and min-max). ``vs_ref`` is a policy's tokens/s over
+``lru``'s in the same round (median, min-max over rounds: :func:`paired_vs_ref`), the side-by-side ratio. The all-in-RAM baseline is the runtime with every expert resident in RAM slots (capacity 1.0, warmed):
 the same expert kernels as the disk runs, so the ratio is what the disk costs; the plain model's forced replay
 (transformers' experts kernel, :class:`~expertcast.inference.runtime.forced.FullLoadReplayer`) is reported beside
 it. The *bound* of a policy
@@ -96,7 +97,8 @@ class BenchConfig:
     """RAM budgets: fractions of all L*E experts held in slots (at least top-K per layer)."""
     readers: int = 4
     repeats: int = 3
-    """Policy passes per cell (each between two baseline passes)."""
+    """Rounds per cell: each round runs every policy once (order reversed in odd rounds), each pass between two
+    baseline passes; ``vs_ref`` pairs a policy with the reference (``lru``) of the same round."""
     sequences: int = 2
     tokens: int = 32
     """Decode steps per sequence."""
@@ -115,7 +117,8 @@ class BenchConfig:
     calib_sequences: int = 16
     """Sequences of the trace set that are not replayed, on which ``static`` is calibrated (held out)."""
     full_repeats: int = 1
-    """Passes per cell of the full-depth model when a ``baseline_model`` subset carries the paired %."""
+    """Rounds per cell of the full-depth model when a ``baseline_model`` subset carries the paired %: each round runs
+    every policy once (order reversed in odd rounds); ``vs_ref`` pairs a policy with ``lru`` of the same round."""
     disk_mb: int = 256
     """Size of the temporary file of the disk bandwidth measurement."""
     threads: int = 1
@@ -361,6 +364,32 @@ def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, expert_s, extr
     return row
 
 
+def round_order(arms: list[str], rnd: int) -> list[str]:
+    """The arms of one round of a cell: every arm runs once per round, in the given order in even rounds and reversed
+    in odd ones, so that a drift of the machine (the disk's rate moves with the host's caching of the store) falls
+    on both sides of every comparison instead of on whichever arm ran last."""
+    return list(arms) if rnd % 2 == 0 else list(reversed(arms))
+
+
+def reference_arm(arms: list[str]) -> str:
+    """The arm every other is paired against per round: ``lru`` when it runs, else the first arm."""
+    return "lru" if "lru" in arms else arms[0]
+
+
+def paired_vs_ref(speeds: dict[str, list[float]], ref: str) -> dict[str, dict[str, Any]]:
+    """Per arm, its tokens/s over the reference arm's in the same round (``vs_ref``: median, min, max over the
+    rounds both ran; ``vs_ref_rounds`` how many): the ratio of two passes made side by side, not of two medians
+    taken at different times. Empty when the reference did not run."""
+    base = speeds.get(ref) or []
+    out = {}
+    for name, sp in speeds.items():
+        r = [a / b for a, b in zip(sp, base) if b > 0]
+        if r:
+            out[name] = {"ref_policy": ref, "vs_ref": float(np.median(r)), "vs_ref_min": min(r),
+                         "vs_ref_max": max(r), "vs_ref_rounds": len(r)}
+    return out
+
+
 def set_format_floor(rows: list[dict[str, Any]], format_s: float) -> None:
     """Give ``rows`` (one quantized format's) the all-in-RAM speed of their own format, ``format_s`` s/token: the
     compute floor of their bounds and ``pct_full_format``, % of it (``pct_full`` stays against bf16)."""
@@ -391,39 +420,47 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
 
     rows, skipped = [], {}
     for budget, kind, cap in budgets_of(cfg, fmt, K, E, L, bf16_bytes or xbytes):
-        for name in policies:
-            b_prev = baseline()
-            ratios, speeds, stats = [], [], []
-            for rep in range(cfg.repeats):
+        runs: dict[str, list] = {name: [] for name in policies}  # name -> per round (st, slots, ratio, baseline)
+        dead: set[str] = set()
+        b_prev = baseline()
+        for rep in range(cfg.repeats):
+            for name in round_order(policies, rep):
+                if name in dead:
+                    continue
                 try:
                     pol, fut = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 / b_prev / L, stream, calib)
                     om = OffloadedModel_(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
                 except ValueError as e:
                     skipped[f"{name} {fmt} {kind}"] = " ".join(str(e).split())
-                    break
+                    dead.add(name)
+                    continue
                 start = start_of(pol, om.cache_config)
-                traced = (not full_depth_timeline and is_timeline_cell(cfg, name, budget, kind, fmt) and rep == 0)
+                traced = (not full_depth_timeline and is_timeline_cell(cfg, name, budget, kind, fmt) and
+                          not runs[name])
                 timeline = Timeline(om) if traced else None
                 st = om.replay(seqs)
                 om.close()
                 if timeline is not None:
                     timeline.save(cfg.trace_timeline, f"{name}, {fmt}, budget {budget:g}")
                 b_next = baseline()
-                speeds.append(st.tokens_per_s)
-                ratios.append(st.tokens_per_s / (0.5 * (b_prev + b_next)))
-                stats.append((st, om.cache.num_slots, 0.5 * (b_prev + b_next)))
+                b = 0.5 * (b_prev + b_next)
+                runs[name].append((st, om.cache.num_slots, st.tokens_per_s / b, b, start))
                 del om  # its slots go before the next pass allocates its own
                 b_prev = b_next
-            if not stats:
+        vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in runs.items()}, reference_arm(policies))
+        for name in policies:
+            if not runs[name]:
                 continue
-            i_med = int(np.argsort(speeds)[len(speeds) // 2])
-            st, slots, b = stats[i_med]
+            speeds = [r[0].tokens_per_s for r in runs[name]]
+            ratios = [r[2] for r in runs[name]]
+            st, slots, _, b, start = runs[name][int(np.argsort(speeds)[len(speeds) // 2])]
             rows.append(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots, xbytes,
                              disk_gbps, 1.0 / b, expert_s, {
                                  "format": fmt, "budget_kind": kind,
                                  "pct_full": 100 * float(np.median(ratios)), "pct_full_min": 100 * min(ratios),
                                  "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b, "start": start,
-                                 "pct_full_format": 100 * float(np.median(ratios)), "full_format_tokens_per_s": b}))
+                                 "pct_full_format": 100 * float(np.median(ratios)), "full_format_tokens_per_s": b,
+                                 "passes": len(runs[name]), **vs.get(name, {})}))
     return rows, skipped
 
 
@@ -612,30 +649,37 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
             model, disk = model_store(fmt)
             fx = disk.expert_bytes
             for budget, kind, cap in budgets_of(cfg, fmt, K, E, L, xbytes):
-                for name in arms:
-                    runs = []
-                    for _ in range(cfg.full_repeats):
+                cell: dict[str, list] = {name: [] for name in arms}  # name -> per round (st, slots, pool, rss, start)
+                dead: set[str] = set()
+                for rep in range(cfg.full_repeats):
+                    for name in round_order(arms, rep):
+                        if name in dead:
+                            continue
                         try:
                             pol, fut = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 * full_s / L, stream, calib)
                             om = OffloadedModel(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
                         except ValueError as e:
                             skipped[f"{name} {fmt} {kind} (full depth)"] = " ".join(str(e).split())
-                            break
+                            dead.add(name)
+                            continue
                         start = start_of(pol, om.cache_config)
                         reset_peak_rss()
-                        traced = not runs and is_timeline_cell(cfg, name, budget, kind, fmt)
+                        traced = not cell[name] and is_timeline_cell(cfg, name, budget, kind, fmt)
                         timeline = Timeline(om) if traced else None
                         st = om.replay(seqs)
                         om.close()
                         if timeline is not None:
                             timeline.save(cfg.trace_timeline, f"{name}, {fmt}, budget {budget:g}, full depth")
-                        runs.append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes()))
+                        cell[name].append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes(), start))
                         del om, pol, fut  # the slots go before the next cell allocates its own
                         release_memory()
+                vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in cell.items()}, reference_arm(arms))
+                for name in arms:
+                    runs = cell[name]
                     if not runs:
                         continue
                     i_med = int(np.argsort([r[0].tokens_per_s for r in runs])[len(runs) // 2])
-                    st, slots, pool_bytes, rss = runs[i_med]
+                    st, slots, pool_bytes, rss, start = runs[i_med]
                     sub = sub_by.get((name, float(budget), fmt, kind), {})
                     bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
                     floor_s = full_s_of.get(fmt, full_s)  # this format's all-in-RAM s/token
@@ -648,9 +692,10 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         "pct_full_scaled": 100 * st.tokens_per_s * full_s, "full_tokens_per_s": 1.0 / full_s,
                         "pct_full_format": 100 * st.tokens_per_s * floor_s, "full_format_tokens_per_s": 1.0 / floor_s,
                         "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
-                        "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start}))
+                        "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start,
+                        "passes": len(runs), **vs.get(name, {})}))
                     rss_bound[f"{name}@{budget}@{fmt}@{kind}"] = bound_b
-                    _partial(out, _public(rows), _public(sub_rows))
+                _partial(out, _public(rows), _public(sub_rows))
             disk.close()
             store_path(fmt).unlink()  # the disk has room for one real-shape store at a time: build, measure, delete
             del disk

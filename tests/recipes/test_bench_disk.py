@@ -91,6 +91,43 @@ def test_streamed_model_with_subset_baseline(builds, tmp_path):
     assert json.loads((tmp_path / "o" / "bench_disk.json").read_text())["provenance"]["sequences"]
 
 
+def test_cells_run_in_rounds_and_pair_each_policy_with_lru_of_its_round(builds, tmp_path, monkeypatch):
+    """Every round runs each policy once, the order reversed in odd rounds (a drift of the machine falls on both
+    sides of a comparison), and ``vs_ref`` is the ratio of two passes of the same round, never of two medians."""
+    import expertcast.recipes.bench_disk as bd
+
+    d, _, _ = builds
+    calls = []
+    real = bd.arm_policy
+
+    def logged(name, *a, **k):
+        calls.append(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(bd, "arm_policy", logged)
+    threads = torch.get_num_threads()
+    cfg = BenchConfig(out=str(tmp_path / "o"), model=str(d / "full"), baseline_model=str(d / "sub"),
+                      policies=("belady", "lru"), budgets=(0.25,), repeats=3, full_repeats=2, sequences=1, tokens=4,
+                      prompt=3, disk_mb=4, readers=2, dtype="bfloat16")
+    try:
+        rec = run_bench(cfg, stream=build_stream)
+    finally:
+        torch.set_num_threads(threads)
+    # the subset's 3 rounds, then the full depth's 2
+    assert calls == ["belady", "lru", "lru", "belady", "belady", "lru"] + ["belady", "lru", "lru", "belady"], calls
+    for rows, rounds in ((rec["subset_rows"], 3), (rec["rows"], 2)):
+        by = {r["policy"]: r for r in rows}
+        assert by["lru"]["vs_ref"] == 1.0 and by["lru"]["ref_policy"] == "lru"
+        b = by["belady"]
+        assert b["vs_ref_rounds"] == rounds == b["passes"]
+        assert b["vs_ref_min"] <= b["vs_ref"] <= b["vs_ref_max"] and b["vs_ref"] > 0
+    # one full-depth round: the pair is the two rows' own passes
+    assert bd.paired_vs_ref({"lru": [2.0, 4.0, 3.0], "x": [3.0, 2.0, 3.0]}, "lru")["x"] == {
+        "ref_policy": "lru", "vs_ref": 1.0, "vs_ref_min": 0.5, "vs_ref_max": 1.5, "vs_ref_rounds": 3}
+    assert bd.paired_vs_ref({"x": [1.0]}, "lru") == {}
+    assert bd.round_order(["a", "b", "c"], 1) == ["c", "b", "a"] and bd.reference_arm(["x", "y"]) == "x"
+
+
 def test_subset_baseline_per_format_floor(builds, tmp_path):
     """A quantized format at full depth: its bound's compute floor is its own all-in-RAM speed, measured on the
     subset in that format and scaled to the full depth like the bf16 one."""
