@@ -440,9 +440,7 @@ class StickyRoutingProcess:
         top-K of (+inf for the experts that stay, log rho + Gumbel noise for the others)."""
         rng = np.random.default_rng(seed)
         N, L, E, K = num_sequences, self.num_layers, self.num_experts, self.top_k
-        alpha = self.concentration * E * self.popularity  # [L, E]
-        rho = np.stack([[rng.dirichlet(alpha[li]) for li in range(L)] for _ in range(N)]) + 1e-9  # [N, L, E]
-        log_rho = np.log(rho)
+        log_rho = self._log_preferences(rng, N)
 
         def draw(stays: np.ndarray) -> np.ndarray:
             score = log_rho + rng.gumbel(size=log_rho.shape)
@@ -465,6 +463,39 @@ class StickyRoutingProcess:
         return [TraceSequence(seq_id=f"{prefix}-{seed}-{i}", token_ids=np.zeros(length, dtype=np.int32),
                               prompt_len=prompt_len, expert_ids=ids[i].astype(np.int16),
                               expert_weights=w[i].astype(np.float16)) for i in range(N)]
+
+    def _log_preferences(self, rng: np.random.Generator, num_sequences: int) -> np.ndarray:
+        """float [N, L, E]: log rho of each sequence, the first draws :meth:`sample` makes from its generator."""
+        alpha = self.concentration * self.num_experts * self.popularity  # [L, E]
+        rho = np.stack([[rng.dirichlet(alpha[li]) for li in range(self.num_layers)] for _ in range(num_sequences)])
+        return np.log(rho + 1e-9)
+
+    def preferences(self, num_sequences: int, seed: int) -> np.ndarray:
+        """float [N, L, E]: the true log preferences (log rho) of the sequences ``sample(num_sequences, ..., seed)``
+        draws (the same generator, the same first draws)."""
+        return self._log_preferences(np.random.default_rng(seed), num_sequences)
+
+    def next_step_probabilities(self, log_rho: np.ndarray, current: np.ndarray, samples: int,
+                                rng: np.random.Generator) -> np.ndarray:
+        """float [N, L, E]: P(e in S_t+1 | S_t = ``current`` [N, L, K], rho), by ``samples`` Monte Carlo draws of the
+        process's own step (the stay probability, the kept experts, the fill from rho): the Bayes-optimal forecast
+        of the next step for a forecaster that knew each sequence's true preferences, which no forecaster fitted on
+        other sequences knows. Only for ``cross_layer`` 0 (the step is then independent across layers)."""
+        if self.cross_layer > 0:
+            raise ValueError("next_step_probabilities: only for cross_layer 0 (layers then step independently)")
+        N, L, K = current.shape
+        E = self.num_experts
+        p = np.zeros((N, L, E))
+        rows = np.broadcast_to(np.arange(N)[:, None, None], (N, L, K))
+        lays = np.broadcast_to(np.arange(L)[None, :, None], (N, L, K))
+        for _ in range(samples):
+            stay = np.clip(self.stay * 2 * rng.beta(2, 2, size=(N, 1, 1)), 0, 1)
+            kept = rng.random((N, L, K)) < stay
+            score = log_rho + rng.gumbel(size=(N, L, E))
+            score[rows[kept], lays[kept], current[kept]] = np.inf
+            sel = np.argpartition(-score, K - 1, axis=-1)[..., :K]
+            np.add.at(p, (rows, lays, sel), 1.0)
+        return p / samples
 
     def _sample_cross_layer(self, rng: np.random.Generator, log_rho: np.ndarray, length: int) -> np.ndarray:
         """int64 [N, length, L, K]: :meth:`sample`'s selections with the within-token successor maps, layer by

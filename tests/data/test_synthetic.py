@@ -114,3 +114,30 @@ def test_sticky_cross_layer_makes_layer_l_follow_layer_l_minus_1_of_the_same_tok
     assert all(np.array_equal(x.expert_ids, y.expert_ids) for x, y in zip(seqs, again, strict=True))
     with pytest.raises(ValueError, match="cross_layer"):
         StickyRoutingProcess.realistic(L, E, K, cross_layer=1.5)
+
+
+def test_next_step_probabilities_are_the_process_own_step():
+    """The Monte Carlo next-step law: K experts per (sequence, layer) in total; with stay 1 every current expert
+    stays (probability 1); the preferences are the ones ``sample`` draws (a sequence's favourites are its most used
+    experts); cross-layer routing is refused."""
+    from expertcast.data.synthetic import StickyRoutingProcess
+
+    L, E, K = 3, 16, 2
+    proc = StickyRoutingProcess.realistic(L, E, K, seed=4)
+    log_rho = proc.preferences(5, seed=7)
+    seqs = proc.sample(5, 400, seed=7)
+    rng = np.random.default_rng(0)
+    cur = np.stack([s.expert_ids[10].astype(np.int64) for s in seqs])  # [N, L, K]
+    p = proc.next_step_probabilities(log_rho, cur, 300, rng)
+    assert p.shape == (5, L, E) and np.allclose(p.sum(-1), K)
+    always = StickyRoutingProcess(proc.popularity, K, stay=1e6)  # clipped to 1: every expert of S_t stays
+    q = always.next_step_probabilities(log_rho, cur, 20, rng)
+    assert np.all(np.take_along_axis(q, cur, -1) == 1.0) and np.allclose(q.sum(-1), K)
+    # the preferences are sample()'s: each sequence's 4 most used experts (over 400 steps) are among its favourites
+    for n, s in enumerate(seqs):
+        for li in range(L):
+            used = np.bincount(s.expert_ids[:, li].ravel(), minlength=E)
+            fav = set(np.argsort(-log_rho[n, li])[:8].tolist())
+            assert len(set(np.argsort(-used)[:4].tolist()) & fav) >= 3, (n, li)
+    with pytest.raises(ValueError, match="cross_layer 0"):
+        StickyRoutingProcess.realistic(L, E, K, seed=4, cross_layer=0.5).next_step_probabilities(log_rho, cur, 2, rng)
