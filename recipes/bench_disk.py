@@ -493,6 +493,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     from expertcast.inference.runtime.store import HostExpertStore, find_experts_modules
     from expertcast.models.presets import build_from_config, get_config
 
+    code_version()  # read at the start: the record names the code this run loaded
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

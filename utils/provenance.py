@@ -253,10 +253,24 @@ def verify_named_export(root: str | os.PathLike, what: str, error: type[Exceptio
         raise error(f"{what} is corrupt or was modified: {e}") from None
 
 
+_CODE_VERSION: dict[str, Any] | None = None
+
+
 def code_version() -> dict[str, Any]:
     """The code that wrote an output: expertcast's version and :data:`CODE_FORMAT`, the git commit of the
     package folder when it is a checkout (``dirty``: uncommitted changes to tracked files), and the torch /
-    transformers versions when they are importable."""
+    transformers versions when they are importable.
+
+    Read once per process, at the first call, and returned as a copy after that: a long job asks at its start
+    (``expertcast`` itself does, before running a command), so an output records the code the process loaded,
+    not a commit made while the job ran."""
+    global _CODE_VERSION
+    if _CODE_VERSION is None:
+        _CODE_VERSION = _read_code_version()
+    return dict(_CODE_VERSION)
+
+
+def _read_code_version() -> dict[str, Any]:
     import subprocess
 
     from expertcast import __version__

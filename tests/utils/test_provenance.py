@@ -56,3 +56,17 @@ def test_export_manifest_covers_every_file(tmp_path):
 def test_export_manifest_refuses_paths_outside(tmp_path):
     with pytest.raises(UsageError, match="outside"):
         write_export_manifest(tmp_path, ["../escape.json"])
+
+
+def test_code_version_is_read_once_per_process_so_a_long_job_records_the_code_it_loaded(monkeypatch):
+    """A commit made while a job runs must not reach its output: the first reading is the process's."""
+    import expertcast.utils.provenance as prov
+
+    monkeypatch.setattr(prov, "_CODE_VERSION", None)
+    first = prov.code_version()
+    assert first["code_format"] == prov.CODE_FORMAT
+    monkeypatch.setattr(prov, "_read_code_version", lambda: {"git_commit": "a later commit"})
+    again = prov.code_version()
+    assert again == first and again["git_commit"] != "a later commit"
+    again["git_commit"] = "edited by a caller"
+    assert prov.code_version() == first  # callers get copies
