@@ -364,6 +364,31 @@ def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, expert_s, extr
     return row
 
 
+def simulated(name: str, cfg, meta, seqs, cache_config, stream, layer_ms: float, full_s: float, disk_gbps: float,
+              xbytes: int, calib=()) -> dict[str, Any]:
+    """The simulator's figures for the cell a row measured (docs/design.md, "Disk tier"): the same policy spec,
+    cache configuration and sequences, replayed by :func:`~expertcast.inference.sim.simulator.replay` under the cost
+    model of this run's own machine figures (the one-pass disk rate, ``layer_ms`` of compute per MoE layer-execution,
+    the store's bytes per expert). ``sim_tokens_per_s`` = 1 / (the all-in-RAM ``full_s`` + the modelled stall per
+    token): what a card predicts, beside what the runtime measured. Empty without ``stream``."""
+    if stream is None:
+        return {}
+    from expertcast.inference.cache.cost_model import CostConfig
+    from expertcast.inference.sim.simulator import replay
+
+    pol, _ = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, layer_ms, stream, calib)
+    try:
+        res = replay(stream(meta, seqs, 1), pol, cache_config,
+                     CostConfig(bandwidth_gbps=disk_gbps, layer_compute_ms=max(layer_ms, 1e-3), expert_bytes=xbytes))
+    finally:
+        close = getattr(pol, "close", None)
+        if close is not None:
+            close()
+    tok = max(res.decoded_tokens, 1)
+    return {"sim_hit": res.hit, "sim_reads_per_token": (res.D + res.P) / tok,
+            "sim_stall_ms_per_token": res.stall_ms / tok, "sim_tokens_per_s": 1.0 / (full_s + res.stall_ms / 1e3 / tok)}
+
+
 def round_order(arms: list[str], rnd: int) -> list[str]:
     """The arms of one round of a cell: every arm runs once per round, in the given order in even rounds and reversed
     in odd ones, so that a drift of the machine (the disk's rate moves with the host's caching of the store) falls
@@ -444,7 +469,7 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
                     timeline.save(cfg.trace_timeline, f"{name}, {fmt}, budget {budget:g}")
                 b_next = baseline()
                 b = 0.5 * (b_prev + b_next)
-                runs[name].append((st, om.cache.num_slots, st.tokens_per_s / b, b, start))
+                runs[name].append((st, om.cache.num_slots, st.tokens_per_s / b, b, start, om.cache_config))
                 del om  # its slots go before the next pass allocates its own
                 b_prev = b_next
         vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in runs.items()}, reference_arm(policies))
@@ -453,14 +478,16 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
                 continue
             speeds = [r[0].tokens_per_s for r in runs[name]]
             ratios = [r[2] for r in runs[name]]
-            st, slots, _, b, start = runs[name][int(np.argsort(speeds)[len(speeds) // 2])]
+            st, slots, _, b, start, cache_config = runs[name][int(np.argsort(speeds)[len(speeds) // 2])]
+            sim = simulated(name, cfg, meta, seqs, cache_config, stream, 1e3 / b / L, 1.0 / b, disk_gbps, xbytes,
+                            calib)
             rows.append(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots, xbytes,
                              disk_gbps, 1.0 / b, expert_s, {
                                  "format": fmt, "budget_kind": kind,
                                  "pct_full": 100 * float(np.median(ratios)), "pct_full_min": 100 * min(ratios),
                                  "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b, "start": start,
                                  "pct_full_format": 100 * float(np.median(ratios)), "full_format_tokens_per_s": b,
-                                 "passes": len(runs[name]), **vs.get(name, {})}))
+                                 "passes": len(runs[name]), **vs.get(name, {}), **sim}))
     return rows, skipped
 
 
@@ -671,7 +698,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         om.close()
                         if timeline is not None:
                             timeline.save(cfg.trace_timeline, f"{name}, {fmt}, budget {budget:g}, full depth")
-                        cell[name].append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes(), start))
+                        cell[name].append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes(), start,
+                                           om.cache_config))
                         del om, pol, fut  # the slots go before the next cell allocates its own
                         release_memory()
                 vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in cell.items()}, reference_arm(arms))
@@ -680,7 +708,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     if not runs:
                         continue
                     i_med = int(np.argsort([r[0].tokens_per_s for r in runs])[len(runs) // 2])
-                    st, slots, pool_bytes, rss, start = runs[i_med]
+                    st, slots, pool_bytes, rss, start, cache_config = runs[i_med]
                     sub = sub_by.get((name, float(budget), fmt, kind), {})
                     bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
                     floor_s = full_s_of.get(fmt, full_s)  # this format's all-in-RAM s/token
@@ -694,7 +722,9 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         "pct_full_format": 100 * st.tokens_per_s * floor_s, "full_format_tokens_per_s": 1.0 / floor_s,
                         "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
                         "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start,
-                        "passes": len(runs), **vs.get(name, {})}))
+                        "passes": len(runs), **vs.get(name, {}),
+                        **simulated(name, cfg, meta, seqs, cache_config, stream, 1e3 * full_s / L, full_s, disk_gbps,
+                                    fx, calib)}))
                     rss_bound[f"{name}@{budget}@{fmt}@{kind}"] = bound_b
                 _partial(out, _public(rows), _public(sub_rows))
             disk.close()

@@ -82,6 +82,9 @@ def test_streamed_model_with_subset_baseline(builds, tmp_path):
         assert r["achieved_vs_bound"] <= 1 + 1e-9 and r["disk_idle_ms_per_token"] >= 0
         assert math.isclose(r["pct_full_scaled"], 100 * r["tokens_per_s"] / r["full_tokens_per_s"], rel_tol=1e-9)
         assert 0 < r["peak_rss_gb"] and r["rss_bound_gb"] > 0
+    for r in rec["rows"] + rec["subset_rows"]:  # the simulator, same cell: demand-only decisions do not hang on timing
+        assert r["sim_hit"] == r["hit"] and r["sim_reads_per_token"] == pytest.approx(r["reads_per_token"]), r
+        assert 0 < r["sim_tokens_per_s"] <= r["full_tokens_per_s"] * (1 + 1e-9) and r["sim_stall_ms_per_token"] >= 0
     belady = {r["budget"]: r["hit"] for r in rec["rows"] if r["policy"] == "belady"}
     lru = {r["budget"]: r["hit"] for r in rec["rows"] if r["policy"] == "lru"}
     assert all(belady[b] >= lru[b] for b in belady)  # the protect-rule plan is the demand-only ceiling
@@ -113,8 +116,9 @@ def test_cells_run_in_rounds_and_pair_each_policy_with_lru_of_its_round(builds, 
         rec = run_bench(cfg, stream=build_stream)
     finally:
         torch.set_num_threads(threads)
-    # the subset's 3 rounds, then the full depth's 2
-    assert calls == ["belady", "lru", "lru", "belady", "belady", "lru"] + ["belady", "lru", "lru", "belady"], calls
+    # the subset's 3 rounds, then the full depth's 2; after each cell's rounds, the simulator's replay of each row
+    assert calls == ["belady", "lru", "lru", "belady", "belady", "lru"] + ["belady", "lru"] + \
+        ["belady", "lru", "lru", "belady"] + ["belady", "lru"], calls
     for rows, rounds in ((rec["subset_rows"], 3), (rec["rows"], 2)):
         by = {r["policy"]: r for r in rows}
         assert by["lru"]["vs_ref"] == 1.0 and by["lru"]["ref_policy"] == "lru"
