@@ -14,7 +14,9 @@ then per policy and RAM budget a forced-routing replay of the traces through the
 (:class:`~expertcast.inference.runtime.disk_store.ReaderPoolEngine`), in paired passes: all-in-RAM baseline,
 policy, baseline, ... (``repeats`` rounds, each running every policy once, the order reversed in odd rounds; each
 pass against the mean of its neighbouring baselines; median and min-max). ``vs_ref`` is a policy's tokens/s over
-``lru``'s in the same round (median, min-max over rounds: :func:`paired_vs_ref`), the side-by-side ratio. The all-in-RAM baseline is the runtime with every expert resident in RAM slots (capacity 1.0, warmed):
+``lru``'s in the same round (median, min-max over rounds: :func:`paired_vs_ref`), the side-by-side ratio; the
+``sim_*`` columns are the simulator's figures for the same cell (:func:`simulated`). The all-in-RAM baseline is the
+runtime with every expert resident in RAM slots (capacity 1.0, warmed):
 the same expert kernels as the disk runs, so the ratio is what the disk costs; the plain model's forced replay
 (transformers' experts kernel, :class:`~expertcast.inference.runtime.forced.FullLoadReplayer`) is reported beside
 it. The *bound* of a policy
@@ -422,6 +424,8 @@ def set_format_floor(rows: list[dict[str, Any]], format_s: float) -> None:
         r["compute_floor_s"] = format_s
         r["full_format_tokens_per_s"] = 1.0 / format_s
         r["pct_full_format"] = 100 * r["tokens_per_s"] * format_s
+        if "sim_stall_ms_per_token" in r:  # the simulated speed on the same floor
+            r["sim_tokens_per_s"] = 1.0 / (format_s + r["sim_stall_ms_per_token"] / 1e3)
 
 
 def dep_bound_of(row: dict[str, Any], disk_bytes_per_s: float) -> float:
@@ -445,7 +449,7 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
 
     rows, skipped = [], {}
     for budget, kind, cap in budgets_of(cfg, fmt, K, E, L, bf16_bytes or xbytes):
-        runs: dict[str, list] = {name: [] for name in policies}  # name -> per round (st, slots, ratio, baseline)
+        runs: dict[str, list] = {name: [] for name in policies}  # per round (st, slots, ratio, base, start, config)
         dead: set[str] = set()
         b_prev = baseline()
         for rep in range(cfg.repeats):
@@ -677,7 +681,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
             model, disk = model_store(fmt)
             fx = disk.expert_bytes
             for budget, kind, cap in budgets_of(cfg, fmt, K, E, L, xbytes):
-                cell: dict[str, list] = {name: [] for name in arms}  # name -> per round (st, slots, pool, rss, start)
+                cell: dict[str, list] = {name: [] for name in arms}  # per round (st, slots, pool, rss, start, config)
                 dead: set[str] = set()
                 for rep in range(cfg.full_repeats):
                     for name in round_order(arms, rep):
@@ -723,8 +727,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
                         "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start,
                         "passes": len(runs), **vs.get(name, {}),
-                        **simulated(name, cfg, meta, seqs, cache_config, stream, 1e3 * full_s / L, full_s, disk_gbps,
-                                    fx, calib)}))
+                        **simulated(name, cfg, meta, seqs, cache_config, stream, 1e3 * floor_s / L, floor_s,
+                                    disk_gbps, fx, calib)}))
                     rss_bound[f"{name}@{budget}@{fmt}@{kind}"] = bound_b
                 _partial(out, _public(rows), _public(sub_rows))
             disk.close()

@@ -155,6 +155,9 @@ def test_subset_baseline_per_format_floor(builds, tmp_path):
     assert 1.0 / r["full_format_tokens_per_s"] <= scaled_full_seconds(1.0 / sub_int4, 1.0, 2, 4) * (1 + 1e-9)
     assert r["pct_full_format"] == pytest.approx(100 * r["tokens_per_s"] / r["full_format_tokens_per_s"])
     assert r["bound_tokens_per_s"] <= max(r["full_format_tokens_per_s"], r["tokens_per_s"]) * (1 + 1e-9)
+    for row in (r, s):  # the simulated speed stands on the format's own all-in-RAM floor too
+        assert 1.0 / row["sim_tokens_per_s"] == pytest.approx(
+            1.0 / row["full_format_tokens_per_s"] + row["sim_stall_ms_per_token"] / 1e3)
     tl = json.loads((tmp_path / "tl.json").read_text())  # the timeline is the full-depth pass's, not the subset's
     assert tl["what"].endswith("full depth") and {ly["layer"] for ly in tl["layers"]} == {0, 1, 2, 3}
 
