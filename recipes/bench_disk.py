@@ -410,7 +410,7 @@ def paired_vs_ref(speeds: dict[str, list[float]], ref: str) -> dict[str, dict[st
     base = speeds.get(ref) or []
     out = {}
     for name, sp in speeds.items():
-        r = [a / b for a, b in zip(sp, base) if b > 0]
+        r = [a / b for a, b in zip(sp, base, strict=False) if b > 0]  # the rounds both ran
         if r:
             out[name] = {"ref_policy": ref, "vs_ref": float(np.median(r)), "vs_ref_min": min(r),
                          "vs_ref_max": max(r), "vs_ref_rounds": len(r)}

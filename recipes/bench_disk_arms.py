@@ -33,7 +33,12 @@ def arm_policy(spec: str, cfg: BenchConfig, meta, seqs, link_bytes_per_s: float,
     (``seqmoe``, also ``forecast=oracle``) told the measured disk rate and per-layer compute (its deadlines) and given
     ``cfg.forecaster`` unless ``spec`` names one (an oracle then shares its trigger layer), an oracle (``belady``:
     the protect-rule plan) given the replayed access stream."""
-    from expertcast.inference.policies import build_policy, parse_policy_options, policy_spec, split_policy_text
+    from expertcast.inference.policies import (
+        build_policy,
+        parse_policy_options,
+        policy_spec,
+        split_policy_text,
+    )
 
     name = spec.partition(":")[0].strip().lower()
     pspec = policy_spec(name)

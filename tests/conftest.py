@@ -155,3 +155,18 @@ def write_tiled_checkpoint() -> Callable[..., None]:
         byte_level_tokenizer(model_max_length=512).save_pretrained(d)
 
     return write
+
+
+@pytest.fixture(scope="session")
+def load_script() -> Callable[[str], object]:
+    """``load_script("bench_disk")``: the module of ``scripts/bench_disk.py`` (scripts are not a package), loaded
+    fresh."""
+    import importlib.util
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"{name}_script", REPO / "scripts" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

@@ -12,7 +12,6 @@ from expertcast.cli import main as cli_main
 from expertcast.commands.evaluate import SAMPLES
 from expertcast.commands.sweep import main
 from expertcast.utils.errors import UsageError
-from expertcast.utils.tracking import offline_run_contents
 
 ARGS = ["--model", "qwen3_moe-tiny", "--benchmarks", "gsm8k,math500", "--policies", "lru", "--capacity", "0.5",
         "--limit", "1", "--max-new-tokens", "3", "--no-progress", "--device", "cpu", "--speed-repeats", "1"]

@@ -5,27 +5,16 @@ ratios what their parts say); no speed thresholds."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_disk_script", ROOT / "scripts" / "bench_disk.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_quick_run_outputs_are_consistent(tmp_path):
+def test_quick_run_outputs_are_consistent(tmp_path, load_script):
     threads = torch.get_num_threads()
     try:
-        assert _script().main(["--quick", "--out", str(tmp_path), "--policies", "lru", "static"]) == 0
+        assert load_script("bench_disk").main(["--quick", "--out", str(tmp_path), "--policies", "lru", "static"]) == 0
     finally:
         torch.set_num_threads(threads)
     rec = json.loads((tmp_path / "bench_disk.json").read_text())

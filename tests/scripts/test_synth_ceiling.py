@@ -2,48 +2,38 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 from expertcast.commands.traces import main as traces_main
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("synth_ceiling_script", ROOT / "scripts" / "synth_ceiling.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_ceiling_is_above_every_statistic_and_refuses_what_it_cannot_rebuild(tmp_path, capsys):
+def test_ceiling_is_above_every_statistic_and_refuses_what_it_cannot_rebuild(tmp_path, capsys, load_script):
+    script = load_script("synth_ceiling")
     t = tmp_path / "t"
     assert traces_main(["synth", "--shape", "4,16,2", "--sequences", "8", "--tokens", "40", "--prompt", "4",
                         "--seed", "3", "--out", str(t)]) == 0
     out = tmp_path / "c.json"
-    assert _script().main(["--traces", str(t), "--samples", "300", "--json", str(out)]) == 0
+    assert script.main(["--traces", str(t), "--samples", "300", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
     r = {x["predictor"]: x["recall_at_k_next_step"] for x in rec["rows"]}
     assert rec["command"] == "synth_ceiling" and rec["targets"] == 8 * 36 * 4 and rec["process"]["seed"] == 3
     # the Bayes forecast with the true preferences beats what it contains: the last step alone, the favourites alone
     assert r["bayes (true rho)"] > max(r["repeat-last"], r["rho top-K"]) > 0, r
-    assert _script().main(["--traces", str(t), "--samples", "10", "--json", str(out)]) == 0  # its own output: rewritten
+    assert script.main(["--traces", str(t), "--samples", "10", "--json", str(out)]) == 0  # its own output: rewritten
     foreign = tmp_path / "f.json"
     foreign.write_text("{}")
     with pytest.raises(SystemExit, match="not this script's output"):
-        _script().main(["--traces", str(t), "--json", str(foreign)])
+        script.main(["--traces", str(t), "--json", str(foreign)])
     assert foreign.read_text() == "{}"
     # a manifest whose settings do not redraw the set: refused, nothing computed
     m = json.loads((t / "manifest.json").read_text())
     m["run"]["seed"] = 4
     (t / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(SystemExit, match="differs from the trace set"):
-        _script().main(["--traces", str(t)])
+        script.main(["--traces", str(t)])
     x = tmp_path / "x"
     assert traces_main(["synth", "--shape", "4,16,2", "--sequences", "2", "--tokens", "8", "--prompt", "2",
                         "--cross-layer", "0.5", "--out", str(x)]) == 0
     with pytest.raises(SystemExit, match="cross_layer 0 only"):
-        _script().main(["--traces", str(x)])
+        script.main(["--traces", str(x)])
