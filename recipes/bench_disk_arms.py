@@ -104,13 +104,17 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def oracle_of(spec: str) -> dict[str, Any]:
-    """``{"recall", "breakeven"}`` of a ``seqmoe:forecast=oracle,...`` arm (empty for any other policy)."""
+    """``{"recall", "breakeven", "oracle_series"}`` of a ``seqmoe:forecast=oracle,...`` arm (empty for any other
+    policy); ``oracle_series`` is the spec without its recall: the arms of one recall curve share every other
+    setting."""
     from expertcast.inference.policies import parse_policy_options
 
     if not spec.startswith("seqmoe:") or "forecast=oracle" not in spec:
         return {}
     o = parse_policy_options(spec)
-    return {"recall": float(o.recall), "breakeven": bool(o.breakeven)}
+    name, _, opts = spec.partition(":")
+    rest = [x.strip() for x in opts.split(",") if x.strip() and x.split("=")[0].strip() != "recall"]
+    return {"recall": float(o.recall), "breakeven": bool(o.breakeven), "oracle_series": f"{name}:{','.join(rest)}"}
 
 
 def formats_of(cfg: BenchConfig) -> list[str]:

@@ -146,7 +146,8 @@ def plot_budget(path: Path, record: dict[str, Any]) -> None:
 
 
 def plot_recall(path: Path, record: dict[str, Any]) -> None:
-    """tokens/s against the oracle forecast's recall@K, per budget and format (break-even on and off), with the
+    """tokens/s against the oracle forecast's recall@K, per budget and format (one curve per oracle setting but its
+    recall: break-even on and off, two-execution planning, ...), with the
     demand-only policies as horizontal lines and the learned forecaster's seqmoe at its measured recall."""
     from expertcast.utils.io import save_figure
 
@@ -157,17 +158,17 @@ def plot_recall(path: Path, record: dict[str, Any]) -> None:
     fr = (record.get("forecaster_recall") or {}).get("h1")
     for ax, (b, fmt) in zip(axes[0], cells, strict=True):
         rs = [r for r in rows if (r["budget"], r.get("format", "")) == (b, fmt)]
-        for j, be in enumerate((True, False)):
-            orc = sorted((r for r in rs if r.get("recall") is not None and r.get("breakeven") is be),
-                         key=lambda r: r["recall"])
-            if orc:
-                ax.plot([r["recall"] for r in orc], [r["tokens_per_s"] for r in orc], "o-", color=f"C{j}",
-                        label=f"seqmoe oracle, breakeven={str(be).lower()}")
+        series = list(dict.fromkeys(r["oracle_series"] for r in rs if r.get("recall") is not None))
+        for j, ser in enumerate(series):  # one curve per oracle setting but its recall
+            orc = sorted((r for r in rs if r.get("oracle_series") == ser), key=lambda r: r["recall"])
+            ax.plot([r["recall"] for r in orc], [r["tokens_per_s"] for r in orc], "o-", color=f"C{j}",
+                    label=ser.replace("seqmoe:forecast=oracle", "oracle").replace(",", " ").strip())
         for k, r in enumerate(r for r in rs if r.get("recall") is None):
             if r["policy"].startswith("seqmoe") and fr is not None:
-                ax.plot([fr], [r["tokens_per_s"]], "*", ms=12, color=f"C{k + 2}", label=f"{r['policy']} (learned)")
+                ax.plot([fr], [r["tokens_per_s"]], "*", ms=12, color=f"C{k + len(series)}",
+                        label=f"{r['policy']} (learned)")
             else:
-                ax.axhline(r["tokens_per_s"], ls=":", color=f"C{k + 2}", label=r["policy"])
+                ax.axhline(r["tokens_per_s"], ls=":", color=f"C{k + len(series)}", label=r["policy"])
         ax.axhline(rs[0]["full_tokens_per_s"], color="k", label="all in RAM (bf16)")
         ax.set_title(f"{100 * b:g}% budget {fmt}")
         ax.set_xlabel("forecast recall@K")

@@ -261,6 +261,13 @@ def test_recall_axis_formats_and_timeline(tmp_path):
     rows = rec["rows"]
     oracle = [(r["format"], r["recall"], r["breakeven"]) for r in rows if r["recall"] is not None]
     assert oracle == [(f, rc, be) for f in ("bfloat16", "int4") for rc in (1.0, 0.5) for be in (True, False)]
+    # one recall curve per setting but the recall: the two break-even arms are two series of two points each
+    series = {r["oracle_series"] for r in rows if r["recall"] is not None}
+    assert series == {"seqmoe:forecast=oracle,breakeven=true", "seqmoe:forecast=oracle,breakeven=false"}, series
+    from expertcast.recipes.bench_disk_arms import oracle_of
+
+    assert oracle_of("seqmoe:recall=0.7,forecast=oracle,plan_executions=2")["oracle_series"] == \
+        "seqmoe:forecast=oracle,plan_executions=2" and oracle_of("lru") == {}
     by = {(r["policy"], r["format"]): r for r in rows}
     xb = rec["model"]["expert_bytes_by_format"]
     assert xb["int4"] < xb["bfloat16"] / 3
