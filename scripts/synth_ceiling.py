@@ -22,10 +22,8 @@ code version.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -41,18 +39,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from expertcast.data.synthetic import StickyRoutingProcess
     from expertcast.data.traces import load_traces, read_manifest
+    from expertcast.utils.errors import UsageError
     from expertcast.utils.io import atomic_write_json, print_table
+    from expertcast.utils.outdir import claim_output_file
     from expertcast.utils.provenance import code_version
 
     if a.samples < 1:
         sys.exit("error: --samples must be >= 1")
-    if a.json and Path(a.json).exists():
+    out = None
+    if a.json:  # a new file, or this script's earlier output only
         try:
-            own = json.loads(Path(a.json).read_text()).get("command") == "synth_ceiling"
-        except (OSError, ValueError, AttributeError):
-            own = False
-        if not own:
-            sys.exit(f"error: --json {a.json} exists and is not this script's output; give a new path")
+            out = claim_output_file(a.json, "--json", "synth_ceiling --json")
+        except UsageError as e:
+            sys.exit(f"error: {e}")
     run = read_manifest(a.traces).get("run") or {}
     if run.get("command") != "traces synth":
         sys.exit(f"error: {a.traces} was not written by `expertcast traces synth` (its manifest says "
@@ -85,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     targets = (tokens - prompt) * m * L
     print_table(rows, title=f"next-step recall@{K} on {a.traces}: {m} sequences x {tokens - prompt} steps x {L} "
                 f"layers = {targets} targets, {a.samples} Monte Carlo draws per step ({time.perf_counter() - t0:.1f} s)")
-    if a.json:
-        atomic_write_json(a.json, {"command": "synth_ceiling", "argv": sys.argv, "code_version": code_version(),
-                                   "traces": str(a.traces), "process": run, "sequences": m, "targets": targets,
-                                   "samples": a.samples, "mc_seed": a.mc_seed, "rows": rows})
+    if out is not None:
+        atomic_write_json(out.path, {"command": "synth_ceiling", "argv": sys.argv, "code_version": code_version(),
+                                     "traces": str(a.traces), "process": run, "sequences": m, "targets": targets,
+                                     "samples": a.samples, "mc_seed": a.mc_seed, "rows": rows})
+        out.written()
     return 0
 
 

@@ -23,7 +23,7 @@ def test_ceiling_is_above_every_statistic_and_refuses_what_it_cannot_rebuild(tmp
     assert script.main(["--traces", str(t), "--samples", "10", "--json", str(out)]) == 0  # its own output: rewritten
     foreign = tmp_path / "f.json"
     foreign.write_text("{}")
-    with pytest.raises(SystemExit, match="not this script's output"):
+    with pytest.raises(SystemExit, match="--json .* exists and was not written by expertcast as this output"):
         script.main(["--traces", str(t), "--json", str(foreign)])
     assert foreign.read_text() == "{}"
     # a manifest whose settings do not redraw the set: refused, nothing computed
