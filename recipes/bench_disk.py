@@ -378,9 +378,9 @@ def simulated(name: str, cfg, meta, seqs, cache_config, stream, layer_ms: float,
     from expertcast.inference.cache.cost_model import CostConfig
     from expertcast.inference.sim.simulator import replay
 
-    pol, _ = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, layer_ms, stream, calib)
+    pol, future = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, layer_ms, stream, calib)
     try:
-        res = replay(stream(meta, seqs, 1), pol, cache_config,
+        res = replay(future if future is not None else stream(meta, seqs, 1), pol, cache_config,
                      CostConfig(bandwidth_gbps=disk_gbps, layer_compute_ms=max(layer_ms, 1e-3), expert_bytes=xbytes))
     finally:
         close = getattr(pol, "close", None)

@@ -83,6 +83,10 @@ class Mailbox:
         self.shape, self._raw, self.lock = st["shape"], st["_raw"], st["lock"]
         self._views()
 
+    def count(self, name: str) -> float:
+        """The process's cumulative counter ``name`` (one of :data:`COUNTERS`)."""
+        return float(self.counts[self.COUNTERS.index(name)])
+
     # -- the process's side --------------------------------------------------------------------------------
     def publish(self, generation: int, t: int, F: np.ndarray) -> None:
         """Make forecast ``F`` [H, L, E] of element ``t`` the newest (under the lock: a reader copies all or none)."""
@@ -261,15 +265,15 @@ class ProcessForecastWorker:
 
     @property
     def steps(self) -> int:
-        return int(self.box.counts[3])
+        return int(self.box.count("steps"))
 
     @property
     def rollouts(self) -> int:
-        return int(self.box.counts[4])
+        return int(self.box.count("rollouts"))
 
     @property
     def dropped(self) -> int:
-        return int(self.box.counts[5]) + self.dropped_here
+        return int(self.box.count("dropped")) + self.dropped_here
 
     def has_new(self) -> bool:
         """Whether a publication is waiting (a read of shared memory: no system call)."""
