@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expertcast: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    from expertcast.utils.provenance import code_version
+    from expertcast.utils.provenance import pin_code_version
 
-    code_version()  # the code this process loaded, read before the command runs (outputs record it)
+    pin_code_version()  # the code this process loaded, read before the command runs (outputs record it)
     rc = module.main(rest)
     return int(rc or 0)
 

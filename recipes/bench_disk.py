@@ -75,7 +75,7 @@ from expertcast.recipes.bench_disk_arms import (  # noqa: F401 (check_held_out, 
     timeline_arm,
 )
 from expertcast.recipes.bench_disk_report import finish_bounds, write_report
-from expertcast.utils.provenance import code_version
+from expertcast.utils.provenance import code_version, pin_code_version
 
 
 @dataclass
@@ -524,7 +524,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     from expertcast.inference.runtime.store import HostExpertStore, find_experts_modules
     from expertcast.models.presets import build_from_config, get_config
 
-    code_version()  # read at the start: the record names the code this run loaded
+    pin_code_version()  # read at the start: the record names the code this run loaded
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

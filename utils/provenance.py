@@ -256,18 +256,27 @@ def verify_named_export(root: str | os.PathLike, what: str, error: type[Exceptio
 _CODE_VERSION: dict[str, Any] | None = None
 
 
-def code_version() -> dict[str, Any]:
-    """The code that wrote an output: expertcast's version and :data:`CODE_FORMAT`, the git commit of the
-    package folder when it is a checkout (``dirty``: uncommitted changes to tracked files), and the torch /
-    transformers versions when they are importable.
-
-    Read once per process, at the first call, and returned as a copy after that: a long job asks at its start
-    (``expertcast`` itself does, before running a command), so an output records the code the process loaded,
-    not a commit made while the job ran."""
+def pin_code_version() -> None:
+    """Read the code's version and git state now, once per process (:func:`code_version` returns that reading from
+    then on): a long job calls it at its start (``expertcast`` itself does, before running a command), so an output
+    records the code the process loaded, not a commit made while the job ran. Two git calls, no imports."""
     global _CODE_VERSION
     if _CODE_VERSION is None:
         _CODE_VERSION = _read_code_version()
-    return dict(_CODE_VERSION)
+
+
+def code_version() -> dict[str, Any]:
+    """The code that wrote an output: expertcast's version and :data:`CODE_FORMAT`, the git commit of the
+    package folder when it is a checkout (``dirty``: uncommitted changes to tracked files), as read once per
+    process (:func:`pin_code_version`), and the torch / transformers versions when they are importable."""
+    pin_code_version()
+    out = dict(_CODE_VERSION)
+    for mod in ("torch", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            out[mod] = None
+    return out
 
 
 def _read_code_version() -> dict[str, Any]:
@@ -283,9 +292,4 @@ def _read_code_version() -> dict[str, Any]:
         out["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "-uno"], **run).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass
-    for mod in ("torch", "transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except ImportError:
-            out[mod] = None
     return out
