@@ -45,6 +45,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -367,28 +368,85 @@ def _row(name, budget, cap, st, slots, xbytes, disk_gbps, full_s, expert_s, extr
 
 
 def simulated(name: str, cfg, meta, seqs, cache_config, stream, layer_ms: float, full_s: float, disk_gbps: float,
-              xbytes: int, calib=()) -> dict[str, Any]:
+              xbytes: int, calib=(), link_gbps: float | None = None) -> dict[str, Any]:
     """The simulator's figures for the cell a row measured (docs/design.md, "Disk tier"): the same policy spec,
     cache configuration and sequences, replayed by :func:`~expertcast.inference.sim.simulator.replay` under the cost
-    model of this run's own machine figures (the one-pass disk rate, ``layer_ms`` of compute per MoE layer-execution,
-    the store's bytes per expert). ``sim_tokens_per_s`` = 1 / (the all-in-RAM ``full_s`` + the modelled stall per
-    token): what a card predicts, beside what the runtime measured. Empty without ``stream``."""
+    model of this run's own machine figures: a link at ``link_gbps`` (default ``disk_gbps``; a run's rows take the
+    disk figure of its bounds, :func:`finish_sims`), ``layer_ms`` of compute per MoE layer-execution, the store's
+    bytes per expert; the policy armed as the runtime arms it (link estimate ``disk_gbps``, the one-pass rate).
+    ``sim_tokens_per_s`` = 1 / (the all-in-RAM ``full_s`` + the modelled stall per token): what a card predicts,
+    beside what the runtime measured. Empty without ``stream``."""
     if stream is None:
         return {}
     from expertcast.inference.cache.cost_model import CostConfig
     from expertcast.inference.sim.simulator import replay
 
     pol, future = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, layer_ms, stream, calib)
+    link = link_gbps or disk_gbps
     try:
         res = replay(future if future is not None else stream(meta, seqs, 1), pol, cache_config,
-                     CostConfig(bandwidth_gbps=disk_gbps, layer_compute_ms=max(layer_ms, 1e-3), expert_bytes=xbytes))
+                     CostConfig(bandwidth_gbps=link, layer_compute_ms=max(layer_ms, 1e-3), expert_bytes=xbytes))
     finally:
         close = getattr(pol, "close", None)
         if close is not None:
             close()
     tok = max(res.decoded_tokens, 1)
-    return {"sim_hit": res.hit, "sim_reads_per_token": (res.D + res.P) / tok,
+    return {"sim_hit": res.hit, "sim_reads_per_token": (res.D + res.P) / tok, "sim_disk_gbps": link,
             "sim_stall_ms_per_token": res.stall_ms / tok, "sim_tokens_per_s": 1.0 / (full_s + res.stall_ms / 1e3 / tok)}
+
+
+def defer_sim(row: dict[str, Any], name: str, cfg, meta, seqs, cache_config, stream, layer_ms: float,
+              disk_gbps: float, xbytes: int, calib=()) -> dict[str, Any]:
+    """Attach to ``row`` the :func:`simulated` replay of its cell, run by :func:`finish_sims` once the run's disk
+    figure is known (nothing without ``stream``); returns ``row``."""
+    if stream is not None:
+        row["_sim"] = partial(simulated, name, cfg, meta, seqs, cache_config, stream, layer_ms, disk_gbps=disk_gbps,
+                              xbytes=xbytes, calib=calib)
+    return row
+
+
+def finish_sims(rows: list[dict[str, Any]], link_gbps: float) -> None:
+    """Run the simulator replays :func:`defer_sim` attached to ``rows``, every one on a link at ``link_gbps`` (the
+    run's bound figure, the highest rate the disk gave any of its runs: the one-pass measurement reads data the host
+    has never cached, the replays re-read a store it partly has, so a card fed the one-pass rate under-predicted
+    every row by 27-45%; docs/results.md, "The simulator's link at the run's disk figure"), over each row's own
+    all-in-RAM floor (its format's, after :func:`set_format_floor`)."""
+    for r in rows:
+        job = r.pop("_sim", None)
+        if job is not None:
+            r.update(job(full_s=r["compute_floor_s"], link_gbps=link_gbps))
+
+
+def resimulate(record: dict[str, Any], link_gbps: float, stream: Any) -> list[dict[str, Any]]:
+    """The :func:`simulated` figures of a finished run's full-depth rows (``record``: its ``bench_disk.json``) again,
+    on a link at ``link_gbps``: the same settings, routing (checked against the record's fingerprint), cache
+    configuration (the row's slots per layer) and policy arming (link estimate at the record's one-pass rate),
+    compute per layer-execution = the row's all-in-RAM floor / L. Returns one dict per row: policy, budget, format,
+    measured tokens/s, the recorded ``sim_tokens_per_s`` (None in records older than the columns) and the new
+    ``sim_*`` figures. Needs the record's traces and forecaster where it names them."""
+    from expertcast.inference.cache.expert_cache import Budget, CacheConfig
+
+    prov = record["provenance"]
+    cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in prov["settings"].items()})
+    md = record["model"]
+    L, E, K = int(md["L"]), int(md["E"]), int(md["K"])
+    meta, seqs, calib, _ = _traces(cfg, L, E, K, int(md["expert_bytes"]))
+    if _fingerprint(seqs) != prov["routing_fingerprint"]:
+        raise ValueError("the routing the record names is not the routing it replayed (fingerprint differs): the "
+                         "traces changed since the run")
+    one = float(record["machine"]["disk_gbps"])
+    out = []
+    for r in record["rows"]:
+        xb = int((md.get("expert_bytes_by_format") or {}).get(r["format"], md["expert_bytes"]))
+        cc = CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="per-layer",
+                         budget=Budget.slots(int(r["slots"]) // L), expert_bytes=xb)
+        floor_s = float(r["compute_floor_s"])
+        sim = simulated(r["policy"], cfg, meta, seqs, cc, stream, 1e3 * floor_s / L, floor_s, one, xb, calib,
+                        link_gbps=link_gbps)
+        out.append({"policy": r["policy"], "budget": r["budget"], "format": r["format"],
+                    "tokens_per_s": r["tokens_per_s"], "recorded_sim_tokens_per_s": r.get("sim_tokens_per_s"),
+                    **sim, "sim_vs_measured": sim["sim_tokens_per_s"] / r["tokens_per_s"]})
+    return out
 
 
 def round_order(arms: list[str], rnd: int) -> list[str]:
@@ -424,8 +482,6 @@ def set_format_floor(rows: list[dict[str, Any]], format_s: float) -> None:
         r["compute_floor_s"] = format_s
         r["full_format_tokens_per_s"] = 1.0 / format_s
         r["pct_full_format"] = 100 * r["tokens_per_s"] * format_s
-        if "sim_stall_ms_per_token" in r:  # the simulated speed on the same floor
-            r["sim_tokens_per_s"] = 1.0 / (format_s + r["sim_stall_ms_per_token"] / 1e3)
 
 
 def dep_bound_of(row: dict[str, Any], disk_bytes_per_s: float) -> float:
@@ -483,15 +539,14 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
             speeds = [r[0].tokens_per_s for r in runs[name]]
             ratios = [r[2] for r in runs[name]]
             st, slots, _, b, start, cache_config = runs[name][int(np.argsort(speeds)[len(speeds) // 2])]
-            sim = simulated(name, cfg, meta, seqs, cache_config, stream, 1e3 / b / L, 1.0 / b, disk_gbps, xbytes,
-                            calib)
-            rows.append(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots, xbytes,
+            rows.append(defer_sim(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots, xbytes,
                              disk_gbps, 1.0 / b, expert_s, {
                                  "format": fmt, "budget_kind": kind,
                                  "pct_full": 100 * float(np.median(ratios)), "pct_full_min": 100 * min(ratios),
                                  "pct_full_max": 100 * max(ratios), "full_tokens_per_s": b, "start": start,
                                  "pct_full_format": 100 * float(np.median(ratios)), "full_format_tokens_per_s": b,
-                                 "passes": len(runs[name]), **vs.get(name, {}), **sim}))
+                                 "passes": len(runs[name]), **vs.get(name, {})}),
+                                  name, cfg, meta, seqs, cache_config, stream, 1e3 / b / L, disk_gbps, xbytes, calib))
     return rows, skipped
 
 
@@ -716,7 +771,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     sub = sub_by.get((name, float(budget), fmt, kind), {})
                     bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
                     floor_s = full_s_of.get(fmt, full_s)  # this format's all-in-RAM s/token
-                    rows.append(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots,
+                    rows.append(defer_sim(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots,
                                      fx, disk_gbps, floor_s, expert_s.get(fmt, ms1 * 1e-3), {
                         "format": fmt, "budget_kind": kind,
                         "pct_full": sub.get("pct_full", float("nan")),
@@ -726,9 +781,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         "pct_full_format": 100 * st.tokens_per_s * floor_s, "full_format_tokens_per_s": 1.0 / floor_s,
                         "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
                         "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start,
-                        "passes": len(runs), **vs.get(name, {}),
-                        **simulated(name, cfg, meta, seqs, cache_config, stream, 1e3 * floor_s / L, floor_s,
-                                    disk_gbps, fx, calib)}))
+                        "passes": len(runs), **vs.get(name, {})}),
+                        name, cfg, meta, seqs, cache_config, stream, 1e3 * floor_s / L, disk_gbps, fx, calib))
                     rss_bound[f"{name}@{budget}@{fmt}@{kind}"] = bound_b
                 _partial(out, _public(rows), _public(sub_rows))
             disk.close()
@@ -761,6 +815,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
         store_path(fmt).unlink(missing_ok=True)
     # one disk figure for every bound of the process: never below what any of its runs achieved
     bound_gbps, bound_source = finish_bounds(rows + sub_rows, disk_gbps, dep_bound_of)
+    finish_sims(rows + sub_rows, bound_gbps)
     sub_by = {(r["policy"], r["budget"], r["format"], r["budget_kind"]): r for r in sub_rows}
     for r in rows:
         sub = sub_by.get((r["policy"], r["budget"], r["format"], r["budget_kind"]))

@@ -72,6 +72,11 @@ def write_report(out: Path, record: dict[str, Any]) -> None:
         print(f"kernel that ran: {k}")
     if "disk_gbps_bound" in record:
         print(f"bound's disk figure: {record['disk_gbps_bound']:.2f} GB/s ({record['disk_gbps_source']})")
+        if any("sim_tokens_per_s" in r for r in record["rows"]):
+            print("sim_*: the simulator's replay of each row's cell, its link at the bound's disk figure, the policy "
+                  "armed as the runtime's (link estimate at the one-pass rate); no cost of the runtime's own is "
+                  "charged (planner, hand-over, reads contending with compute): for prefetching policies an upper "
+                  "bound")
     print(f"all-in-RAM baseline: {record['baseline']}; the plain model's forced replay: "
           f"{record['plain_model_tokens_per_s']:.1f} tokens/s")
     for f, tps in (record.get("format_all_in_ram_tokens_per_s") or {}).items():

@@ -116,9 +116,12 @@ def test_cells_run_in_rounds_and_pair_each_policy_with_lru_of_its_round(builds, 
         rec = run_bench(cfg, stream=build_stream)
     finally:
         torch.set_num_threads(threads)
-    # the subset's 3 rounds, then the full depth's 2; after each cell's rounds, the simulator's replay of each row
-    assert calls == ["belady", "lru", "lru", "belady", "belady", "lru"] + ["belady", "lru"] + \
-        ["belady", "lru", "lru", "belady"] + ["belady", "lru"], calls
+    # the subset's 3 rounds, then the full depth's 2; at the end, once the run's disk figure is known, the
+    # simulator's replay of each row (the full depth's, then the subset's)
+    assert calls == ["belady", "lru", "lru", "belady", "belady", "lru"] + ["belady", "lru", "lru", "belady"] + \
+        ["belady", "lru"] + ["belady", "lru"], calls
+    for r in rec["rows"] + rec["subset_rows"]:  # every card on the link of the run's bound figure
+        assert r["sim_disk_gbps"] == rec["disk_gbps_bound"] >= rec["machine"]["disk_gbps"], r
     for rows, rounds in ((rec["subset_rows"], 3), (rec["rows"], 2)):
         by = {r["policy"]: r for r in rows}
         assert by["lru"]["vs_ref"] == 1.0 and by["lru"]["ref_policy"] == "lru"
