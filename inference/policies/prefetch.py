@@ -153,13 +153,14 @@ def execution_rows(first_probs: np.ndarray, first_exec: np.ndarray, skip: np.nda
 def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None, pool_of: np.ndarray,
                          victims: Sequence[np.ndarray], now: int, compute_ms: np.ndarray, transfer_ms: float,
                          backlog: int = 0, max_per_layer: int = 1, min_net: float = 0.0,
-                         net_scale: float = 1.0, num_layers: int | None = None) -> list[PrefetchTask]:
+                         net_scale: float | np.ndarray = 1.0, num_layers: int | None = None) -> list[PrefetchTask]:
     """The proactive loads worth issuing now: expected hit gain against the link's headroom per layer
     (docs/design.md, "Prefetch").
 
     The link is idle during each layer-execution's compute (its demand loads run before it, in the stall), so
     layer-execution ``x`` offers ``compute_ms[x % L]`` of free link time; the ``backlog`` transfers already queued
-    take the first of it. Candidates (the ``max_per_layer`` likeliest experts of each layer holding no slot), in
+    take the first of it. Candidates (the ``max_per_layer`` likeliest experts of each row holding no slot, none
+    already planned for an earlier execution of its layer), in
     deadline order, then most likely first, are placed one after another on the link (one transfer takes
     ``transfer_ms``). A transfer's part inside the free windows costs nothing; a part that reaches the start of
     execution ``x`` delays that layer's demand loads (probability ``rho_x``, :func:`demand_probability`) by as much:
@@ -183,8 +184,8 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
         backlog: transfers already queued or in flight (placed first, their delays sunk).
         min_net: a load is issued only where ``q - v`` (the expected demand misses it spares) is at least this. The
             AdjHit break-even: with ``min_net`` = the running (A - D) / (A + P), no load lowers AdjHit in expectation.
-        net_scale: the factor on every ``q - v`` (:class:`SparedMissCalibration`'s realised/expected ratio); the
-            product is capped at 1, the one demand miss a load can spare.
+        net_scale: the factor on every ``q - v`` (:class:`SparedMissCalibration`'s realised/expected ratio), one for
+            all rows or float [R] per row; the product is capped at 1, the one demand miss a load can spare.
     Returns:
         the tasks in issue (EDF) order; ``confidence`` = gain - cost in ms, ``victim`` = the index in its pool's
         ``victims`` of the slot it takes.
@@ -192,6 +193,7 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
     probs = np.asarray(probs, dtype=np.float64)
     R, E = probs.shape
     L = int(num_layers or R)
+    scale = np.broadcast_to(np.asarray(net_scale, dtype=np.float64), (R,))
     deadlines = np.asarray(deadlines, dtype=np.int64)
     comp = np.asarray(compute_ms, dtype=np.float64)
     q = probs if skip is None else np.where(skip, -1.0, probs)
@@ -217,16 +219,19 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
     for _ in range(int(backlog)):
         x, used, _ = place(x, used, transfer_ms)
     out: list[PrefetchTask] = []
+    planned: set[tuple[int, int]] = set()  # a load for a layer's next execution serves its later ones too
     for row in np.argsort(deadlines, kind="stable").tolist():
         d = int(deadlines[row])
         layer = row % L
         pool = int(pool_of[layer])
         vic = victims[pool]
         for e in top[row].tolist():
+            if (layer, e) in planned:
+                continue
             qe = float(q[row, e])
             if qe <= 0.0 or taken[pool] >= len(vic):
                 break
-            net = min(net_scale * (qe - float(vic[taken[pool]])), 1.0)  # a load spares one miss at most
+            net = min(scale[row] * (qe - float(vic[taken[pool]])), 1.0)  # a load spares one miss at most
             gain = net * transfer_ms
             if gain <= 0.0 or net < min_net:
                 break
@@ -235,6 +240,7 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
                 continue
             x, used = nx, nused
             out.append(PrefetchTask(layer, int(e), gain - cost, float(d), victim=taken[pool]))
+            planned.add((layer, e))
             taken[pool] += 1
     return out
 

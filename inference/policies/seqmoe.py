@@ -166,10 +166,10 @@ class SeqMoEPolicy(Policy):
                                  "expectation (q - v, calibrated) reach this run's AdjHit (A - D)/(A + P), so that no "
                                  "proactive load lowers AdjHit in expectation (false: the link's headroom alone "
                                  "decides: more loads on an idle link, a little more speed, a lower AdjHit)")
-        plan_executions: int = option(1, "headroom rule: plan each layer's next N executions (2: also the one "
+        plan_executions: int = option(2, "headroom rule: plan each layer's next N executions (2: also the one "
                                       "after, which reaches the layer right after the trigger a step ahead and fills "
-                                      "the link's idle time at the end of a step; 1: the next only, SeqMoE 6)",
-                                      low=1, high=2)
+                                      "the link's idle time at the end of a step, its loads calibrated apart; 1: the "
+                                      "next only, SeqMoE 6)", low=1, high=2)
         calibration_half_life: float = option(64.0, "break-even: half-life in decode steps of the realised/expected "
                                               "ratio of demand misses spared by the loads issued, which scales every "
                                               "q - v (0: take the forecast's q - v as it is)", low=0.0)
@@ -210,7 +210,7 @@ class SeqMoEPolicy(Policy):
         self.prefetch_rule = getattr(o, "prefetch_rule", "floor")
         self.breakeven = bool(getattr(o, "breakeven", False))
         self.calibration_half_life = float(getattr(o, "calibration_half_life", 0.0))
-        self.plan_executions = int(getattr(o, "plan_executions", 1))
+        self.plan_executions = int(getattr(o, "plan_executions", 2))
         self.lookahead = float(o.lookahead)
         self.transfer_layers = o.transfer_layers
         self.bandwidth_gbps = float(o.bandwidth_gbps)
@@ -269,8 +269,11 @@ class SeqMoEPolicy(Policy):
         self._inflight: set[tuple[int, int]] = set()
         self._planned: list[tuple[int, int, int]] = []
         self._tally = [0, 0, 0]  # accesses, demand misses, proactive loads seen by the hooks (the AdjHit break-even)
-        self.calibration = SparedMissCalibration(self.calibration_half_life if self.prefetch_rule == "headroom"
-                                                 and self.breakeven else 0.0)
+        half_life = self.calibration_half_life if self.prefetch_rule == "headroom" and self.breakeven else 0.0
+        self.calibrations = [SparedMissCalibration(half_life) for _ in range(self.plan_executions)]
+        """One per execution planned (the next, the one after): a forecast two executions ahead is less sure than
+        one execution ahead, and its loads hold their slots longer; each is scaled by its own realised/expected
+        ratio (docs/design.md, "Prefetch")."""
         self._missed: tuple[int, set[int]] = (-1, set())  # this layer-execution's demand misses
         self._prior: set[tuple[int, int]] = set()
         self._prior_x = -1
@@ -337,7 +340,8 @@ class SeqMoEPolicy(Policy):
             self._state = self._latest = None
             return
         self._traced = all(hasattr(m, "expert_ids") and hasattr(m, "expert_weights") for m in self.members)
-        self.calibration.clear_pending()
+        for cal in self.calibrations:
+            cal.clear_pending()
         self._row_tables = [None] * B
         if self.oracle is not None and not self._traced:
             raise UsageError("seqmoe:forecast=oracle reads the replayed routing: every batch member needs its "
@@ -564,7 +568,8 @@ class SeqMoEPolicy(Policy):
         self._tally[0] += len(selected)
         x = t * self.L + layer
         self.last_use[layer, np.asarray(selected, np.int64)] = x
-        self.calibration.resolve(x, selected, self._missed[1] if self._missed[0] == x else ())
+        for cal in self.calibrations:
+            cal.resolve(x, selected, self._missed[1] if self._missed[0] == x else ())
         if not (self._traced and self.precompute) and self._latest is not None:
             t0 = time.perf_counter()
             self._record_routing(t, layer, selected, counts)
@@ -601,7 +606,8 @@ class SeqMoEPolicy(Policy):
         :attr:`prefetch_rule`); nothing without prefetch or before the first forecast."""
         if not (self.prefetch and self.has_forecast):
             return
-        self.calibration.step()
+        for cal in self.calibrations:
+            cal.step()
         tasks = self._generate(cache, rule)
         self.scheduler.clear()
         self._planned = []
@@ -658,14 +664,15 @@ class SeqMoEPolicy(Policy):
                                             self.plan_executions)
         tasks = plan_within_headroom(probs, execs, mask, pool_of, victims, int(self.first_exec.min()),
                                      np.full(self.L, self.layer_compute_ms), tms, backlog, self.max_tasks,
-                                     min_net=floor, net_scale=self.calibration.scale, num_layers=self.L)
+                                     min_net=floor, num_layers=self.L,
+                                     net_scale=np.repeat([c.scale for c in self.calibrations], self.L)[:len(probs)])
         for task in tasks:  # the outcome each load is expected to have, settled as the routing arrives
             pool = int(pool_of[task.layer])
             vk = victim_keys[pool][task.victim]
-            row = task.layer + (self.L if task.deadline > self.first_exec[task.layer] else 0)
-            net = float(probs[row, task.expert]) - float(victims[pool][task.victim])
-            self.calibration.expect(int(task.deadline), task.expert, net,
-                                    None if vk is None else (int(self.first_exec[vk[0]]), vk[1]))
+            later = int(task.deadline > self.first_exec[task.layer])  # for the execution after next
+            net = float(probs[task.layer + later * self.L, task.expert]) - float(victims[pool][task.victim])
+            self.calibrations[later].expect(int(task.deadline), task.expert, net,
+                                            None if vk is None else (int(self.first_exec[vk[0]]), vk[1]))
         return tasks
 
     def _in_cache_mask(self, cache: ExpertCache) -> np.ndarray:

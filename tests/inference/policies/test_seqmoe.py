@@ -10,6 +10,7 @@ from expertcast.data.synthetic import ModeMarkovProcess
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache, SlotState
 from expertcast.inference.policies import make_policy
 from expertcast.inference.policies.forecast_tables import precompute_forecasts, precompute_forecasts_many
+from expertcast.inference.policies.prefetch import plan_within_headroom
 from expertcast.inference.policies.seqmoe import SeqMoEPolicy
 from expertcast.inference.sim.simulator import simulate
 from expertcast.models.forecaster import ExpertForecaster, ForecasterConfig
@@ -158,19 +159,46 @@ def _headroom_policy(E: int, **kw) -> tuple[SeqMoEPolicy, ExpertCache]:
 
 def test_headroom_rule_is_the_default_and_prefetches_only_when_the_link_has_room():
     narrow = _headroom_policy(8)[0]
-    assert narrow.prefetch_rule == "headroom" and narrow.breakeven and narrow.calibration.enabled
+    assert narrow.prefetch_rule == "headroom" and narrow.breakeven and narrow.calibrations[0].enabled
     # layer 1 runs next (x=1, its deadline: no time), layer 0 at x=2: layer 1's 0.15 ms of compute is the free link
     fast, cache = _headroom_policy(64, link_bytes_per_s=1e11)  # 0.01 ms per transfer: both loads fit
     assert fast.prefetch_rule == "headroom" and fast.transfer_ms() == pytest.approx(0.01)
     fast.plan_prefetch(cache)
-    assert fast.issue_after(0, 0, cache) == [(0, 0, 2), (0, 1, 2)]  # (layer, expert, the execution it is for)
+    # (layer, expert, the execution it is for); by default also each layer's execution after next: layer 1's at x=3
+    # (its next, x=1, starts now), never an expert already planned for its layer's next execution (layer 0 at x=4)
+    assert fast.plan_executions == 2
+    assert fast.issue_after(0, 0, cache) == [(0, 0, 2), (0, 1, 2), (1, 1, 3), (1, 0, 3)]
     assert fast.issue_after(0, 1, cache) == []  # issued once
+    one, cache = _headroom_policy(64, link_bytes_per_s=1e11, plan_executions=1)
+    one.plan_prefetch(cache)
+    assert one.issue_after(0, 0, cache) == [(0, 0, 2), (0, 1, 2)]  # the next executions only
     slow, cache = _headroom_policy(64, link_bytes_per_s=1e8)  # 10 ms per transfer: nothing lands before x=2
     slow.plan_prefetch(cache)
     assert slow.transfer_ms() == pytest.approx(10.0) and slow.issue_after(0, 0, cache) == []
     floor, cache = _headroom_policy(64, link_bytes_per_s=1e8, prefetch_rule="floor")
     floor.plan_prefetch(cache)
     assert len(floor.scheduler.tasks) == 4  # both layers, the link not consulted
+
+
+def test_loads_for_the_execution_after_next_are_calibrated_apart():
+    """A forecast two executions ahead is scaled by its own realised/expected ratio: loads for layer 1's execution
+    after next that never pay lower only their own factor, and the next executions' loads keep theirs."""
+    pol, cache = _headroom_policy(64, link_bytes_per_s=1e11)
+    pol.plan_prefetch(cache)
+    assert pol.issue_after(0, 0, cache) == [(0, 0, 2), (0, 1, 2), (1, 1, 3), (1, 0, 3)]
+    nxt, after = pol.calibrations
+    assert set(nxt._due) == {2} and set(after._due) == {3}  # each load expected where it was planned
+    for cal in pol.calibrations:
+        cal.resolve(2, np.array([0, 1]), ())  # layer 0's loads were needed
+        cal.resolve(3, np.array([5, 6]), ())  # layer 1's were not
+    assert nxt.scale > 1.0 > after.scale
+    probs = np.full((4, 8), 0.1)
+    probs[:2, 0], probs[2:, 3] = 0.6, 0.9  # rows: layer 0 at x=2, layer 1 at x=3, then their executions after
+    for scale, want in (([1.0] * 4, [(0, 0, 2), (1, 0, 3), (0, 3, 4), (1, 3, 5)]),
+                        ([1.0, 1.0, 0.0, 0.0], [(0, 0, 2), (1, 0, 3)])):  # rows scaled to 0 issue nothing
+        tasks = plan_within_headroom(probs, np.array([2, 3, 4, 5]), None, np.array([0, 1]), [np.zeros(8)] * 2, 1,
+                                     np.full(2, 1.0), 0.01, max_per_layer=1, net_scale=np.array(scale), num_layers=2)
+        assert [(t.layer, t.expert, int(t.deadline)) for t in tasks] == want
 
 
 class _Overconfident(SeqMoEPolicy):
@@ -198,7 +226,7 @@ def test_calibration_stops_the_loads_of_an_overconfident_forecast():
                                                   calibration_half_life=half_life), forecaster=_untrained())
         recs[half_life] = simulate((proc.meta(), seqs[:8]), [pol], [0.5], pool="per-layer", belady_fraction=False,
                                    progress=False)[0]
-        assert pol.calibration.enabled == (half_life > 0)
+        assert all(c.enabled == (half_life > 0) for c in pol.calibrations)
     raw, cal = recs[0.0], recs[64.0]
     assert raw["proactive_loads"] > 0 and cal["proactive_loads"] > 0  # the calibrated one still tries loads
     assert cal["proactive_loads"] < 0.5 * raw["proactive_loads"], (raw, cal)
