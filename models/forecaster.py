@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from expertcast.models.forecaster_components import (
     COMPONENT_SCALE,
+    CROSS_RECENT_HALF_LIFE,
     ExactComponents,
     component_names,
     decay_of,
@@ -115,6 +116,10 @@ class ForecasterConfig:
     the trigger layer's experts to every layer's of the next element (the later layers of the same token), indexed
     after the recent-count ones. False: without it (every export before it: no ``components.cross`` tensor, same
     component indices)."""
+    component_cross_recent: bool = False
+    """With the cross-layer component: also cross-x-recent (docs/design.md "Exact components"), the cross-layer scores
+    times the sequence's recent-freq at half-life 16 (which ``component_half_lives`` must hold) over the fit set's
+    frequency, indexed after cross-layer. False: without it (every export before it: same component indices)."""
     selection: list[list[int]] | None = None
     """Per direct head j and layer l, what issues the logits: -1 the learned part plus the online prior, c >= 0
     component c (``component_names`` order), exactly. Chosen on held-out elements after training
@@ -197,8 +202,13 @@ class ForecasterConfig:
             raise ValueError(f"component_half_lives must be distinct and > 0, got {self.component_half_lives}")
         if self.component_cross_layer and self.component_half_lives is None:
             raise ValueError("component_cross_layer needs the exact components (component_half_lives)")
+        if self.component_cross_recent and not (self.component_cross_layer and CROSS_RECENT_HALF_LIFE in
+                                                [float(h) for h in self.component_half_lives or []]):
+            raise ValueError(f"component_cross_recent needs component_cross_layer and {CROSS_RECENT_HALF_LIFE:g} among "
+                             f"component_half_lives")
         if self.selection is not None:
-            n = len(component_names(self.component_half_lives, self.component_cross_layer)) \
+            n = len(component_names(self.component_half_lives, self.component_cross_layer,
+                                    self.component_cross_recent)) \
                 if self.component_half_lives is not None else 0
             sel = self.selection
             if len(sel) != self.direct_horizons or any(len(r) != self.num_layers for r in sel) or \
@@ -312,7 +322,7 @@ class ExpertForecaster(nn.Module):
         self.components: ExactComponents | None = None
         if c.component_half_lives is not None:
             self.components = ExactComponents(c.num_layers, c.num_experts, c.component_half_lives,
-                                              c.component_cross_layer, c.p)
+                                              c.component_cross_layer, c.p, c.component_cross_recent)
         self.online: OnlinePrior | None = None
         if c.online_half_lives:
             self.online = OnlinePrior(c.online_half_lives, c.num_layers, c.num_experts, c.direct_horizons, c.top_k,
@@ -576,11 +586,15 @@ class ExpertForecaster(nn.Module):
             sel = c.selection or []
             trans_heads = max([j + 1 for j, row in enumerate(sel) if 2 in row] or [0])
             macs += trans_heads * c.input_size * c.num_experts
-            x = self.components.cross_index
-            if x is not None:  # the leader computes it at every head
-                cross_heads = c.direct_horizons if self.leads else max([j + 1 for j, row in enumerate(sel) if x in row]
-                                                                       or [0])
+            x, xr = self.components.cross_index, self.components.cross_recent_index
+            if x is not None:  # the leader computes it at every head (cross-x-recent needs it too)
+                cross_heads = c.direct_horizons if self.leads else max([j + 1 for j, row in enumerate(sel)
+                                                                        if x in row or xr in row] or [0])
                 macs += cross_heads * c.input_size * c.num_experts
+                if xr is not None:  # the recent / frequency ratio, then one product per head that issues it
+                    prod_heads = c.direct_horizons if self.leads else max([j + 1 for j, row in enumerate(sel)
+                                                                           if xr in row] or [0])
+                    macs += (c.input_size if prod_heads else 0) + prod_heads * c.input_size
             if self.leads:  # the leader: every component at every head, the top-K of each and its running score
                 n = 1 + self.components.num_components
                 macs += n * c.direct_horizons * (c.input_size + c.num_layers * c.top_k)

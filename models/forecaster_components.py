@@ -24,7 +24,11 @@ baseline's:
   i+1) + 0.01, rows normalized. For l > p element i+1's layer l is the same token as element i's layer p, so this is
   the within-token map from the freshly routed trigger layer to the later layers (C_p is the transition table's
   layer p). Horizon 1 is element i's layer-p weights (normalized) through C_l for every layer l; horizon h >= 2
-  pushes horizon h-1 through the transition table; ``+ 1e-6 · freq`` for ties.
+  pushes horizon h-1 through the transition table; ``+ 1e-6 · freq`` for ties;
+- ``cross-x-recent`` (after cross-layer, where the forecaster carries it): the cross-layer scores times the
+  sequence's recent-freq (half-life 16) over the fit set's frequency, a naive-Bayes product of the two signals the
+  MLP reference reads (the current element and the sequence's recent usage): P(e | trigger layer) x P(e | this
+  sequence) / P(e), the within-token map reweighted by the experts this sequence favours.
 
 The fitted tables (``freq`` [L, E], ``trans`` [L, E, E], ``cross`` [L, E, E]) are buffers of the export: a
 forecaster reproduces the baselines exactly when forecast-eval fits them on the same sequences (the export's train +
@@ -61,15 +65,20 @@ def count_name(half_life: float) -> str:
 
 CROSS_LAYER = "cross-layer"
 """Name of the cross-layer component / baseline."""
+CROSS_RECENT = "cross-x-recent"
+"""Name of the cross-layer x recent-freq component / baseline."""
+CROSS_RECENT_HALF_LIFE = 16.0
+"""Half-life of the recent-freq average the cross-x-recent component reweights by."""
 
 
-def component_names(half_lives: Sequence[float], cross_layer: bool = False) -> list[str]:
+def component_names(half_lives: Sequence[float], cross_layer: bool = False, cross_recent: bool = False) -> list[str]:
     """The components in their index order (the values of ``ForecasterConfig.selection``): the three fitted /
     last-element ones, recent-freq at each half-life, recent-count at each half-life, then (``cross_layer``)
-    cross-layer. Appended last, so that no earlier component's index depends on it (exports written without it
-    keep their indices)."""
+    cross-layer, then (``cross_recent``) cross-x-recent. Each appended last, so that no earlier component's index
+    depends on it (exports written without it keep their indices)."""
     return (["repeat-last", "frequency", "transition"] + [recent_name(h) for h in half_lives]
-            + [count_name(h) for h in half_lives] + ([CROSS_LAYER] if cross_layer else []))
+            + [count_name(h) for h in half_lives] + ([CROSS_LAYER] if cross_layer else [])
+            + ([CROSS_RECENT] if cross_recent else []))
 
 
 def decay_of(half_life: float) -> torch.Tensor:
@@ -155,6 +164,12 @@ def cross_layer_scores(x: torch.Tensor, cross: torch.Tensor, trans: torch.Tensor
     return torch.stack(out, dim=1)
 
 
+def cross_recent_scores(cross: torch.Tensor, recent: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """cross-x-recent: the cross-layer scores [..., H, L, E] times the recent-freq scores [..., L, E] (half-life 16,
+    :func:`recent_scores`) over the fit set's frequency [L, E]."""
+    return cross * (recent / freq.clamp_min(1e-6)).unsqueeze(-3)
+
+
 def membership(x: torch.Tensor) -> torch.Tensor:
     """x [..., L, E] (an element's weights) -> [..., L, E]: 1/n for each of the n selected experts (weight > 0)."""
     m = (x > 0).to(x.dtype)
@@ -185,14 +200,20 @@ class ExactComponents(nn.Module):
     ``ForecasterState.components``. ``p``: the trigger layer (the cross-layer table's source; None: L - 1)."""
 
     def __init__(self, num_layers: int, num_experts: int, half_lives: Sequence[float], cross_layer: bool = False,
-                 p: int | None = None):
+                 p: int | None = None, cross_recent: bool = False):
         super().__init__()
         self.L, self.E = num_layers, num_experts
         self.p = num_layers - 1 if p is None else int(p)
         self.half_lives = [float(h) for h in half_lives]
-        self.names = component_names(self.half_lives, cross_layer)
+        if cross_recent and not (cross_layer and CROSS_RECENT_HALF_LIFE in self.half_lives):
+            raise ValueError(f"the {CROSS_RECENT} component needs the cross-layer one and a recent-freq half-life of "
+                             f"{CROSS_RECENT_HALF_LIFE:g}")
+        self.names = component_names(self.half_lives, cross_layer, cross_recent)
         self.cross_index = self.names.index(CROSS_LAYER) if cross_layer else None
         """Index of the cross-layer component (None without it)."""
+        self.cross_recent_index = self.names.index(CROSS_RECENT) if cross_recent else None
+        """Index of the cross-x-recent component (None without it)."""
+        self._recent16 = 3 + self.half_lives.index(CROSS_RECENT_HALF_LIFE) if cross_recent else None
         self.register_buffer("freq", torch.zeros(num_layers, num_experts))
         self.register_buffer("trans", torch.zeros(num_layers, num_experts, num_experts))
         # None without the component (a None buffer is not in the state dict: exports written without it match)
@@ -232,6 +253,10 @@ class ExactComponents(nn.Module):
         x = x.float()
         out: dict[int, torch.Tensor] = {}
         M = 2 * len(self.half_lives)
+        product = self.cross_recent_index is not None and self.cross_recent_index in used
+        # the product's factors, computed once and dropped from the answer where not asked for
+        need = sorted(set(used) | ({self.cross_index, self._recent16} if product else set()))
+        used, asked = need, set(used)
         recent = [c for c in used if 3 <= c < 3 + M]
         if M and (ema is not None or recent):
             e = ema if ema is not None else x.new_zeros(B, M, L, E)
@@ -253,4 +278,7 @@ class ExactComponents(nn.Module):
         if self.cross_index is not None and self.cross_index in used:
             out[self.cross_index] = cross_layer_scores(x.reshape(B * T, L, E), self.cross, self.trans, self.freq,
                                                        self.p, heads).view(B, T, heads, L, E)
-        return out
+        if product:
+            out[self.cross_recent_index] = cross_recent_scores(out[self.cross_index], out[self._recent16][:, :, 0],
+                                                               self.freq)
+        return {c: v for c, v in out.items() if c in asked}

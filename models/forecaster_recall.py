@@ -45,9 +45,12 @@ from expertcast.models.forecaster import (
 )
 from expertcast.models.forecaster_components import (
     CROSS_LAYER,
+    CROSS_RECENT,
+    CROSS_RECENT_HALF_LIFE,
     TRANSITION_ALPHA,
     count_name,
     cross_layer_scores,
+    cross_recent_scores,
     decay_of,
     fit_cross_layer,
     fit_frequency,
@@ -169,6 +172,29 @@ class CrossLayerBaseline(Baseline):
         return cross_layer_scores(x, self.C, self.T, self.freq, self.p, horizons)
 
 
+class CrossRecentBaseline(Baseline):
+    """cross-x-recent: the cross-layer baseline's scores times the sequence's recent-freq (half-life 16) over the
+    training frequency (:func:`~expertcast.models.forecaster_components.cross_recent_scores`), the product of the
+    two signals the MLP reference reads."""
+
+    name = CROSS_RECENT
+
+    def __init__(self, cross: CrossLayerBaseline, freq: torch.Tensor):
+        self.cross = cross
+        self.recent = RecentFrequencyBaseline(freq, CROSS_RECENT_HALF_LIFE)
+        self.freq = freq
+
+    def reset(self, batch_size: int) -> None:
+        self.recent.reset(batch_size)
+
+    def observe(self, x: torch.Tensor) -> None:
+        self.recent.observe(x)
+
+    def predict(self, x: torch.Tensor, horizons: int) -> torch.Tensor:
+        recent = self.recent.predict(x, 1)[:, 0]
+        return cross_recent_scores(self.cross.predict(x, horizons), recent, self.freq)
+
+
 class RecentFrequencyBaseline(Baseline):
     """Per-layer expert frequency of the current sequence: an exponential moving average of its elements
     (half-life ``half_life`` elements) plus ``0.05 · (1 - d)`` x the training frequency, the same for every
@@ -205,17 +231,19 @@ def baseline_half_lives(component_half_lives: Sequence[float] | None) -> list[fl
 def fit_baselines(train: Sequence[TraceSequence], meta: TraceMeta, p: int,
                   half_lives: Sequence[float] = (16.0,)) -> list[Baseline]:
     """The three baselines of docs/design.md "Forecaster" plus the sequence's recent frequency (weights) and
-    recent count (membership) at each of ``half_lives``, then the cross-layer baseline, fitted on ``train`` (the
-    order of :func:`~expertcast.models.forecaster_components.component_names`)."""
+    recent count (membership) at each of ``half_lives``, then the cross-layer baseline and its product with the
+    recent frequency (cross-x-recent), fitted on ``train`` (the order of
+    :func:`~expertcast.models.forecaster_components.component_names`)."""
     if not train:
         raise ValueError("no training sequences to fit the baselines on")
     L, E = meta.num_layers, meta.num_experts
     freq = fit_frequency(train, L, E)
     trans = TransitionBaseline(train, L, E, p, freq)
-    return [RepeatLastBaseline(freq), FrequencyBaseline(freq), trans] + \
+    out = [RepeatLastBaseline(freq), FrequencyBaseline(freq), trans] + \
         [RecentFrequencyBaseline(freq, h) for h in half_lives] + \
-        [RecentFrequencyBaseline(freq, h, count=True) for h in half_lives] + \
-        [CrossLayerBaseline(train, L, E, p, freq, trans.T)]
+        [RecentFrequencyBaseline(freq, h, count=True) for h in half_lives]
+    cross = CrossLayerBaseline(train, L, E, p, freq, trans.T)
+    return out + [cross, CrossRecentBaseline(cross, freq)]
 
 
 class MLPReference(Baseline):

@@ -44,7 +44,8 @@ def test_baselines_fit_on_the_fit_set_and_online_ones_read_the_evaluated_sequenc
     meta, fit, ev = _sets()
     row = protocol_rows("a->b", fit, ev, sizes=[10])[0]
     tables = recall_row(None, meta, row, horizons=2)
-    assert set(tables) == {"repeat-last", "frequency", "transition", "recent-freq", "recent-count", "cross-layer"}
+    assert set(tables) == {"repeat-last", "frequency", "transition", "recent-freq", "recent-count", "cross-layer",
+                           "cross-x-recent"}
     # recent-freq and repeat-last read the evaluated sequences: they beat the fit set's frequency on the
     # other process, whose sequences favour their own experts
     assert tables["recent-freq"].recall("k")[0] > tables["frequency"].recall("k")[0] + 0.05

@@ -195,7 +195,7 @@ def test_card_numbers_are_consistent_and_overlap_refused():
         if r["policy"] == "belady" and not math.isnan(r["gap_closed"]):
             assert r["gap_closed"] == 1.0
     assert {r["predictor"] for r in card["recall"]} == {"repeat-last", "frequency", "transition", "recent-freq",
-                                                         "recent-count", "cross-layer"}
+                                                         "recent-count", "cross-layer", "cross-x-recent"}
     h = card["header"]
     assert h["lifecycle"] == "cold" and h["prefill_counted"] is False and h["shape"] == {"L": 3, "E": 8, "K": 2}
     assert h["link_model"]["transfer_ms"] == pytest.approx(CostConfig().transfer_ms(tr.meta.expert_bytes))
