@@ -166,6 +166,7 @@ class Timeline:
         for h in self.handles:
             h.remove()
         self.om.transfer.timeline = None
+        self.om = None  # the traced pass's model (its slots) goes with its pass, not with the next one's allocation
         ev = list(self.events)
         first = min((e[2] if e[0] != "read" else e[3]) for e in ev) if ev else 0.0
 
