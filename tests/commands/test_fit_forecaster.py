@@ -69,7 +69,8 @@ def test_fit_resume_export_and_eval(tmp_path, traces, monkeypatch, caplog):
     exp = load_forecaster(run / "export")
     assert exp.config.num_layers == 2 and exp.source["model_id"] == "synthetic/mode-markov"
     assert exp.extra["split"]["val_fraction"] == 0.2 and exp.config.temperature > 0
-    assert exp.config.component_cross_layer and exp.model.components.names[-1] == "cross-layer"  # the recipe's
+    assert exp.config.component_cross_layer and exp.config.component_cross_recent  # the recipe's
+    assert exp.model.components.names[-2:] == ["cross-layer", "cross-x-recent"]
 
     out = tmp_path / "eval"
     assert main(["forecast-eval", "--forecaster", str(run / "export"), "--traces", str(traces), "--horizons", "3",
@@ -80,7 +81,7 @@ def test_fit_resume_export_and_eval(tmp_path, traces, monkeypatch, caplog):
     names = {r["predictor"] for r in summary["rows"]}
     assert names == {"forecaster", "repeat-last", "frequency", "transition", "recent-freq", "recent-freq-h4",
                      "recent-freq-h64", "recent-count", "recent-count-h4", "recent-count-h64", "cross-layer",
-                     "mlp-reference"}  # the shipped component half-lives, the cross-layer one, the MLP reference
+                     "cross-x-recent", "mlp-reference"}  # the shipped half-lives, the cross-layer two, the MLP
     assert (out / "recall.png").stat().st_size > 1000 and (out / "recall.csv").exists()
     # a forecaster for another model is refused with a clear message
     other = ModeMarkovProcess.random(num_modes=3, num_layers=3, num_experts=8, top_k=2, seed=2)

@@ -58,7 +58,8 @@ def test_default_evaluates_only_sequences_the_export_never_saw(data, tmp_path):
                                           "scored_model": {"path": "synthetic-zipf"}}
     assert s["overlap"]["baselines"]["overlap"] == 0 and len(s["export_hash"]) == 64
     assert {r["predictor"] for r in s["rows"]} == {"forecaster", "repeat-last", "frequency", "transition",
-                                                   "recent-freq", "recent-count", "cross-layer", "mlp-reference"}
+                                                   "recent-freq", "recent-count", "cross-layer", "cross-x-recent",
+                                                   "mlp-reference"}
     # the reference MLP's and the forecaster's cost per decode step, and the MLP's fit time
     assert s["cost"]["mlp-reference"]["parameters"] > 0 and s["cost"]["mlp-reference"]["fit_s"] >= 0
     assert s["cost"]["forecaster"]["step_flops"] > 0

@@ -141,7 +141,8 @@ def test_card_with_a_fit_set_and_a_forecaster(small, tmp_path, capsys):
     hit = {(r["pool"], r["policy"]): r["hit"] for r in rows}
     assert hit[("shared", "seqmoe")] != hit[("shared", "lru")]  # the forecast's eviction order was replayed
     assert {r["predictor"] for r in card["recall"]} == {"forecaster", "repeat-last", "frequency", "transition",
-                                                       "recent-freq", "recent-count", "cross-layer", "mlp-reference"}
+                                                       "recent-freq", "recent-count", "cross-layer", "cross-x-recent",
+                                                       "mlp-reference"}
 
 
 def test_card_refuses_overlap_with_the_fit_set_or_the_export(granite, small, tmp_path, capsys):
