@@ -255,8 +255,8 @@ class ExactComponents(nn.Module):
         M = 2 * len(self.half_lives)
         product = self.cross_recent_index is not None and self.cross_recent_index in used
         # the product's factors, computed once and dropped from the answer where not asked for
-        need = sorted(set(used) | ({self.cross_index, self._recent16} if product else set()))
-        used, asked = need, set(used)
+        asked = set(used)
+        used = sorted(asked | ({self.cross_index, self._recent16} if product else set()))
         recent = [c for c in used if 3 <= c < 3 + M]
         if M and (ema is not None or recent):
             e = ema if ema is not None else x.new_zeros(B, M, L, E)
