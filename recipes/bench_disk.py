@@ -260,6 +260,25 @@ def format_all_in_ram(model, disk, seqs, readers: int) -> tuple[float, float]:
         om.close()
 
 
+def subset_all_in_ram(path: str, seqs, dtype) -> tuple[float, float]:
+    """(seconds per decoded token, decoder-layer share) of the ``--baseline-model`` subset at ``path`` with every
+    expert resident in RAM slots (bf16, capacity 1.0, warmed by one replay, then :func:`layer_share`), loaded afresh
+    and released: the measurement that brackets each full-depth cell in time (docs/design.md, "Disk tier")."""
+    from expertcast.inference.policies import make_policy
+    from expertcast.inference.runtime.engine import OffloadedModel
+    from expertcast.models.backbone import load_moe_model
+
+    model, _ = load_moe_model(path, dtype=dtype)
+    om = OffloadedModel(model, make_policy("lru"), 1.0)
+    try:
+        om.replay(seqs)
+        return layer_share(om, seqs)
+    finally:
+        om.close()
+        del om, model
+        release_memory()
+
+
 def scaled_full_seconds(sub_seconds: float, share: float, sub_layers: int, full_layers: int) -> float:
     """Per-token seconds of the full-depth model all in RAM, from its ``sub_layers``-layer subset's ``sub_seconds``
     of which ``share`` is spent inside the decoder layers (:func:`layer_share`):
@@ -421,9 +440,9 @@ def resimulate(record: dict[str, Any], link_gbps: float, stream: Any) -> list[di
     """The :func:`simulated` figures of a finished run's full-depth rows (``record``: its ``bench_disk.json``) again,
     on a link at ``link_gbps``: the same settings, routing (checked against the record's fingerprint), cache
     configuration (the row's slots per layer) and policy arming (link estimate at the record's one-pass rate),
-    compute per layer-execution = the row's all-in-RAM floor / L. Returns one dict per row: policy, budget, format,
-    measured tokens/s, the recorded ``sim_tokens_per_s`` (None in records older than the columns) and the new
-    ``sim_*`` figures. Needs the record's traces and forecaster where it names them."""
+    compute per layer-execution = the one the row was armed with (``armed_layer_ms``; older records: its floor / L).
+    Returns one dict per row: policy, budget, format, measured tokens/s, the recorded ``sim_tokens_per_s`` (None in
+    records older than the columns) and the new ``sim_*`` figures. Needs the record's traces and forecaster where it names them."""
     from expertcast.inference.cache.expert_cache import Budget, CacheConfig
 
     prov = record["provenance"]
@@ -441,7 +460,8 @@ def resimulate(record: dict[str, Any], link_gbps: float, stream: Any) -> list[di
         cc = CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="per-layer",
                          budget=Budget.slots(int(r["slots"]) // L), expert_bytes=xb)
         floor_s = float(r["compute_floor_s"])
-        sim = simulated(r["policy"], cfg, meta, seqs, cc, stream, 1e3 * floor_s / L, floor_s, one, xb, calib,
+        layer_ms = float(r.get("armed_layer_ms", 1e3 * floor_s / L))  # records before the bracketed figure: floor / L
+        sim = simulated(r["policy"], cfg, meta, seqs, cc, stream, layer_ms, floor_s, one, xb, calib,
                         link_gbps=link_gbps)
         out.append({"policy": r["policy"], "budget": r["budget"], "format": r["format"],
                     "tokens_per_s": r["tokens_per_s"], "recorded_sim_tokens_per_s": r.get("sim_tokens_per_s"),
@@ -726,6 +746,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
             release_memory()
         base_s, share = layer_share(base, seqs_b)
         full_s = scaled_full_seconds(base_s, share, n_dec_sub, n_dec_full)
+        brackets = [(base_s, share)]  # the subset's all-in-RAM before the first full-depth cell, then after each
         full_s_of = {f: scaled_full_seconds(s_f, sh_f, n_dec_sub, n_dec_full) for f, (s_f, sh_f) in fmt_full.items()}
         base.close()
         del base, base_model, plain
@@ -762,6 +783,12 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         del om, pol, fut  # the slots go before the next cell allocates its own
                         release_memory()
                 vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in cell.items()}, reference_arm(arms))
+                # the subset's all-in-RAM measured again now: this cell's figure is the mean of the two that bracket
+                # it in time (the host's memory bandwidth drifts by several % over minutes: one figure taken before
+                # every cell read run K's oracle at 87.8% of it; docs/results.md, "The all-in-RAM figure, bracketed")
+                brackets.append(subset_all_in_ram(cfg.baseline_model, seqs_b, dtype))
+                (s0, f0), (s1, f1) = brackets[-2], brackets[-1]
+                cell_s = scaled_full_seconds((s0 + s1) / 2, (f0 + f1) / 2, n_dec_sub, n_dec_full)
                 for name in arms:
                     runs = cell[name]
                     if not runs:
@@ -770,14 +797,17 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     st, slots, pool_bytes, rss, start, cache_config = runs[i_med]
                     sub = sub_by.get((name, float(budget), fmt, kind), {})
                     bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
-                    floor_s = full_s_of.get(fmt, full_s)  # this format's all-in-RAM s/token
+                    floor_s = full_s_of.get(fmt, cell_s)  # this format's all-in-RAM s/token
                     rows.append(defer_sim(_row(name, budget, float(cap) if kind == "experts" else slots / (L * E), st, slots,
                                      fx, disk_gbps, floor_s, expert_s.get(fmt, ms1 * 1e-3), {
                         "format": fmt, "budget_kind": kind,
                         "pct_full": sub.get("pct_full", float("nan")),
                         "pct_full_min": sub.get("pct_full_min", float("nan")),
                         "pct_full_max": sub.get("pct_full_max", float("nan")),
-                        "pct_full_scaled": 100 * st.tokens_per_s * full_s, "full_tokens_per_s": 1.0 / full_s,
+                        "pct_full_scaled": 100 * st.tokens_per_s * cell_s, "full_tokens_per_s": 1.0 / cell_s,
+                        "full_tokens_per_s_before": 1.0 / scaled_full_seconds(s0, f0, n_dec_sub, n_dec_full),
+                        "full_tokens_per_s_after": 1.0 / scaled_full_seconds(s1, f1, n_dec_sub, n_dec_full),
+                        "armed_layer_ms": 1e3 * full_s / L,
                         "pct_full_format": 100 * st.tokens_per_s * floor_s, "full_format_tokens_per_s": 1.0 / floor_s,
                         "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
                         "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start,
@@ -794,7 +824,12 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                          f"all-in-RAM speed is scaled: t_full = t_subset x ((1 - f) + f x {n_dec_full}/{n_dec_sub} decoder "
                          f"layers), f = {share:.3f} the measured share of a decode step inside the decoder layers "
                          f"(hooks on each layer; the rest: embedding, final norm, LM head, per-token work), "
-                         f"t_subset = {1e3 * base_s:.2f} ms -> {1e3 * full_s:.1f} ms/token")
+                         f"t_subset = {1e3 * base_s:.2f} ms -> {1e3 * full_s:.1f} ms/token before the first full-depth "
+                         f"cell (the figure its policies were armed with); each full-depth row's all-in-RAM speed "
+                         f"(full_tokens_per_s) is the mean of the subset's measurements just before and just after its "
+                         f"cell (full_tokens_per_s_before/_after), scaled alike: "
+                         + ", ".join(f"{1e3 * scaled_full_seconds(s_, f_, n_dec_sub, n_dec_full):.1f}"
+                                     for s_, f_ in brackets) + " ms/token in turn")
     else:
         for fmt in formats:
             m_f, disk = model_store(fmt)

@@ -58,8 +58,18 @@ def test_subset_layers_are_the_full_builds_first_layers(builds):
         check_subset(str(d / "sub"), str(d / "full"))
 
 
-def test_streamed_model_with_subset_baseline(builds, tmp_path):
+def test_streamed_model_with_subset_baseline(builds, tmp_path, monkeypatch):
+    import expertcast.recipes.bench_disk as bd
+
     d, full, _ = builds
+    brackets = []
+    real = bd.subset_all_in_ram
+
+    def measured(*a, **k):
+        brackets.append(real(*a, **k))
+        return brackets[-1]
+
+    monkeypatch.setattr(bd, "subset_all_in_ram", measured)
     threads = torch.get_num_threads()
     cfg = BenchConfig(out=str(tmp_path / "o"), model=str(d / "full"), baseline_model=str(d / "sub"),
                       policies=("lru", "belady"), budgets=(0.25, 0.45), repeats=2, sequences=1, tokens=6, prompt=3,
@@ -89,6 +99,18 @@ def test_streamed_model_with_subset_baseline(builds, tmp_path):
     lru = {r["budget"]: r["hit"] for r in rec["rows"] if r["policy"] == "lru"}
     assert all(belady[b] >= lru[b] for b in belady)  # the protect-rule plan is the demand-only ceiling
     assert "t_full = t_subset x ((1 - f) + f x 4/2" in rec["baseline"] and "3/2" not in rec["baseline"]
+    # the full depth's all-in-RAM figure is bracketed in time: the subset measured again after each cell, each row's
+    # figure between the two measurements around its cell (the mean of their seconds), the policies still armed
+    # with the figure taken before the first cell
+    assert len(brackets) == 2 and all(s > 0 and 0 < f < 1 for s, f in brackets)
+    c25, c45 = ([r for r in rec["rows"] if r["budget"] == b] for b in (0.25, 0.45))
+    assert c25[0]["full_tokens_per_s_after"] == c45[0]["full_tokens_per_s_before"]
+    for r in rec["rows"]:
+        lo, hi = sorted((r["full_tokens_per_s_before"], r["full_tokens_per_s_after"]))
+        assert lo * (1 - 1e-9) <= r["full_tokens_per_s"] <= hi * (1 + 1e-9)
+        assert r["armed_layer_ms"] == rec["rows"][0]["armed_layer_ms"]
+    assert 1.0 / c45[0]["full_tokens_per_s_after"] == pytest.approx(
+        bd.scaled_full_seconds(brackets[1][0], brackets[1][1], 2, 4))
     left = {p.name for p in (tmp_path / "o").iterdir()}
     assert left == {"bench_disk.json", "bench_disk.csv", "bench_disk.png"}, left  # both stores deleted
     assert json.loads((tmp_path / "o" / "bench_disk.json").read_text())["provenance"]["sequences"]
