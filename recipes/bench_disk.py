@@ -260,6 +260,40 @@ def format_all_in_ram(model, disk, seqs, readers: int) -> tuple[float, float]:
         om.close()
 
 
+def constant_routing(seqs) -> list:
+    """``seqs`` with every position routed as its first one (the same experts and weights; token ids unchanged):
+    a pass over them reads nothing once its few experts are resident (:func:`resident_ceiling`)."""
+    from dataclasses import replace
+
+    def const(s):
+        ids, ws = np.array(s.expert_ids, copy=True), np.array(s.expert_weights, copy=True)
+        ids[:], ws[:] = ids[0], ws[0]
+        return replace(s, expert_ids=ids, expert_weights=ws, router_probs=None)
+
+    return [const(s) for s in seqs]
+
+
+def resident_ceiling(model, disk, capacity, seqs, readers: int, repeats: int = 2) -> tuple[float, int]:
+    """(seconds per decoded token, reads counted) of the full-depth model itself, through the same runtime, store
+    and slots as a cell's passes, with one thing changed: the routing is constant (:func:`constant_routing`), so
+    after a warm-up replay every expert a step computes is resident and no read happens; median of ``repeats``
+    replays. The expert and attention FLOPs per token are the cell's; what it measures is the full depth's own
+    compute per token, which the subset's scaled all-in-RAM figure assumes from a few layers (a MoE layer's cost
+    grows with the memory a token touches: docs/results.md, "The all-in-RAM figure, bracketed")."""
+    from expertcast.inference.policies import make_policy
+
+    const = constant_routing(seqs)
+    om = OffloadedModel_(model, make_policy("lru"), capacity, store=disk, readers=readers)
+    try:
+        om.replay(const)
+        runs = [om.replay(const) for _ in range(repeats)]
+    finally:
+        om.close()
+        del om
+        release_memory()
+    return float(np.median([1.0 / st.tokens_per_s for st in runs])), int(sum(st.reads for st in runs))
+
+
 def subset_all_in_ram(path: str, seqs, dtype) -> tuple[float, float]:
     """(seconds per decoded token, decoder-layer share) of the ``--baseline-model`` subset at ``path`` with every
     expert resident in RAM slots (bf16, capacity 1.0, warmed by one replay, then :func:`layer_share`), loaded afresh
@@ -787,6 +821,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                 # it in time (the host's memory bandwidth drifts by several % over minutes: one figure taken before
                 # every cell read run K's oracle at 87.8% of it; docs/results.md, "The all-in-RAM figure, bracketed")
                 brackets.append(subset_all_in_ram(cfg.baseline_model, seqs_b, dtype))
+                res_s, res_reads = resident_ceiling(model, disk, cap, seqs, cfg.readers)
                 (s0, f0), (s1, f1) = brackets[-2], brackets[-1]
                 cell_s = scaled_full_seconds((s0 + s1) / 2, (f0 + f1) / 2, n_dec_sub, n_dec_full)
                 for name in arms:
@@ -808,6 +843,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         "full_tokens_per_s_before": 1.0 / scaled_full_seconds(s0, f0, n_dec_sub, n_dec_full),
                         "full_tokens_per_s_after": 1.0 / scaled_full_seconds(s1, f1, n_dec_sub, n_dec_full),
                         "armed_layer_ms": 1e3 * full_s / L,
+                        "resident_tokens_per_s": 1.0 / res_s, "pct_resident": 100 * st.tokens_per_s * res_s,
+                        "resident_reads": res_reads,
                         "pct_full_format": 100 * st.tokens_per_s * floor_s, "full_format_tokens_per_s": 1.0 / floor_s,
                         "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
                         "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start,
@@ -829,7 +866,9 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                          f"(full_tokens_per_s) is the mean of the subset's measurements just before and just after its "
                          f"cell (full_tokens_per_s_before/_after), scaled alike: "
                          + ", ".join(f"{1e3 * scaled_full_seconds(s_, f_, n_dec_sub, n_dec_full):.1f}"
-                                     for s_, f_ in brackets) + " ms/token in turn")
+                                     for s_, f_ in brackets) + " ms/token in turn; resident_tokens_per_s (pct_resident): the "
+                         "full-depth model's own speed through the same runtime, store and slots under constant routing "
+                         "(every expert a step computes resident, no read: resident_reads), measured after each cell")
     else:
         for fmt in formats:
             m_f, disk = model_store(fmt)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 COLUMNS = ["policy", "format", "budget", "budget_kind", "start", "slots", "tokens_per_s", "sim_tokens_per_s", "vs_ref", "vs_ref_min", "vs_ref_max", "pct_full", "pct_full_min",
-           "pct_full_max", "pct_full_scaled", "pct_full_format", "sub_tokens_per_s", "hit", "reads_per_token", "exposed_misses_per_token",
+           "pct_full_max", "pct_full_scaled", "pct_full_format", "pct_resident", "sub_tokens_per_s", "hit", "reads_per_token", "exposed_misses_per_token",
            "miss_free_token_frac", "sim_hit", "sim_reads_per_token", "read_mb_per_token", "read_gbps", "read_vs_disk", "io_overlap",
            "disk_busy_ms_per_token", "disk_idle_ms_per_token", "late_prefetches", "bound_tokens_per_s",
            "achieved_vs_bound", "dep_bound_tokens_per_s", "achieved_vs_dep_bound", "sub_achieved_vs_bound",

@@ -111,6 +111,10 @@ def test_streamed_model_with_subset_baseline(builds, tmp_path, monkeypatch):
         assert r["armed_layer_ms"] == rec["rows"][0]["armed_layer_ms"]
     assert 1.0 / c45[0]["full_tokens_per_s_after"] == pytest.approx(
         bd.scaled_full_seconds(brackets[1][0], brackets[1][1], 2, 4))
+    # the full depth's own ceiling: the same model, store and slots under constant routing reads nothing once warm
+    for r in rec["rows"]:
+        assert r["resident_reads"] == 0 and r["resident_tokens_per_s"] > 0, r
+        assert math.isclose(r["pct_resident"], 100 * r["tokens_per_s"] / r["resident_tokens_per_s"], rel_tol=1e-9)
     left = {p.name for p in (tmp_path / "o").iterdir()}
     assert left == {"bench_disk.json", "bench_disk.csv", "bench_disk.png"}, left  # both stores deleted
     assert json.loads((tmp_path / "o" / "bench_disk.json").read_text())["provenance"]["sequences"]
@@ -368,3 +372,18 @@ def test_learned_forecaster_guard_and_recall(tmp_path):
     assert pol.model is not None and pol.oracle is None and pol.fc.trigger_layer == fcfg.trigger_layer
     orc, _ = arm_policy("seqmoe:forecast=oracle,recall=1,breakeven=false", cfg, syn.meta, seqs, 1e9, 1.0)
     assert orc.oracle is not None and orc.model is not None and orc.fc == pol.fc
+
+
+def test_constant_routing_repeats_the_first_position():
+    import numpy as np
+    from expertcast.data.trace_format import TraceSequence
+    from expertcast.recipes.bench_disk import constant_routing
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 8, size=(5, 3, 2)).astype(np.int16)
+    seq = TraceSequence(seq_id="s", token_ids=np.arange(5, dtype=np.int32), expert_ids=ids,
+                        expert_weights=rng.random((5, 3, 2)).astype(np.float32), prompt_len=2)
+    (c,) = constant_routing([seq])
+    assert (c.expert_ids == ids[0]).all() and (c.expert_weights == seq.expert_weights[0]).all()
+    assert (c.token_ids == seq.token_ids).all() and (seq.expert_ids == ids).all()  # the input is left as it was
+    assert not (ids == ids[0]).all()
