@@ -260,33 +260,46 @@ def format_all_in_ram(model, disk, seqs, readers: int) -> tuple[float, float]:
         om.close()
 
 
-def constant_routing(seqs) -> list:
-    """``seqs`` with every position routed as its first one (the same experts and weights; token ids unchanged):
-    a pass over them reads nothing once its few experts are resident (:func:`resident_ceiling`)."""
+def resident_routing(seqs, slots: int) -> list:
+    """``seqs`` with every layer's routing folded onto experts ``0 .. slots - 1``: expert ``e`` becomes ``e % slots``,
+    the next free id where that repeats one of the same position's earlier choices (the K choices stay distinct;
+    weights and token ids unchanged). The routing varies from token to token as the trace's does, over no more experts
+    per layer than a per-layer pool of ``slots`` holds, so a pass reads nothing once they are resident
+    (:func:`resident_ceiling`)."""
     from dataclasses import replace
 
-    def const(s):
-        ids, ws = np.array(s.expert_ids, copy=True), np.array(s.expert_weights, copy=True)
-        ids[:], ws[:] = ids[0], ws[0]
-        return replace(s, expert_ids=ids, expert_weights=ws, router_probs=None)
+    def fold(s):
+        ids = np.asarray(s.expert_ids)
+        if ids.shape[-1] > slots:
+            raise ValueError(f"{slots} slots per layer cannot hold top-{ids.shape[-1]}")
+        out = np.empty_like(ids)
+        for idx in np.ndindex(*ids.shape[:-1]):
+            taken: list[int] = []
+            for e in ids[idx].tolist():
+                f = e % slots
+                while f in taken:
+                    f = (f + 1) % slots
+                taken.append(f)
+            out[idx] = taken
+        return replace(s, expert_ids=out, router_probs=None)
 
-    return [const(s) for s in seqs]
+    return [fold(s) for s in seqs]
 
 
 def resident_ceiling(model, disk, capacity, seqs, readers: int, repeats: int = 2) -> tuple[float, int]:
     """(seconds per decoded token, reads counted) of the full-depth model itself, through the same runtime, store
-    and slots as a cell's passes, with one thing changed: the routing is constant (:func:`constant_routing`), so
-    after a warm-up replay every expert a step computes is resident and no read happens; median of ``repeats``
-    replays. The expert and attention FLOPs per token are the cell's; what it measures is the full depth's own
-    compute per token, which the subset's scaled all-in-RAM figure assumes from a few layers (a MoE layer's cost
-    grows with the memory a token touches: docs/results.md, "The all-in-RAM figure, bracketed")."""
+    and slots as a cell's passes, with one thing changed: the routing is folded onto the experts the cell's slots
+    hold (:func:`resident_routing`), so after a warm-up replay every expert a step computes is resident and no read
+    happens; median of ``repeats`` replays. The expert and attention FLOPs per token are the cell's, the routing
+    varies as the trace's: it measures the full depth's own compute per token, which the subset's scaled all-in-RAM
+    figure assumes from a few layers (docs/results.md, "The all-in-RAM figure at full depth")."""
     from expertcast.inference.policies import make_policy
 
-    const = constant_routing(seqs)
     om = OffloadedModel_(model, make_policy("lru"), capacity, store=disk, readers=readers)
     try:
-        om.replay(const)
-        runs = [om.replay(const) for _ in range(repeats)]
+        folded = resident_routing(seqs, om.cache.num_slots // om.L)
+        om.replay(folded)
+        runs = [om.replay(folded) for _ in range(repeats)]
     finally:
         om.close()
         del om
@@ -819,7 +832,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                 vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in cell.items()}, reference_arm(arms))
                 # the subset's all-in-RAM measured again now: this cell's figure is the mean of the two that bracket
                 # it in time (the host's memory bandwidth drifts by several % over minutes: one figure taken before
-                # every cell read run K's oracle at 87.8% of it; docs/results.md, "The all-in-RAM figure, bracketed")
+                # every cell read run K's oracle at 87.8% of it; docs/results.md, "The all-in-RAM figure at full depth")
                 brackets.append(subset_all_in_ram(cfg.baseline_model, seqs_b, dtype))
                 res_s, res_reads = resident_ceiling(model, disk, cap, seqs, cfg.readers)
                 (s0, f0), (s1, f1) = brackets[-2], brackets[-1]
@@ -867,8 +880,9 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                          f"cell (full_tokens_per_s_before/_after), scaled alike: "
                          + ", ".join(f"{1e3 * scaled_full_seconds(s_, f_, n_dec_sub, n_dec_full):.1f}"
                                      for s_, f_ in brackets) + " ms/token in turn; resident_tokens_per_s (pct_resident): the "
-                         "full-depth model's own speed through the same runtime, store and slots under constant routing "
-                         "(every expert a step computes resident, no read: resident_reads), measured after each cell")
+                         "full-depth model's own speed through the same runtime, store and slots with the routing folded onto "
+                         "the experts its slots hold (every expert a step computes resident, no read: resident_reads), "
+                         "measured after each cell")
     else:
         for fmt in formats:
             m_f, disk = model_store(fmt)

@@ -111,7 +111,7 @@ def test_streamed_model_with_subset_baseline(builds, tmp_path, monkeypatch):
         assert r["armed_layer_ms"] == rec["rows"][0]["armed_layer_ms"]
     assert 1.0 / c45[0]["full_tokens_per_s_after"] == pytest.approx(
         bd.scaled_full_seconds(brackets[1][0], brackets[1][1], 2, 4))
-    # the full depth's own ceiling: the same model, store and slots under constant routing reads nothing once warm
+    # the full depth's own ceiling: the same model, store and slots, the routing folded onto the slots: no read once warm
     for r in rec["rows"]:
         assert r["resident_reads"] == 0 and r["resident_tokens_per_s"] > 0, r
         assert math.isclose(r["pct_resident"], 100 * r["tokens_per_s"] / r["resident_tokens_per_s"], rel_tol=1e-9)
@@ -374,16 +374,24 @@ def test_learned_forecaster_guard_and_recall(tmp_path):
     assert orc.oracle is not None and orc.model is not None and orc.fc == pol.fc
 
 
-def test_constant_routing_repeats_the_first_position():
+def test_resident_routing_folds_each_layer_onto_its_slots():
     import numpy as np
     from expertcast.data.trace_format import TraceSequence
-    from expertcast.recipes.bench_disk import constant_routing
+    from expertcast.recipes.bench_disk import resident_routing
 
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, 8, size=(5, 3, 2)).astype(np.int16)
-    seq = TraceSequence(seq_id="s", token_ids=np.arange(5, dtype=np.int32), expert_ids=ids,
-                        expert_weights=rng.random((5, 3, 2)).astype(np.float32), prompt_len=2)
-    (c,) = constant_routing([seq])
-    assert (c.expert_ids == ids[0]).all() and (c.expert_weights == seq.expert_weights[0]).all()
-    assert (c.token_ids == seq.token_ids).all() and (seq.expert_ids == ids).all()  # the input is left as it was
-    assert not (ids == ids[0]).all()
+    ids = np.stack([np.stack([rng.permutation(16)[:3] for _ in range(4)]) for _ in range(6)]).astype(np.int16)
+    ids[0, 0] = [1, 6, 11]  # 1, 6 and 11 all fold onto 1 mod 5: the later ones take the next free ids
+    seq = TraceSequence(seq_id="s", token_ids=np.arange(6, dtype=np.int32), expert_ids=ids,
+                        expert_weights=rng.random((6, 4, 3)).astype(np.float32), prompt_len=2)
+    (f,) = resident_routing([seq], 5)
+    assert f.expert_ids.min() >= 0 and f.expert_ids.max() < 5
+    assert all(len(set(row.tolist())) == 3 for row in f.expert_ids.reshape(-1, 3))  # top-K stays distinct
+    assert f.expert_ids[0, 0].tolist() == [1, 2, 3]
+    unchanged = (ids < 5).all(-1) & np.array([[len({int(e) % 5 for e in r}) == 3 for r in t] for t in ids])
+    assert (f.expert_ids[unchanged] == ids[unchanged] % 5).all()
+    assert len({tuple(r) for r in f.expert_ids[:, 1].tolist()}) > 1  # the routing still varies over the tokens
+    assert (f.token_ids == seq.token_ids).all() and (f.expert_weights == seq.expert_weights).all()
+    assert (seq.expert_ids == ids).all()  # the input is left as it was
+    with pytest.raises(ValueError, match="top-3"):
+        resident_routing([seq], 2)
