@@ -831,8 +831,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         release_memory()
                 vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in cell.items()}, reference_arm(arms))
                 # the subset's all-in-RAM measured again now: this cell's figure is the mean of the two that bracket
-                # it in time (the host's memory bandwidth drifts by several % over minutes: one figure taken before
-                # every cell read run K's oracle at 87.8% of it; docs/results.md, "The all-in-RAM figure at full depth")
+                # it in time, so that a drift of the host since the first is seen, not assumed away (0.7-3% in runs
+                # L-N); then the full depth's own no-read ceiling (docs/results.md, "The all-in-RAM figure at full depth")
                 brackets.append(subset_all_in_ram(cfg.baseline_model, seqs_b, dtype))
                 res_s, res_reads = resident_ceiling(model, disk, cap, seqs, cfg.readers)
                 (s0, f0), (s1, f1) = brackets[-2], brackets[-1]
