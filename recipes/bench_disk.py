@@ -829,6 +829,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                                            om.cache_config))
                         del om, pol, fut  # the slots go before the next cell allocates its own
                         release_memory()
+                if not any(cell.values()):  # every arm skipped at this budget: nothing to bracket or compare
+                    continue
                 vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in cell.items()}, reference_arm(arms))
                 # the subset's all-in-RAM measured again now: this cell's figure is the mean of the two that bracket
                 # it in time, so that a drift of the host since the first is seen, not assumed away (0.7-3% in runs

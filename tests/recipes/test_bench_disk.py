@@ -395,3 +395,30 @@ def test_resident_routing_folds_each_layer_onto_its_slots():
     assert (seq.expert_ids == ids).all()  # the input is left as it was
     with pytest.raises(ValueError, match="top-3"):
         resident_routing([seq], 2)
+
+
+def test_a_cell_whose_arms_are_all_skipped_is_measured_no_further(builds, tmp_path, monkeypatch):
+    """Where every arm of a full-depth cell is skipped (here: each refuses to be built), the cell writes no row and
+    takes neither the bracketing measurement nor the full depth's ceiling (minutes per cell at real shape, for no
+    row); the run names what it skipped."""
+    import expertcast.recipes.bench_disk as bd
+
+    d, _, _ = builds
+    measured = []
+
+    def refused(name, *a, **k):
+        raise ValueError(f"{name}: refused here")
+
+    monkeypatch.setattr(bd, "arm_policy", refused)
+    monkeypatch.setattr(bd, "subset_all_in_ram", lambda *a, **k: measured.append("bracket"))
+    monkeypatch.setattr(bd, "resident_ceiling", lambda *a, **k: measured.append("ceiling"))
+    threads = torch.get_num_threads()
+    cfg = BenchConfig(out=str(tmp_path / "o"), model=str(d / "full"), baseline_model=str(d / "sub"),
+                      policies=("lru",), budgets=(0.25,), repeats=1, sequences=1, tokens=4, prompt=3,
+                      disk_mb=4, readers=2, dtype="bfloat16")
+    try:
+        rec = run_bench(cfg, stream=build_stream)
+    finally:
+        torch.set_num_threads(threads)
+    assert rec["rows"] == [] and measured == []
+    assert any("(full depth)" in k and "refused here" in v for k, v in rec["skipped"].items()), rec["skipped"]
