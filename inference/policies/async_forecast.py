@@ -46,7 +46,7 @@ import torch
 from expertcast.inference.cache.options import option
 from expertcast.inference.cache.policy import Policy
 from expertcast.inference.cache.spec import PolicySpec
-from expertcast.inference.policies.forecast_process import ProcessForecastWorker
+from expertcast.inference.policies.forecast_process import WINDOW_MAX, ProcessForecastWorker
 from expertcast.inference.policies.seqmoe import ForecastOptions, SeqMoEPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -189,6 +189,23 @@ class ForecastWorker:
         with forecaster_stream(self.policy.device) as self.stream:
             self._loop()
 
+    def _backlog(self, job: ForecastJob, rows: list[int]) -> list[ForecastJob]:
+        """The jobs queued right after ``job`` that continue it (same batch, state and members, nothing to publish
+        but the forecast), at most :data:`WINDOW_MAX` - 1, taken off the queue (and marked done: their elements are
+        consumed with ``job``'s, in one call)."""
+        taken: list[ForecastJob] = []
+        with self.jobs.mutex:
+            q = self.jobs.queue
+            while q and len(taken) < WINDOW_MAX - 1:
+                nxt = q[0]
+                if nxt is _STOP or nxt.generation != job.generation or nxt.state is not job.state \
+                        or nxt.publish is not None or nxt.element()[0] != rows:
+                    break
+                taken.append(q.popleft())
+        for _ in taken:
+            self.jobs.task_done()
+        return taken
+
     def _loop(self) -> None:
         while True:
             job = self.jobs.get()
@@ -201,11 +218,18 @@ class ForecastWorker:
                 rows, x = job.element()
                 F = None
                 if rows:
+                    n = 1
+                    if not self.every and job.publish is None:  # fell behind: the queued run in one call
+                        later = self._backlog(job, rows)
+                        if later:
+                            job = later[-1]
+                            x = np.stack([x] + [j.element()[1] for j in later], axis=1)
+                            n += len(later)
                     last = self.jobs.unfinished_tasks <= 1  # nothing newer queued: forecast from here
                     F = self.policy.forecast(rows, x, rollout=last or self.every, state=job.state)
-                    self.steps += 1
+                    self.steps += n
                     self.rollouts += F is not None
-                    self.dropped += F is None
+                    self.dropped += n - (F is not None)
                 value = job.publish(F) if job.publish is not None else F
                 with self._cv:
                     if value is not None and job.generation == self.generation:

@@ -10,7 +10,8 @@ published forecast from shared memory without blocking; nothing of the forecaste
 The process starts from a fork server that has imported torch and the forecaster once (the first worker of a run
 pays that, later ones start in milliseconds) and receives the forecaster as its config and weights (its own
 in-memory copy; nothing is read from disk there). It consumes every element in order (the recurrent state must see
-them all), rolls out only after the last element queued (after every one with ``every``: the blocking mode), and
+them all; a run of queued elements of the same members, as a prompt's replay leaves, in one parallel pass of at most
+:data:`WINDOW_MAX`), rolls out only after the last element queued (after every one with ``every``: the blocking mode), and
 answers through a :class:`Mailbox` in shared memory: the newest forecast F [H, L, E] and its sequence number, written
 under a lock that the decoding thread only tries (while the process writes, the forecast is taken at the next
 check), the last element consumed, and the forecaster's cumulative seconds, calls, steps, rollouts and FLOPs, which the
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 
 START_TIMEOUT_S = 300.0
+WINDOW_MAX = 64
+"""Most queued elements the process consumes in one call (:func:`_serve`)."""
 """Longest wait for a new worker process to load the forecaster and say it is ready."""
 
 WORKER_NICE = 10
@@ -95,11 +98,12 @@ class Mailbox:
             self.meta[:] = (generation, t)
             self.head[self.SEQ] += 1
 
-    def answered(self, generation: int, t: int, counters: dict[str, float]) -> None:
-        """Element ``t`` of ``generation`` was consumed (after its forecast, if any, was published)."""
+    def answered(self, generation: int, t: int, counters: dict[str, float], n: int = 1) -> None:
+        """Elements up to ``t`` of ``generation`` were consumed, ``n`` of them in this call (after the forecast, if
+        any, was published)."""
         self.counts[:] = [counters[k] for k in self.COUNTERS]
         self.head[self.DONE_GEN], self.head[self.DONE_T] = generation, t
-        self.head[self.ANSWERED] += 1
+        self.head[self.ANSWERED] += n
 
     # -- the decoding thread's side ----------------------------------------------------------------------------
     def read(self, seen: int) -> tuple[int, int, int, np.ndarray] | None:
@@ -183,18 +187,25 @@ def _serve(conn: Any, box: Mailbox, config: dict[str, Any], weights: dict[str, t
                 counters["dropped"] += 1
                 box.answered(g, t, counters)
                 continue
+            xs = [x]
+            while not every and len(xs) < WINDOW_MAX and pending and pending[0][0] == ELEMENT \
+                    and pending[0][1] == g and pending[0][3][0] == rows:  # fell behind: the queued run in one call
+                _, _, t, (_, x) = pending.popleft()
+                xs.append(x)
+            if len(xs) > 1:
+                x = np.stack(xs, axis=1).reshape(len(rows), len(xs), model.config.num_layers, -1)
             last = every or not any(m[0] == ELEMENT for m in pending)
             t0 = time.perf_counter()
             F, steps = online_forecast(model, state, rows, x, horizon, rollout=last, device=device)
             counters["forecast_seconds"] += time.perf_counter() - t0
             counters["forecast_calls"] += 1
             counters["forecast_flops"] += step_flops * steps * len(rows)
-            counters["steps"] += 1
+            counters["steps"] += len(xs)
             counters["rollouts"] += F is not None
-            counters["dropped"] += F is None  # a rollout skipped for a newer element
+            counters["dropped"] += len(xs) - (F is not None)  # rollouts skipped for newer elements
             if F is not None:
                 box.publish(g, t, F)
-            box.answered(g, t, counters)
+            box.answered(g, t, counters, len(xs))
         except BaseException:  # noqa: BLE001
             box.head[Mailbox.ERROR] = 1
             box.answered(g, t, counters)

@@ -139,14 +139,23 @@ def online_forecast(model: ExpertForecaster, state: ForecasterState, rows: Seque
                     rollout: bool = True, device: str | torch.device = "cpu") -> tuple[np.ndarray | None, int]:
     """One online forecaster step: members ``rows`` of ``state`` consume element ``x`` float32 [len(rows), L, E] (the
     state advanced in place); with ``rollout``, also the [H, L, E] combined activation probabilities of their next
-    ``horizon`` elements (float16-rounded per member, as the tables store them), else None. Returns (that, the
-    forecaster steps it took: 1 plus any recursive rollout beyond the direct heads). The one online step of the
-    package: the ``seqmoe`` hooks, its worker thread and its worker process run it."""
+    ``horizon`` elements (float16-rounded per member, as the tables store them), else None. ``x`` may also be a window
+    of T elements in order, [len(rows), T, L, E]: they are consumed in one parallel (chunked-scan) pass, equal to T
+    steps up to float rounding, and the forecast is made after the last (a worker that fell behind catches up at the
+    cost of one call, docs/design.md "Graph-compatible decode path"). Returns (that, the forecaster steps it took: the
+    elements consumed plus any recursive rollout beyond the direct heads). The one online step of the package: the
+    ``seqmoe`` hooks, its worker thread and its worker process run it."""
     rows = list(rows)
     every = rows == list(range(state.batch_size))  # every row in order: advanced in place, no copy out and back
     sub = state if every else state.select(rows)
-    logits, _ = model.step(torch.from_numpy(np.ascontiguousarray(x)).to(device), sub, all_horizons=True)
-    steps = 1 + (max(horizon - logits.shape[1], 0) if rollout else 0)
+    xt = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    if xt.dim() == 4:  # a window: the last element's forecasts
+        logits = model(xt, sub, all_horizons=True)[:, -1]
+        n = xt.shape[1]
+    else:
+        logits, _ = model.step(xt, sub, all_horizons=True)
+        n = 1
+    steps = n + (max(horizon - logits.shape[1], 0) if rollout else 0)
     F = None
     if rollout:
         probs = model.probs(model.rollout(logits, sub, horizon)).cpu().numpy().astype(np.float16)

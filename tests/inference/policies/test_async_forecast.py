@@ -317,3 +317,102 @@ def test_the_decoding_thread_checks_for_forecasts_without_a_system_call():
         assert w.steps == 1 and w.rollouts == 1
     finally:
         w.close()
+
+
+def test_the_worker_process_consumes_a_backlog_in_one_call_with_the_steps_forecast(activation_inputs):
+    """Elements queued faster than the process consumes them (a prompt's replay hands it one per position) are consumed
+    in one parallel pass and rolled out once: the forecast it publishes is the one stepping through them gives (up to
+    the float16 rounding of forecasts), and every element is counted consumed and answered. The process's loop runs
+    here on a thread, with the whole backlog in its pipe before it starts, so the backlog is certain."""
+    import multiprocessing as mp
+    import threading
+
+    from expertcast.inference.policies.forecast_process import BEGIN, ELEMENT, STOP, Mailbox, _encode, _serve
+    from expertcast.inference.policies.forecast_tables import online_forecast
+
+    L, E, K, B, T, H = 3, 8, 2, 3, 9, 4
+    torch.manual_seed(0)
+    cfg = ForecasterConfig(num_layers=L, num_experts=E, top_k=K, hidden_size=32, num_blocks=1, state_size=8,
+                           head_dim=16, chunk_size=4, direct_horizons=2, online_half_lives=[0.0, 2.0, 8.0],
+                           online_hedge_rate=1.0, learned_gate_rate=2.0, component_half_lives=[16.0],
+                           selection=[[-1] * L, [-1] * L], switch_half_life=8.0)
+    fc = ExpertForecaster(cfg).eval()
+    torch.nn.init.normal_(fc.head.weight, std=0.1)  # a learned part that matters
+    x = activation_inputs(B, T, L, E, K).numpy()
+    rows = [0, 2]  # not every member: the state's rows are selected and put back
+    with torch.no_grad():
+        st = fc.init_state(B)
+        for t in range(T):
+            ref, _ = online_forecast(fc, st, rows, x[rows, t], H, rollout=t == T - 1)
+
+    ctx = mp.get_context("forkserver")
+    box = Mailbox(ctx, (H, L, E))
+    parent, child = ctx.Pipe(duplex=True)
+    parent.send_bytes(_encode(BEGIN, 1, B))
+    for t in range(T):
+        parent.send_bytes(_encode(ELEMENT, 1, t, rows, x[rows, t]))
+    parent.send_bytes(_encode(STOP, 0, -1))
+    weights = {k: v.detach().clone() for k, v in fc.state_dict().items()}
+    th = threading.Thread(target=_serve, args=(child, box, cfg.to_dict(), weights, H, False, 7, "cpu"))
+    th.start()
+    th.join(timeout=120)
+    assert not th.is_alive()
+    assert parent.recv() == ("ready", None)
+    c = {k: box.count(k) for k in Mailbox.COUNTERS}
+    assert (c["forecast_calls"], c["steps"], c["rollouts"], c["dropped"]) == (1, T, 1, T - 1)
+    assert c["forecast_flops"] == 7 * (T + H - cfg.direct_horizons) * len(rows)
+    assert int(box.head[Mailbox.ANSWERED]) == T and int(box.head[Mailbox.DONE_T]) == T - 1
+    k, g, t, F = box.read(0)
+    assert (k, g, t) == (1, 1, T - 1)
+    np.testing.assert_allclose(F, ref, atol=2e-3)
+    assert np.abs(F - ref).max() < np.abs(ref - ref.mean()).max()  # not a trivially flat forecast
+
+
+def test_the_worker_thread_consumes_a_backlog_in_one_call_with_the_steps_forecast(activation_inputs):
+    """The thread worker does as the process: elements of the same batch, state and members queued behind the one in
+    hand are consumed with it in one parallel pass, and the forecast published after the last is the one stepping
+    through them gives. The worker is held on its first element until the backlog is queued."""
+    import threading
+
+    from expertcast.inference.cache.expert_cache import Budget, CacheConfig
+    from expertcast.inference.policies.async_forecast import ForecastJob, ForecastWorker
+    from expertcast.inference.policies.forecast_tables import online_forecast
+    from expertcast.inference.policies.seqmoe import SeqMoEPolicy
+
+    L, E, K, B, T = 3, 8, 2, 3, 9
+    torch.manual_seed(0)
+    fc = ExpertForecaster(ForecasterConfig(num_layers=L, num_experts=E, top_k=K, hidden_size=32, num_blocks=1,
+                                           state_size=8, head_dim=16, chunk_size=4, direct_horizons=2,
+                                           online_half_lives=[0.0, 2.0, 8.0])).eval()
+    torch.nn.init.normal_(fc.head.weight, std=0.1)
+    pol = SeqMoEPolicy(SeqMoEPolicy.Options(horizon=4), forecaster=fc)
+    pol.reset(CacheConfig(num_layers=L, num_experts=E, top_k=K, pool="shared", budget=Budget.fraction(0.5)))
+    x = activation_inputs(B, T, L, E, K).numpy()
+    rows = [0, 2]
+    with torch.no_grad():
+        st = fc.init_state(B)
+        for t in range(T):
+            ref, _ = online_forecast(fc, st, rows, x[rows, t], 4, rollout=t == T - 1)
+    state = fc.init_state(B)
+    gate = threading.Event()
+    w = ForecastWorker(pol)
+    try:
+        w.generation = 1
+
+        def first():
+            gate.wait(30)
+            return rows, x[rows, 0]
+
+        w.submit(ForecastJob(1, 0, first, state=state))
+        for t in range(1, T):
+            w.submit_element(t, rows, x[rows, t], state=state)
+        gate.set()
+        w.drain()
+        assert (w.steps, w.rollouts, w.dropped) == (T, 1, T - 1)
+        assert pol.stats["forecast_calls"] == 1
+        g, t, F = w.take()
+        assert (g, t) == (1, T - 1)
+        np.testing.assert_allclose(F, ref, atol=2e-3)
+        assert np.abs(F - ref).max() < np.abs(ref - ref.mean()).max()
+    finally:
+        w.close()
