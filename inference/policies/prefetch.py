@@ -150,6 +150,21 @@ def execution_rows(first_probs: np.ndarray, first_exec: np.ndarray, skip: np.nda
     return first_probs, first_exec, skip
 
 
+def headroom_may_issue(probs: np.ndarray, skip: np.ndarray | None, net_scale: float | np.ndarray = 1.0,
+                       min_net: float = 0.0) -> bool:
+    """Whether :func:`plan_within_headroom` can issue any load for these ``probs`` [R, E], ``skip`` and ``net_scale``
+    (its arguments): a load's ``net`` is at most ``net_scale * q`` (the victim's ``v`` is at least 0, the scale at
+    least 0), and it is issued only where ``net`` is positive and at least ``min_net``. False means no load at any
+    victims, so a caller may skip ranking its victims (exact: the same plan, empty)."""
+    q = np.asarray(probs, dtype=np.float64)
+    if skip is not None:
+        q = np.where(skip, 0.0, q)
+    if not q.size:
+        return False
+    best = np.broadcast_to(np.asarray(net_scale, dtype=np.float64), (q.shape[0],)) * q.max(axis=1)
+    return bool(np.any((best > 0.0) & (best >= min_net)))
+
+
 def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndarray | None, pool_of: np.ndarray,
                          victims: Sequence[np.ndarray], now: int, compute_ms: np.ndarray, transfer_ms: float,
                          backlog: int = 0, max_per_layer: int = 1, min_net: float = 0.0,

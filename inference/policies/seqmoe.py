@@ -68,6 +68,7 @@ from expertcast.inference.policies.prefetch import (
     execution_rows,
     expected_benefit,
     generate_tasks,
+    headroom_may_issue,
     plan_within_headroom,
     pool_victims,
 )
@@ -654,18 +655,20 @@ class SeqMoEPolicy(Policy):
     def _plan_headroom(self, cache: ExpertCache, skip: np.ndarray) -> list:
         """``prefetch_rule=headroom``: :func:`~expertcast.inference.policies.prefetch.plan_within_headroom` over the
         newest forecast, victims in this policy's eviction order, the link's backlog = our transfers in flight."""
-        victims, victim_keys = pool_victims(cache, self.first_probs, self.eviction_order)
-        pool_of = cache.config.pool_of_layer.astype(np.int64)
-        tms = self.transfer_ms()
-        backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight)
         a, d, p = self._tally
         floor = (a - d) / (a + p) if (self.breakeven and a) else 0.0  # the running AdjHit
         probs, execs, mask = execution_rows(self.first_probs, self.first_exec, skip, self.second_probs,
                                             self.plan_executions)
+        scale = np.repeat([c.scale for c in self.calibrations], self.L)[:len(probs)]
+        if not headroom_may_issue(probs, mask, scale, floor):
+            return []  # no load could pass: the victims' ranking (most of the plan's cost) is skipped
+        victims, victim_keys = pool_victims(cache, self.first_probs, self.eviction_order)
+        pool_of = cache.config.pool_of_layer.astype(np.int64)
+        tms = self.transfer_ms()
+        backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight)
         tasks = plan_within_headroom(probs, execs, mask, pool_of, victims, int(self.first_exec.min()),
                                      np.full(self.L, self.layer_compute_ms), tms, backlog, self.max_tasks,
-                                     min_net=floor, num_layers=self.L,
-                                     net_scale=np.repeat([c.scale for c in self.calibrations], self.L)[:len(probs)])
+                                     min_net=floor, num_layers=self.L, net_scale=scale)
         for task in tasks:  # the outcome each load is expected to have, settled as the routing arrives
             pool = int(pool_of[task.layer])
             vk = victim_keys[pool][task.victim]

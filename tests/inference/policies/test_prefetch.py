@@ -17,6 +17,7 @@ from expertcast.inference.policies.prefetch import (
     edf_feasible,
     execution_rows,
     generate_tasks,
+    headroom_may_issue,
     plan_within_headroom,
     pool_victims,
     select_feasible,
@@ -218,3 +219,36 @@ def test_headroom_rule_says_which_victim_slot_each_load_takes():
     for t in tasks:
         by_pool.setdefault(t.layer, []).append(t.victim)
     assert by_pool and all(v == list(range(len(v))) for v in by_pool.values())  # in eviction order, per pool
+
+
+def test_headroom_precondition_is_exact_where_it_says_no_load_can_pass():
+    """``headroom_may_issue`` lets seqmoe skip ranking its victims: wherever it says no, the headroom rule issues
+    nothing at any victims, link state and windows; and it says yes where a load does pass (free slots, an idle link),
+    the bound ``net_scale * q >= min_net`` included at equality."""
+    rng = np.random.default_rng(3)
+    said_no = issued = 0
+    for _ in range(400):
+        R, E = int(rng.integers(1, 7)), int(rng.integers(2, 9))
+        probs = rng.random((R, E)) ** rng.uniform(0.5, 4.0)
+        skip = rng.random((R, E)) < rng.uniform(0.0, 1.0)
+        scale = rng.uniform(0.0, 2.0, R) * (rng.random(R) > 0.2)
+        min_net = float(rng.choice([0.0, rng.uniform(0.0, 1.0)]))
+        may = headroom_may_issue(probs, skip, scale, min_net)
+        for _ in range(3):
+            victims = [rng.random(int(rng.integers(0, 4))) * rng.choice([0.0, 1.0])]
+            tasks = plan_within_headroom(probs, np.arange(1, R + 1), skip, np.zeros(R, np.int64), victims, 0,
+                                         rng.uniform(0.0, 2.0, R), float(rng.uniform(0.05, 1.0)),
+                                         int(rng.integers(0, 3)), 2, min_net=min_net, net_scale=scale)
+            issued += bool(tasks)
+            if not may:
+                said_no += 1
+                assert tasks == []
+        if may:  # an idle link with long windows and free slots: the best load passes
+            free = [np.zeros(2 * R * E)]
+            assert plan_within_headroom(probs, np.arange(1, R + 1), skip, np.zeros(R, np.int64), free, 0,
+                                        np.full(R, 100.0), 0.1, 0, 1, min_net=min_net, net_scale=scale)
+    assert said_no > 100 and issued > 100
+    edge = np.array([[0.5, 0.25]])
+    assert headroom_may_issue(edge, None, 1.0, 0.5) and not headroom_may_issue(edge, None, 1.0, 0.51)
+    assert not headroom_may_issue(edge, np.array([[True, False]]), 1.0, 0.5)
+    assert not headroom_may_issue(edge, None, 0.0, 0.0)
