@@ -35,9 +35,10 @@ import numpy as np
 import torch
 
 START_TIMEOUT_S = 300.0
-WINDOW_MAX = 64
-"""Most queued elements the process consumes in one call (:func:`_serve`)."""
 """Longest wait for a new worker process to load the forecaster and say it is ready."""
+
+WINDOW_MAX = 64
+"""Most queued elements a worker (this process or the thread) consumes in one call (:func:`_serve`)."""
 
 WORKER_NICE = 10
 """Niceness added to the worker process: it runs on cycles the decoding thread and the transfer thread leave (on a
