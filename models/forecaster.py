@@ -410,7 +410,7 @@ class ExpertForecaster(nn.Module):
         L = c.num_layers
         sel = torch.tensor(c.selection, dtype=torch.long, device=logits.device)[:H] if c.selection is not None \
             else None
-        chosen = sorted({int(v) for v in sel.flatten().tolist() if v >= 0}) if sel is not None else []
+        chosen = sorted({int(v) for row in c.selection[:H] for v in row if v >= 0}) if sel is not None else []
         leader = self.leads
         used = list(range(self.components.num_components)) if leader else chosen
         if not used and state is None:
