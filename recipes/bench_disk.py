@@ -249,7 +249,8 @@ def layer_share(om, seqs, repeats: int = 3) -> tuple[float, float]:
 def format_all_in_ram(model, disk, seqs, readers: int) -> tuple[float, float]:
     """(seconds per decoded token, decoder-layer share) of ``model`` with every expert of ``disk``'s format resident
     in RAM slots (capacity 1.0, warmed by one replay, then :func:`layer_share`): the all-in-RAM speed of that format,
-    the compute floor of its rows' bound (a faster kernel on fewer bytes moves it; docs/design.md, "Disk tier")."""
+    the compute floor of its rows' bound (a faster kernel on fewer bytes moves it; docs/design.md, "Disk tier").
+    ``disk`` None: the model's own experts in a RAM store."""
     from expertcast.inference.policies import make_policy
 
     om = OffloadedModel_(model, make_policy("lru"), 1.0, store=disk, readers=readers)
@@ -311,18 +312,13 @@ def subset_all_in_ram(path: str, seqs, dtype) -> tuple[float, float]:
     """(seconds per decoded token, decoder-layer share) of the ``--baseline-model`` subset at ``path`` with every
     expert resident in RAM slots (bf16, capacity 1.0, warmed by one replay, then :func:`layer_share`), loaded afresh
     and released: the measurement that brackets each full-depth cell in time (docs/design.md, "Disk tier")."""
-    from expertcast.inference.policies import make_policy
-    from expertcast.inference.runtime.engine import OffloadedModel
     from expertcast.models.backbone import load_moe_model
 
     model, _ = load_moe_model(path, dtype=dtype)
-    om = OffloadedModel(model, make_policy("lru"), 1.0)
     try:
-        om.replay(seqs)
-        return layer_share(om, seqs)
+        return format_all_in_ram(model, None, seqs, readers=1)  # a RAM store: no reader pool
     finally:
-        om.close()
-        del om, model
+        del model
         release_memory()
 
 
@@ -839,6 +835,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                 res_s, res_reads = resident_ceiling(model, disk, cap, seqs, cfg.readers)
                 (s0, f0), (s1, f1) = brackets[-2], brackets[-1]
                 cell_s = scaled_full_seconds((s0 + s1) / 2, (f0 + f1) / 2, n_dec_sub, n_dec_full)
+                before_s, after_s = (scaled_full_seconds(s_, f_, n_dec_sub, n_dec_full) for s_, f_ in ((s0, f0), (s1, f1)))
                 for name in arms:
                     runs = cell[name]
                     if not runs:
@@ -855,8 +852,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         "pct_full_min": sub.get("pct_full_min", float("nan")),
                         "pct_full_max": sub.get("pct_full_max", float("nan")),
                         "pct_full_scaled": 100 * st.tokens_per_s * cell_s, "full_tokens_per_s": 1.0 / cell_s,
-                        "full_tokens_per_s_before": 1.0 / scaled_full_seconds(s0, f0, n_dec_sub, n_dec_full),
-                        "full_tokens_per_s_after": 1.0 / scaled_full_seconds(s1, f1, n_dec_sub, n_dec_full),
+                        "full_tokens_per_s_before": 1.0 / before_s, "full_tokens_per_s_after": 1.0 / after_s,
                         "armed_layer_ms": 1e3 * full_s / L,
                         "resident_tokens_per_s": 1.0 / res_s, "pct_resident": 100 * st.tokens_per_s * res_s,
                         "resident_reads": res_reads,

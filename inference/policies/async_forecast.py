@@ -189,19 +189,22 @@ class ForecastWorker:
         with forecaster_stream(self.policy.device) as self.stream:
             self._loop()
 
-    def _backlog(self, job: ForecastJob, rows: list[int]) -> list[ForecastJob]:
+    def _backlog(self, job: ForecastJob, rows: list[int]) -> list[tuple[ForecastJob, np.ndarray]]:
         """The jobs queued right after ``job`` that continue it (same batch, state and members, nothing to publish
-        but the forecast), at most :data:`WINDOW_MAX` - 1, taken off the queue (and marked done: their elements are
-        consumed with ``job``'s, in one call)."""
-        taken: list[ForecastJob] = []
+        but the forecast), at most :data:`WINDOW_MAX` - 1, with their elements, taken off the queue (and marked done:
+        their elements are consumed with ``job``'s, in one call)."""
+        taken: list[tuple[ForecastJob, np.ndarray]] = []
         with self.jobs.mutex:
             q = self.jobs.queue
             while q and len(taken) < WINDOW_MAX - 1:
                 nxt = q[0]
                 if nxt is _STOP or nxt.generation != job.generation or nxt.state is not job.state \
-                        or nxt.publish is not None or nxt.element()[0] != rows:
+                        or nxt.publish is not None:
                     break
-                taken.append(q.popleft())
+                r, x = nxt.element()
+                if r != rows:
+                    break
+                taken.append((q.popleft(), x))
         for _ in taken:
             self.jobs.task_done()
         return taken
@@ -222,8 +225,8 @@ class ForecastWorker:
                     if not self.every and job.publish is None:  # fell behind: the queued run in one call
                         later = self._backlog(job, rows)
                         if later:
-                            job = later[-1]
-                            x = np.stack([x] + [j.element()[1] for j in later], axis=1)
+                            job = later[-1][0]
+                            x = np.stack([x] + [xl for _, xl in later], axis=1)
                             n += len(later)
                     last = self.jobs.unfinished_tasks <= 1  # nothing newer queued: forecast from here
                     F = self.policy.forecast(rows, x, rollout=last or self.every, state=job.state)

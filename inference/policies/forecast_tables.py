@@ -149,13 +149,10 @@ def online_forecast(model: ExpertForecaster, state: ForecasterState, rows: Seque
     every = rows == list(range(state.batch_size))  # every row in order: advanced in place, no copy out and back
     sub = state if every else state.select(rows)
     xt = torch.from_numpy(np.ascontiguousarray(x)).to(device)
-    if xt.dim() == 4:  # a window: the last element's forecasts
-        logits = model(xt, sub, all_horizons=True)[:, -1]
-        n = xt.shape[1]
-    else:
-        logits, _ = model.step(xt, sub, all_horizons=True)
-        n = 1
-    steps = n + (max(horizon - logits.shape[1], 0) if rollout else 0)
+    if xt.dim() < 4:  # one element ([rows, L, E], or flat [rows, L·E]): a window of one
+        xt = xt.unsqueeze(1)
+    logits = model(xt, sub, all_horizons=True)[:, -1]  # the last element's forecasts
+    steps = xt.shape[1] + (max(horizon - logits.shape[1], 0) if rollout else 0)
     F = None
     if rollout:
         probs = model.probs(model.rollout(logits, sub, horizon)).cpu().numpy().astype(np.float16)
