@@ -68,6 +68,9 @@ def build_parser() -> CommandParser:
     ap.add_argument("--mlp-steps", type=int, default=300,
                     help="training steps of the reference MLP predictor, fitted on the baselines' sequences (0: none)")
     ap.add_argument("--mlp-hidden", type=positive_int, default=256, help="hidden width of the reference MLP")
+    ap.add_argument("--reach-distances", type=positive_int, nargs="*", default=[1, 2, 4, 8],
+                    help="within-token reach: score layer l's routing from layer l - d of the same token for these d "
+                         "(tables fitted on the baselines' sequences), beside the trigger layer's; none: skip")
     ap.add_argument("--device", default="cpu", help="device of the forecaster: cpu, cuda[:N] or auto")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (unset: torch's choice)")
     ap.add_argument("--out", default=None, help="output folder (unset: runs/forecast-eval/<export folder name>)")
@@ -157,6 +160,7 @@ def run(args) -> int:
         evaluate,
         fit_baselines,
         fit_mlp_reference,
+        within_token_reach,
     )
     from expertcast.utils.provenance import check_overlap
 
@@ -216,7 +220,9 @@ def run(args) -> int:
               f"trigger layer p={exp.config.p}")
         tables = evaluate(exp.model, evals, meta, baselines, horizons=args.horizons, batch_size=args.batch_size,
                           device=device)
-        _write(out, args, exp, meta, split, evals, tables, overlap, cost)
+        reach = within_token_reach(train, evals, meta, exp.config.p, args.reach_distances) \
+            if args.reach_distances else None
+        _write(out, args, exp, meta, split, evals, tables, overlap, cost, reach)
     return 0
 
 
@@ -249,7 +255,7 @@ def overlap_note(overlap: dict[str, dict[str, Any]]) -> str | None:
     return "; ".join(parts) or None
 
 
-def _write(out, args, exp, meta, split, evals, tables, overlap, cost) -> None:
+def _write(out, args, exp, meta, split, evals, tables, overlap, cost, reach=None) -> None:
     from expertcast.utils.io import atomic_write_json, print_table, write_csv
 
     rows = summary_rows(tables)
@@ -261,13 +267,21 @@ def _write(out, args, exp, meta, split, evals, tables, overlap, cost) -> None:
     title = f"forecast recall ({split} sequences, decode targets)" + (f"; {note}" if note else "")
     print_table(rows, title=title, columns=shown)
     write_csv(out.file("recall.csv"), long_rows(tables))
+    if reach and reach["rows"]:
+        first, last = reach["layers"]
+        positions = reach["targets"] // (last - first + 1)
+        print_table(reach["rows"], title=f"within-token reach: layers {first}-{last} of {positions} decode positions "
+                    f"({reach['targets']} targets) from the same token's earlier layers",
+                    columns=["predictor", "R@K", "R@K+3"])
+        write_csv(out.file("reach.csv"), [dict(r, layers=f"{first}-{last}") for r in reach["rows"]])
     atomic_write_json(out.file("recall_summary.json"), {
         "split": split, "traces": str(args.traces), "forecaster": str(args.forecaster),
         "export_hash": exp.export_hash, "sequences": len(evals), "overlap": overlap, "cost": cost,
-        "selection": exp.config.selection, "rows": rows})
+        "selection": exp.config.selection, "rows": rows, "reach": reach})
     plot(tables, out.file("recall.png"), f"forecast recall by horizon ({meta.model_id}, {split})"
-         + (f"; {note}" if note else ""))
-    print(f"wrote {out.path / 'recall.csv'}, {out.path / 'recall_summary.json'}, {out.path / 'recall.png'}")
+         + (f"; {note}" if note else ""), reach)
+    print(f"wrote {out.path / 'recall.csv'}, {out.path / 'recall_summary.json'}, {out.path / 'recall.png'}"
+          + (f", {out.path / 'reach.csv'}" if reach and reach["rows"] else ""))
     if args.wandb:
         inputs = [(args.forecaster, "forecaster", exp.export_hash), (args.traces, "traces", None)]
         if args.fit_traces:
@@ -308,8 +322,9 @@ def long_rows(tables: dict[str, RecallTable]) -> list[dict[str, Any]]:
     return rows
 
 
-def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str) -> None:
-    """PNG at ``path``: recall@K (solid) and @K+3 (dashed) per predictor by horizon."""
+def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str, reach: dict | None = None) -> None:
+    """PNG at ``path``: recall@K (solid) and @K+3 (dashed) per predictor by horizon; with ``reach`` rows, a second
+    panel of the within-token reach (recall@K per predictor)."""
     import textwrap
 
     import matplotlib
@@ -320,7 +335,9 @@ def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str) ->
     from expertcast.utils.io import save_figure
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    with_reach = bool(reach and reach["rows"])
+    fig, axes = plt.subplots(1, 2 if with_reach else 1, figsize=(12 if with_reach else 7, 4.2), squeeze=False)
+    ax = axes[0, 0]
     from expertcast.utils.io import series_colors
 
     for (name, t), color in zip(tables.items(), series_colors(len(tables)), strict=True):
@@ -335,5 +352,15 @@ def plot(tables: dict[str, RecallTable], path: str | os.PathLike, title: str) ->
     ax.set_title(textwrap.fill(title, 70), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    if with_reach:
+        rx = axes[0, 1]
+        names = [r["predictor"] for r in reach["rows"]]
+        rx.barh(np.arange(len(names)), [100 * r["R@K"] for r in reach["rows"]], color="tab:blue")
+        rx.set_yticks(np.arange(len(names)), names, fontsize=7)
+        rx.invert_yaxis()
+        rx.set_xlabel("recall of true top-K (%)")
+        first, last = reach["layers"]
+        rx.set_title(f"within-token reach, layers {first}-{last}", fontsize=10)
+        rx.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     save_figure(fig, path)

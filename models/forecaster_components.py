@@ -133,6 +133,36 @@ def fit_cross_layer(seqs: Sequence, num_layers: int, num_experts: int, p: int,
     return _pair_table(seqs, num_layers, num_experts, p, alpha, cross=True)
 
 
+def fit_within_token(seqs: Sequence, num_layers: int, num_experts: int, sources: Sequence[int],
+                     alpha: float = TRANSITION_ALPHA) -> torch.Tensor:
+    """Within-token table from a chosen source layer to each layer, over every position (token) of the sequences:
+    float32 [L, E, E], W_l[e, e'] = #(e at layer ``sources[l]``, e' at layer l, same position) + alpha, rows
+    normalized; a layer whose source is negative (or not below it) keeps uniform rows. ``sources[l] = p`` for every
+    l > p is the cross-layer table's within-token part (:func:`fit_cross_layer`, counted on tokens instead of
+    forecaster elements); ``sources[l] = l - d``: the map from the layer d before (docs/design.md, "Generalisation
+    protocol", within-token reach)."""
+    L, E = num_layers, num_experts
+    counts = torch.full((L, E, E), alpha, dtype=torch.float64)
+    src_of = [int(s) for s in sources]
+    if len(src_of) != L:
+        raise ValueError(f"sources names {len(src_of)} layers, expected {L}")
+    pairs = [(layer, s) for layer, s in enumerate(src_of) if 0 <= s < layer]
+    tl = torch.tensor([layer for layer, _ in pairs], dtype=torch.long)
+    sl = torch.tensor([s for _, s in pairs], dtype=torch.long)
+    for sq in seqs:
+        ids = torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64))  # [T, L, K]
+        if not pairs or ids.shape[0] == 0:
+            continue
+        a, b = ids[:, sl], ids[:, tl]  # [T, P, K]
+        K = a.shape[-1]
+        src = a.unsqueeze(-1).expand(-1, -1, K, K)
+        dst = b.unsqueeze(-2).expand(-1, -1, K, K)
+        lidx = tl.view(1, -1, 1, 1).expand_as(src)
+        flat = (lidx * E * E + src * E + dst).reshape(-1)
+        counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+    return (counts / counts.sum(-1, keepdim=True)).float()
+
+
 # ---------------------------------------------------------------------------------------------- the statistics
 def repeat_last_scores(x: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
     """x [..., L, E] -> [..., L, E]: the current weights, ties broken by the fit-set frequency."""

@@ -55,6 +55,7 @@ from expertcast.models.forecaster_components import (
     fit_cross_layer,
     fit_frequency,
     fit_transition,
+    fit_within_token,
     recent_name,
     recent_scores,
     recent_update,
@@ -445,3 +446,81 @@ def evaluate(model: ExpertForecaster | None, seqs: Sequence[TraceSequence], meta
     if bar is not None:
         bar.close()
     return tables
+
+
+# ----------------------------------------------------------------------------------------------
+# within-token reach
+
+REACH_DISTANCES = (1, 2, 4, 8)
+"""Source distances (layers back, same token) of :func:`within_token_reach`."""
+
+
+def _recall_k(scores: torch.Tensor, tgt_ids: torch.Tensor, K: int) -> tuple[float, float]:
+    """(sum of per-target recall@K, of recall@K+3): scores [N, E], tgt_ids long [N, K]."""
+    top = scores.topk(min(K + 3, scores.shape[-1]), dim=-1).indices
+    hit = tgt_ids.unsqueeze(-1) == top.unsqueeze(-2)  # [N, K, K+3]
+    return float(hit[..., :K].any(-1).float().mean(-1).sum()), float(hit.any(-1).float().mean(-1).sum())
+
+
+@torch.no_grad()
+def within_token_reach(train: Sequence[TraceSequence], seqs: Sequence[TraceSequence], meta: TraceMeta, p: int,
+                       distances: Sequence[int] = REACH_DISTANCES) -> dict:
+    """How much of a layer's routing the same token's earlier layers tell, by distance: the question behind
+    re-planning prefetch at more layers than the trigger layer ``p`` (docs/design.md, "Generalisation protocol").
+
+    Targets: layer l's top-K at every decode position of ``seqs``, for the layers ``first .. L-1`` where every
+    source exists (``first`` = the largest distance kept, at least p + 1), so that every predictor is scored on the
+    same targets. Predictors, each table fitted on ``train`` only (:func:`fit_within_token`, add-0.01): ``layer p``
+    (layer p's weights of the same token through W_l: the cross-layer component's within-token part), ``d back``
+    (layer l - d's), each also times the sequence's recent-freq (half-life 16, through the previous position) over
+    the fit set's frequency (the cross-x-recent product), and the online baselines ``repeat-last`` (the previous
+    position's layer l) and ``recent-freq``. Returns ``{"layers": [first, L - 1], "targets": n, "rows": [...]}``,
+    a row per predictor with ``R@K`` and ``R@K+3``."""
+    L, E, K = meta.num_layers, meta.num_experts, meta.top_k
+    ds = sorted({int(d) for d in distances if 1 <= int(d) < L})
+    first = max(ds + [p + 1])
+    if first > L - 1 or not seqs:
+        return {"layers": [], "targets": 0, "rows": []}
+    freq = fit_frequency(train, L, E)
+    sources = {f"layer {p} (trigger)": [p] * L}
+    for d in ds:
+        sources[f"{d} back"] = [layer - d for layer in range(L)]
+    tables = {name: fit_within_token(train, L, E, src) for name, src in sources.items()}
+    decay = decay_of(CROSS_RECENT_HALF_LIFE)
+    tl = torch.arange(first, L)
+    names = ["repeat-last", "recent-freq"] + [n for name in sources for n in (name, f"{name} x recent")]
+    sums = {n: [0.0, 0.0] for n in names}
+    n_tgt = 0
+    for sq in seqs:
+        ids = torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64))  # [T, L, K]
+        w = torch.from_numpy(np.asarray(sq.expert_weights, dtype=np.float32))
+        T = ids.shape[0]
+        start = max(int(sq.prompt_len), 1)
+        if T <= start:
+            continue
+        x = activation_vector(ids, w, E)  # [T, L, E]
+        ema = torch.zeros(1, 1, L, E)
+        recent = torch.empty(T, L, E)  # recent-freq through the position before
+        for t in range(T):
+            recent[t] = recent_scores(ema, freq, decay)[0, 0]
+            recent_update(ema, x[t:t + 1], decay)
+        pos = torch.arange(start, T)
+        tgt = ids[pos][:, tl].reshape(-1, K)  # [N * Lt, K]
+        rec = recent[pos][:, tl]  # [N, Lt, E]
+        tie = 1e-6 * freq[tl]
+        preds = {"repeat-last": repeat_last_scores(x[pos - 1], freq)[:, tl], "recent-freq": rec}
+        for name, src in sources.items():
+            sl = torch.tensor([src[layer] for layer in tl.tolist()])
+            v = x[pos][:, sl]
+            v = v / v.sum(-1, keepdim=True).clamp_min(1e-9)
+            sc = torch.einsum("nle,lef->nlf", v, tables[name][tl]) + tie
+            preds[name] = sc
+            preds[f"{name} x recent"] = cross_recent_scores(sc.unsqueeze(1), rec, freq[tl]).squeeze(1)
+        for n in names:
+            a, b = _recall_k(preds[n].reshape(-1, E), tgt, K)
+            sums[n][0] += a
+            sums[n][1] += b
+        n_tgt += tgt.shape[0]
+    rows = [{"predictor": n, "R@K": sums[n][0] / max(n_tgt, 1), "R@K+3": sums[n][1] / max(n_tgt, 1),
+             "targets": n_tgt} for n in names]
+    return {"layers": [first, L - 1], "targets": n_tgt, "rows": rows}

@@ -172,3 +172,32 @@ def test_wandb_run_declares_the_export_and_the_traces(data, tmp_path, wandb_dir,
     assert used["forecaster-export"]["sha256"] == _summary(tmp_path)["export_hash"]
     assert used["trace-set"]["sha256"] == sequences_fingerprint(load_traces(data["traces"])[1])
     assert got["step_axes"]["forecaster/recall@K"] == "horizon"
+
+
+def test_within_token_reach_is_reported_beside_the_recall_and_can_be_skipped(tmp_path, capsys):
+    """L = 4, trigger layer 0: the reach table scores layers 2-3 (distances 1 and 2; 4 and 8 are not below L) from
+    tables fitted on the baselines' sequences, in the JSON, a CSV and the printed table; ``--reach-distances`` with
+    no value skips it."""
+    tr = zipf_traces(8, 16, num_layers=4, num_experts=8, top_k=2, prompt_len=4, seed=1)
+    traces = write_traces(tmp_path / "traces", tr.meta, tr.sequences)
+    ids = [s.seq_id for s in tr.sequences]
+    torch.manual_seed(0)
+    model = ExpertForecaster(ForecasterConfig(num_layers=4, num_experts=8, top_k=2, hidden_size=16, head_dim=8,
+                                              state_size=4, num_blocks=1, direct_horizons=2, trigger_layer=0)).eval()
+    export = save_forecaster(model, tmp_path / "export", source={"model_id": tr.meta.model_id},
+                             training={"traces": [str(traces)], "split": {"seed": 0, "val_fraction": 0.2},
+                                       "train_ids": ids[:4], "val_ids": ids[4:5]})
+    base = ["--forecaster", str(export), "--traces", str(traces), "--horizons", "2", "--mlp-steps", "0"]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    s = json.loads((tmp_path / "a" / "recall_summary.json").read_text())
+    reach = s["reach"]
+    assert reach["layers"] == [2, 3] and reach["targets"] == 3 * 12 * 2  # 3 held-out x 12 decode positions x 2
+    assert [r["predictor"] for r in reach["rows"]] == ["repeat-last", "recent-freq", "layer 0 (trigger)",
+                                                       "layer 0 (trigger) x recent", "1 back", "1 back x recent",
+                                                       "2 back", "2 back x recent"]
+    assert all(0.0 <= r["R@K"] <= r["R@K+3"] <= 1.0 for r in reach["rows"])
+    assert "within-token reach: layers 2-3" in capsys.readouterr().out
+    assert (tmp_path / "a" / "reach.csv").read_text().splitlines()[0].startswith("predictor,R@K,R@K+3,targets")
+    assert main([*base, "--out", str(tmp_path / "b"), "--reach-distances"]) == 0
+    assert json.loads((tmp_path / "b" / "recall_summary.json").read_text())["reach"] is None
+    assert not (tmp_path / "b" / "reach.csv").exists()
