@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from expertcast.models.forecaster_components import (
     COMPONENT_SCALE,
-    CROSS_RECENT_HALF_LIFE,
     ExactComponents,
+    check_cross_recent,
     component_names,
     decay_of,
 )
@@ -202,10 +202,8 @@ class ForecasterConfig:
             raise ValueError(f"component_half_lives must be distinct and > 0, got {self.component_half_lives}")
         if self.component_cross_layer and self.component_half_lives is None:
             raise ValueError("component_cross_layer needs the exact components (component_half_lives)")
-        if self.component_cross_recent and not (self.component_cross_layer and CROSS_RECENT_HALF_LIFE in
-                                                [float(h) for h in self.component_half_lives or []]):
-            raise ValueError(f"component_cross_recent needs component_cross_layer and {CROSS_RECENT_HALF_LIFE:g} among "
-                             f"component_half_lives")
+        if self.component_cross_recent:
+            check_cross_recent(self.component_half_lives, self.component_cross_layer)
         if self.selection is not None:
             n = len(component_names(self.component_half_lives, self.component_cross_layer,
                                     self.component_cross_recent)) \

@@ -81,6 +81,14 @@ def component_names(half_lives: Sequence[float], cross_layer: bool = False, cros
             + ([CROSS_RECENT] if cross_recent else []))
 
 
+def check_cross_recent(half_lives: Sequence[float] | None, cross_layer: bool) -> None:
+    """Raise ValueError unless the cross-x-recent component has its inputs: the cross-layer component and the
+    recent-freq average of half-life ``CROSS_RECENT_HALF_LIFE`` among ``half_lives``."""
+    if not (cross_layer and CROSS_RECENT_HALF_LIFE in [float(h) for h in half_lives or []]):
+        raise ValueError(f"component_cross_recent ({CROSS_RECENT}) needs component_cross_layer and "
+                         f"{CROSS_RECENT_HALF_LIFE:g} among component_half_lives")
+
+
 def decay_of(half_life: float) -> torch.Tensor:
     """float32 [1] decay ``0.5^(1/h)`` of a half-life (h > 0)."""
     return torch.tensor([0.5 ** (1.0 / float(half_life))], dtype=torch.float32)
@@ -235,9 +243,8 @@ class ExactComponents(nn.Module):
         self.L, self.E = num_layers, num_experts
         self.p = num_layers - 1 if p is None else int(p)
         self.half_lives = [float(h) for h in half_lives]
-        if cross_recent and not (cross_layer and CROSS_RECENT_HALF_LIFE in self.half_lives):
-            raise ValueError(f"the {CROSS_RECENT} component needs the cross-layer one and a recent-freq half-life of "
-                             f"{CROSS_RECENT_HALF_LIFE:g}")
+        if cross_recent:
+            check_cross_recent(self.half_lives, cross_layer)
         self.names = component_names(self.half_lives, cross_layer, cross_recent)
         self.cross_index = self.names.index(CROSS_LAYER) if cross_layer else None
         """Index of the cross-layer component (None without it)."""
