@@ -120,6 +120,11 @@ class ForecasterConfig:
     """With the cross-layer component: also cross-x-recent (docs/design.md "Exact components"), the cross-layer scores
     times the sequence's recent-freq at half-life 16 (which ``component_half_lives`` must hold) over the fit set's
     frequency, indexed after cross-layer. False: without it (every export before it: same component indices)."""
+    within_token_table: bool = False
+    """With components: also carry the fit set's within-token table ``components.within`` [L, E, E] (layer l - 1's
+    experts to layer l's of the same token, :func:`~expertcast.models.forecaster_components.fit_within_token`),
+    which seqmoe's ``replan`` reads to refine a forecast later in the token (docs/design.md, "Prefetch"). Not a
+    component: no index, no selection. False: without it (every export before it: no such tensor)."""
     selection: list[list[int]] | None = None
     """Per direct head j and layer l, what issues the logits: -1 the learned part plus the online prior, c >= 0
     component c (``component_names`` order), exactly. Chosen on held-out elements after training
@@ -204,6 +209,8 @@ class ForecasterConfig:
             raise ValueError("component_cross_layer needs the exact components (component_half_lives)")
         if self.component_cross_recent:
             check_cross_recent(self.component_half_lives, self.component_cross_layer)
+        if self.within_token_table and self.component_half_lives is None:
+            raise ValueError("within_token_table needs the exact components (component_half_lives)")
         if self.selection is not None:
             n = len(component_names(self.component_half_lives, self.component_cross_layer,
                                     self.component_cross_recent)) \
@@ -320,7 +327,8 @@ class ExpertForecaster(nn.Module):
         self.components: ExactComponents | None = None
         if c.component_half_lives is not None:
             self.components = ExactComponents(c.num_layers, c.num_experts, c.component_half_lives,
-                                              c.component_cross_layer, c.p, c.component_cross_recent)
+                                              c.component_cross_layer, c.p, c.component_cross_recent,
+                                              c.within_token_table)
         self.online: OnlinePrior | None = None
         if c.online_half_lives:
             self.online = OnlinePrior(c.online_half_lives, c.num_layers, c.num_experts, c.direct_horizons, c.top_k,

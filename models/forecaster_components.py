@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from expertcast.models.forecaster_inputs import trigger_sequence
+from expertcast.models.forecaster_inputs import activation_probs, trigger_sequence
 from torch import nn
 
 RECENT_PRIOR = 0.05
@@ -208,6 +208,31 @@ def cross_recent_scores(cross: torch.Tensor, recent: torch.Tensor, freq: torch.T
     return cross * (recent / freq.clamp_min(1e-6)).unsqueeze(-3)
 
 
+def within_token_chain(v: torch.Tensor, within: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """What layer ``first - 1``'s routing v [E] (weights, any scale) tells of layers ``first .. last`` of the same
+    token through the within-token table [L, E, E] (layer l - 1 to layer l), pushed layer by layer:
+    [last - first + 1, E], each row a distribution."""
+    u = v / v.sum().clamp_min(1e-9)
+    out = []
+    for layer in range(first, last + 1):
+        u = u @ within[layer]
+        out.append(u)
+    return torch.stack(out)
+
+
+def within_token_posterior(prior: torch.Tensor, told: torch.Tensor, freq: torch.Tensor, top_k: int) -> torch.Tensor:
+    """A forecast's inclusion probabilities ``prior`` [..., E] (each row sums to K:
+    :func:`~expertcast.models.forecaster_inputs.activation_probs`'s ``1 - exp(-lambda w)``) refined by what the same
+    token's earlier layer tells, ``told`` [..., E] (a distribution, :func:`within_token_chain`), a naive-Bayes
+    product as cross-x-recent's: the prior's weights ``w = -log(1 - prior)`` times ``told / freq`` (``freq`` the fit
+    set's frequency of the same layers), back to inclusion probabilities summing to K. ``told`` equal to ``freq``
+    returns the prior (up to rounding)."""
+    w = -torch.log1p(-prior.double().clamp(0.0, 1.0 - 1e-7))
+    logits = torch.log(w.clamp_min(1e-300)) + torch.log(told.double().clamp_min(1e-300)) \
+        - torch.log(freq.double().clamp_min(1e-6))
+    return activation_probs(logits, top_k)
+
+
 def membership(x: torch.Tensor) -> torch.Tensor:
     """x [..., L, E] (an element's weights) -> [..., L, E]: 1/n for each of the n selected experts (weight > 0)."""
     m = (x > 0).to(x.dtype)
@@ -233,12 +258,12 @@ def recent_scores(ema: torch.Tensor, freq: torch.Tensor, decay: torch.Tensor) ->
 
 # ---------------------------------------------------------------------------------------------- the module
 class ExactComponents(nn.Module):
-    """The components of a forecaster: fitted tables ``freq`` / ``trans`` (and ``cross`` with ``cross_layer``;
-    buffers, in the export) and the recent-freq decays; the per-sequence moving averages live in
+    """The components of a forecaster: fitted tables ``freq`` / ``trans`` (and ``cross`` with ``cross_layer``,
+    ``within`` with ``within_token``; buffers, in the export) and the recent-freq decays; the per-sequence moving averages live in
     ``ForecasterState.components``. ``p``: the trigger layer (the cross-layer table's source; None: L - 1)."""
 
     def __init__(self, num_layers: int, num_experts: int, half_lives: Sequence[float], cross_layer: bool = False,
-                 p: int | None = None, cross_recent: bool = False):
+                 p: int | None = None, cross_recent: bool = False, within_token: bool = False):
         super().__init__()
         self.L, self.E = num_layers, num_experts
         self.p = num_layers - 1 if p is None else int(p)
@@ -255,6 +280,8 @@ class ExactComponents(nn.Module):
         self.register_buffer("trans", torch.zeros(num_layers, num_experts, num_experts))
         # None without the component (a None buffer is not in the state dict: exports written without it match)
         self.register_buffer("cross", torch.zeros(num_layers, num_experts, num_experts) if cross_layer else None)
+        # the within-token table (layer l - 1 to layer l of the same token) for a policy's re-plan; not a component
+        self.register_buffer("within", torch.zeros(num_layers, num_experts, num_experts) if within_token else None)
         # the moving averages: recent-freq at each half-life, then recent-count at each (names 3 .. 3 + 2M - 1)
         d = torch.cat([decay_of(h) for h in self.half_lives] * 2) if self.half_lives else torch.zeros(0)
         self.register_buffer("decays", d, persistent=False)
@@ -267,13 +294,16 @@ class ExactComponents(nn.Module):
 
     @torch.no_grad()
     def fit(self, seqs: Sequence, p: int) -> None:
-        """Fit ``freq``, ``trans`` (and ``cross``) on ``seqs`` (forecaster elements of trigger layer ``p``)."""
+        """Fit ``freq``, ``trans`` (and ``cross``, ``within``) on ``seqs`` (forecaster elements of trigger layer
+        ``p``; ``within`` on their tokens)."""
         if p != self.p:
             raise ValueError(f"components of trigger layer {self.p} cannot be fitted at trigger layer {p}")
         self.freq.copy_(fit_frequency(seqs, self.L, self.E))
         self.trans.copy_(fit_transition(seqs, self.L, self.E, p))
         if self.cross is not None:
             self.cross.copy_(fit_cross_layer(seqs, self.L, self.E, p))
+        if self.within is not None:
+            self.within.copy_(fit_within_token(seqs, self.L, self.E, [layer - 1 for layer in range(self.L)]))
 
     def init_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
         """Zero moving averages [B, 2M, L, E] (recent-freq, then recent-count, at each half-life)."""

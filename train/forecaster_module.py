@@ -186,6 +186,9 @@ class ForecasterModule(pl.LightningModule):
         component_cross_recent: with the cross-layer component, also cross-x-recent (its scores times the sequence's
             recent-freq at half-life 16 over the fit set's frequency;
             :attr:`~expertcast.models.forecaster.ForecasterConfig.component_cross_recent`).
+        within_token_table: with components, also fit and export the within-token table (layer l - 1's experts to
+            layer l's of the same token) that seqmoe's ``replan`` reads
+            (:attr:`~expertcast.models.forecaster.ForecasterConfig.within_token_table`).
         switch_half_life: per sequence, each head and layer issues the selected forecast or a component, whichever
             has the best discounted recall (this half-life) on the sequence so far
             (:attr:`~expertcast.models.forecaster.ForecasterConfig.switch_half_life`; 0 = off).
@@ -217,7 +220,8 @@ class ForecasterModule(pl.LightningModule):
                  learned_gate_rate: float = 0.0, learned_gate_half_life: float = 8.0,
                  component_half_lives: list[float] | None = None, head_rank: int = 0,
                  select_margin: float = SELECT_MARGIN, switch_half_life: float = 0.0, skip_hidden: int = 0,
-                 component_cross_layer: bool = False, component_cross_recent: bool = False):
+                 component_cross_layer: bool = False, component_cross_recent: bool = False,
+                 within_token_table: bool = False):
         super().__init__()
         check_backbone(backbone)  # before any trace is read
         if sampling_rollout < 2:
@@ -252,7 +256,8 @@ class ForecasterModule(pl.LightningModule):
                                switch_half_life=float(h.get("switch_half_life", 0.0)),
                                skip_hidden=int(h.get("skip_hidden", 0)),
                                component_cross_layer=bool(h.get("component_cross_layer", False)),
-                               component_cross_recent=bool(h.get("component_cross_recent", False)))
+                               component_cross_recent=bool(h.get("component_cross_recent", False)),
+                               within_token_table=bool(h.get("within_token_table", False)))
         self.net = ExpertForecaster(cfg)
         start = h.get("prior_start")
         if start is not None:

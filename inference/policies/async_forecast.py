@@ -426,6 +426,8 @@ class AsyncSeqMoEPolicy(Policy):
         if layer == inner.p:
             self._trigger(t)
             inner.plan_prefetch(cache)
+        elif inner.replan_due(layer):
+            inner.replan(t, layer, cache)
         return inner.issue_after(t, layer, cache)
 
 

@@ -73,6 +73,7 @@ from expertcast.inference.policies.prefetch import (
     pool_victims,
 )
 from expertcast.models.forecaster import ExpertForecaster, ForecasterState, trigger_offset
+from expertcast.models.forecaster_components import within_token_chain, within_token_posterior
 from expertcast.utils.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,6 +111,10 @@ class ForecastOptions(PolicyOptions):
     ema_alpha: float = option(0.2, "weight of the newest element in the recency average", low=0.0, high=1.0)
     device: str = option("cpu", "device of the forecaster: cpu, cuda[:N] or mps", pattern=DEVICE_PATTERN)
     forecast_cache_mb: float = option(1024.0, "memory for precomputed forecasts, MB", low=0.0)
+    replan: int = option(0, "re-plan prefetch every N layers after the trigger layer, the forecast of the token's "
+                         "later layers refined by the forecaster's within-token table from the layer just routed "
+                         "(batch 1; needs an export with within_token_table; 0: off; docs/design.md, 'Prefetch')",
+                         low=0)
 
     def check(self) -> None:
         if self.forecaster is None:
@@ -232,6 +237,17 @@ class SeqMoEPolicy(Policy):
         priority only, :meth:`add_priority`; no forecast is made, nothing is prefetched)."""
         self.priority_extra: np.ndarray | None = None
         """float [L, E] added to every CacheScore (:meth:`add_priority`), None: the forecast's score alone."""
+        self.replan_every = int(getattr(o, "replan", 0))
+        self._within: torch.Tensor | None = None
+        self._within_freq: torch.Tensor | None = None
+        if self.replan_every:
+            comps = getattr(self.model, "components", None) if self.oracle is None else None
+            if comps is None or comps.within is None:
+                raise UsageError(f"{self.name}: replan needs a learned forecaster whose export carries the "
+                                 f"within-token table (within_token_table: true in its recipe); "
+                                 f"{'forecast=oracle' if self.oracle is not None else self.source} has none")
+            self._within = comps.within.detach().float().cpu()
+            self._within_freq = comps.freq.detach().float().cpu()
 
     @property
     def demand_only(self) -> bool:
@@ -286,11 +302,13 @@ class SeqMoEPolicy(Policy):
         self._latest: np.ndarray | None = None
         self._pending: list[tuple] = []  # routing noted for _latest, not written yet (_flush_routing)
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._accessed: tuple[int, int, np.ndarray, np.ndarray] | None = None  # the newest (t, layer, selected, counts)
         self._row_tables: list[np.ndarray | None] = []
         self.priority_extra = None
         self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0, "forecast_seconds": 0.0,
                       "forecast_path_seconds": 0.0, "forecast_calls": 0, "forecast_flops": 0, "dropped": 0,
-                      "precompute_seconds": 0.0, "precompute_elements": 0, "precompute_flops": 0}
+                      "precompute_seconds": 0.0, "precompute_elements": 0, "precompute_flops": 0, "replans": 0,
+                      "replans_skipped": 0}
 
     def add_priority(self, extra: np.ndarray | None) -> None:
         """From now on the priority of (layer, expert) is its CacheScore plus ``extra`` float [L, E] (in expected
@@ -310,7 +328,8 @@ class SeqMoEPolicy(Policy):
         by the forecast CacheScore, ties to the least recent layer-execution, a plan of :meth:`plan_keys` per
         layer when prefetching, forecasts from this policy's public forecast steps. None for a subclass that
         redefines a decision hook (its decisions are not these)."""
-        if overrides_any(self, SeqMoEPolicy, _DEVICE_HOOKS) or not self.forecasting or self.priority_extra is not None:
+        if (overrides_any(self, SeqMoEPolicy, _DEVICE_HOOKS) or not self.forecasting or self.priority_extra is not None
+                or self.replan_every):
             return None
         return DeviceProgram(EVICT_FORECAST, self.max_tasks if self.prefetch else 0,
                              read_keys=lambda: DeviceKeys(self.last_use.reshape(-1).copy()),
@@ -569,6 +588,7 @@ class SeqMoEPolicy(Policy):
         self._tally[0] += len(selected)
         x = t * self.L + layer
         self.last_use[layer, np.asarray(selected, np.int64)] = x
+        self._accessed = (t, layer, selected, counts)
         for cal in self.calibrations:
             cal.resolve(x, selected, self._missed[1] if self._missed[0] == x else ())
         if not (self._traced and self.precompute) and self._latest is not None:
@@ -589,6 +609,8 @@ class SeqMoEPolicy(Policy):
         if layer == self.p:
             self._trigger(t)
             self.plan_prefetch(cache)
+        elif self.replan_due(layer):
+            self.replan(t, layer, cache)
         return self.issue_after(t, layer, cache)
 
     # ------------------------------------------------------------------------------------------ public steps
@@ -617,6 +639,55 @@ class SeqMoEPolicy(Policy):
         else:
             self.scheduler.submit(tasks)
         self.stats["tasks"] += len(tasks)
+
+    def replan_due(self, layer: int) -> bool:
+        """Whether ``replan`` asks for a re-plan after ``layer`` (every ``replan`` layers after the trigger layer,
+        before the last layer, once a forecast is installed and prefetch is on)."""
+        return (self.replan_every > 0 and self.prefetch and self.has_forecast and self.p < layer < self.L - 1
+                and (layer - self.p) % self.replan_every == 0)
+
+    def replan(self, t: int, layer: int, cache: ExpertCache) -> None:
+        """Refine the installed forecast of step ``t``'s layers after ``layer`` by what ``layer``'s routing tells
+        through the within-token table (:func:`~expertcast.models.forecaster_components.within_token_chain`, then
+        :func:`~expertcast.models.forecaster_components.within_token_posterior`), update their next-execution
+        probabilities and eviction scores, and plan prefetch again (docs/design.md, "Prefetch"). Skipped (counted)
+        with more than one active member (the installed forecast combines members; a member's own prior is not
+        kept) or when the installed forecast is not this step's (a late one)."""
+        t0 = time.perf_counter()
+        v = self._routing_of(t, layer)
+        ahead = np.arange(layer + 1, self.L)
+        if v is None or not np.array_equal(self.first_exec[ahead], t * self.L + ahead):
+            self.stats["replans_skipped"] += 1
+            return
+        told = within_token_chain(torch.from_numpy(v), self._within, layer + 1, self.L - 1)
+        old = self.first_probs[ahead]
+        new = within_token_posterior(torch.from_numpy(np.asarray(old, np.float32)), told,
+                                     self._within_freq[layer + 1:], self.K).numpy().astype(self.first_probs.dtype)
+        probs = self.first_probs.copy()  # installed arrays may be shared (a published forecast): replaced, not edited
+        probs[ahead] = new
+        before = self.score_before.copy()
+        before[ahead] += self.disc[0] * (new - old)
+        self.first_probs, self.score_before = probs, before
+        self.plan_prefetch(cache)
+        self.stats["replans"] += 1
+        self.stats["forecast_path_seconds"] += time.perf_counter() - t0
+
+    def _routing_of(self, t: int, layer: int) -> np.ndarray | None:
+        """float32 [E]: the weights ``layer`` of step ``t`` routed the one active member to (the driver's per-member
+        routing, else the access's selection and counts); None with another number of active members."""
+        if len(self._active) != 1:
+            return None
+        obs = self._observed.get(layer)
+        if obs is not None:
+            b = int(self._active[0])
+            ids, w = obs[0][b], obs[1][b]
+        elif self._accessed is not None and self._accessed[:2] == (t, layer):
+            ids, w = self._accessed[2], self._accessed[3]
+        else:
+            return None
+        v = np.zeros(self.E, np.float32)
+        np.add.at(v, np.asarray(ids, np.int64), np.asarray(w, np.float32))
+        return v
 
     def issue_after(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
         """The proactive loads to start after ``layer`` of step ``t`` ran (the scheduler's, admitted)."""

@@ -231,3 +231,67 @@ def test_calibration_stops_the_loads_of_an_overconfident_forecast():
     assert raw["proactive_loads"] > 0 and cal["proactive_loads"] > 0  # the calibrated one still tries loads
     assert cal["proactive_loads"] < 0.5 * raw["proactive_loads"], (raw, cal)
     assert cal["adj_hit"] > raw["adj_hit"], (raw, cal)
+
+
+def _within_token_case(cross: float):
+    """A routing where each of layer l-1's experts puts its successor into layer l with probability ``cross``
+    (8 x 16, top-2), and an untrained forecaster (online prior: it ranks like recent-freq, trigger layer 0) whose
+    components, the within-token table included, are fitted on 30 other sequences."""
+    from expertcast.data.synthetic import StickyRoutingProcess
+
+    proc = StickyRoutingProcess.realistic(num_layers=8, num_experts=16, top_k=2, seed=3, cross_layer=cross)
+    fit, held = proc.sample(30, 40, prompt_len=8, seed=1), proc.sample(8, 40, prompt_len=8, seed=2)
+    torch.manual_seed(0)
+    model = ExpertForecaster(ForecasterConfig(num_layers=8, num_experts=16, top_k=2, trigger_layer=0, hidden_size=32,
+                                              head_dim=16, state_size=8, num_blocks=1, online_half_lives=[16.0],
+                                              component_half_lives=[16.0], within_token_table=True)).eval()
+    model.components.fit(fit, 0)
+    return proc.meta(), held, model
+
+
+def _replan_runs(meta, held, model, cap, batch_size=1):
+    from expertcast.inference.cache.cost_model import CostConfig
+
+    cost = CostConfig(bandwidth_gbps=10.0, layer_compute_ms=0.3, expert_bytes=1_000_000)  # a load: 1/3 of a layer
+    out = {}
+    for every in (0, 1):
+        pol = SeqMoEPolicy(SeqMoEPolicy.Options(replan=every, bandwidth_gbps=10.0, layer_compute_ms=0.3),
+                           forecaster=model)
+        rec = simulate((meta, held), [pol], [cap], cost=cost, belady_fraction=False, progress=False,
+                       batch_size=batch_size)[0]
+        out[every] = (rec, dict(pol.stats))
+    return out
+
+
+def test_replan_reads_the_tokens_earlier_layer_and_spares_misses_where_the_routing_chains_across_layers():
+    """Measured: 25%: 1,285 -> 1,212 demand misses (hit .686 -> .704, 99 proactive loads; the trigger's plan alone
+    issues none); 45%: 614 -> 593. Where layers step independently the table tells nothing and the counters do not
+    move; with two members a step the re-plan is skipped (counted)."""
+    meta, held, model = _within_token_case(0.9)
+    for cap in (0.25, 0.45):
+        runs = _replan_runs(meta, held, model, cap)
+        (off, s_off), (on, s_on) = runs[0], runs[1]
+        assert s_off["replans"] == 0 and s_on["replans"] > 0, cap
+        assert on["demand_misses"] < off["demand_misses"] and on["hit"] > off["hit"], (cap, off, on)
+        assert on["proactive_loads"] > off["proactive_loads"], cap
+    meta0, held0, model0 = _within_token_case(0.0)
+    runs = _replan_runs(meta0, held0, model0, 0.25)
+    assert runs[1][1]["replans"] > 0
+    assert all(runs[0][0][k] == runs[1][0][k] for k in KEYS)
+    runs = _replan_runs(meta, held, model, 0.25, batch_size=2)
+    assert runs[1][1]["replans"] == 0 and runs[1][1]["replans_skipped"] > 0
+    assert all(runs[0][0][k] == runs[1][0][k] for k in KEYS)
+
+
+def test_replan_needs_an_export_with_the_within_token_table(tmp_path):
+    from expertcast.models.forecaster_export import load_forecaster
+
+    _, _, model = _within_token_case(0.9)
+    exp = load_forecaster(save_forecaster(model, tmp_path / "with"))
+    assert torch.equal(exp.model.components.within, model.components.within)
+    assert make_policy("seqmoe", forecaster=str(tmp_path / "with"), replan=2).replan_every == 2
+    save_forecaster(_untrained(), tmp_path / "without")
+    with pytest.raises(ValueError, match="replan needs a learned forecaster whose export carries the within-token"):
+        make_policy("seqmoe", forecaster=str(tmp_path / "without"), replan=1)
+    with pytest.raises(ValueError, match="replan needs"):
+        make_policy("seqmoe", forecast="oracle", replan=1)
