@@ -800,9 +800,12 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
             model, disk = model_store(fmt)
             fx = disk.expert_bytes
             for budget, kind, cap in budgets_of(cfg, fmt, K, E, L, xbytes):
-                cell: dict[str, list] = {name: [] for name in arms}  # per round (st, slots, pool, rss, start, config)
+                cell: dict[str, list] = {name: [] for name in arms}  # per round (st, slots, pool, rss, start, config,
+                # round)
+                ceiling: dict[int, tuple[float, int]] = {}  # per round that ran an arm: the ceiling's (s/token, reads)
                 dead: set[str] = set()
                 for rep in range(cfg.full_repeats):
+                    ran = False
                     for name in round_order(arms, rep):
                         if name in dead:
                             continue
@@ -822,17 +825,23 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         if timeline is not None:
                             timeline.save(cfg.trace_timeline, f"{name}, {fmt}, budget {budget:g}, full depth")
                         cell[name].append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes(), start,
-                                           om.cache_config))
+                                           om.cache_config, rep))
                         del om, pol, fut  # the slots go before the next cell allocates its own
                         release_memory()
+                        ran = True
+                    if ran:  # the full depth's own no-read ceiling in the same round: each arm's pct_resident is
+                        # paired with it (its passes minutes apart moved by 10%: docs/results.md, "Reads beside
+                        # compute at the DeepSeek-V2-Lite shape")
+                        ceiling[rep] = resident_ceiling(model, disk, cap, seqs, cfg.readers, repeats=1)
                 if not any(cell.values()):  # every arm skipped at this budget: nothing to bracket or compare
                     continue
                 vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in cell.items()}, reference_arm(arms))
                 # the subset's all-in-RAM measured again now: this cell's figure is the mean of the two that bracket
                 # it in time, so that a drift of the host since the first is seen, not assumed away (0.7-3% in runs
-                # L-N); then the full depth's own no-read ceiling (docs/results.md, "The all-in-RAM figure at full depth")
+                # L-N)
                 brackets.append(subset_all_in_ram(cfg.baseline_model, seqs_b, dtype))
-                res_s, res_reads = resident_ceiling(model, disk, cap, seqs, cfg.readers)
+                res_s = float(np.median([c[0] for c in ceiling.values()]))
+                res_reads = int(sum(c[1] for c in ceiling.values()))
                 (s0, f0), (s1, f1) = brackets[-2], brackets[-1]
                 cell_s = scaled_full_seconds((s0 + s1) / 2, (f0 + f1) / 2, n_dec_sub, n_dec_full)
                 before_s, after_s = (scaled_full_seconds(s_, f_, n_dec_sub, n_dec_full) for s_, f_ in ((s0, f0), (s1, f1)))
@@ -841,7 +850,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                     if not runs:
                         continue
                     i_med = int(np.argsort([r[0].tokens_per_s for r in runs])[len(runs) // 2])
-                    st, slots, pool_bytes, rss, start, cache_config = runs[i_med]
+                    st, slots, pool_bytes, rss, start, cache_config, _ = runs[i_med]
+                    paired = [100 * r[0].tokens_per_s * ceiling[r[6]][0] for r in runs]  # over the ceiling, same round
                     sub = sub_by.get((name, float(budget), fmt, kind), {})
                     bound_b = pool_bytes + non_expert + RSS_MARGIN_BYTES
                     floor_s = full_s_of.get(fmt, cell_s)  # this format's all-in-RAM s/token
@@ -854,8 +864,9 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         "pct_full_scaled": 100 * st.tokens_per_s * cell_s, "full_tokens_per_s": 1.0 / cell_s,
                         "full_tokens_per_s_before": 1.0 / before_s, "full_tokens_per_s_after": 1.0 / after_s,
                         "armed_layer_ms": 1e3 * full_s / L,
-                        "resident_tokens_per_s": 1.0 / res_s, "pct_resident": 100 * st.tokens_per_s * res_s,
-                        "resident_reads": res_reads,
+                        "resident_tokens_per_s": 1.0 / res_s, "pct_resident": float(np.median(paired)),
+                        "pct_resident_min": min(paired), "pct_resident_max": max(paired),
+                        "resident_passes": len(ceiling), "resident_reads": res_reads,
                         "pct_full_format": 100 * st.tokens_per_s * floor_s, "full_format_tokens_per_s": 1.0 / floor_s,
                         "sub_tokens_per_s": sub.get("tokens_per_s", float("nan")),
                         "peak_rss_gb": rss / 1e9, "rss_bound_gb": bound_b / 1e9, "start": start,
@@ -880,7 +891,9 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                                      for s_, f_ in brackets) + " ms/token in turn; resident_tokens_per_s (pct_resident): the "
                          "full-depth model's own speed through the same runtime, store and slots with the routing folded onto "
                          "the experts its slots hold (every expert a step computes resident, no read: resident_reads), "
-                         "measured after each cell")
+                         "one pass in each round of the cell after its policies (resident_tokens_per_s: their median); "
+                         "pct_resident is paired: the median over rounds of the row's speed over the ceiling's of the "
+                         "same round (pct_resident_min/_max)")
     else:
         for fmt in formats:
             m_f, disk = model_store(fmt)

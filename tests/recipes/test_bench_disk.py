@@ -134,6 +134,13 @@ def test_cells_run_in_rounds_and_pair_each_policy_with_lru_of_its_round(builds, 
         return real(name, *a, **k)
 
     monkeypatch.setattr(bd, "arm_policy", logged)
+
+    def ceiling(*a, **k):  # the full depth's ceiling, one pass per round: a different figure in each round
+        calls.append("ceiling")
+        assert k.get("repeats") == 1
+        return 0.1 * calls.count("ceiling"), 0
+
+    monkeypatch.setattr(bd, "resident_ceiling", ceiling)
     threads = torch.get_num_threads()
     cfg = BenchConfig(out=str(tmp_path / "o"), model=str(d / "full"), baseline_model=str(d / "sub"),
                       policies=("belady", "lru"), budgets=(0.25,), repeats=3, full_repeats=2, sequences=1, tokens=4,
@@ -144,8 +151,15 @@ def test_cells_run_in_rounds_and_pair_each_policy_with_lru_of_its_round(builds, 
         torch.set_num_threads(threads)
     # the subset's 3 rounds, then the full depth's 2; at the end, once the run's disk figure is known, the
     # simulator's replay of each row (the full depth's, then the subset's)
-    assert calls == ["belady", "lru", "lru", "belady", "belady", "lru"] + ["belady", "lru", "lru", "belady"] + \
-        ["belady", "lru"] + ["belady", "lru"], calls
+    # the full depth's ceiling after each of its rounds, paired with that round's passes
+    assert calls == ["belady", "lru", "lru", "belady", "belady", "lru"] + \
+        ["belady", "lru", "ceiling", "lru", "belady", "ceiling"] + ["belady", "lru"] + ["belady", "lru"], calls
+    for r in rec["rows"]:
+        assert r["resident_passes"] == 2 and r["resident_tokens_per_s"] == pytest.approx(1 / 0.15)
+        assert r["pct_resident_min"] <= r["pct_resident"] <= r["pct_resident_max"]
+        # the row's own pass (the median-speed one) over the ceiling of its round: one end of the paired range
+        assert any(math.isclose(100 * r["tokens_per_s"] * c, v, rel_tol=1e-9)
+                   for c in (0.1, 0.2) for v in (r["pct_resident_min"], r["pct_resident_max"])), r
     for r in rec["rows"] + rec["subset_rows"]:  # every card on the link of the run's bound figure
         assert r["sim_disk_gbps"] == rec["disk_gbps_bound"] >= rec["machine"]["disk_gbps"], r
     for rows, rounds in ((rec["subset_rows"], 3), (rec["rows"], 2)):
