@@ -225,7 +225,8 @@ def finish_wandb_loggers(loggers: Iterable[Any]) -> None:
 
 
 def _wandb_records(path: Path) -> Iterable[bytes]:
-    """The records of a ``run-*.wandb`` transaction log (LevelDB log format after a 7-byte header)."""
+    """The records of a ``run-*.wandb`` transaction log (LevelDB log format after a 7-byte header); a record the
+    file ends inside (wandb's service still writing it) is not yielded."""
     import struct
 
     b, pos, block, buf = path.read_bytes(), 7, 32768, b""
@@ -239,6 +240,8 @@ def _wandb_records(path: Path) -> Iterable[bytes]:
         if n == 0 and kind == 0:  # zero padding to the end of the block
             pos += room - 7
             continue
+        if pos + n > len(b):  # a live log: the writer has not finished this record; stop before it
+            break
         buf += b[pos:pos + n]
         pos += n
         if kind in (1, 4):  # FULL or LAST fragment

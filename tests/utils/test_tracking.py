@@ -72,3 +72,21 @@ def test_fit_export_is_an_artifact_with_its_config(tmp_path, wandb_dir, offline_
     # one artifact per export, named by its content hash: the name every consumer uses
     assert sorted(art["files"]) == files and art["name"] == f"forecaster-export-{verify_export(export)[:16]}"
     assert set(art["metadata"]) == {p[:-5] for p in files if p.endswith(".json")} | {"path", "sha256", "kind"}
+
+
+def test_a_transaction_log_cut_inside_a_record_yields_the_records_before_it(tmp_path):
+    """wandb's service may still be writing the log when it is read: a record the file ends inside is left out,
+    never handed to the protobuf parser truncated."""
+    import struct
+
+    from expertcast.utils.tracking import _wandb_records
+
+    def rec(data: bytes) -> bytes:
+        return struct.pack("<IHB", 0, len(data), 1) + data  # a FULL record
+
+    whole = b"W" * 7 + rec(b"first") + rec(b"second record")
+    log = tmp_path / "run-x.wandb"
+    log.write_bytes(whole)
+    assert list(_wandb_records(log)) == [b"first", b"second record"]
+    log.write_bytes(whole[:-4])  # the second record's last bytes not written yet
+    assert list(_wandb_records(log)) == [b"first"]
