@@ -28,7 +28,13 @@ def test_quick_run_outputs_are_consistent(tmp_path, load_script):
     for r in rows:
         assert r["reads"] == r["loads"] > 0, r
         assert r["pct_full_min"] <= r["pct_full"] <= r["pct_full_max"]
-        assert r["bound_tokens_per_s"] <= r["full_tokens_per_s"] * (1 + 1e-9)
+        # the bound, exactly as defined: its compute floor the faster of the all-in-RAM pass and the row's own (a
+        # policy pass may beat its noisy baseline: 291 against 274 tokens/s in one CI run), its I/O at the bound's
+        # disk figure
+        io_s = r["reads_per_token"] * xb / (r["disk_gbps_bound"] * 1e9)
+        floor_s = min(1 / r["full_tokens_per_s"], 1 / r["tokens_per_s"])
+        assert math.isclose(r["bound_tokens_per_s"], 1 / max(io_s, floor_s), rel_tol=1e-9), r
+        assert r["bound_tokens_per_s"] <= max(r["full_tokens_per_s"], r["tokens_per_s"]) * (1 + 1e-9)
         assert math.isclose(r["achieved_vs_bound"], r["tokens_per_s"] / r["bound_tokens_per_s"], rel_tol=1e-9)
         # the dependency-aware bound is never above the full-overlap one at its read rate (the faster of the disk
         # measurement and the run's own reads)
