@@ -455,13 +455,6 @@ REACH_DISTANCES = (1, 2, 4, 8)
 """Source distances (layers back, same token) of :func:`within_token_reach`."""
 
 
-def _recall_k(scores: torch.Tensor, tgt_ids: torch.Tensor, K: int) -> tuple[float, float]:
-    """(sum of per-target recall@K, of recall@K+3): scores [N, E], tgt_ids long [N, K]."""
-    top = scores.topk(min(K + 3, scores.shape[-1]), dim=-1).indices
-    hit = tgt_ids.unsqueeze(-1) == top.unsqueeze(-2)  # [N, K, K+3]
-    return float(hit[..., :K].any(-1).float().mean(-1).sum()), float(hit.any(-1).float().mean(-1).sum())
-
-
 @torch.no_grad()
 def within_token_reach(train: Sequence[TraceSequence], seqs: Sequence[TraceSequence], meta: TraceMeta, p: int,
                        distances: Sequence[int] = REACH_DISTANCES) -> dict:
@@ -489,8 +482,7 @@ def within_token_reach(train: Sequence[TraceSequence], seqs: Sequence[TraceSeque
     decay = decay_of(CROSS_RECENT_HALF_LIFE)
     tl = torch.arange(first, L)
     names = ["repeat-last", "recent-freq"] + [n for name in sources for n in (name, f"{name} x recent")]
-    sums = {n: [0.0, 0.0] for n in names}
-    n_tgt = 0
+    scored = {n: RecallTable(1, L - first) for n in names}  # one horizon, the scored layers
     for sq in seqs:
         ids = torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64))  # [T, L, K]
         w = torch.from_numpy(np.asarray(sq.expert_weights, dtype=np.float32))
@@ -505,7 +497,8 @@ def within_token_reach(train: Sequence[TraceSequence], seqs: Sequence[TraceSeque
             recent[t] = recent_scores(ema, freq, decay)[0, 0]
             recent_update(ema, x[t:t + 1], decay)
         pos = torch.arange(start, T)
-        tgt = ids[pos][:, tl].reshape(-1, K)  # [N * Lt, K]
+        tgt = ids[pos][:, tl].unsqueeze(1)  # [N, 1, Lt, K]
+        valid = torch.ones(len(pos), 1, dtype=torch.bool)
         rec = recent[pos][:, tl]  # [N, Lt, E]
         tie = 1e-6 * freq[tl]
         preds = {"repeat-last": repeat_last_scores(x[pos - 1], freq)[:, tl], "recent-freq": rec}
@@ -517,10 +510,8 @@ def within_token_reach(train: Sequence[TraceSequence], seqs: Sequence[TraceSeque
             preds[name] = sc
             preds[f"{name} x recent"] = cross_recent_scores(sc.unsqueeze(1), rec, freq[tl]).squeeze(1)
         for n in names:
-            a, b = _recall_k(preds[n].reshape(-1, E), tgt, K)
-            sums[n][0] += a
-            sums[n][1] += b
-        n_tgt += tgt.shape[0]
-    rows = [{"predictor": n, "R@K": sums[n][0] / max(n_tgt, 1), "R@K+3": sums[n][1] / max(n_tgt, 1),
-             "targets": n_tgt} for n in names]
+            _accumulate(scored[n], preds[n].unsqueeze(1), tgt, valid, K)
+    n_tgt = int(scored[names[0]].count.sum())
+    rows = [{"predictor": n, "R@K": float(t.recall("k")[0]), "R@K+3": float(t.recall("k3")[0]), "targets": n_tgt}
+            for n, t in scored.items()]
     return {"layers": [first, L - 1], "targets": n_tgt, "rows": rows}
