@@ -157,9 +157,9 @@ def fit_within_token(seqs: Sequence, num_layers: int, num_experts: int, sources:
     pairs = [(layer, s) for layer, s in enumerate(src_of) if 0 <= s < layer]
     tl = torch.tensor([layer for layer, _ in pairs], dtype=torch.long)
     sl = torch.tensor([s for _, s in pairs], dtype=torch.long)
-    for sq in seqs:
+    for sq in seqs if pairs else ():
         ids = torch.from_numpy(np.asarray(sq.expert_ids, dtype=np.int64))  # [T, L, K]
-        if not pairs or ids.shape[0] == 0:
+        if ids.shape[0] == 0:
             continue
         a, b = ids[:, sl], ids[:, tl]  # [T, P, K]
         K = a.shape[-1]

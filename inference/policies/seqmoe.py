@@ -588,7 +588,8 @@ class SeqMoEPolicy(Policy):
         self._tally[0] += len(selected)
         x = t * self.L + layer
         self.last_use[layer, np.asarray(selected, np.int64)] = x
-        self._accessed = (t, layer, selected, counts)
+        if self.replan_every:  # only the re-plan reads it
+            self._accessed = (t, layer, selected, counts)
         for cal in self.calibrations:
             cal.resolve(x, selected, self._missed[1] if self._missed[0] == x else ())
         if not (self._traced and self.precompute) and self._latest is not None:
