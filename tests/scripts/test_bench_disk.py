@@ -37,9 +37,10 @@ def test_quick_run_outputs_are_consistent(tmp_path, load_script):
         assert r["bound_tokens_per_s"] <= max(r["full_tokens_per_s"], r["tokens_per_s"]) * (1 + 1e-9)
         assert math.isclose(r["achieved_vs_bound"], r["tokens_per_s"] / r["bound_tokens_per_s"], rel_tol=1e-9)
         # the dependency-aware bound is never above the full-overlap one at its read rate (the faster of the disk
-        # measurement and the run's own reads)
+        # measurement and the run's own reads), over the same compute floor as the bound's (a pass that beat its
+        # baseline: dep bound 286 against a full-overlap 274 figured on the baseline alone, in one CI run)
         rate = max(m["disk_gbps"], r["read_gbps"]) * 1e9
-        full_overlap = 1 / max(r["reads_per_token"] * xb / rate, 1 / r["full_tokens_per_s"])
+        full_overlap = 1 / max(r["reads_per_token"] * xb / rate, floor_s)
         assert r["dep_bound_tokens_per_s"] <= full_overlap * (1 + 1e-9)
         if r["read_gbps"] <= m["disk_gbps"]:
             assert r["dep_bound_tokens_per_s"] <= r["bound_tokens_per_s"] * (1 + 1e-9)
