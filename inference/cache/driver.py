@@ -40,6 +40,8 @@ Hook order (what :class:`Driver` calls; the numbers are the order within a layer
              TEMP: transport.demand(-1) (a temporary slot, not retained)
              CPU:  transport.cpu (executed on the host copy)
            counted steps: hits, late, demand (LOAD and TEMP), temp, cpu, accesses
+        4b. issue policy.after_routing(t, l, selected, counts, cache)   # behind the demand loads, the
+           running selection protected from eviction
         5. the layer computes (transport.compute for the modelled link; real compute in the runtime)
         6. the selection's slots in Compute become Used (a prefetch used before its deadline: at its deadline)
         7. policy.on_access(t, l, selected, counts, cache)
@@ -280,6 +282,7 @@ class Driver:
                 plan[e] = self._miss(layer, e, cnt_of[e], sel, counted)
         if counted:
             c.accesses[layer] += len(sel)
+        self._issue(layer, policy.after_routing(t, layer, sel, cnt, cache), after=True, protect=sel)
         return plan
 
     def _miss(self, layer: int, e: int, n_tokens: int, sel: np.ndarray, counted: bool) -> tuple:
@@ -328,12 +331,14 @@ class Driver:
         return plan
 
     # -- internals ---------------------------------------------------------------------------------
-    def _acquire(self, layer: int, sel: np.ndarray | None, counted: bool) -> int:
-        """:func:`acquire_slot` for an expert of ``layer`` (``sel`` protected for a demand load); a resident
-        evicted for it on a counted step is tallied on ``layer``."""
+    def _acquire(self, layer: int, sel: np.ndarray | None, counted: bool,
+                 protect: tuple[int, np.ndarray] | None = None) -> int:
+        """:func:`acquire_slot` for an expert of ``layer`` (``sel`` protected for a demand load, or ``protect`` =
+        (the running layer, its selection) for a load issued while it runs); a resident evicted for it on a
+        counted step is tallied on ``layer``."""
         pool = self.cache.pool_of(layer)
         full = self.cache.free_count(pool) == 0
-        slot = acquire_slot(self.cache, self.policy, self.t, layer, pool, sel)
+        slot = acquire_slot(self.cache, self.policy, self.t, layer, pool, sel, protect=protect)
         if full and slot >= 0 and counted:
             self.counters.evictions[layer] += 1
         return slot
@@ -347,7 +352,9 @@ class Driver:
                 if self.record_landings:
                     self.landings.append((x, layer, expert))
 
-    def _issue(self, cur_layer: int, items: Iterable[tuple[int, ...]], after: bool) -> None:
+    def _issue(self, cur_layer: int, items: Iterable[tuple[int, ...]], after: bool,
+               protect: np.ndarray | None = None) -> None:
+        """Step 2, 4b or 8's loads (``protect``: the running layer's selection, kept from eviction)."""
         t, cache, policy, L, E = self.t, self.cache, self.policy, self.L, self.E
         counted = self.counted
         for item in items:
@@ -362,7 +369,7 @@ class Driver:
                                  f"execution of layer {pl}")
             if cache.contains(pl, pe):
                 continue
-            slot = self._acquire(pl, None, counted)
+            slot = self._acquire(pl, None, counted, protect=None if protect is None else (cur_layer, protect))
             if slot < 0:
                 if counted:
                     self.counters.dropped[pl] += 1

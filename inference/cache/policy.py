@@ -112,6 +112,13 @@ class Policy:
     def on_access(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:
         """``selected`` int [S] experts routed at (t, layer); ``counts`` int [S] tokens routed to each."""
 
+    def after_routing(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray,
+                      cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        """Proactive loads to issue once ``layer`` of step ``t`` is routed and its misses are on the link, before it
+        computes (items as :meth:`before_layer`'s; they queue behind the layer's demand loads and may use its compute
+        time). ``selected`` / ``counts`` as :meth:`on_access`'s."""
+        return ()
+
     def after_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
         """Proactive loads to issue after ``layer`` ran at step ``t`` (items as :meth:`before_layer`'s)."""
         return ()

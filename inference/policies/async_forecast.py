@@ -426,9 +426,11 @@ class AsyncSeqMoEPolicy(Policy):
         if layer == inner.p:
             self._trigger(t)
             inner.plan_prefetch(cache)
-        elif inner.replan_due(layer):
-            inner.replan(t, layer, cache)
         return inner.issue_after(t, layer, cache)
+
+    def after_routing(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray,
+                      cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        return self.inner.replan_after_routing(t, layer, selected, counts, cache)
 
 
 @dataclass

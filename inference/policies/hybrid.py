@@ -279,6 +279,10 @@ class HybridPolicy(Policy):
     def choose_victim(self, t: int, layer: int, candidates: np.ndarray, cache: ExpertCache) -> int:
         return self.core.choose_victim(t, layer, candidates, cache)
 
+    def after_routing(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray,
+                      cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        return self.core.after_routing(t, layer, selected, counts, cache)
+
     def after_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
         return self.core.after_layer(t, layer, cache)
 

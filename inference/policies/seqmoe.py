@@ -588,8 +588,6 @@ class SeqMoEPolicy(Policy):
         self._tally[0] += len(selected)
         x = t * self.L + layer
         self.last_use[layer, np.asarray(selected, np.int64)] = x
-        if self.replan_every:  # only the re-plan reads it
-            self._accessed = (t, layer, selected, counts)
         for cal in self.calibrations:
             cal.resolve(x, selected, self._missed[1] if self._missed[0] == x else ())
         if not (self._traced and self.precompute) and self._latest is not None:
@@ -605,13 +603,15 @@ class SeqMoEPolicy(Policy):
         self._update_estimate(x, cache)
         return self._issue(float(x), cache)
 
+    def after_routing(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray,
+                      cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        return self.replan_after_routing(t, layer, selected, counts, cache)
+
     def after_layer(self, t: int, layer: int, cache: ExpertCache) -> Sequence[tuple[int, int]]:
         self.mark_after(t, layer)
         if layer == self.p:
             self._trigger(t)
             self.plan_prefetch(cache)
-        elif self.replan_due(layer):
-            self.replan(t, layer, cache)
         return self.issue_after(t, layer, cache)
 
     # ------------------------------------------------------------------------------------------ public steps
@@ -640,6 +640,17 @@ class SeqMoEPolicy(Policy):
         else:
             self.scheduler.submit(tasks)
         self.stats["tasks"] += len(tasks)
+
+    def replan_after_routing(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray,
+                             cache: ExpertCache) -> Sequence[tuple[int, int]]:
+        """The re-plan's loads, once ``layer`` of step ``t`` is routed (driver step 4b): its routing is known and its
+        compute is still to come, so the walk's first window is this layer's own (docs/design.md, "Prefetch")."""
+        if not self.replan_due(layer):
+            return ()
+        self._now = (t, layer, 1)
+        self._accessed = (t, layer, selected, counts)
+        self.replan(t, layer, cache)
+        return self._issue(float(t * self.L + layer), cache)
 
     def replan_due(self, layer: int) -> bool:
         """Whether ``replan`` asks for a re-plan after ``layer`` (every ``replan`` layers after the trigger layer,
@@ -738,7 +749,7 @@ class SeqMoEPolicy(Policy):
         pool_of = cache.config.pool_of_layer.astype(np.int64)
         tms = self.transfer_ms()
         backlog = sum(cache.state_of(*k) == SlotState.FETCH for k in self._inflight)
-        tasks = plan_within_headroom(probs, execs, mask, pool_of, victims, int(self.first_exec.min()),
+        tasks = plan_within_headroom(probs, execs, mask, pool_of, victims, self._next_execution(),
                                      np.full(self.L, self.layer_compute_ms), tms, backlog, self.max_tasks,
                                      min_net=floor, num_layers=self.L, net_scale=scale)
         for task in tasks:  # the outcome each load is expected to have, settled as the routing arrives
@@ -749,6 +760,13 @@ class SeqMoEPolicy(Policy):
             self.calibrations[later].expect(int(task.deadline), task.expert, net,
                                             None if vk is None else (int(self.first_exec[vk[0]]), vk[1]))
         return tasks
+
+    def _next_execution(self) -> int:
+        """The layer-execution that starts next (the headroom walk's first window): the one after the layer that
+        has run (:meth:`mark_after`), else the current one. A re-plan after layer l of step t starts at t*L + l + 1,
+        not at the earliest installed execution (the trigger's layer + 1, whose windows have passed)."""
+        t, cur, phase = self._now
+        return max(int(self.first_exec.min()), t * self.L + cur + (1 if phase == 2 else 0))
 
     def _in_cache_mask(self, cache: ExpertCache) -> np.ndarray:
         return cache.slot_of >= 0

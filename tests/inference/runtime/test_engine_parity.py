@@ -30,7 +30,7 @@ EOS = [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]
 NEW = 12
 SLOTS = 6  # per layer, of E=16 (top-K=4)
 LINK_GBPS = 0.02  # ~1.2 ms per 24 kB expert: prefetches land late
-PREFETCHING = {"seqmoe", "seqmoe-async", "hybrid", "stage", "stage-oracle", "router-full", "router-spatio"}
+PREFETCHING = {"seqmoe", "seqmoe-replan", "seqmoe-async", "hybrid", "stage", "stage-oracle", "router-full", "router-spatio"}
 
 
 class Run:
@@ -65,7 +65,16 @@ class Run:
         return build_stream(self.meta, self.traces, batch_size=self.batch)
 
     def policy(self, name: str):
-        """A fresh policy ``name`` configured from this run (same options for the runtime and the simulator)."""
+        """A fresh policy ``name`` configured from this run (same options for the runtime and the simulator);
+        ``seqmoe-replan``: seqmoe re-planning after every layer (driver step 4b) with a within-token table."""
+        if name == "seqmoe-replan":
+            torch.manual_seed(0)
+            f = ExpertForecaster(ForecasterConfig(num_layers=self.meta.num_layers, num_experts=self.meta.num_experts,
+                                                  top_k=self.meta.top_k, trigger_layer=0, hidden_size=32, num_blocks=1, state_size=8,
+                                                  head_dim=16, chunk_size=16, online_half_lives=[16.0],
+                                                  component_half_lives=[16.0], within_token_table=True)).eval()
+            f.components.fit(self.traces, 0)  # in-sample: parity, not a figure
+            return make_policy("seqmoe", forecaster=f, precompute=False, breakeven=False, replan=1)
         lat = LatencyModel(transfer_ms=1.0, cpu_expert_ms=0.5, cpu_token_ms=0.15)
         stage = dict(cues="a|e", decoder=lambda i: bytes([int(i) % 256]), latency=lat)
         kw = {"static": dict(calibration=self.traces), "stage": stage, "stage-oracle": stage,
@@ -88,7 +97,7 @@ def run(request):
     return r
 
 
-@pytest.mark.parametrize("name", sorted(registry()))
+@pytest.mark.parametrize("name", sorted(registry()) + ["seqmoe-replan"])
 def test_runtime_counters_equal_simulator_replay(run, name):
     pol = run.policy(name)
     future = run.stream() if "future" in spec_of(pol).needs else None
@@ -118,3 +127,5 @@ def test_runtime_counters_equal_simulator_replay(run, name):
     assert resident == sim.resident
     if name in PREFETCHING:
         assert st.P > 0, "a prefetching policy should have issued proactive loads here"
+    if name == "seqmoe-replan":
+        assert pol.stats["replans"] > 0 if run.batch == 1 else pol.stats["replans_skipped"] > 0  # batch 1 only

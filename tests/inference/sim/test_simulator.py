@@ -93,6 +93,47 @@ def test_hand_worked_timely_prefetch_overlaps_compute():
     ]
 
 
+class RoutedPrefetch(LRUPolicy):
+    """Test-only prefetcher: once (step, layer) is routed (driver step 4b) it issues the listed loads."""
+
+    demand_only = False
+
+    def __init__(self, script):
+        self.script = script
+
+    def after_routing(self, t, layer, selected, counts, cache):
+        return self.script.get((t, layer), [])
+
+
+def test_a_load_issued_once_the_layer_is_routed_uses_that_layers_compute():
+    # L=2, 1 slot per layer; t0 (L0: 0, L1: 0), t1 (L0: 0, L1: 1). Once (t0, L0) is routed: load (1, 1) for t1.
+    # t0 L0 miss 0 [0, .5]; the load queues behind it, runs [.5, 1] beside L0's compute (.5-1.5) and lands;
+    # t0 L1 (1.5): (1, 1) waits for t1 (Compute, not evictable): 0 goes to the temporary slot.
+    # Issued after the layer instead (step 8, at 1.5), the same load runs behind L1's demand: [2, 2.5].
+    meta, seq = trace([[0, 0], [0, 1]], E=4)
+    st = build_stream(meta, [seq])
+    cfg = CacheConfig(2, 4, 1, budget=Budget.slots(1), expert_bytes=meta.expert_bytes)
+    r = replay(st, RoutedPrefetch({(0, 0): [(1, 1, 3)]}), cfg, COST, record_timeline=True)
+    ev = [(e.step, e.layer, e.kind, e.expert, e.start, e.end) for e in r.timeline]
+    assert (0, 1, "prefetch", 1, 0.5, 1.0) in ev
+    m = r.metrics()
+    assert (m["proactive_loads"], m["late_prefetches"], m["prefetches_used"]) == (1, 0, 1)
+    r8 = replay(st, ScriptedPrefetch({(0, 0): [(1, 1, 3)]}), cfg, COST, record_timeline=True)
+    assert (0, 1, "prefetch", 1, 2.0, 2.5) in [(e.step, e.layer, e.kind, e.expert, e.start, e.end) for e in r8.timeline]
+
+
+def test_a_load_issued_once_the_layer_is_routed_never_evicts_that_layers_selection():
+    # shared pool of 2 slots, L=2: t0 (L0: 0, L1: 0) fills it; t1 L0 routes 0 again (a hit, least recent) and
+    # asks for (1, 3): LRU would take (0, 0), which L0 is about to compute; the driver protects it, (1, 0) goes.
+    meta, seq = trace([[0, 0], [0, 3]], E=4)
+    st = build_stream(meta, [seq])
+    cfg = CacheConfig(2, 4, 1, pool="shared", budget=Budget.slots(2), expert_bytes=meta.expert_bytes)
+    r = replay(st, RoutedPrefetch({(1, 0): [(1, 3)]}), cfg, COST)
+    assert r.resident == {(0, 0), (1, 3)}
+    m = r.metrics()
+    assert (m["hits"], m["proactive_loads"]) == (2, 1)
+
+
 def test_hand_worked_prefetch_counters_used_late_precision():
     # L=1, 2 slots, top-1, prompt 1 (t0 uncounted). Accesses 0 | 1 3 1 5 0; prefetch 1 after t0 (uncounted),
     # 3 after t1, 5 after t2, 6 after t4 (LRU victims).
