@@ -108,7 +108,8 @@ class ForecastOptions(PolicyOptions):
                                             low=0.0, low_open=True)
     layer_compute_ms: float = option(0.15, "per-layer compute ms used for the transfer-time estimate", low=0.0,
                                      low_open=True)
-    ema_alpha: float = option(0.2, "weight of the newest element in the recency average", low=0.0, high=1.0)
+    ema_alpha: float = option(0.2, "EMA weight of the newest sample of the transfer-time estimate (never below the "
+                              "link's own transfer time)", low=0.0, high=1.0)
     device: str = option("cpu", "device of the forecaster: cpu, cuda[:N] or mps", pattern=DEVICE_PATTERN)
     forecast_cache_mb: float = option(1024.0, "memory for precomputed forecasts, MB", low=0.0)
     replan: int = option(0, "re-plan prefetch every N layers after the trigger layer, the forecast of the token's "
@@ -179,6 +180,10 @@ class SeqMoEPolicy(Policy):
         calibration_half_life: float = option(64.0, "break-even: half-life in decode steps of the realised/expected "
                                               "ratio of demand misses spared by the loads issued, which scales every "
                                               "q - v (0: take the forecast's q - v as it is)", low=0.0)
+        calibrate: bool | None = option(None, "headroom rule: scale every q - v by the realised/expected ratio "
+                                        "(calibration_half_life) whether or not the break-even floor is on (default: "
+                                        "with the break-even only); breakeven=false,calibrate=true drops the AdjHit "
+                                        "floor and keeps the check that a forecast's loads spare what it says")
         forecast: str = option("model", "where forecasts come from: model (the forecaster) or oracle (the replayed "
                                "trace's true future at recall@K = recall; docs/design.md, 'Oracle forecast')",
                                choices=FORECAST_SOURCES)
@@ -216,6 +221,7 @@ class SeqMoEPolicy(Policy):
         self.prefetch_rule = getattr(o, "prefetch_rule", "floor")
         self.breakeven = bool(getattr(o, "breakeven", False))
         self.calibration_half_life = float(getattr(o, "calibration_half_life", 0.0))
+        self.calibrate = getattr(o, "calibrate", None)
         self.plan_executions = int(getattr(o, "plan_executions", 2))
         self.lookahead = float(o.lookahead)
         self.transfer_layers = o.transfer_layers
@@ -282,11 +288,14 @@ class SeqMoEPolicy(Policy):
         if tau is None:
             ms = (config.expert_bytes or 1) / self.link_bytes_per_s * 1e3
             tau = max(ms / max(self.layer_compute_ms, 1e-9), 1e-6)
-        self.scheduler = PrefetchScheduler(TransferEstimator(float(tau), self.ema_alpha), self.lookahead)
+        # the link's own transfer time is a floor: observed windows may say slower (contention), never faster
+        self.scheduler = PrefetchScheduler(TransferEstimator(float(tau), self.ema_alpha, min_tau=float(tau)),
+                                           self.lookahead)
         self._inflight: set[tuple[int, int]] = set()
         self._planned: list[tuple[int, int, int]] = []
         self._tally = [0, 0, 0]  # accesses, demand misses, proactive loads seen by the hooks (the AdjHit break-even)
-        half_life = self.calibration_half_life if self.prefetch_rule == "headroom" and self.breakeven else 0.0
+        calibrate = self.breakeven if self.calibrate is None else self.calibrate
+        half_life = self.calibration_half_life if self.prefetch_rule == "headroom" and calibrate else 0.0
         self.calibrations = [SparedMissCalibration(half_life) for _ in range(self.plan_executions)]
         """One per execution planned (the next, the one after): a forecast two executions ahead is less sure than
         one execution ahead, and its loads hold their slots longer; each is scaled by its own realised/expected

@@ -94,6 +94,18 @@ def test_ema_tracks_link_rate():
         TransferEstimator(tau=0)
 
 
+def test_estimate_never_reads_faster_than_the_links_own_transfer_time():
+    """Window samples may slow the estimate (a contended link), never speed it past ``min_tau`` (seqmoe: the link's
+    declared transfer time), which a transfer finishing in a demand stall would otherwise do."""
+    est = TransferEstimator(tau=0.4, alpha=0.5, min_tau=0.4)
+    for _ in range(20):
+        est.observe_window(landed=4, span=1.0)  # 4 per window: 0.25 < 0.4
+    assert est.tau == pytest.approx(0.4)
+    for _ in range(20):
+        est.observe_window(landed=1, span=1.0)  # slower than declared: followed
+    assert est.tau == pytest.approx(1.0, rel=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------- headroom rule
 # L=3, E=4; the next execution to start is x=1 (layer 1), so the deadlines are layer 1 -> 1, layer 2 -> 2,
 # layer 0 -> 3. Every layer computes 1 ms (the link's free window), a transfer takes 0.4 ms, slots are free.
