@@ -826,6 +826,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                             timeline.save(cfg.trace_timeline, f"{name}, {fmt}, budget {budget:g}, full depth")
                         cell[name].append((st, om.cache.num_slots, om.pool.nbytes, peak_rss_bytes(), start,
                                            om.cache_config, rep))
+                        print(f"bench_disk: {fmt} {budget:g} full depth, round {rep + 1}/{cfg.full_repeats}, {name}: "
+                              f"{st.tokens_per_s:.3f} tokens/s, hit {st.hit:.3f}", flush=True)  # a plain progress line
                         del om, pol, fut  # the slots go before the next cell allocates its own
                         release_memory()
                         ran = True
@@ -833,6 +835,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         # paired with it (its passes minutes apart moved by 10%: docs/results.md, "Reads beside
                         # compute at the DeepSeek-V2-Lite shape")
                         ceiling[rep] = resident_ceiling(model, disk, cap, seqs, cfg.readers, repeats=1)
+                        print(f"bench_disk: {fmt} {budget:g} full depth, round {rep + 1}/{cfg.full_repeats}, the "
+                              f"no-read ceiling: {1 / ceiling[rep][0]:.3f} tokens/s", flush=True)
                 if not any(cell.values()):  # every arm skipped at this budget: nothing to bracket or compare
                     continue
                 vs = paired_vs_ref({n: [r[0].tokens_per_s for r in rs] for n, rs in cell.items()}, reference_arm(arms))

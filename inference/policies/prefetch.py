@@ -378,9 +378,9 @@ class TransferEstimator:
     def tau(self) -> float:
         """The estimate, within [``min_tau``, ``max_tau``]: a link's declared rate bounds what a window sample may
         claim (a transfer that finishes while a layer waits for its demand loads lands inside that layer's window
-        without taking its compute time, so window samples read fast; on the DeepSeek-ratio link of granite they read
-        23% fast and the headroom walk queued 67 transfers where 2 fit: docs/results.md, "Re-planning within the
-        token")."""
+        without taking its compute time, so window samples read fast; on granite at the disk tier's ratio they read
+        23% fast and the headroom walk queued 67 transfers where 2 fit:
+        docs/results.md, "Re-planning within the token")."""
         return min(max(1.0 / max(self.rate, 1e-12), self.min_tau), self.max_tau)
 
     def observe_duration(self, duration: float) -> None:
