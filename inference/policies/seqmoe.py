@@ -771,9 +771,10 @@ class SeqMoEPolicy(Policy):
         return tasks
 
     def _next_execution(self) -> int:
-        """The layer-execution that starts next (the headroom walk's first window): the one after the layer that
-        has run (:meth:`mark_after`), else the current one. A re-plan after layer l of step t starts at t*L + l + 1,
-        not at the earliest installed execution (the trigger's layer + 1, whose windows have passed)."""
+        """The layer-execution whose compute comes next (the headroom walk's first window): the one after the layer
+        that has run (:meth:`mark_after`), else the current one. A re-plan once layer l of step t is routed starts at
+        t*L + l (its compute is still to come), not at the earliest installed execution (the trigger's layer + 1,
+        whose windows have passed)."""
         t, cur, phase = self._now
         return max(int(self.first_exec.min()), t * self.L + cur + (1 if phase == 2 else 0))
 
