@@ -51,8 +51,8 @@ Hook order (what :class:`Driver` calls; the numbers are the order within a layer
                                                         # skipped when every entry is None
 
     issue(items): for each (layer, expert) or (layer, expert, deadline) in order: outside [0, L) x [0, E)
-        -> error; already holding a slot -> skipped; acquire_slot without protection (-1 -> counted as
-        dropped); slot Fetch (proactive), policy.on_insert(layer, expert, True),
+        -> error; already holding a slot -> skipped; acquire_slot without protection (step 4b's: the running
+        layer's selection protected) (-1 -> counted as dropped); slot Fetch (proactive), policy.on_insert(layer, expert, True),
         transport.prefetch(slot, deadline) with deadline = the layer-execution the load is for: the
         layer's next execution (this step if it has not run yet, else the next step), or the item's when
         later (an execution of that layer, else an error); counted steps: proactive += 1. The slot is
@@ -290,7 +290,7 @@ class Driver:
         action = MissAction(policy.on_miss(t, layer, e, n_tokens, cache))
         slot = -1
         if action == MissAction.LOAD:
-            slot = self._acquire(layer, sel, counted)
+            slot = self._acquire(layer, counted, protect=(layer, sel))
             if slot < 0:
                 action = MissAction.TEMP  # every slot holds a selected or in-flight expert
         if action == MissAction.CPU:
@@ -331,14 +331,12 @@ class Driver:
         return plan
 
     # -- internals ---------------------------------------------------------------------------------
-    def _acquire(self, layer: int, sel: np.ndarray | None, counted: bool,
-                 protect: tuple[int, np.ndarray] | None = None) -> int:
-        """:func:`acquire_slot` for an expert of ``layer`` (``sel`` protected for a demand load, or ``protect`` =
-        (the running layer, its selection) for a load issued while it runs); a resident evicted for it on a
-        counted step is tallied on ``layer``."""
+    def _acquire(self, layer: int, counted: bool, protect: tuple[int, np.ndarray] | None = None) -> int:
+        """:func:`acquire_slot` for an expert of ``layer`` (``protect`` = (the running layer, its selection), kept
+        from eviction); a resident evicted for it on a counted step is tallied on ``layer``."""
         pool = self.cache.pool_of(layer)
         full = self.cache.free_count(pool) == 0
-        slot = acquire_slot(self.cache, self.policy, self.t, layer, pool, sel, protect=protect)
+        slot = acquire_slot(self.cache, self.policy, self.t, layer, pool, protect)
         if full and slot >= 0 and counted:
             self.counters.evictions[layer] += 1
         return slot
@@ -369,7 +367,7 @@ class Driver:
                                  f"execution of layer {pl}")
             if cache.contains(pl, pe):
                 continue
-            slot = self._acquire(pl, None, counted, protect=None if protect is None else (cur_layer, protect))
+            slot = self._acquire(pl, counted, protect=None if protect is None else (cur_layer, protect))
             if slot < 0:
                 if counted:
                     self.counters.dropped[pl] += 1

@@ -438,18 +438,16 @@ class ExpertCache:
 
 
 def acquire_slot(cache: ExpertCache, policy, t: int, layer: int, pool: int,
-                 selected: np.ndarray | None = None, protect: tuple[int, np.ndarray] | None = None) -> int:
+                 protect: tuple[int, np.ndarray] | None = None) -> int:
     """A slot for a new expert of ``layer`` (the one step both the simulator and the runtime take for
     demand and proactive loads): an Empty slot of ``pool`` if there is one, else the slot of the
-    resident the policy chooses among the evictable ones (``policy.on_evict`` is called). When
-    ``selected`` is given (a demand load), the running layer's selection is protected; ``protect`` = (a layer,
-    its selection) protects another layer's (a load issued while that layer runs). Returns -1 when
+    resident the policy chooses among the evictable ones (``policy.on_evict`` is called). ``protect`` =
+    (the running layer, its selection) keeps that selection (a demand load, or a load issued while the layer
+    runs). Returns -1 when
     no slot can be freed (every slot holds a protected or in-flight expert)."""
     slot = cache.take_free_slot(pool)
     if slot >= 0:
         return slot
-    if selected is not None:
-        protect = (layer, selected)
     cands = cache.eviction_candidates(pool) if protect is None else cache.eviction_candidates(pool, *protect)
     if len(cands) == 0:
         return -1

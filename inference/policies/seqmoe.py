@@ -311,7 +311,6 @@ class SeqMoEPolicy(Policy):
         self._latest: np.ndarray | None = None
         self._pending: list[tuple] = []  # routing noted for _latest, not written yet (_flush_routing)
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._accessed: tuple[int, int, np.ndarray, np.ndarray] | None = None  # the newest (t, layer, selected, counts)
         self._row_tables: list[np.ndarray | None] = []
         self.priority_extra = None
         self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0, "forecast_seconds": 0.0,
@@ -657,8 +656,7 @@ class SeqMoEPolicy(Policy):
         if not self.replan_due(layer):
             return ()
         self._now = (t, layer, 1)
-        self._accessed = (t, layer, selected, counts)
-        self.replan(t, layer, cache)
+        self.replan(t, layer, selected, counts, cache)
         return self._issue(float(t * self.L + layer), cache)
 
     def replan_due(self, layer: int) -> bool:
@@ -667,15 +665,16 @@ class SeqMoEPolicy(Policy):
         return (self.replan_every > 0 and self.prefetch and self.has_forecast and self.p < layer < self.L - 1
                 and (layer - self.p) % self.replan_every == 0)
 
-    def replan(self, t: int, layer: int, cache: ExpertCache) -> None:
-        """Refine the installed forecast of step ``t``'s layers after ``layer`` by what ``layer``'s routing tells
+    def replan(self, t: int, layer: int, selected: np.ndarray, counts: np.ndarray, cache: ExpertCache) -> None:
+        """Refine the installed forecast of step ``t``'s layers after ``layer`` by what ``layer``'s routing
+        (``selected`` / ``counts`` as :meth:`on_access`'s, where the driver gave no per-member routing) tells
         through the within-token table (:func:`~expertcast.models.forecaster_components.within_token_chain`, then
         :func:`~expertcast.models.forecaster_components.within_token_posterior`), update their next-execution
         probabilities and eviction scores, and plan prefetch again (docs/design.md, "Prefetch"). Skipped (counted)
         with more than one active member (the installed forecast combines members; a member's own prior is not
         kept) or when the installed forecast is not this step's (a late one)."""
         t0 = time.perf_counter()
-        v = self._routing_of(t, layer)
+        v = self._routing_of(layer, selected, counts)
         ahead = np.arange(layer + 1, self.L)
         if v is None or not np.array_equal(self.first_exec[ahead], t * self.L + ahead):
             self.stats["replans_skipped"] += 1
@@ -693,19 +692,17 @@ class SeqMoEPolicy(Policy):
         self.stats["replans"] += 1
         self.stats["forecast_path_seconds"] += time.perf_counter() - t0
 
-    def _routing_of(self, t: int, layer: int) -> np.ndarray | None:
-        """float32 [E]: the weights ``layer`` of step ``t`` routed the one active member to (the driver's per-member
-        routing, else the access's selection and counts); None with another number of active members."""
+    def _routing_of(self, layer: int, selected: np.ndarray, counts: np.ndarray) -> np.ndarray | None:
+        """float32 [E]: the weights the running ``layer`` routed the one active member to (the driver's per-member
+        routing, else ``selected`` weighted by ``counts``); None with another number of active members."""
         if len(self._active) != 1:
             return None
         obs = self._observed.get(layer)
         if obs is not None:
             b = int(self._active[0])
             ids, w = obs[0][b], obs[1][b]
-        elif self._accessed is not None and self._accessed[:2] == (t, layer):
-            ids, w = self._accessed[2], self._accessed[3]
         else:
-            return None
+            ids, w = selected, counts
         v = np.zeros(self.E, np.float32)
         np.add.at(v, np.asarray(ids, np.int64), np.asarray(w, np.float32))
         return v
