@@ -73,6 +73,7 @@ from expertcast.recipes.bench_disk_arms import (  # noqa: F401 (check_held_out, 
     formats_of,
     oracle_of,
     policy_arms,
+    split_arm,
     timeline_arm,
 )
 from expertcast.recipes.bench_disk_report import finish_bounds, write_report
@@ -577,7 +578,8 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
                     continue
                 try:
                     pol, fut = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 / b_prev / L, stream, calib)
-                    om = OffloadedModel_(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
+                    om = OffloadedModel_(model, pol, cap, store=disk, readers=cfg.readers, future=fut,
+                                         **split_arm(name)[1])
                 except ValueError as e:
                     skipped[f"{name} {fmt} {kind}"] = " ".join(str(e).split())
                     dead.add(name)
@@ -811,7 +813,8 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                             continue
                         try:
                             pol, fut = arm_policy(name, cfg, meta, seqs, disk_gbps * 1e9, 1e3 * full_s / L, stream, calib)
-                            om = OffloadedModel(model, pol, cap, store=disk, readers=cfg.readers, future=fut)
+                            om = OffloadedModel(model, pol, cap, store=disk, readers=cfg.readers, future=fut,
+                                                **split_arm(name)[1])
                         except ValueError as e:
                             skipped[f"{name} {fmt} {kind} (full depth)"] = " ".join(str(e).split())
                             dead.add(name)

@@ -26,6 +26,25 @@ def check_held_out(calibration, replayed) -> None:
         raise ValueError(f"static: its calibration overlaps the replayed sequences ({len(both)}, e.g. {both[0]!r})")
 
 
+READER_OPTIONS = {"chunk": "prefetch_chunk_kb"}
+"""An arm's reader-pool options after ``@`` (``lru@chunk=0``): ``chunk`` = the KiB blocks in which prefetch reads
+yield the disk to demand reads, 0 = whole reads that do not yield (the reader pool's A/B baseline)."""
+
+
+def split_arm(arm: str) -> tuple[str, dict[str, int]]:
+    """(policy spec, OffloadedModel reader-pool keywords) of an arm ``spec[@key=value,...]``; UsageError (one line)
+    on an unknown key or a value that is not a non-negative integer."""
+    spec, at, rest = arm.partition("@")
+    kw: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))) if at else ():
+        key, eq, value = item.partition("=")
+        if key.strip() not in READER_OPTIONS or not eq or not value.strip().isdigit():
+            raise UsageError(f"arm {arm!r}: reader option {item!r} is not one of "
+                             f"{', '.join(k + '=N' for k in READER_OPTIONS)} (N >= 0)")
+        kw[READER_OPTIONS[key.strip()]] = int(value)
+    return spec.strip(), kw
+
+
 def arm_policy(spec: str, cfg: BenchConfig, meta, seqs, link_bytes_per_s: float, layer_ms: float, stream=None,
             calibration=()):
     """(policy, future) of ``spec`` (a policy name or ``name:key=value,...``, through the policy option parser):
@@ -40,6 +59,7 @@ def arm_policy(spec: str, cfg: BenchConfig, meta, seqs, link_bytes_per_s: float,
         split_policy_text,
     )
 
+    spec = split_arm(spec)[0]
     name = spec.partition(":")[0].strip().lower()
     pspec = policy_spec(name)
     given = set(split_policy_text(spec)[1])  # not validated yet: a plain "seqmoe" gets its forecaster below
@@ -70,6 +90,8 @@ def policy_arms(cfg: BenchConfig) -> list[str]:
     per ``cfg.recall`` the oracle forecast at that recall with the break-even rule on and off (it shuts prefetch
     off below ~0.9 recall)."""
     arms = list(cfg.policies)
+    for a in arms:
+        split_arm(a)  # a bad reader option fails before the run
     if cfg.forecaster and "seqmoe" not in arms:
         arms.append("seqmoe")
     for r in cfg.recall:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from expertcast.inference.cache.expert_cache import SlotState
 
 if TYPE_CHECKING:  # pragma: no cover
     from expertcast.inference.cache.expert_cache import ExpertCache
@@ -121,19 +122,26 @@ def demand_probability(probs: np.ndarray, skip: np.ndarray | None = None) -> np.
 
 
 def pool_victims(cache: ExpertCache, value: np.ndarray, order: Callable[[np.ndarray, np.ndarray], np.ndarray]
-                 ) -> tuple[list[np.ndarray], list[list[tuple[int, int] | None]]]:
+                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """:func:`plan_within_headroom`'s ``victims`` for ``cache``'s pools: per pool, the ``value`` [L, E] (P(needed at
     its next execution)) of the slot each successive load into it takes, free slots first (as zeros), then the
-    evictable residents in ``order(layers, experts)`` (indices: the policy's eviction order); and the (layer, expert)
-    each load evicts (None for a free slot)."""
+    evictable residents in ``order(layers, experts)`` (indices: the policy's eviction order); and, per pool, int
+    [n, 2] the (layer, expert) each load evicts ((-1, -1) for a free slot). ``order`` is called once, over every
+    pool's evictable slots (an order by per-expert keys ranks each pool's slots as a call per pool would)."""
+    ok = np.flatnonzero(cache.state == SlotState.USED)  # every pool's evictable slots, ranked in one call
+    cl, ce = cache.slot_layer[ok].astype(np.int64), cache.slot_expert[ok].astype(np.int64)
+    idx = order(cl, ce) if len(ok) else np.zeros(0, np.int64)
+    idx = idx[np.argsort(cache.slot_pool[ok][idx], kind="stable")]  # grouped by pool, each in its own order
+    bounds = np.searchsorted(cache.slot_pool[ok][idx], np.arange(len(cache.config.pool_capacities) + 1))
+    cl, ce, val = cl[idx], ce[idx], value[cl[idx], ce[idx]]
     victims, keys = [], []
-    for pool in range(len(cache.config.pool_capacities)):
-        cands = cache.eviction_candidates(pool)
-        cl, ce = cands[:, 0].astype(np.int64), cands[:, 1].astype(np.int64)
-        idx = order(cl, ce) if len(cands) else np.zeros(0, np.int64)
+    for pool in range(len(bounds) - 1):
+        a, b = int(bounds[pool]), int(bounds[pool + 1])
         free = cache.free_count(pool)
-        victims.append(np.concatenate([np.zeros(free), value[cl[idx], ce[idx]]]))
-        keys.append([None] * free + list(zip(cl[idx].tolist(), ce[idx].tolist(), strict=True)))
+        victims.append(np.concatenate([np.zeros(free), val[a:b]]))
+        k = np.full((free + b - a, 2), -1, np.int64)
+        k[free:, 0], k[free:, 1] = cl[a:b], ce[a:b]
+        keys.append(k)
     return victims, keys
 
 
@@ -235,6 +243,7 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
         x, used, _ = place(x, used, transfer_ms)
     out: list[PrefetchTask] = []
     planned: set[tuple[int, int]] = set()  # a load for a layer's next execution serves its later ones too
+    probe = None  # place(x, used, transfer_ms): the next load's landing and cost, the same until a load is placed
     for row in np.argsort(deadlines, kind="stable").tolist():
         d = int(deadlines[row])
         layer = row % L
@@ -250,10 +259,12 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
             gain = net * transfer_ms
             if gain <= 0.0 or net < min_net:
                 break
-            nx, nused, cost = place(x, used, transfer_ms)
-            if nx >= d or gain <= cost:
-                continue
-            x, used = nx, nused
+            if probe is None:
+                probe = place(x, used, transfer_ms)
+            nx, nused, cost = probe
+            if nx >= d or gain <= cost:  # the row's later candidates land there too, at no more gain
+                break
+            x, used, probe = nx, nused, None
             out.append(PrefetchTask(layer, int(e), gain - cost, float(d), victim=taken[pool]))
             planned.add((layer, e))
             taken[pool] += 1

@@ -764,7 +764,7 @@ class SeqMoEPolicy(Policy):
             later = int(task.deadline > self.first_exec[task.layer])  # for the execution after next
             net = float(probs[task.layer + later * self.L, task.expert]) - float(victims[pool][task.victim])
             self.calibrations[later].expect(int(task.deadline), task.expert, net,
-                                            None if vk is None else (int(self.first_exec[vk[0]]), vk[1]))
+                                            None if vk[0] < 0 else (int(self.first_exec[vk[0]]), int(vk[1])))
         return tasks
 
     def _next_execution(self) -> int:

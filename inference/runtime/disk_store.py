@@ -244,16 +244,21 @@ class DiskExpertStore:
         return DiskRow((layer, expert), self.data_start + (layer * self._E + expert) * self.stride,
                        self.layout.expert_bytes, self.stride)
 
-    def read_into(self, row: DiskRow, buf: torch.Tensor) -> int:
+    def read_into(self, row: DiskRow, buf: torch.Tensor, chunk: int = 0, between: Callable[[], None] | None = None) -> int:
         """Read ``row``'s ``span`` bytes into the aligned uint8 CPU tensor ``buf`` (>= span bytes); returns
-        the bytes read. The GIL is released during the read."""
+        the bytes read. The GIL is released during the read. ``chunk`` > 0 (a multiple of :data:`ALIGN`) reads
+        in blocks of that many bytes and calls ``between()`` after every block but the last (where a
+        prefetch read yields the disk to demand reads: :class:`ReaderPoolEngine`)."""
         mv = buf[:row.span].numpy()
         got = 0
         while got < row.span:
-            n = self._pread(mv[got:], row.offset + got)
+            end = min(row.span, got + chunk) if chunk else row.span
+            n = self._pread(mv[got:end], row.offset + got)
             if n <= 0:
                 raise OSError(f"{self.path}: short read of expert {row.key} ({got} of {row.span} bytes)")
             got += n
+            if between is not None and got < row.span:
+                between()
         if self.io_mode == BUFFERED:
             os.posix_fadvise(self.fd, row.offset, row.span, os.POSIX_FADV_DONTNEED)
         return got
@@ -298,24 +303,43 @@ class ReaderPoolEngine(WorkerWaits, TransferEngine):
     prefetch to the demand queue (a late prefetch). A read into a slot that still has an unfinished read
     waits for it (enqueued when it finishes; a demand inherits its predecessor's promotion), so two reads
     never race on one slot. ``busy_seconds`` is the time at least one read was in progress.
+
+    Prefetch reads yield the disk to demand reads (``prefetch_chunk_kb`` > 0, the default; docs/design.md,
+    "Disk tier"): no prefetch read starts while a demand read is queued or in flight, and a prefetch read in
+    progress reads in blocks of ``prefetch_chunk_kb`` KiB; between two blocks its reader serves the queued
+    demand reads itself, or, while other readers' demand reads are in flight, waits for them. A demand read
+    then waits for at most the remainder of one block per reader instead of sharing the disk with up to
+    ``readers`` whole prefetch reads (the serial demand-first link that the simulator charges). A prefetch
+    promoted while it waits reads on. ``prefetch_chunk_kb=0``: whole reads, no yielding (the A/B baseline).
     """
 
     failure = "expert read failed"
 
-    def __init__(self, store: DiskExpertStore, readers: int = 4, device: torch.device | str = "cpu"):
+    def __init__(self, store: DiskExpertStore, readers: int = 4, device: torch.device | str = "cpu",
+                 prefetch_chunk_kb: int = 2048):
         if readers < 1:
             raise UsageError(f"the reader pool needs at least one reader, got {readers}")
+        if prefetch_chunk_kb < 0:
+            raise UsageError(f"prefetch_chunk_kb must be >= 0 (0: prefetch reads do not yield), got {prefetch_chunk_kb}")
         self.store = store
         self.readers = int(readers)
         self.device = torch.device(device)
+        self.chunk = round_up(int(prefetch_chunk_kb) * 1024) if prefetch_chunk_kb else 0
+        """Block size (bytes) of a prefetch read that yields to demand reads; 0: prefetch reads do not yield."""
         self.bytes_moved = 0
         self.transfers = 0
         self.direct_reads = 0
         """Reads that landed straight in the destination's memory (no bounce copy)."""
+        self.yields = 0
+        """Demand reads a reader served between two blocks of its own prefetch read."""
+        self.paused_seconds = 0.0
+        """Reader-seconds that prefetch reads spent paused while other readers' demand reads ran."""
         self._demand: collections.deque[tuple[Transfer, object, torch.Tensor]] = collections.deque()
         self._prefetch: collections.deque[tuple[Transfer, object, torch.Tensor]] = collections.deque()
         self._blocked: dict[int, collections.deque[tuple[Transfer, object, torch.Tensor]]] = {}
         self._last: dict[int, Transfer] = {}
+        self._inflight: dict[int, Transfer] = {}
+        """Reads in progress (by id), paused prefetches included."""
         self._cv = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
@@ -348,7 +372,8 @@ class ReaderPoolEngine(WorkerWaits, TransferEngine):
                     self._promote_locked(tr.prev)
             else:
                 (self._demand if demand else self._prefetch).append((tr, src, dst))
-            self._cv.notify()
+            # every reader: an idle one takes the read, a paused prefetch serves a demand or reads on if promoted
+            self._cv.notify_all() if demand else self._cv.notify()
         self.transfers += 1
         self.bytes_moved += src.nbytes
         return tr
@@ -356,10 +381,11 @@ class ReaderPoolEngine(WorkerWaits, TransferEngine):
     def promote(self, tr: Transfer) -> None:
         with self._cv:
             self._promote_locked(tr)
+            self._cv.notify_all()
 
     def _promote_locked(self, tr: Transfer) -> None:
         """``tr`` is needed now: out of the prefetch queue into the demand queue, or, while it waits for an
-        earlier read into its slot, that read promoted instead."""
+        earlier read into its slot, that read promoted instead (a read in progress reads on)."""
         while tr is not None and not tr.event.is_set():
             tr.demand = True
             for i, item in enumerate(self._prefetch):
@@ -370,61 +396,113 @@ class ReaderPoolEngine(WorkerWaits, TransferEngine):
             tr = tr.prev
 
     # -- the readers --------------------------------------------------------------------------------
+    def _demand_in_flight(self) -> bool:
+        return any(t.demand for t in self._inflight.values())
+
+    def _take_locked(self):
+        """The read a free reader starts now, or None: demand reads first; a prefetch read while no demand
+        read is in flight (yielding) or always (``chunk`` 0)."""
+        if self._demand:
+            return self._demand.popleft()
+        if self._prefetch and not (self.chunk and self._demand_in_flight()):
+            return self._prefetch.popleft()
+        return None
+
+    def _begin_locked(self, tr: Transfer) -> None:
+        if self._active == 0:
+            self._busy_since = time.perf_counter()
+        self._active += 1
+        self._inflight[id(tr)] = tr
+
     def _run(self) -> None:
         torch.set_num_threads(1)
         cuda = self.device.type == "cuda"
-        bounce = aligned_empty(self.store.stride, pin_memory=cuda)
+        bufs = [aligned_empty(self.store.stride, pin_memory=cuda), None]  # own bounce; a served demand's (lazily)
         stream = torch.cuda.Stream(device=self.device) if cuda else None
         while True:
             with self._cv:
-                while not self._demand and not self._prefetch and not self._closed:
+                while True:
+                    item = self._take_locked()
+                    if item is not None or (self._closed and not self._demand and not self._prefetch):
+                        break
                     self._cv.wait()
-                if self._closed and not self._demand and not self._prefetch:
+                if item is None:
                     return
-                tr, src, dst = (self._demand or self._prefetch).popleft()
-                now = time.perf_counter()
-                if self._active == 0:
-                    self._busy_since = now
-                self._active += 1
-            tr.started = time.perf_counter()
-            try:
-                self._read(src, dst, bounce, stream, tr)
-            except BaseException as e:  # surfaced to the compute thread in wait()
-                self._error = e
-            tr.finished = time.perf_counter()
-            sink = tr.sink
-            with self._cv:
-                self._active -= 1
-                if self._active == 0:
-                    self._busy_total += tr.finished - self._busy_since
-                if sink is not None:
-                    sink.read_seconds += tr.finished - tr.started
-                if self.timeline is not None:
-                    self.timeline.append(("read", tr.key, tr.demand, tr.submitted, tr.started, tr.finished))
-                tr.event.set()
-                self._pending -= 1
-                waiting = self._blocked.get(tr.slot)
-                if waiting:  # the next read into this slot may start now
-                    nxt = waiting.popleft()
-                    nxt[0].prev = None
-                    (self._demand if nxt[0].demand else self._prefetch).append(nxt)
-                    if not waiting:
-                        del self._blocked[tr.slot]
-                if self._last.get(tr.slot) is tr:
-                    del self._last[tr.slot]
-                self._cv.notify_all()
+                self._begin_locked(item[0])
+            self._serve(item, bufs, 0, stream)
 
-    def _read(self, src: DiskRow, dst: torch.Tensor, bounce: torch.Tensor, stream, tr: Transfer) -> None:
+    def _serve(self, item, bufs: list, depth: int, stream) -> None:
+        """Read ``item`` (begun: in flight) into its slot with bounce buffer ``bufs[depth]``, then finish it."""
+        tr, src, dst = item
+        tr.started = time.perf_counter()
+        try:
+            between = self._yield_point(tr, bufs, stream) if self.chunk and not tr.demand and depth == 0 else None
+            self._read(src, dst, bufs[depth], stream, tr, between)
+        except BaseException as e:  # surfaced to the compute thread in wait()
+            self._error = e
+        tr.finished = time.perf_counter()
+        sink = tr.sink
+        with self._cv:
+            self._active -= 1
+            del self._inflight[id(tr)]
+            if self._active == 0:
+                self._busy_total += tr.finished - self._busy_since
+            if sink is not None:
+                sink.read_seconds += tr.finished - tr.started
+            if self.timeline is not None:
+                self.timeline.append(("read", tr.key, tr.demand, tr.submitted, tr.started, tr.finished))
+            tr.event.set()
+            self._pending -= 1
+            waiting = self._blocked.get(tr.slot)
+            if waiting:  # the next read into this slot may start now
+                nxt = waiting.popleft()
+                nxt[0].prev = None
+                (self._demand if nxt[0].demand else self._prefetch).append(nxt)
+                if not waiting:
+                    del self._blocked[tr.slot]
+            if self._last.get(tr.slot) is tr:
+                del self._last[tr.slot]
+            self._cv.notify_all()
+
+    def _yield_point(self, tr: Transfer, bufs: list, stream) -> Callable[[], None]:
+        """Called between two blocks of prefetch read ``tr``: serve the queued demand reads, wait while other
+        demand reads are in flight, return when none is (or when ``tr`` itself was promoted)."""
+
+        def between() -> None:
+            while True:
+                with self._cv:
+                    if tr.demand:
+                        return
+                    if self._demand:
+                        item = self._demand.popleft()
+                        self._begin_locked(item[0])
+                        self.yields += 1
+                    elif self._demand_in_flight():
+                        t0 = time.perf_counter()
+                        self._cv.wait()
+                        self.paused_seconds += time.perf_counter() - t0
+                        continue
+                    else:
+                        return
+                if bufs[1] is None:
+                    bufs[1] = aligned_empty(self.store.stride, pin_memory=self.device.type == "cuda")
+                self._serve(item, bufs, 1, stream)
+
+        return between
+
+    def _read(self, src: DiskRow, dst: torch.Tensor, bounce: torch.Tensor, stream, tr: Transfer,
+              between: Callable[[], None] | None = None) -> None:
+        chunk = self.chunk if between is not None else 0
         if dst.device.type == "cpu":
             if (dst.dtype == torch.uint8 and dst.numel() >= src.span and dst.data_ptr() % ALIGN == 0
                     and dst.is_contiguous()):
-                self.store.read_into(src, dst)  # straight into the slot (padded, aligned pool row)
+                self.store.read_into(src, dst, chunk, between)  # straight into the slot (padded, aligned pool row)
                 self.direct_reads += 1
                 return
-            self.store.read_into(src, bounce)
+            self.store.read_into(src, bounce, chunk, between)
             dst.view(-1).view(torch.uint8)[:src.nbytes].copy_(bounce[:src.nbytes])
             return
-        self.store.read_into(src, bounce)  # CUDA: disk -> pinned bounce -> device slot
+        self.store.read_into(src, bounce, chunk, between)  # CUDA: disk -> pinned bounce -> device slot
         with torch.cuda.stream(stream):
             if tr.after_compute is not None:
                 stream.wait_event(tr.after_compute)  # the slot's previous expert may still be read by kernels

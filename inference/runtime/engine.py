@@ -106,7 +106,8 @@ class OffloadedModel:
                  device: torch.device | str | None = None, link_gbps: float | None = None,
                  mmap_path: str | None = None, num_temp_slots: int = 2, future: Any = None,
                  store: HostExpertStore | None = None, cpu_exec_ms: Any = None, cpu_parallel: bool = True,
-                 measure_latency: bool = False, decode_path: str = "eager", readers: int = 4):
+                 measure_latency: bool = False, decode_path: str = "eager", readers: int = 4,
+                 prefetch_chunk_kb: int = 2048):
         from expertcast.inference.runtime.disk_store import ReaderPoolEngine, is_disk_store
 
         self.model = standard_lm_head_input(model)  # no transient copy of the LM head per prefill
@@ -162,7 +163,7 @@ class OffloadedModel:
         self.pool = SlotPool(self.layout, self.cache.num_slots, self.device, num_temp=num_temp_slots,
                              io_stride_bytes=store.stride if disk else None)
         self.readers = int(readers) if disk else None
-        self.transfer: TransferEngine = (ReaderPoolEngine(store, readers, self.device) if disk
+        self.transfer: TransferEngine = (ReaderPoolEngine(store, readers, self.device, prefetch_chunk_kb) if disk
                                          else make_transfer_engine(self.device, link_gbps))
         self.transport = RuntimeTransport(self.store, self.pool, self.transfer)
         self.stats = RuntimeStats(self.L, self.layout.expert_bytes)

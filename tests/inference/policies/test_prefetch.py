@@ -174,7 +174,7 @@ def test_pool_victims_displaced_scores_and_execution_rows():
     by_score = lambda cl, ce: np.argsort(score[cl, ce], kind="stable")  # noqa: E731
     victims, keys = pool_victims(cache, value, by_score)
     assert [v.tolist() for v in victims] == [[0.1, 0.0], [0.0, 0.0, 0.7]]
-    assert keys == [[(0, 1), (0, 0)], [None, None, (1, 3)]]
+    assert [k.tolist() for k in keys] == [[[0, 1], [0, 0]], [[-1, -1], [-1, -1], [1, 3]]]
     assert displaced_scores(cache, lambda cl, ce: score[cl, ce]).tolist() == [0.2, 0.0]
     p1, p2, skip = np.full((2, 4), 0.5), np.full((2, 4), 0.4), np.zeros((2, 4), bool)
     probs, execs, mask = execution_rows(p1, np.array([5, 2]), skip, p2, executions=2)

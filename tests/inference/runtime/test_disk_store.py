@@ -159,6 +159,75 @@ def test_demand_reads_jump_the_queue(tiny_store):
     eng.close()
 
 
+class _SerialDisk(DiskExpertStore):
+    """One read at a time, each 4 KiB block taking ``block_s`` (an injected serial disk: reads in flight
+    together queue for it); ``entered`` counts the reads that reached the disk."""
+
+    def __init__(self, path, block_s: float = 0.02):
+        super().__init__(path)
+        self.block_s = block_s
+        self.entered = threading.Semaphore(0)
+        self._disk = threading.Lock()
+
+    def _pread(self, mv, offset):
+        self.entered.release()
+        with self._disk:
+            time.sleep(self.block_s * -(-len(mv) // ALIGN))
+            return super()._pread(mv, offset)
+
+
+@pytest.mark.parametrize("chunk_kb", [4, 0])
+def test_prefetch_reads_yield_the_disk_to_a_demand_read(tiny_store, chunk_kb):
+    """Two readers busy with prefetch reads (3 blocks each) on a serial disk, then a demand read: with
+    yielding prefetch reads (4 KiB blocks) the demand read finishes before either prefetch, served between two
+    blocks by a reader of a paused prefetch; with whole reads (``prefetch_chunk_kb=0``, the baseline) it
+    waits for a reader and finishes after one of them. Every read lands the written bytes."""
+    ram, path = tiny_store
+    disk = _SerialDisk(path)
+    eng = ReaderPoolEngine(disk, readers=2, prefetch_chunk_kb=chunk_kb)
+    bufs = [aligned_empty(disk.stride) for _ in range(3)]
+    pf = [eng.submit((0, e), disk.row(0, e), bufs[e], e) for e in (0, 1)]
+    for _ in range(2):
+        assert disk.entered.acquire(timeout=5)  # both prefetch reads have reached the disk
+    dm = eng.submit((1, 0), disk.row(1, 0), bufs[2], 2, demand=True)
+    eng.synchronize()
+    first_pf = min(t.finished for t in pf)
+    if chunk_kb:
+        assert dm.finished < first_pf and eng.yields == 1, (dm.finished, [t.finished for t in pf])
+    else:
+        assert dm.finished > first_pf and eng.yields == 0
+    for (layer, e), b in zip([(0, 0), (0, 1), (1, 0)], bufs, strict=True):
+        assert torch.equal(b[:ram.expert_bytes], ram.row(layer, e).view(torch.uint8))
+    eng.close()
+
+
+def test_yielding_pool_lands_every_read_under_mixed_demand_and_promotion(tiny_store):
+    """Many prefetch and demand reads in 4 KiB blocks, some into the same slot, some promoted while queued or
+    in flight: every read lands its expert's bytes and the pool drains (no reader waits forever)."""
+    ram, path = tiny_store
+    disk = _SerialDisk(path, block_s=0.0005)
+    eng = ReaderPoolEngine(disk, readers=3, prefetch_chunk_kb=4)
+    rng = np.random.default_rng(0)
+    slots = [aligned_empty(disk.stride) for _ in range(6)]
+    last: dict[int, tuple[int, int]] = {}
+    trs = []
+    for i in range(120):
+        slot, layer, e = int(rng.integers(6)), int(rng.integers(ram.num_layers)), int(rng.integers(ram.num_experts))
+        trs.append(eng.submit((layer, e), disk.row(layer, e), slots[slot], slot, demand=bool(rng.random() < 0.3)))
+        last[slot] = (layer, e)
+        if i % 7 == 3:
+            eng.promote(trs[int(rng.integers(len(trs)))])
+        if i % 11 == 5:
+            eng.wait(trs[-1])
+    t0 = time.perf_counter()
+    eng.synchronize()
+    assert time.perf_counter() - t0 < 30 and all(t.event.is_set() for t in trs)
+    for slot, (layer, e) in last.items():
+        assert torch.equal(slots[slot][:ram.expert_bytes], ram.row(layer, e).view(torch.uint8)), slot
+    assert eng.yields + eng.paused_seconds > 0  # prefetch reads did yield
+    eng.close()
+
+
 class _GradedStore(DiskExpertStore):
     """A disk store whose reads take longer the lower the expert id (an injected slow file): reads in flight
     together land in descending id order, the reverse of the id order."""
