@@ -131,12 +131,14 @@ def oracle_of(spec: str) -> dict[str, Any]:
     setting."""
     from expertcast.inference.policies import parse_policy_options
 
-    if not spec.startswith("seqmoe:") or "forecast=oracle" not in spec:
+    policy, reader = split_arm(spec)[0], spec.partition("@")[2].strip()
+    if not policy.startswith("seqmoe:") or "forecast=oracle" not in policy:
         return {}
-    o = parse_policy_options(spec)
-    name, _, opts = spec.partition(":")
+    o = parse_policy_options(policy)
+    name, _, opts = policy.partition(":")
     rest = [x.strip() for x in opts.split(",") if x.strip() and x.split("=")[0].strip() != "recall"]
-    return {"recall": float(o.recall), "breakeven": bool(o.breakeven), "oracle_series": f"{name}:{','.join(rest)}"}
+    return {"recall": float(o.recall), "breakeven": bool(o.breakeven),
+            "oracle_series": f"{name}:{','.join(rest)}" + (f"@{reader}" if reader else "")}
 
 
 def formats_of(cfg: BenchConfig) -> list[str]:

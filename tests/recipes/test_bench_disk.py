@@ -388,6 +388,44 @@ def test_learned_forecaster_guard_and_recall(tmp_path):
     assert orc.oracle is not None and orc.model is not None and orc.fc == pol.fc
 
 
+def test_an_arms_reader_options_reach_its_reader_pool(tmp_path, monkeypatch):
+    """``POLICY@chunk=N`` runs the policy with the reader pool's prefetch blocks at N KiB (0: whole reads that do
+    not yield), in the same round as the plain arm; the row keeps the arm's name; a bad reader option is refused
+    before the run."""
+    from expertcast.inference.runtime import disk_store
+    from expertcast.recipes.bench_disk import quick_config
+    from expertcast.recipes.bench_disk_arms import oracle_of, split_arm
+    from expertcast.utils.errors import UsageError
+
+    assert split_arm("seqmoe:replan=1@chunk=0") == ("seqmoe:replan=1", {"prefetch_chunk_kb": 0})
+    assert split_arm("lru") == ("lru", {}) and split_arm("lru@chunk=512") == ("lru", {"prefetch_chunk_kb": 512})
+    for bad in ("lru@chunks=1", "lru@chunk=-1", "lru@chunk"):
+        with pytest.raises(UsageError, match="reader option"):
+            split_arm(bad)
+    assert oracle_of("seqmoe:forecast=oracle,recall=0.5@chunk=0") == {
+        "recall": 0.5, "breakeven": True, "oracle_series": "seqmoe:forecast=oracle@chunk=0"}
+    chunks = []
+    real = disk_store.ReaderPoolEngine.__init__
+
+    def logged(self, *a, **k):
+        real(self, *a, **k)
+        chunks.append(self.chunk)
+
+    monkeypatch.setattr(disk_store.ReaderPoolEngine, "__init__", logged)
+    cfg = quick_config(str(tmp_path / "o"))
+    cfg.policies, cfg.budgets, cfg.repeats, cfg.disk_seconds = ("lru", "lru@chunk=0"), (0.45,), 1, 0.2
+    threads = torch.get_num_threads()
+    try:
+        rec = run_bench(cfg, stream=build_stream)
+        cfg.policies = ("lru@chunk=x",)
+        with pytest.raises(UsageError, match="reader option"):
+            run_bench(cfg, stream=build_stream)
+    finally:
+        torch.set_num_threads(threads)
+    assert {r["policy"] for r in rec["rows"]} == {"lru", "lru@chunk=0"}
+    assert 0 in chunks and 2048 * 1024 in chunks
+
+
 def test_resident_routing_folds_each_layer_onto_its_slots():
     import numpy as np
     from expertcast.data.trace_format import TraceSequence
