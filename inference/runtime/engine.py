@@ -100,6 +100,8 @@ class OffloadedModel:
         decode_path: ``"eager"`` (the reference), ``"graph"`` (the graph-compatible path of
             :mod:`.graph`; lru and seqmoe) or ``"auto"`` (graph where it can run); which path runs and
             why is in :attr:`decode_path` / :attr:`decode_path_reason` (printed unless ``"eager"`` was asked).
+        readers, prefetch_chunk_kb: a disk store's reader pool (:class:`~.disk_store.ReaderPoolEngine`): its
+            threads, and the KiB blocks in which prefetch reads yield the disk to demand reads (0: whole reads).
     """
 
     def __init__(self, model: nn.Module, policy: Policy, capacity: Budget | float | int, *, pool: str = "per-layer",
