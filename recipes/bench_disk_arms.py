@@ -34,9 +34,9 @@ yield the disk to demand reads, 0 = whole reads that do not yield (the reader po
 def split_arm(arm: str) -> tuple[str, dict[str, int]]:
     """(policy spec, OffloadedModel reader-pool keywords) of an arm ``spec[@key=value,...]``; UsageError (one line)
     on an unknown key or a value that is not a non-negative integer."""
-    spec, at, rest = arm.partition("@")
+    spec, _, rest = arm.partition("@")
     kw: dict[str, int] = {}
-    for item in filter(None, (x.strip() for x in rest.split(","))) if at else ():
+    for item in filter(None, (x.strip() for x in rest.split(","))):
         key, eq, value = item.partition("=")
         if key.strip() not in READER_OPTIONS or not eq or not value.strip().isdigit():
             raise UsageError(f"arm {arm!r}: reader option {item!r} is not one of "

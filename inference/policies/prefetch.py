@@ -131,8 +131,10 @@ def pool_victims(cache: ExpertCache, value: np.ndarray, order: Callable[[np.ndar
     ok = np.flatnonzero(cache.state == SlotState.USED)  # every pool's evictable slots, ranked in one call
     cl, ce = cache.slot_layer[ok].astype(np.int64), cache.slot_expert[ok].astype(np.int64)
     idx = order(cl, ce) if len(ok) else np.zeros(0, np.int64)
-    idx = idx[np.argsort(cache.slot_pool[ok][idx], kind="stable")]  # grouped by pool, each in its own order
-    bounds = np.searchsorted(cache.slot_pool[ok][idx], np.arange(len(cache.config.pool_capacities) + 1))
+    pools = cache.slot_pool[ok][idx]
+    by_pool = np.argsort(pools, kind="stable")  # grouped by pool, each in its own order
+    idx = idx[by_pool]
+    bounds = np.searchsorted(pools[by_pool], np.arange(len(cache.config.pool_capacities) + 1))
     cl, ce, val = cl[idx], ce[idx], value[cl[idx], ce[idx]]
     victims, keys = [], []
     for pool in range(len(bounds) - 1):

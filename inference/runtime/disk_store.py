@@ -372,8 +372,10 @@ class ReaderPoolEngine(WorkerWaits, TransferEngine):
                     self._promote_locked(tr.prev)
             else:
                 (self._demand if demand else self._prefetch).append((tr, src, dst))
-            # every reader: an idle one takes the read, a paused prefetch serves a demand or reads on if promoted
-            self._cv.notify_all() if demand else self._cv.notify()
+            if demand:  # every reader: an idle one takes it, a paused prefetch serves it or reads on if promoted
+                self._cv.notify_all()
+            else:
+                self._cv.notify()
         self.transfers += 1
         self.bytes_moved += src.nbytes
         return tr
@@ -436,7 +438,7 @@ class ReaderPoolEngine(WorkerWaits, TransferEngine):
         tr, src, dst = item
         tr.started = time.perf_counter()
         try:
-            between = self._yield_point(tr, bufs, stream) if self.chunk and not tr.demand and depth == 0 else None
+            between = self._yield_point(tr, bufs, stream) if self.chunk and not tr.demand else None  # depth 1: demand
             self._read(src, dst, bufs[depth], stream, tr, between)
         except BaseException as e:  # surfaced to the compute thread in wait()
             self._error = e
