@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from expertcast.models.forecaster_inputs import activation_probs, trigger_sequence
+from expertcast.models.forecaster_inputs import activation_probs, inclusion_probs, trigger_sequence
 from torch import nn
 
 RECENT_PRIOR = 0.05
@@ -208,29 +208,32 @@ def cross_recent_scores(cross: torch.Tensor, recent: torch.Tensor, freq: torch.T
     return cross * (recent / freq.clamp_min(1e-6)).unsqueeze(-3)
 
 
-def within_token_chain(v: torch.Tensor, within: torch.Tensor, first: int, last: int) -> torch.Tensor:
+def within_token_chain(v: np.ndarray, within: np.ndarray, first: int, last: int) -> np.ndarray:
     """What layer ``first - 1``'s routing v [E] (weights, any scale) tells of layers ``first .. last`` of the same
     token through the within-token table [L, E, E] (layer l - 1 to layer l), pushed layer by layer:
-    [last - first + 1, E], each row a distribution."""
-    u = v / v.sum().clamp_min(1e-9)
-    out = []
-    for layer in range(first, last + 1):
+    float32 [last - first + 1, E], each row a distribution (numpy: a policy's re-plan runs it within a decode step)."""
+    v = np.asarray(v, dtype=np.float32)
+    u = v / max(float(v.sum()), 1e-9)
+    out = np.empty((max(last - first + 1, 0), v.shape[-1]), np.float32)
+    for i, layer in enumerate(range(first, last + 1)):
         u = u @ within[layer]
-        out.append(u)
-    return torch.stack(out)
+        out[i] = u
+    return out
 
 
-def within_token_posterior(prior: torch.Tensor, told: torch.Tensor, freq: torch.Tensor, top_k: int) -> torch.Tensor:
+def within_token_posterior(prior: np.ndarray, told: np.ndarray, freq: np.ndarray, top_k: int) -> np.ndarray:
     """A forecast's inclusion probabilities ``prior`` [..., E] (each row sums to K:
     :func:`~expertcast.models.forecaster_inputs.activation_probs`'s ``1 - exp(-lambda w)``) refined by what the same
     token's earlier layer tells, ``told`` [..., E] (a distribution, :func:`within_token_chain`), a naive-Bayes
     product as cross-x-recent's: the prior's weights ``w = -log(1 - prior)`` times ``told / freq`` (``freq`` the fit
-    set's frequency of the same layers), back to inclusion probabilities summing to K. ``told`` equal to ``freq``
-    returns the prior (up to rounding)."""
-    w = -torch.log1p(-prior.double().clamp(0.0, 1.0 - 1e-7))
-    logits = torch.log(w.clamp_min(1e-300)) + torch.log(told.double().clamp_min(1e-300)) \
-        - torch.log(freq.double().clamp_min(1e-6))
-    return activation_probs(logits, top_k)
+    set's frequency of the same layers), back to inclusion probabilities summing to K
+    (:func:`~expertcast.models.forecaster_inputs.inclusion_probs`, numpy). ``told`` equal to ``freq`` returns the
+    prior (up to rounding). float32 [..., E]."""
+    w = -np.log1p(-np.clip(np.asarray(prior, np.float64), 0.0, 1.0 - 1e-7))
+    logits = np.log(np.maximum(w, 1e-300)) + np.log(np.maximum(np.asarray(told, np.float64), 1e-300)) \
+        - np.log(np.maximum(np.asarray(freq, np.float64), 1e-6))
+    z = np.exp(logits - logits.max(-1, keepdims=True))  # the softmax activation_probs takes of its logits
+    return inclusion_probs(z / z.sum(-1, keepdims=True), top_k)
 
 
 def membership(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ next-step forecasting.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -121,3 +122,31 @@ def activation_probs(logits: torch.Tensor, top_k: int, temperature: float | torc
             break
     lam = torch.where(few, LAMBDA_CAP, lam.clamp_max(LAMBDA_CAP)).float()
     return 1 - torch.exp(-lam * w)  # in float32, as the probabilities always were
+
+
+def inclusion_probs(weights: np.ndarray, top_k: int, tol: float = 1e-10, max_iters: int = 100) -> np.ndarray:
+    """:func:`activation_probs` from selection weights ``weights`` [..., E] (each row a distribution, the softmax
+    :func:`activation_probs` takes of its logits) in numpy: the same start, Newton steps and stop, for the small
+    batches a policy solves on the host within a decode step (the re-plan's, a row per later layer of the token),
+    where torch's per-op dispatch costs more than the arithmetic (docs/results.md, "A cheaper re-plan, rounds in rotated order"). float32
+    [..., E], equal to :func:`activation_probs` of the same weights up to float rounding (tests)."""
+    w = np.asarray(weights, dtype=np.float32)
+    E = w.shape[-1]
+    if top_k >= E:
+        return np.ones_like(w)
+    few = (w > 0).sum(-1, keepdims=True) <= top_k  # the sum cannot reach K: lambda at the cap
+    wd = w.astype(np.float64)
+    wn = np.where(few, 1.0 / E, wd)  # those rows solved on a stand-in (result discarded)
+    top = np.where(few, 1.0 / E, -np.sort(-wd, axis=-1)[..., :top_k + 1])  # the K + 1 largest, descending
+    v = top[..., -1:]
+    rest = np.maximum(np.where(wn <= v, wn, 0.0).sum(-1, keepdims=True) - (top == v).sum(-1, keepdims=True) * v, 0.0)
+    outside = np.cumsum(top[..., ::-1], axis=-1)[..., ::-1][..., :top_k] + rest  # [..., j]: outside the j largest
+    lam = ((top_k - np.arange(top_k)) / outside).max(-1, keepdims=True)
+    for _ in range(max_iters):
+        e = np.exp(-lam * wn)
+        step = ((E - top_k) - e.sum(-1, keepdims=True)) / (wn * e).sum(-1, keepdims=True)
+        lam = lam - step
+        if not (step < -tol * lam).any():
+            break
+    lam = np.where(few, LAMBDA_CAP, np.minimum(lam, LAMBDA_CAP)).astype(np.float32)
+    return 1 - np.exp(-lam * w)

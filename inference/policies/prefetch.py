@@ -121,8 +121,27 @@ def demand_probability(probs: np.ndarray, skip: np.ndarray | None = None) -> np.
     return 1.0 - np.prod(1.0 - p, axis=1)
 
 
+class PoolRows(Sequence):
+    """Per pool, its rows of one flat array: ``rows[pool]`` = ``flat[offsets[pool]:offsets[pool + 1]]`` (a view),
+    so that :func:`pool_victims` builds every pool's list with a few array operations and a caller that visits a
+    few pools slices only those."""
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
+        self.flat = flat
+        self._off = offsets.tolist()
+
+    def __len__(self) -> int:
+        return len(self._off) - 1
+
+    def __getitem__(self, pool: int) -> np.ndarray:
+        if not -len(self) <= pool < len(self):
+            raise IndexError(pool)
+        pool %= len(self)
+        return self.flat[self._off[pool]:self._off[pool + 1]]
+
+
 def pool_victims(cache: ExpertCache, value: np.ndarray, order: Callable[[np.ndarray, np.ndarray], np.ndarray]
-                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                 ) -> tuple[PoolRows, PoolRows]:
     """:func:`plan_within_headroom`'s ``victims`` for ``cache``'s pools: per pool, the ``value`` [L, E] (P(needed at
     its next execution)) of the slot each successive load into it takes, free slots first (as zeros), then the
     evictable residents in ``order(layers, experts)`` (indices: the policy's eviction order); and, per pool, int
@@ -131,20 +150,20 @@ def pool_victims(cache: ExpertCache, value: np.ndarray, order: Callable[[np.ndar
     ok = np.flatnonzero(cache.state == SlotState.USED)  # every pool's evictable slots, ranked in one call
     cl, ce = cache.slot_layer[ok].astype(np.int64), cache.slot_expert[ok].astype(np.int64)
     idx = order(cl, ce) if len(ok) else np.zeros(0, np.int64)
-    pools = cache.slot_pool[ok][idx]
+    npools = len(cache.config.pool_capacities)
+    pools = cache.slot_pool[ok][idx].astype(np.int64)
     by_pool = np.argsort(pools, kind="stable")  # grouped by pool, each in its own order
-    idx = idx[by_pool]
-    bounds = np.searchsorted(pools[by_pool], np.arange(len(cache.config.pool_capacities) + 1))
-    cl, ce, val = cl[idx], ce[idx], value[cl[idx], ce[idx]]
-    victims, keys = [], []
-    for pool in range(len(bounds) - 1):
-        a, b = int(bounds[pool]), int(bounds[pool + 1])
-        free = cache.free_count(pool)
-        victims.append(np.concatenate([np.zeros(free), val[a:b]]))
-        k = np.full((free + b - a, 2), -1, np.int64)
-        k[free:, 0], k[free:, 1] = cl[a:b], ce[a:b]
-        keys.append(k)
-    return victims, keys
+    idx, pools = idx[by_pool], pools[by_pool]
+    free = np.array([cache.free_count(p) for p in range(npools)], np.int64)
+    evictable = np.bincount(pools, minlength=npools)
+    offsets = np.concatenate([[0], np.cumsum(free + evictable)])
+    first = np.concatenate([[0], np.cumsum(evictable)])[:-1]  # each pool's first entry in the grouped order
+    pos = offsets[pools] + free[pools] + (np.arange(len(pools)) - first[pools])  # after the pool's free slots
+    val = np.zeros(int(offsets[-1]))
+    keys = np.full((int(offsets[-1]), 2), -1, np.int64)
+    val[pos] = value[cl[idx], ce[idx]]
+    keys[pos, 0], keys[pos, 1] = cl[idx], ce[idx]
+    return PoolRows(val, offsets), PoolRows(keys, offsets)
 
 
 def execution_rows(first_probs: np.ndarray, first_exec: np.ndarray, skip: np.ndarray,

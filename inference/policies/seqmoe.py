@@ -244,16 +244,16 @@ class SeqMoEPolicy(Policy):
         self.priority_extra: np.ndarray | None = None
         """float [L, E] added to every CacheScore (:meth:`add_priority`), None: the forecast's score alone."""
         self.replan_every = int(getattr(o, "replan", 0))
-        self._within: torch.Tensor | None = None
-        self._within_freq: torch.Tensor | None = None
+        self._within: np.ndarray | None = None
+        self._within_freq: np.ndarray | None = None
         if self.replan_every:
             comps = getattr(self.model, "components", None) if self.oracle is None else None
             if comps is None or comps.within is None:
                 raise UsageError(f"{self.name}: replan needs a learned forecaster whose export carries the "
                                  f"within-token table (within_token_table: true in its recipe); "
                                  f"{'forecast=oracle' if self.oracle is not None else self.source} has none")
-            self._within = comps.within.detach().float().cpu()
-            self._within_freq = comps.freq.detach().float().cpu()
+            self._within = comps.within.detach().float().cpu().numpy()
+            self._within_freq = comps.freq.detach().float().cpu().numpy()
 
     @property
     def demand_only(self) -> bool:
@@ -679,10 +679,9 @@ class SeqMoEPolicy(Policy):
         if v is None or not np.array_equal(self.first_exec[ahead], t * self.L + ahead):
             self.stats["replans_skipped"] += 1
             return
-        told = within_token_chain(torch.from_numpy(v), self._within, layer + 1, self.L - 1)
+        told = within_token_chain(v, self._within, layer + 1, self.L - 1)
         old = self.first_probs[ahead]
-        new = within_token_posterior(torch.from_numpy(np.asarray(old, np.float32)), told,
-                                     self._within_freq[layer + 1:], self.K).numpy().astype(self.first_probs.dtype)
+        new = within_token_posterior(old, told, self._within_freq[layer + 1:], self.K).astype(self.first_probs.dtype)
         probs = self.first_probs.copy()  # installed arrays may be shared (a published forecast): replaced, not edited
         probs[ahead] = new
         before = self.score_before.copy()

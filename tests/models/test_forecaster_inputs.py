@@ -91,3 +91,19 @@ def test_activation_probs_converge_in_few_newton_steps():
         lg = torch.randn(8, 8, 4, 32, generator=g) * scale
         # 12 steps already give the converged answer (the bisection took up to 100 rounds)
         assert torch.equal(activation_probs(lg, 4, max_iters=12), activation_probs(lg, 4))
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_inclusion_probs_in_numpy_equal_activation_probs(name):
+    """The numpy path (the re-plan's, on the host within a decode step) gives activation_probs's probabilities of
+    the same weights up to float32 rounding: the same start, Newton steps and stop, every case of the reference."""
+    import numpy as np
+    from expertcast.models.forecaster_inputs import inclusion_probs
+
+    logits, k, temp = _cases()[name]
+    ref = activation_probs(logits, k, temp)
+    w = torch.softmax(logits.float() / temp, dim=-1).numpy()
+    got = inclusion_probs(w, k)
+    assert got.dtype == np.float32 and got.shape == tuple(logits.shape)
+    assert np.abs(got - ref.numpy()).max() <= 1e-6, name
+    assert np.allclose(got.sum(-1), ref.numpy().sum(-1), atol=2e-5)
