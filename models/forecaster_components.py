@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from expertcast.models.forecaster_inputs import activation_probs, inclusion_probs, trigger_sequence
+from expertcast.models.forecaster_inputs import inclusion_probs, trigger_sequence
 from torch import nn
 
 RECENT_PRIOR = 0.05

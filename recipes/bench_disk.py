@@ -12,7 +12,7 @@
     (:mod:`expertcast.inference.runtime.machine`);
 then per policy and RAM budget a forced-routing replay of the traces through the disk store
 (:class:`~expertcast.inference.runtime.disk_store.ReaderPoolEngine`), in paired passes: all-in-RAM baseline,
-policy, baseline, ... (``repeats`` rounds, each running every policy once, the order reversed in odd rounds; each
+policy, baseline, ... (``repeats`` rounds, each running every policy once, in an order rotated and reversed by round: :func:`round_order`; each
 pass against the mean of its neighbouring baselines; median and min-max). ``vs_ref`` is a policy's tokens/s over
 ``lru``'s in the same round (median, min-max over rounds: :func:`paired_vs_ref`), the side-by-side ratio; the
 ``sim_*`` columns are the simulator's figures for the same cell (:func:`simulated`). The all-in-RAM baseline is the
@@ -101,7 +101,7 @@ class BenchConfig:
     """RAM budgets: fractions of all L*E experts held in slots (at least top-K per layer)."""
     readers: int = 4
     repeats: int = 3
-    """Rounds per cell: each round runs every policy once (order reversed in odd rounds), each pass between two
+    """Rounds per cell: each round runs every policy once (order rotated and reversed by round: :func:`round_order`), each pass between two
     baseline passes; ``vs_ref`` pairs a policy with the reference (``lru``) of the same round."""
     sequences: int = 2
     tokens: int = 32
@@ -122,7 +122,7 @@ class BenchConfig:
     """Sequences of the trace set that are not replayed, on which ``static`` is calibrated (held out)."""
     full_repeats: int = 1
     """Rounds per cell of the full-depth model when a ``baseline_model`` subset carries the paired %: each round runs
-    every policy once (order reversed in odd rounds); ``vs_ref`` pairs a policy with ``lru`` of the same round."""
+    every policy once (order rotated and reversed by round); ``vs_ref`` pairs a policy with ``lru`` of the same round."""
     disk_mb: int = 256
     """Size of the temporary file of the disk bandwidth measurement."""
     threads: int = 1
@@ -514,10 +514,15 @@ def resimulate(record: dict[str, Any], link_gbps: float, stream: Any) -> list[di
 
 
 def round_order(arms: list[str], rnd: int) -> list[str]:
-    """The arms of one round of a cell: every arm runs once per round, in the given order in even rounds and reversed
-    in odd ones, so that a drift of the machine (the disk's rate moves with the host's caching of the store) falls
-    on both sides of every comparison instead of on whichever arm ran last."""
-    return list(arms) if rnd % 2 == 0 else list(reversed(arms))
+    """The arms of one round of a cell: every arm runs once per round. Round 2j runs them rotated by j, round 2j + 1
+    the same rotation reversed, so that in every pair of rounds two arms stand as far apart once each way (a drift
+    of the machine that is linear over the pair cancels in their paired ratio) and over 2n rounds (n arms) every arm
+    runs in every place twice, at the ends of the rounds as often as in their middle (with reversal alone the same
+    two arms took the ends, where a V-shaped drift favours both: docs/results.md, "Prefetch reads that yield the
+    disk, and a re-plan at half its cost"). Run an even number of rounds."""
+    j = (rnd // 2) % max(len(arms), 1)
+    order = list(arms[j:]) + list(arms[:j])
+    return order if rnd % 2 == 0 else order[::-1]
 
 
 def reference_arm(arms: list[str]) -> str:

@@ -173,6 +173,26 @@ def test_cells_run_in_rounds_and_pair_each_policy_with_lru_of_its_round(builds, 
         "ref_policy": "lru", "vs_ref": 1.0, "vs_ref_min": 0.5, "vs_ref_max": 1.5, "vs_ref_rounds": 3}
     assert bd.paired_vs_ref({"x": [1.0]}, "lru") == {}
     assert bd.round_order(["a", "b", "c"], 1) == ["c", "b", "a"] and bd.reference_arm(["x", "y"]) == "x"
+    assert [bd.round_order(["a", "b", "c"], r) for r in (2, 3)] == [["b", "c", "a"], ["a", "c", "b"]]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_round_order_balances_every_pair_of_arms(n):
+    """Over 2n rounds every arm runs once per round and in every place twice, and in each pair of rounds any two arms
+    stand as far apart once each way: a drift linear over the pair cancels in their paired ratio, and no arm keeps
+    the ends of the rounds (reversal alone gave them to the same two arms)."""
+    import expertcast.recipes.bench_disk as bd
+
+    arms = [f"arm{i}" for i in range(n)]
+    orders = [bd.round_order(arms, r) for r in range(2 * n)]
+    assert all(sorted(o) == arms for o in orders)
+    for a in arms:
+        assert sorted(o.index(a) for o in orders) == sorted(list(range(n)) * 2)
+    for r in range(0, 2 * n, 2):
+        for a in arms:
+            for b in arms:
+                d0 = orders[r].index(a) - orders[r].index(b)
+                assert orders[r + 1].index(a) - orders[r + 1].index(b) == -d0
 
 
 def test_subset_baseline_per_format_floor(builds, tmp_path, monkeypatch):
