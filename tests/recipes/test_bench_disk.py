@@ -121,8 +121,8 @@ def test_streamed_model_with_subset_baseline(builds, tmp_path, monkeypatch):
 
 
 def test_cells_run_in_rounds_and_pair_each_policy_with_lru_of_its_round(builds, tmp_path, monkeypatch):
-    """Every round runs each policy once, the order reversed in odd rounds (a drift of the machine falls on both
-    sides of a comparison), and ``vs_ref`` is the ratio of two passes of the same round, never of two medians."""
+    """Every round runs each policy once, round 2j rotated by j and round 2j + 1 the same order reversed (a drift of
+    the machine falls on both sides of a comparison: :func:`round_order`), and ``vs_ref`` is the ratio of two passes of the same round, never of two medians."""
     import expertcast.recipes.bench_disk as bd
 
     d, _, _ = builds
@@ -149,10 +149,10 @@ def test_cells_run_in_rounds_and_pair_each_policy_with_lru_of_its_round(builds, 
         rec = run_bench(cfg, stream=build_stream)
     finally:
         torch.set_num_threads(threads)
-    # the subset's 3 rounds, then the full depth's 2; at the end, once the run's disk figure is known, the
+    # the subset's 3 rounds (the third rotated by one), then the full depth's 2; at the end, once the run's disk figure is known, the
     # simulator's replay of each row (the full depth's, then the subset's)
     # the full depth's ceiling after each of its rounds, paired with that round's passes
-    assert calls == ["belady", "lru", "lru", "belady", "belady", "lru"] + \
+    assert calls == ["belady", "lru", "lru", "belady", "lru", "belady"] + \
         ["belady", "lru", "ceiling", "lru", "belady", "ceiling"] + ["belady", "lru"] + ["belady", "lru"], calls
     for r in rec["rows"]:
         assert r["resident_passes"] == 2 and r["resident_tokens_per_s"] == pytest.approx(1 / 0.15)
