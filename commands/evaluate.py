@@ -49,6 +49,7 @@ from expertcast.commands.common import (
     add_capacity_args,
     add_config_arg,
     capacities_from_args,
+    nonneg_int,
     parse_and_run,
     positive_float,
     positive_int,
@@ -118,6 +119,9 @@ def add_store_args(ap: CommandParser) -> None:
                     help="--store disk: the expert file (default OUT/experts.disk.safetensors; put it on the disk to "
                          "measure, not on tmpfs)")
     ap.add_argument("--readers", type=positive_int, default=4, help="--store disk: reader threads of the reader pool")
+    ap.add_argument("--prefetch-chunk-kb", type=nonneg_int, default=2048,
+                    help="--store disk: a prefetch read reads in blocks of this many KiB and yields the disk to "
+                         "demand reads between them (0: whole reads, no yielding)")
 
 
 def check_store_args(a: Any) -> None:
@@ -135,7 +139,7 @@ def session_settings(args: Any, model_path: str, device: str, out: str | None = 
         model=args.model, model_path=model_path, device=device, dtype=args.dtype, pool=args.pool,
         link_gbps=args.link_gbps, decode_path=args.decode_path, seed=args.seed, store=getattr(args, "store", "ram"),
         disk_path=(getattr(args, "disk_path", None) or default_disk_path(out)) if disk else None,
-        readers=getattr(args, "readers", 4),
+        readers=getattr(args, "readers", 4), prefetch_chunk_kb=getattr(args, "prefetch_chunk_kb", 2048),
         mmap_path=mmap_store_path(out) if getattr(args, "mmap_store", False) else None,
         expert_dtype=getattr(args, "expert_dtype", "bfloat16"))
 
@@ -558,7 +562,7 @@ def _write_outputs(args: Any, out: Any, rows: list[dict[str, Any]], memory: dict
     summary["rss"] = {"peak_rss_bytes": memory.get("row_peak_rss"), "scope": memory.get("row_peak_scope"),
                       "process_peak_rss_bytes": memory.get("process_peak_rss"), "bound_bytes": bound,
                       "store": load.get("store_kind", "ram"), "disk_io_mode": load.get("disk_io_mode"),
-                      "readers": load.get("readers")}
+                      "readers": load.get("readers"), "prefetch_chunk_kb": load.get("prefetch_chunk_kb")}
     summary.update(peak_rss_gb=(memory.get("row_peak_rss") or 0) / 1e9, rss_bound_gb=bound / 1e9 if bound else None)
     head = {"policy": args.policy, **info["capacity"]}
     table = [{**head, **{k: summary[k] for k in SUMMARY_COLUMNS}}]

@@ -28,6 +28,7 @@ from expertcast.commands.common import (
     add_capacity_args,
     add_config_arg,
     capacities_from_args,
+    nonneg_int,
     parse_and_run,
     parse_counts,
     positive_int,
@@ -67,6 +68,9 @@ def build_parser() -> CommandParser:
                     help="where the experts live: host RAM, or a direct-read file on disk (--disk-path)")
     ap.add_argument("--disk-path", default=None, help="--store disk: the expert store file")
     ap.add_argument("--readers", type=positive_int, default=None, help="--store disk: reader threads")
+    ap.add_argument("--prefetch-chunk-kb", type=nonneg_int, default=None,
+                    help="--store disk: a prefetch read reads in blocks of this many KiB and yields the disk to "
+                         "demand reads between them (0: whole reads, no yielding; default 2048)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                     help="model dtype (auto = the checkpoint's)")
@@ -163,8 +167,8 @@ def make_policy_for(spec: str, meta: Any, seqs: list, pool_future: Any):
 def _store_kwargs(args: Any) -> dict[str, Any]:
     """The keyword arguments of ``load_offloaded`` that select the expert store (``--store``)."""
     if args.store == "ram":
-        if args.disk_path or args.readers:
-            raise UsageError("--disk-path and --readers apply to --store disk")
+        if args.disk_path or args.readers or args.prefetch_chunk_kb is not None:
+            raise UsageError("--disk-path, --readers and --prefetch-chunk-kb apply to --store disk")
         return {}
     from expertcast.inference.runtime.loading import load_offloaded
 
@@ -176,6 +180,8 @@ def _store_kwargs(args: Any) -> dict[str, Any]:
     kw: dict[str, Any] = {"store": "disk", "disk_path": args.disk_path}
     if args.readers is not None:
         kw["readers"] = args.readers
+    if args.prefetch_chunk_kb is not None:
+        kw["prefetch_chunk_kb"] = args.prefetch_chunk_kb
     return kw
 
 
@@ -266,7 +272,8 @@ def replay(args: Any) -> int:
                             outs["--disk-path"].written()
                     else:
                         om = OffloadedModel(model, policy, budget, pool=args.pool, device=args.device, future=future,
-                                            store=store, readers=store_kw.get("readers", 4))
+                                            store=store, readers=store_kw.get("readers", 4),
+                                            prefetch_chunk_kb=store_kw.get("prefetch_chunk_kb", 2048))
                         load_s = time.perf_counter() - t0  # the store of the first load is reused
                 except ValueError as e:
                     raise UsageError(f"--policy {pspec_text} at {budget.tag}: {' '.join(str(e).split())}") from None

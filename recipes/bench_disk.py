@@ -639,7 +639,20 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     ``bench_disk.png`` (and ``bench_disk_recall.png`` with ``cfg.recall``) under ``cfg.out``; return the JSON record.
     ``stream``: ``(meta, sequences, batch) -> AccessStream`` for oracle policies (``simulator.build_stream``; this
     room does not import the simulator)."""
+    try:
+        return _run_bench(cfg, stream)
+    except BaseException:  # a failed run takes its disk stores (tens of GB at real shape) with it: nothing resumes
+        for path in Path(cfg.out).glob(STORE_GLOB):  # from them, and they would fill the disk the next run needs
+            path.unlink(missing_ok=True)
+        raise
 
+
+STORE_GLOB = "experts.*.disk.safetensors"
+"""The names of a run's disk stores in its ``out`` folder (:func:`_run_bench`'s ``store_path``)."""
+
+
+def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
+    """:func:`run_bench`'s measurements."""
     from expertcast.inference.policies import make_policy
     from expertcast.inference.runtime import quant
     from expertcast.inference.runtime.disk_store import DiskExpertStore, write_disk_store_from
@@ -658,7 +671,7 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     arms = policy_arms(cfg)
 
     def store_path(fmt: str) -> Path:
-        return out / f"experts.{fmt}.disk.safetensors"
+        return out / STORE_GLOB.replace("*", fmt)
 
     streamed = bool(cfg.model) and Path(cfg.model).is_dir()
     subset_note = check_subset(cfg.model, cfg.baseline_model) if (streamed and cfg.baseline_model) else None

@@ -507,6 +507,9 @@ class OffloadOptions:
     """The disk store file (``store_kind="disk"``): written from the checkpoint, then read."""
     readers: int = 4
     """Reader threads of the disk store's reader pool."""
+    prefetch_chunk_kb: int = 2048
+    """The reader pool's block size in KiB of a prefetch read that yields to demand reads (0: whole reads, no
+    yielding; :class:`~.disk_store.ReaderPoolEngine`)."""
     disk_io: str = "auto"
     """Disk store I/O: ``auto`` (O_DIRECT where accepted, else buffered + DONTNEED), ``direct`` or ``buffered``."""
     expert_dtype: str = "bfloat16"
@@ -532,7 +535,8 @@ class OffloadOptions:
         return OffloadedModel(model, self.policy, self.capacity, pool=self.pool, device=self.device,
                               link_gbps=self.link_gbps, mmap_path=self.mmap_path, num_temp_slots=self.num_temp_slots,
                               future=self.future, store=store, cpu_exec_ms=self.cpu_exec_ms,
-                              decode_path=self.decode_path, readers=self.readers)
+                              decode_path=self.decode_path, readers=self.readers,
+                              prefetch_chunk_kb=self.prefetch_chunk_kb)
 
     def report(self, om: Any, plan: LoadPlan, t0: float, unused: list[str], source: str) -> LoadReport:
         """The :class:`LoadReport` of ``om``, loaded since ``t0`` (``time.perf_counter()``)."""
@@ -551,6 +555,7 @@ class OffloadOptions:
                           source=source, store_kind=self.store_kind,
                           disk_path=str(self.disk_path) if disk else None,
                           disk_io_mode=om.store.io_mode if disk else None, readers=self.readers if disk else None,
+                          prefetch_chunk_kb=om.transfer.chunk // 1024 if disk else None,  # what its pool runs
                           rss_bound_bytes=bound)
 
 
@@ -560,7 +565,7 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
                    num_temp_slots: int = 2, future: Any = None, cpu_exec_ms: Callable[[int], float] | None = None,
                    seed: int = 0, revision: str | None = None, decode_path: str = "eager", store: str = "ram",
                    disk_path: str | os.PathLike | None = None, readers: int = 4, disk_io: str = "auto",
-                   expert_dtype: str = "bfloat16"):
+                   expert_dtype: str = "bfloat16", prefetch_chunk_kb: int = 2048):
     """(OffloadedModel, tokenizer, :class:`LoadReport`) of ``name_or_path`` loaded straight to the host store.
 
     Args:
@@ -573,7 +578,7 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
             number form: float = fraction of all L*E experts, int = slots); see :class:`OffloadOptions`.
         mmap_path: stream the packed experts into this store file and memory-map it (host RAM holds no
             copy beyond the page cache).
-        store, disk_path, readers, disk_io: ``store="disk"`` streams the packed experts into the disk store
+        store, disk_path, readers, disk_io, prefetch_chunk_kb: ``store="disk"`` streams the packed experts into the disk store
             file ``disk_path`` (4096-aligned rows) and reads them back with direct I/O through a pool of
             ``readers`` threads (see :class:`OffloadOptions`); host RSS stays within
             ``LoadReport.rss_bound_bytes`` whatever the file's size.
@@ -599,7 +604,8 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
                           num_temp_slots=num_temp_slots, future=future, cpu_exec_ms=cpu_exec_ms,
                           decode_path=decode_path, store_kind=store,
                           disk_path=Path(disk_path).expanduser() if disk_path is not None else None,
-                          readers=readers, disk_io=disk_io, expert_dtype=ExpertFormat.parse(expert_dtype).name)
+                          readers=readers, disk_io=disk_io, expert_dtype=ExpertFormat.parse(expert_dtype).name,
+                          prefetch_chunk_kb=prefetch_chunk_kb)
     name = str(name_or_path)
     adapter_export = is_export_dir(name) and export_model_dir(name) is None
     if (is_preset(name) and get_preset(name).size == "tiny") or adapter_export:

@@ -124,6 +124,8 @@ class LoadReport:
     disk_io_mode: str | None = None
     """``direct`` (O_DIRECT) or ``buffered+dontneed`` (the file system refused O_DIRECT)."""
     readers: int | None = None
+    prefetch_chunk_kb: int | None = None
+    """Disk store: the block size in KiB of a prefetch read that yields to demand reads (0: whole reads)."""
     rss_bound_bytes: int | None = None
     """Disk store: the stated host RSS bound, slots (CPU) + non-expert weights + one MoE layer's rows (the
     writer's buffer; quantized experts: plus that layer's unquantized rows) + :data:`RSS_MARGIN_BYTES`,

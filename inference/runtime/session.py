@@ -61,6 +61,8 @@ class SessionSettings:
     """``store="disk"``: the expert file."""
     readers: int = 4
     """``store="disk"``: reader threads of the reader pool."""
+    prefetch_chunk_kb: int = 2048
+    """``store="disk"``: block size in KiB of a prefetch read that yields to demand reads (0: whole reads)."""
     mmap_path: str | None = None
     """Memory-map the host store in this safetensors file (None: in RAM)."""
     expert_dtype: str = "bfloat16"
@@ -333,6 +335,7 @@ class ModelSession:
                                                   pool=s.pool, link_gbps=s.link_gbps, mmap_path=s.mmap_path,
                                                   seed=s.seed, decode_path=s.decode_path, store=s.store,
                                                   disk_path=s.disk_path, readers=s.readers,
+                                                  prefetch_chunk_kb=s.prefetch_chunk_kb,
                                                   expert_dtype=s.expert_dtype)
             pad_left(self.tok)
             if s.store == "disk" and s.disk_path:  # expertcast's own output from now on (a rerun may replace it)
@@ -345,7 +348,7 @@ class ModelSession:
         else:
             om = OffloadedModel(self.model, policy, capacity, pool=s.pool, device=s.device, link_gbps=s.link_gbps,
                                 store=self.store, measure_latency=measure_latency, decode_path=s.decode_path,
-                                readers=s.readers)
+                                readers=s.readers, prefetch_chunk_kb=s.prefetch_chunk_kb)
             self.store = om.store  # a session over a full-load model (:meth:`of_model`): packed on its first run
         self.full = False
         attach_live_routers(policy, om.model, s.model)  # router policies: the --model export's routers, live

@@ -317,12 +317,13 @@ def test_disk_store_eval_equals_ram_and_reports_rss(finished, tmp_path, capsys, 
     mode, the readers and the peak RSS against its bound in summary.json and on stdout; contradictory flags
     refused with one line."""
     out = tmp_path / "disk"
-    assert main([*BASE, "--store", "disk", "--readers", "2", "--out", str(out)]) == 0
+    assert main([*BASE, "--store", "disk", "--readers", "2", "--prefetch-chunk-kb", "0", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert stable(read_samples(out / SAMPLES)) == stable(read_samples(finished / SAMPLES))
     assert (out / "experts.disk.safetensors").is_file()
     rss = json.loads((out / "summary.json").read_text())["rss"]
     assert rss["store"] == "disk" and rss["readers"] == 2 and rss["disk_io_mode"] in ("direct", "buffered+dontneed")
+    assert rss["prefetch_chunk_kb"] == 0  # whole prefetch reads, as asked: the flag reaches the reader pool's load
     assert rss["peak_rss_bytes"] > 0 and rss["bound_bytes"] > 0 and "peak RSS" in printed
     for extra, msg in ((["--store", "disk", "--mmap-store"], "exclude each other"),
                        (["--store", "disk", *SLOW_LINK], "--link-gbps"),

@@ -43,7 +43,9 @@ def test_replay_maps_the_trace_and_reports_every_cell(granite_like, tmp_path, ca
 @pytest.mark.parametrize("extra,match", [
     ([], "the trace has 6 MoE layers, the model 4"),
     (["--truncate-trace", "--store", "disk"], "--store disk"),
-    (["--truncate-trace", "--disk-path", "x"], "--disk-path and --readers apply to --store disk"),
+    (["--truncate-trace", "--disk-path", "x"], "--disk-path, --readers and --prefetch-chunk-kb apply to --store disk"),
+    (["--truncate-trace", "--prefetch-chunk-kb", "0"], "--prefetch-chunk-kb apply to --store disk"),
+    (["--truncate-trace", "--store", "disk", "--disk-path", "x", "--prefetch-chunk-kb", "-1"], "non-negative integer"),
     (["--truncate-trace", "--expert-dtype", "int3"], "expert format 'int3'"),
 ])
 def test_refusals_are_one_line(granite_like, capsys, extra, match):
@@ -113,13 +115,23 @@ def test_two_policies_on_the_disk_store_load_once_and_report_each_rows_own_peak(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(loading, "load_offloaded", counted)
+    from expertcast.inference.runtime.disk_store import ReaderPoolEngine
+
+    pool_init, chunks = ReaderPoolEngine.__init__, []
+
+    def init(self, *a, **k):
+        pool_init(self, *a, **k)
+        chunks.append(self.chunk)
+
+    monkeypatch.setattr(ReaderPoolEngine, "__init__", init)
     out = tmp_path / "disk.json"
     assert cli(["replay", "--model", "qwen3_moe-tiny", "--synthetic", "markov", "--synthetic-size", "2,16",
                 "--policy", "lru", "--policy", "lfu", "--capacity", "0.25,0.5", "--threads", "1", "--store", "disk",
-                "--disk-path", str(tmp_path / "e.store"), "--json", str(out)]) == 0
+                "--disk-path", str(tmp_path / "e.store"), "--prefetch-chunk-kb", "0", "--json", str(out)]) == 0
     capsys.readouterr()
     rows = json.loads(out.read_text())["rows"]
     assert loads == ["disk"] and len(rows) == 4  # loaded once for the four rows
+    assert chunks == [0] * 4  # every row's reader pool reads whole prefetches, as --prefetch-chunk-kb 0 asked
     assert all(r["peak_rss_scope"] == "row" and r["peak_rss_gb"] > 0 for r in rows)
     by_cap = {r["capacity"]: r["rss_bound_gb"] for r in rows}
     slot_gb = 4 * 4 * 24576 / 1e9  # 4 more slots in each of the L=4 layers at 0.5 than at 0.25, of 24 kB experts

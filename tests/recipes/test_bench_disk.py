@@ -494,3 +494,40 @@ def test_a_cell_whose_arms_are_all_skipped_is_measured_no_further(builds, tmp_pa
         torch.set_num_threads(threads)
     assert rec["rows"] == [] and measured == []
     assert any("(full depth)" in k and "refused here" in v for k, v in rec["skipped"].items()), rec["skipped"]
+
+
+def test_a_failed_run_deletes_its_disk_stores(builds, tmp_path, monkeypatch):
+    """A run that fails after writing its disk store (here: the disk measurement finds no space, as a real-shape run
+    did beside a 28.8 GB store) deletes that store, so that the next run has the room; the error reaches the caller
+    and the folder's other files stay."""
+    import expertcast.recipes.bench_disk as bd
+
+    d, _, _ = builds
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bd, "disk_read_rate", full)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("kept")
+    threads = torch.get_num_threads()
+    cfg = BenchConfig(out=str(out), model=str(d / "full"), baseline_model=str(d / "sub"), policies=("lru",),
+                      budgets=(0.25,), repeats=1, sequences=1, tokens=4, prompt=3, disk_mb=4, readers=2,
+                      dtype="bfloat16")
+    seen = []
+    real = bd._load_streamed
+
+    def load(*a, **k):
+        r = real(*a, **k)
+        seen.extend(out.glob(bd.STORE_GLOB))
+        return r
+
+    monkeypatch.setattr(bd, "_load_streamed", load)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            run_bench(cfg, stream=build_stream)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen, "the run wrote no store before it failed: the test would not test the clean-up"
+    assert not list(out.glob(bd.STORE_GLOB)) and (out / "notes.txt").read_text() == "kept"
