@@ -164,6 +164,11 @@ def make_policy_for(spec: str, meta: Any, seqs: list, pool_future: Any):
     return policy, parsed.policy, future
 
 
+READER_KEYS = ("readers", "prefetch_chunk_kb")
+"""The keys of :func:`_store_kwargs` that a later row's OffloadedModel takes for its own reader pool (absent: the
+runtime's defaults, not restated here)."""
+
+
 def _store_kwargs(args: Any) -> dict[str, Any]:
     """The keyword arguments of ``load_offloaded`` that select the expert store (``--store``)."""
     if args.store == "ram":
@@ -272,8 +277,7 @@ def replay(args: Any) -> int:
                             outs["--disk-path"].written()
                     else:
                         om = OffloadedModel(model, policy, budget, pool=args.pool, device=args.device, future=future,
-                                            store=store, readers=store_kw.get("readers", 4),
-                                            prefetch_chunk_kb=store_kw.get("prefetch_chunk_kb", 2048))
+                                            store=store, **{k: store_kw[k] for k in READER_KEYS if k in store_kw})
                         load_s = time.perf_counter() - t0  # the store of the first load is reused
                 except ValueError as e:
                     raise UsageError(f"--policy {pspec_text} at {budget.tag}: {' '.join(str(e).split())}") from None
