@@ -620,12 +620,47 @@ def _paired_grid(cfg, model, disk, base, meta, seqs, policies, K, E, xbytes, dis
     return rows, skipped
 
 
-def _partial(out: Path, rows: list, sub_rows: list) -> None:
-    """The rows so far (``bench_disk.partial.json``, removed when the run completes): a long real-shape run
-    that dies keeps what it measured."""
+PARTIAL_FILE = "bench_disk.partial.json"
+"""The record of a run's finished cells (:func:`_partial`), replaced by ``bench_disk.json`` when the run completes."""
+
+PARTIAL_STATUS = ("partial: the rows of the cells finished so far, written after each cell; the run stopped or is still "
+                  "running. Bounds at the disk figure that bounds every row so far (disk_gbps_bound); no simulated "
+                  "cards, CSV or PNG (written when a run completes)")
+
+
+def _partial(out: Path, rows: list, sub_rows: list, head: dict[str, Any], disk_gbps: float) -> None:
+    """The rows so far (``bench_disk.partial.json``, removed when the run completes) beside ``head`` (the machine
+    figures, model and provenance, as the final record has them): a long real-shape run that dies keeps what it
+    measured and what produced it. The rows' bounds are set on copies at the disk figure that bounds them all (as
+    the final record does over every row), never the one-pass figure a faster run could exceed."""
     from expertcast.utils.io import atomic_write_json
 
-    atomic_write_json(out / "bench_disk.partial.json", {"rows": rows, "subset_rows": sub_rows})
+    rows, sub_rows = [dict(r) for r in rows], [dict(r) for r in sub_rows]
+    gbps, source = finish_bounds(rows + sub_rows, disk_gbps, dep_bound_of) if rows or sub_rows else (disk_gbps, "")
+    atomic_write_json(out / PARTIAL_FILE, {"status": PARTIAL_STATUS, **head, "disk_gbps_bound": gbps,
+                                           "disk_gbps_source": source, "rows": _public(rows),
+                                           "subset_rows": _public(sub_rows)})
+
+
+def _model_record(cfg: BenchConfig, L: int, E: int, K: int, xbytes: int, fmt_bytes: dict[str, int],
+                  decoder_layers: int) -> dict[str, Any]:
+    """The record's ``model`` section."""
+    return {"name": cfg.model or "random-weight qwen3_moe", "L": L, "E": E, "K": K, "hidden": cfg.hidden,
+            "moe_intermediate": cfg.moe_intermediate, "dtype": cfg.dtype, "expert_bytes": xbytes,
+            "expert_bytes_by_format": dict(fmt_bytes), "disk_store_bytes": L * E * round_up(xbytes, ALIGN),
+            "decoder_layers": decoder_layers}
+
+
+def _provenance(cfg: BenchConfig, source: str, seqs, calib, arms: list[str], guard) -> dict[str, Any]:
+    """The record's ``provenance`` section: the settings, the routing and its sequences, the code, the forecaster."""
+    return {"settings": asdict(cfg), "routing": source, "routing_fingerprint": _fingerprint(seqs),
+            "sequences": [s.seq_id for s in seqs],
+            "static_calibration": [s.seq_id for s in calib] if "static" in arms else [],
+            "forecaster_guard": guard,
+            "code_version": code_version(),
+            "torch": torch.__version__, "python": sys.version.split()[0],
+            "forecaster_hash": _export_hash(cfg.forecaster), "host": platform.node(),
+            "scheduling": _sched()}
 
 
 def OffloadedModel_(*args, **kwargs):  # noqa: N802 (the runtime, imported late)
@@ -732,6 +767,13 @@ def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     mach = MachineFigures(disk_gbps, disk_mode, stride, cfg.readers, ram_gbps, g1, g64, ms1, kernel, flags, cpu_model,
                           disk_seconds=disk_s)
     expert_s = {}
+    n_dec_full = int(model.config.get_text_config().num_hidden_layers)
+    provenance = _provenance(cfg, source, seqs, calib, arms, guard)
+
+    def head() -> dict[str, Any]:
+        """The machine, model and provenance sections, as measured so far (a partial record carries them too)."""
+        return {"machine": asdict(mach), "model": _model_record(cfg, L, E, K, xbytes, fmt_bytes, n_dec_full),
+                "provenance": provenance}
 
     def format_figures(fmt: str, views) -> None:
         ga, ma = gemm_rate(refs[0].module, views, cfg.hidden, 1, dtype=dtype)
@@ -764,7 +806,6 @@ def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     plain.replay(seqs_b)
     plain_tps = plain.replay(seqs_b).tokens_per_s
     base_model = plain.close()
-    n_dec_full = int(model.config.get_text_config().num_hidden_layers)
     n_dec_sub = int(base_model.config.get_text_config().num_hidden_layers)
     # the runtime with every expert resident in RAM slots, bf16 (the same kernels as the disk runs, so the ratio is
     # the cost of the disk and the format), warmed so that every routed expert is in its slot
@@ -802,7 +843,7 @@ def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                 set_format_floor(r, fmt_full[fmt][0])
             sub_rows += r
             skipped.update(sk)
-            _partial(out, [], _public(sub_rows))
+            _partial(out, [], sub_rows, head(), disk_gbps)
             sub_disk.close()
             sub_path.unlink()
             del sub_model, sub_disk
@@ -898,7 +939,7 @@ def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                         "passes": len(runs), **vs.get(name, {})}),
                         name, cfg, meta, seqs, cache_config, stream, 1e3 * full_s / L, disk_gbps, fx, calib))  # armed as the pass was
                     rss_bound[f"{name}@{budget}@{fmt}@{kind}"] = bound_b
-                _partial(out, _public(rows), _public(sub_rows))
+                _partial(out, rows, sub_rows, head(), disk_gbps)
             disk.close()
             store_path(fmt).unlink()  # the disk has room for one real-shape store at a time: build, measure, delete
             del disk
@@ -949,10 +990,7 @@ def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     mach.kernel_table = quant.TABLE.to_list()
     record = {
         "machine": asdict(mach),
-        "model": {"name": cfg.model or "random-weight qwen3_moe", "L": L, "E": E, "K": K, "hidden": cfg.hidden,
-                  "moe_intermediate": cfg.moe_intermediate, "dtype": cfg.dtype, "expert_bytes": xbytes,
-                  "expert_bytes_by_format": fmt_bytes, "disk_store_bytes": L * E * round_up(xbytes, ALIGN),
-                  "decoder_layers": n_dec_full},
+        "model": _model_record(cfg, L, E, K, xbytes, fmt_bytes, n_dec_full),
         "rows": _public(rows),
         "subset_rows": _public(sub_rows),
         "skipped": skipped,
@@ -970,17 +1008,10 @@ def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
                             "policy's own loads with full I/O-compute overlap (a demand miss cannot have it); "
                             "achieved_vs_bound <= 1 by construction",
         "dep_bound_definition": DEP_BOUND_FORMULA,
-        "provenance": {"settings": asdict(cfg), "routing": source, "routing_fingerprint": _fingerprint(seqs),
-                       "sequences": [s.seq_id for s in seqs],
-                       "static_calibration": [s.seq_id for s in calib] if "static" in arms else [],
-                       "forecaster_guard": guard,
-                       "code_version": code_version(),
-                       "torch": torch.__version__, "python": sys.version.split()[0],
-                       "forecaster_hash": _export_hash(cfg.forecaster), "host": platform.node(),
-                       "scheduling": _sched()},
+        "provenance": provenance,
     }
     write_report(out, record)
-    (out / "bench_disk.partial.json").unlink(missing_ok=True)
+    (out / PARTIAL_FILE).unlink(missing_ok=True)
     return record
 
 

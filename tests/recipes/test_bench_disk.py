@@ -531,3 +531,48 @@ def test_a_failed_run_deletes_its_disk_stores(builds, tmp_path, monkeypatch):
         torch.set_num_threads(threads)
     assert seen, "the run wrote no store before it failed: the test would not test the clean-up"
     assert not list(out.glob(bd.STORE_GLOB)) and (out / "notes.txt").read_text() == "kept"
+
+
+def test_a_stopped_run_keeps_its_cells_with_the_machine_and_what_produced_them(builds, tmp_path, monkeypatch):
+    """A real-shape run that stops after a cell (here: it fails while closing its second) leaves
+    ``bench_disk.partial.json`` with the finished cell's rows beside the machine figures, the model and the
+    provenance of the run, and the rows' bounds at a disk figure that bounds them (achieved_vs_bound <= 1), not the
+    one-pass figure a faster run could exceed."""
+    import expertcast.recipes.bench_disk as bd
+
+    d, _, _ = builds
+    calls = []
+    real = bd.subset_all_in_ram
+
+    def stops(*a, **k):  # called once after each full-depth cell, before its rows
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("stopped")
+        return real(*a, **k)
+
+    monkeypatch.setattr(bd, "subset_all_in_ram", stops)
+    monkeypatch.setattr(bd, "disk_read_rate", lambda *a, **k: (0.001, "O_DIRECT", 1.0))  # far below any run's rate
+    out = tmp_path / "o"
+    threads = torch.get_num_threads()
+    cfg = BenchConfig(out=str(out), model=str(d / "full"), baseline_model=str(d / "sub"), policies=("lru",),
+                      budgets=(0.25, 0.45), repeats=1, sequences=1, tokens=4, prompt=3, disk_mb=4, readers=2,
+                      dtype="bfloat16")
+    try:
+        with pytest.raises(RuntimeError, match="stopped"):
+            run_bench(cfg, stream=build_stream)
+    finally:
+        torch.set_num_threads(threads)
+    rec = json.loads((out / bd.PARTIAL_FILE).read_text())
+    assert rec["status"].startswith("partial")
+    assert [(r["policy"], r["budget"]) for r in rec["rows"]] == [("lru", 0.25)]
+    assert [(r["policy"], r["budget"]) for r in rec["subset_rows"]] == [("lru", 0.25), ("lru", 0.45)]
+    assert rec["machine"]["disk_gbps"] == 0.001 and rec["machine"]["gemm_gflops_1"] > 0
+    assert rec["model"]["L"] == 3 and rec["model"]["decoder_layers"] == 4 and rec["model"]["expert_bytes"] > 0
+    prov = rec["provenance"]
+    assert prov["sequences"] and prov["routing_fingerprint"] and prov["code_version"]
+    assert prov["settings"]["budgets"] == [0.25, 0.45]
+    assert rec["disk_gbps_bound"] > 0.001 and "achieved" in rec["disk_gbps_source"]
+    for r in rec["rows"] + rec["subset_rows"]:
+        assert r["achieved_vs_bound"] <= 1 + 1e-9 and r["disk_gbps_bound"] == rec["disk_gbps_bound"], r
+        assert not any(k.startswith("_") for k in r)
+    assert not list(out.glob(bd.STORE_GLOB)) and not (out / "bench_disk.json").exists()
