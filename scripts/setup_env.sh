@@ -3,6 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# One set-up at a time in a clone: the README's two commands started together would otherwise both create and
+# install into the same .venv. The second waits here for the first to finish, then finds the install done.
+if command -v flock >/dev/null 2>&1; then
+  exec 9>.setup_env.lock
+  flock 9
+fi
 if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv
 fi
