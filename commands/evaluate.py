@@ -56,6 +56,7 @@ from expertcast.commands.common import (
     resolve_device,
 )
 from expertcast.data.benchmarks import BENCHMARKS
+from expertcast.inference.runtime.disk_store import PREFETCH_CHUNK_KB, READERS
 from expertcast.inference.runtime.eval_samples import append_samples, read_samples  # noqa: F401 (re-exported)
 from expertcast.inference.runtime.session import (
     BASELINES,
@@ -118,8 +119,8 @@ def add_store_args(ap: CommandParser) -> None:
     ap.add_argument("--disk-path", default=None,
                     help="--store disk: the expert file (default OUT/experts.disk.safetensors; put it on the disk to "
                          "measure, not on tmpfs)")
-    ap.add_argument("--readers", type=positive_int, default=4, help="--store disk: reader threads of the reader pool")
-    ap.add_argument("--prefetch-chunk-kb", type=nonneg_int, default=2048,
+    ap.add_argument("--readers", type=positive_int, default=READERS, help="--store disk: reader threads of the reader pool")
+    ap.add_argument("--prefetch-chunk-kb", type=nonneg_int, default=PREFETCH_CHUNK_KB,
                     help="--store disk: a prefetch read reads in blocks of this many KiB and yields the disk to "
                          "demand reads between them (0: whole reads, no yielding)")
 
@@ -139,7 +140,8 @@ def session_settings(args: Any, model_path: str, device: str, out: str | None = 
         model=args.model, model_path=model_path, device=device, dtype=args.dtype, pool=args.pool,
         link_gbps=args.link_gbps, decode_path=args.decode_path, seed=args.seed, store=getattr(args, "store", "ram"),
         disk_path=(getattr(args, "disk_path", None) or default_disk_path(out)) if disk else None,
-        readers=getattr(args, "readers", 4), prefetch_chunk_kb=getattr(args, "prefetch_chunk_kb", 2048),
+        readers=getattr(args, "readers", READERS),
+        prefetch_chunk_kb=getattr(args, "prefetch_chunk_kb", PREFETCH_CHUNK_KB),
         mmap_path=mmap_store_path(out) if getattr(args, "mmap_store", False) else None,
         expert_dtype=getattr(args, "expert_dtype", "bfloat16"))
 

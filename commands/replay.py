@@ -67,10 +67,11 @@ def build_parser() -> CommandParser:
     ap.add_argument("--store", default="ram", choices=["ram", "disk"],
                     help="where the experts live: host RAM, or a direct-read file on disk (--disk-path)")
     ap.add_argument("--disk-path", default=None, help="--store disk: the expert store file")
-    ap.add_argument("--readers", type=positive_int, default=None, help="--store disk: reader threads")
+    ap.add_argument("--readers", type=positive_int, default=None,
+                    help="--store disk: reader threads (default 4, the reader pool's)")
     ap.add_argument("--prefetch-chunk-kb", type=nonneg_int, default=None,
                     help="--store disk: a prefetch read reads in blocks of this many KiB and yields the disk to "
-                         "demand reads between them (0: whole reads, no yielding; default 2048)")
+                         "demand reads between them (0: whole reads, no yielding; default 2048, the reader pool's)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                     help="model dtype (auto = the checkpoint's)")

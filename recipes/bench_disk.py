@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from expertcast.inference.runtime.disk_store import ALIGN, round_up
+from expertcast.inference.runtime.disk_store import ALIGN, READERS, round_up
 from expertcast.inference.runtime.loading import RSS_MARGIN_BYTES
 from expertcast.inference.runtime.machine import (
     MachineFigures,
@@ -99,7 +99,7 @@ class BenchConfig:
     policies: tuple[str, ...] = ("lru", "lfu", "static")
     budgets: tuple[float, ...] = (0.10, 0.25, 0.45)
     """RAM budgets: fractions of all L*E experts held in slots (at least top-K per layer)."""
-    readers: int = 4
+    readers: int = READERS
     repeats: int = 3
     """Rounds per cell: each round runs every policy once (order rotated and reversed by round: :func:`round_order`), each pass between two
     baseline passes; ``vs_ref`` pairs a policy with the reference (``lru``) of the same round."""

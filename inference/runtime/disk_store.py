@@ -47,6 +47,12 @@ from expertcast.inference.runtime.store import (
 from expertcast.inference.runtime.transfer import Transfer, TransferEngine, WorkerWaits
 from expertcast.utils.errors import UsageError
 
+READERS = 4
+"""The reader pool's threads by default (:class:`ReaderPoolEngine`; every entry point's default)."""
+PREFETCH_CHUNK_KB = 2048
+"""The reader pool's block size in KiB of a prefetch read that yields to demand reads, by default
+(:class:`ReaderPoolEngine`; every entry point's default; docs/design.md, "Disk tier")."""
+
 DISK_FORMAT = "expertcast-disk-store"
 DISK_FORMAT_VERSION = 1
 ALIGN = 4096
@@ -315,8 +321,8 @@ class ReaderPoolEngine(WorkerWaits, TransferEngine):
 
     failure = "expert read failed"
 
-    def __init__(self, store: DiskExpertStore, readers: int = 4, device: torch.device | str = "cpu",
-                 prefetch_chunk_kb: int = 2048):
+    def __init__(self, store: DiskExpertStore, readers: int = READERS, device: torch.device | str = "cpu",
+                 prefetch_chunk_kb: int = PREFETCH_CHUNK_KB):
         if readers < 1:
             raise UsageError(f"the reader pool needs at least one reader, got {readers}")
         if prefetch_chunk_kb < 0:

@@ -43,6 +43,7 @@ from expertcast.inference.cache.driver import CPU, SLOT, TEMP, Driver
 from expertcast.inference.cache.expert_cache import Budget, CacheConfig, ExpertCache
 from expertcast.inference.cache.policy import Policy, check_policy_compatible
 from expertcast.inference.policies import spec_of
+from expertcast.inference.runtime.disk_store import PREFETCH_CHUNK_KB, READERS
 from expertcast.inference.runtime.residency import RuntimeTransport
 from expertcast.inference.runtime.run_state import (
     GenerationResult,
@@ -108,8 +109,8 @@ class OffloadedModel:
                  device: torch.device | str | None = None, link_gbps: float | None = None,
                  mmap_path: str | None = None, num_temp_slots: int = 2, future: Any = None,
                  store: HostExpertStore | None = None, cpu_exec_ms: Any = None, cpu_parallel: bool = True,
-                 measure_latency: bool = False, decode_path: str = "eager", readers: int = 4,
-                 prefetch_chunk_kb: int = 2048):
+                 measure_latency: bool = False, decode_path: str = "eager", readers: int = READERS,
+                 prefetch_chunk_kb: int = PREFETCH_CHUNK_KB):
         from expertcast.inference.runtime.disk_store import ReaderPoolEngine, is_disk_store
 
         self.model = standard_lm_head_input(model)  # no transient copy of the LM head per prefill

@@ -48,6 +48,7 @@ from expertcast.inference.runtime.checkpoint import (
     TensorEntry,
     checkpoint_tensors,
 )
+from expertcast.inference.runtime.disk_store import PREFETCH_CHUNK_KB, READERS
 from expertcast.inference.runtime.memory import (  # the sizes and memory figures of a load (re-exported)
     RSS_MARGIN_BYTES,
     LoadPlan,
@@ -505,9 +506,9 @@ class OffloadOptions:
     file ``disk_path``, read with direct I/O by a reader pool; docs/design.md, "Disk tier")."""
     disk_path: Path | None = None
     """The disk store file (``store_kind="disk"``): written from the checkpoint, then read."""
-    readers: int = 4
+    readers: int = READERS
     """Reader threads of the disk store's reader pool."""
-    prefetch_chunk_kb: int = 2048
+    prefetch_chunk_kb: int = PREFETCH_CHUNK_KB
     """The reader pool's block size in KiB of a prefetch read that yields to demand reads (0: whole reads, no
     yielding; :class:`~.disk_store.ReaderPoolEngine`)."""
     disk_io: str = "auto"
@@ -564,8 +565,8 @@ def load_offloaded(name_or_path: str | os.PathLike, policy: Any, capacity: Budge
                    pool: str = "per-layer", link_gbps: float | None = None, mmap_path: str | os.PathLike | None = None,
                    num_temp_slots: int = 2, future: Any = None, cpu_exec_ms: Callable[[int], float] | None = None,
                    seed: int = 0, revision: str | None = None, decode_path: str = "eager", store: str = "ram",
-                   disk_path: str | os.PathLike | None = None, readers: int = 4, disk_io: str = "auto",
-                   expert_dtype: str = "bfloat16", prefetch_chunk_kb: int = 2048):
+                   disk_path: str | os.PathLike | None = None, readers: int = READERS, disk_io: str = "auto",
+                   expert_dtype: str = "bfloat16", prefetch_chunk_kb: int = PREFETCH_CHUNK_KB):
     """(OffloadedModel, tokenizer, :class:`LoadReport`) of ``name_or_path`` loaded straight to the host store.
 
     Args:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from expertcast.inference.cache.expert_cache import Budget
+from expertcast.inference.runtime.disk_store import PREFETCH_CHUNK_KB, READERS
 from expertcast.utils.errors import UsageError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -59,9 +60,9 @@ class SessionSettings:
     """``ram`` (the host expert store in RAM, or memory-mapped) or ``disk`` (one file read with direct I/O)."""
     disk_path: str | None = None
     """``store="disk"``: the expert file."""
-    readers: int = 4
+    readers: int = READERS
     """``store="disk"``: reader threads of the reader pool."""
-    prefetch_chunk_kb: int = 2048
+    prefetch_chunk_kb: int = PREFETCH_CHUNK_KB
     """``store="disk"``: block size in KiB of a prefetch read that yields to demand reads (0: whole reads)."""
     mmap_path: str | None = None
     """Memory-map the host store in this safetensors file (None: in RAM)."""

@@ -168,3 +168,16 @@ def test_byte_budget_refusals_are_one_line(flags, match, capsys):
     rc = cli(["replay", "--model", "qwen3_moe-tiny", "--synthetic", "markov", "--synthetic-size", "1,16", *flags])
     err = capsys.readouterr().err
     assert rc == 2 and match in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_reader_flags_help_states_the_reader_pools_own_defaults():
+    """replay leaves --readers / --prefetch-chunk-kb unset (the runtime's defaults apply, READER_KEYS) and its parser
+    stays free of the runtime's imports, so its help states the defaults in words: they must be the reader pool's."""
+    import re
+
+    from expertcast.commands.replay import build_parser
+    from expertcast.inference.runtime.disk_store import PREFETCH_CHUNK_KB, READERS
+
+    helps = {a.dest: a.help for a in build_parser()._actions}
+    assert re.search(r"default (\d+)", helps["readers"]).group(1) == str(READERS)
+    assert re.search(r"default (\d+)", helps["prefetch_chunk_kb"]).group(1) == str(PREFETCH_CHUNK_KB)
