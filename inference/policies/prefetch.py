@@ -128,16 +128,15 @@ class PoolRows(Sequence):
 
     def __init__(self, flat: np.ndarray, offsets: np.ndarray):
         self.flat = flat
-        self._off = offsets.tolist()
+        off = offsets.tolist()
+        self._rows = [flat[a:b] for a, b in zip(off[:-1], off[1:], strict=True)]  # the views, made once: the plan
+        # reads a pool's row for each of its candidate rows
 
     def __len__(self) -> int:
-        return len(self._off) - 1
+        return len(self._rows)
 
     def __getitem__(self, pool: int) -> np.ndarray:
-        if not -len(self) <= pool < len(self):
-            raise IndexError(pool)
-        pool %= len(self)
-        return self.flat[self._off[pool]:self._off[pool + 1]]
+        return self._rows[pool]
 
 
 def pool_victims(cache: ExpertCache, value: np.ndarray, order: Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -244,6 +243,13 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
     rho_at = dict(zip(deadlines.tolist(), demand_probability(probs, skip).tolist(), strict=True))  # by execution
     k = min(max_per_layer, E)
     top = np.argsort(-q, axis=1, kind="stable")[:, :k]
+    q_top = np.take_along_axis(q, top, axis=1)
+    # a row none of whose candidates can pass (net <= scale x q, the victim's v >= 0) is passed over without its
+    # victims: the same plan, fewer steps (most rows of a re-plan)
+    bound = scale * q_top[:, 0] if R else np.zeros(0)
+    live = ((bound > 0.0) & (bound >= min_net)).tolist()
+    top_l, q_l, scale_l, dl = top.tolist(), q_top.tolist(), scale.tolist(), deadlines.tolist()
+    pool_l = np.asarray(pool_of, dtype=np.int64).tolist()
     taken = [0] * len(victims)
     x, used = int(now), 0.0
     last = int(deadlines.max()) if R else int(now)
@@ -266,17 +272,18 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
     planned: set[tuple[int, int]] = set()  # a load for a layer's next execution serves its later ones too
     probe = None  # place(x, used, transfer_ms): the next load's landing and cost, the same until a load is placed
     for row in np.argsort(deadlines, kind="stable").tolist():
-        d = int(deadlines[row])
+        if not live[row]:
+            continue
+        d = dl[row]
         layer = row % L
-        pool = int(pool_of[layer])
+        pool = pool_l[layer]
         vic = victims[pool]
-        for e in top[row].tolist():
+        for e, qe in zip(top_l[row], q_l[row], strict=True):
             if (layer, e) in planned:
                 continue
-            qe = float(q[row, e])
             if qe <= 0.0 or taken[pool] >= len(vic):
                 break
-            net = min(scale[row] * (qe - float(vic[taken[pool]])), 1.0)  # a load spares one miss at most
+            net = min(scale_l[row] * (qe - float(vic[taken[pool]])), 1.0)  # a load spares one miss at most
             gain = net * transfer_ms
             if gain <= 0.0 or net < min_net:
                 break
@@ -286,7 +293,7 @@ def plan_within_headroom(probs: np.ndarray, deadlines: np.ndarray, skip: np.ndar
             if nx >= d or gain <= cost:  # the row's later candidates land there too, at no more gain
                 break
             x, used, probe = nx, nused, None
-            out.append(PrefetchTask(layer, int(e), gain - cost, float(d), victim=taken[pool]))
+            out.append(PrefetchTask(layer, e, gain - cost, float(d), victim=taken[pool]))
             planned.add((layer, e))
             taken[pool] += 1
     return out
