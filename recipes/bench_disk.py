@@ -481,7 +481,8 @@ def finish_sims(rows: list[dict[str, Any]], link_gbps: float) -> None:
 
 
 def resimulate(record: dict[str, Any], link_gbps: float, stream: Any) -> list[dict[str, Any]]:
-    """The :func:`simulated` figures of a finished run's full-depth rows (``record``: its ``bench_disk.json``) again,
+    """The :func:`simulated` figures of a run's full-depth rows (``record``: its ``bench_disk.json``, or a stopped run's
+    ``bench_disk.partial.json``: the cells it finished) again,
     on a link at ``link_gbps``: the same settings, routing (checked against the record's fingerprint), cache
     configuration (the row's slots per layer) and policy arming (link estimate at the record's one-pass rate),
     compute per layer-execution = the one the row was armed with (``armed_layer_ms``; older records: its floor / L).

@@ -576,3 +576,7 @@ def test_a_stopped_run_keeps_its_cells_with_the_machine_and_what_produced_them(b
         assert r["achieved_vs_bound"] <= 1 + 1e-9 and r["disk_gbps_bound"] == rec["disk_gbps_bound"], r
         assert not any(k.startswith("_") for k in r)
     assert not list(out.glob(bd.STORE_GLOB)) and not (out / "bench_disk.json").exists()
+    # what the record names is enough for the simulator's card of its finished cells (scripts/bench_disk_resim.py)
+    [card] = bd.resimulate(rec, rec["disk_gbps_bound"], build_stream)
+    assert (card["policy"], card["budget"]) == ("lru", 0.25) and card["recorded_sim_tokens_per_s"] is None
+    assert card["sim_hit"] == rec["rows"][0]["hit"] and card["sim_tokens_per_s"] > 0  # demand-only: same decisions
