@@ -637,7 +637,7 @@ def _partial(out: Path, rows: list, sub_rows: list, head: dict[str, Any], disk_g
     from expertcast.utils.io import atomic_write_json
 
     rows, sub_rows = [dict(r) for r in rows], [dict(r) for r in sub_rows]
-    gbps, source = finish_bounds(rows + sub_rows, disk_gbps, dep_bound_of) if rows or sub_rows else (disk_gbps, "")
+    gbps, source = finish_bounds(rows + sub_rows, disk_gbps, dep_bound_of)
     atomic_write_json(out / PARTIAL_FILE, {"status": PARTIAL_STATUS, **head, "disk_gbps_bound": gbps,
                                            "disk_gbps_source": source, "rows": _public(rows),
                                            "subset_rows": _public(sub_rows)})
@@ -678,13 +678,15 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     try:
         return _run_bench(cfg, stream)
     except BaseException:  # a failed run takes its disk stores (tens of GB at real shape) with it: nothing resumes
-        for path in Path(cfg.out).glob(STORE_GLOB):  # from them, and they would fill the disk the next run needs
-            path.unlink(missing_ok=True)
+        for pattern in STORE_GLOBS:  # from them, and they would fill the disk the next run needs
+            for path in Path(cfg.out).glob(pattern):
+                path.unlink(missing_ok=True)
         raise
 
 
-STORE_GLOB = "experts.*.disk.safetensors"
-"""The names of a run's disk stores in its ``out`` folder (:func:`_run_bench`'s ``store_path``)."""
+STORE_GLOBS = ("experts.*.disk.safetensors", "subset.*.disk.safetensors")
+"""The names of a run's disk stores in its ``out`` folder, one per format: the model's (:func:`_run_bench`'s
+``store_path``) and its subset baseline's."""
 
 
 def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
@@ -707,7 +709,7 @@ def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     arms = policy_arms(cfg)
 
     def store_path(fmt: str) -> Path:
-        return out / STORE_GLOB.replace("*", fmt)
+        return out / STORE_GLOBS[0].replace("*", fmt)
 
     streamed = bool(cfg.model) and Path(cfg.model).is_dir()
     subset_note = check_subset(cfg.model, cfg.baseline_model) if (streamed and cfg.baseline_model) else None
@@ -834,7 +836,7 @@ def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     rss_bound = {}
     if subset_note:  # every policy also on the subset, paired against the subset's all-in-RAM run
         for fmt in formats:
-            sub_path = out / f"subset.{fmt}.disk.safetensors"
+            sub_path = out / STORE_GLOBS[1].replace("*", fmt)
             sub_model, sub_disk, _ = _load_streamed(cfg.baseline_model, cfg, sub_path, min(cfg.budgets), fmt)
             r, sk = _paired_grid(cfg, sub_model, sub_disk, base, meta_b, seqs_b, arms, K, E, sub_disk.expert_bytes,
                                  disk_gbps, L_b, expert_s.get(fmt, ms1 * 1e-3), stream, calib_b, fmt, xbytes,

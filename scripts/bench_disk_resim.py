@@ -1,6 +1,7 @@
 """The simulator's card for a finished `bench_disk` run, again, on a link at another disk figure.
 
-Reads a run's ``bench_disk.json`` (or a stopped run's ``bench_disk.partial.json``: its finished cells) and replays each of its full-depth rows' cells through the simulator
+Reads a run's ``bench_disk.json`` (or a stopped run's ``bench_disk.partial.json``: its finished cells) and
+replays each of its full-depth rows' cells through the simulator
 (``recipes.bench_disk.resimulate``: the same settings, routing, slots and policy arming as the run's own ``sim_*``
 columns) with the link at ``--link``: ``one-pass`` (the run's one-pass disk measurement), ``bound`` (the run's bound
 figure: the highest rate any of its runs achieved; what ``bench_disk`` itself uses now) or a number in GB/s. Prints
@@ -39,7 +40,8 @@ def link_figure(record: dict, which: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--record", required=True, help="a run's bench_disk.json (or a stopped run's bench_disk.partial.json)")
+    ap.add_argument("--record", required=True,
+                    help="a run's bench_disk.json (or a stopped run's bench_disk.partial.json)")
     ap.add_argument("--link", nargs="+", default=["bound"], help="one-pass, bound or GB/s (several: one table each)")
     ap.add_argument("--json", default=None, help="write the tables here (a new file or this script's own output)")
     a = ap.parse_args(argv)

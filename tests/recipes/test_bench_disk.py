@@ -496,10 +496,18 @@ def test_a_cell_whose_arms_are_all_skipped_is_measured_no_further(builds, tmp_pa
     assert any("(full depth)" in k and "refused here" in v for k, v in rec["skipped"].items()), rec["skipped"]
 
 
-def test_a_failed_run_deletes_its_disk_stores(builds, tmp_path, monkeypatch):
-    """A run that fails after writing its disk store (here: the disk measurement finds no space, as a real-shape run
-    did beside a 28.8 GB store) deletes that store, so that the next run has the room; the error reaches the caller
-    and the folder's other files stay."""
+def _stores(out):
+    import expertcast.recipes.bench_disk as bd
+
+    return sorted(p.name for pattern in bd.STORE_GLOBS for p in out.glob(pattern))
+
+
+@pytest.mark.parametrize("where", ["disk_read_rate", "_paired_grid"])
+def test_a_failed_run_deletes_its_disk_stores(builds, tmp_path, monkeypatch, where):
+    """A run that fails after writing its disk stores (the disk measurement finds no space, as a real-shape run did
+    beside a 28.8 GB store, with the model's store written; or the subset's grid fails with the subset's store written
+    too) deletes them, so that the next run has the room; the error reaches the caller and the folder's other files
+    stay."""
     import expertcast.recipes.bench_disk as bd
 
     d, _, _ = builds
@@ -507,7 +515,7 @@ def test_a_failed_run_deletes_its_disk_stores(builds, tmp_path, monkeypatch):
     def full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(bd, "disk_read_rate", full)
+    monkeypatch.setattr(bd, where, full)
     out = tmp_path / "o"
     out.mkdir()
     (out / "notes.txt").write_text("kept")
@@ -515,12 +523,12 @@ def test_a_failed_run_deletes_its_disk_stores(builds, tmp_path, monkeypatch):
     cfg = BenchConfig(out=str(out), model=str(d / "full"), baseline_model=str(d / "sub"), policies=("lru",),
                       budgets=(0.25,), repeats=1, sequences=1, tokens=4, prompt=3, disk_mb=4, readers=2,
                       dtype="bfloat16")
-    seen = []
+    seen = set()
     real = bd._load_streamed
 
     def load(*a, **k):
         r = real(*a, **k)
-        seen.extend(out.glob(bd.STORE_GLOB))
+        seen.update(_stores(out))
         return r
 
     monkeypatch.setattr(bd, "_load_streamed", load)
@@ -529,8 +537,10 @@ def test_a_failed_run_deletes_its_disk_stores(builds, tmp_path, monkeypatch):
             run_bench(cfg, stream=build_stream)
     finally:
         torch.set_num_threads(threads)
-    assert seen, "the run wrote no store before it failed: the test would not test the clean-up"
-    assert not list(out.glob(bd.STORE_GLOB)) and (out / "notes.txt").read_text() == "kept"
+    # the stores that stood when it failed: the test would not test the clean-up without them
+    assert seen == ({"experts.bfloat16.disk.safetensors"} if where == "disk_read_rate" else
+                    {"experts.bfloat16.disk.safetensors", "subset.bfloat16.disk.safetensors"}), seen
+    assert not _stores(out) and (out / "notes.txt").read_text() == "kept"
 
 
 def test_a_stopped_run_keeps_its_cells_with_the_machine_and_what_produced_them(builds, tmp_path, monkeypatch):
@@ -575,7 +585,7 @@ def test_a_stopped_run_keeps_its_cells_with_the_machine_and_what_produced_them(b
     for r in rec["rows"] + rec["subset_rows"]:
         assert r["achieved_vs_bound"] <= 1 + 1e-9 and r["disk_gbps_bound"] == rec["disk_gbps_bound"], r
         assert not any(k.startswith("_") for k in r)
-    assert not list(out.glob(bd.STORE_GLOB)) and not (out / "bench_disk.json").exists()
+    assert not _stores(out) and not (out / "bench_disk.json").exists()
     # what the record names is enough for the simulator's card of its finished cells (scripts/bench_disk_resim.py)
     [card] = bd.resimulate(rec, rec["disk_gbps_bound"], build_stream)
     assert (card["policy"], card["budget"]) == ("lru", 0.25) and card["recorded_sim_tokens_per_s"] is None
