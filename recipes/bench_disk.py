@@ -678,15 +678,19 @@ def run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:
     try:
         return _run_bench(cfg, stream)
     except BaseException:  # a failed run takes its disk stores (tens of GB at real shape) with it: nothing resumes
-        for pattern in STORE_GLOBS:  # from them, and they would fill the disk the next run needs
-            for path in Path(cfg.out).glob(pattern):
-                path.unlink(missing_ok=True)
+        for path in disk_stores(cfg.out):  # from them, and they would fill the disk the next run needs
+            path.unlink(missing_ok=True)
         raise
 
 
 STORE_GLOBS = ("experts.*.disk.safetensors", "subset.*.disk.safetensors")
 """The names of a run's disk stores in its ``out`` folder, one per format: the model's (:func:`_run_bench`'s
 ``store_path``) and its subset baseline's."""
+
+
+def disk_stores(out: str | Path) -> list[Path]:
+    """The disk stores a run has in its ``out`` folder now (:data:`STORE_GLOBS`), sorted."""
+    return sorted(p for pattern in STORE_GLOBS for p in Path(out).glob(pattern))
 
 
 def _run_bench(cfg: BenchConfig, stream: Any = None) -> dict[str, Any]:

@@ -499,7 +499,7 @@ def test_a_cell_whose_arms_are_all_skipped_is_measured_no_further(builds, tmp_pa
 def _stores(out):
     import expertcast.recipes.bench_disk as bd
 
-    return sorted(p.name for pattern in bd.STORE_GLOBS for p in out.glob(pattern))
+    return [p.name for p in bd.disk_stores(out)]
 
 
 @pytest.mark.parametrize("where", ["disk_read_rate", "_paired_grid"])

@@ -64,4 +64,3 @@ def test_fit_temperature_coarse_to_fine_equals_the_exhaustive_search(seed):
     fast = fit_temperature(logits, target, K)
     slow = fit_temperature(logits, target, K, exhaustive=True)
     assert fast == slow, (seed, fast, slow)
-
