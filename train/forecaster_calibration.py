@@ -138,25 +138,186 @@ class ResidualScaleFit:
 
 
 SELECT_MARGIN = 0.002
-"""The learned part issues a (head, layer) only when its held-out recall@K beats the best exact component's there by
-more than this (:func:`select_components`)."""
+"""A (head, layer) leaves its head's default component, or issues the learned part, only when that beats the
+alternative's held-out recall@K there by more than this plus the test's bound (:func:`select_components`)."""
+SELECT_CONFIDENCE = 0.975
+"""One-sided confidence of the test by which a (head, layer) leaves its head's default component for another, or for
+the learned part (:func:`select_components`); 0: no test (each layer's best on the held-out split, the rule before)."""
+
+
+T_EXACT_DOF = 200
+"""Up to this many degrees of freedom :func:`t_quantile` inverts the exact distribution function; above, the
+Cornish-Fisher expansion (closer than 1e-6 relative there)."""
+
+
+def t_cdf(t: float, dof: int) -> float:
+    """Distribution function of Student's t at ``t`` for an integer ``dof`` >= 1: the finite series of Abramowitz &
+    Stegun 26.7.3 (odd dof) / 26.7.4 (even) in theta = atan(t / sqrt(dof))."""
+    th = math.atan(abs(t) / math.sqrt(dof))
+    c2, term, acc = math.cos(th) ** 2, 1.0, 1.0
+    if dof % 2:
+        for k in range(1, (dof - 1) // 2):  # 1 + 2/3 c^2 + 2.4/(3.5) c^4 ... up to c^(dof-3)
+            term *= c2 * (2 * k) / (2 * k + 1)
+            acc += term
+        a = 2 / math.pi * (th + (math.sin(th) * math.cos(th) * acc if dof > 1 else 0.0))
+    else:
+        for k in range(1, dof // 2):  # 1 + 1/2 c^2 + 1.3/(2.4) c^4 ... up to c^(dof-2)
+            term *= c2 * (2 * k - 1) / (2 * k)
+            acc += term
+        a = math.sin(th) * acc
+    return 0.5 + math.copysign(a / 2, t)
+
+
+def t_quantile(q: float, dof: int) -> float:
+    """Quantile ``q`` (0.5 <= q < 1) of Student's t with an integer ``dof`` >= 1: bisection on :func:`t_cdf` up to
+    ``T_EXACT_DOF`` degrees of freedom (to 1e-12), the Cornish-Fisher expansion in 1 / dof (Abramowitz & Stegun
+    26.7.5, four terms) above."""
+    if not 0.5 <= q < 1 or dof < 1:
+        raise ValueError(f"t_quantile needs 0.5 <= q < 1 and dof >= 1, got q={q}, dof={dof}")
+    if dof <= T_EXACT_DOF:
+        lo, hi = 0.0, 1.0
+        while t_cdf(hi, dof) < q:
+            hi *= 2
+        while hi - lo > 1e-12 * max(1.0, hi):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if t_cdf(mid, dof) < q else (lo, mid)
+        return (lo + hi) / 2
+    z = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(q, dtype=torch.float64)).item()
+    n = float(dof)
+    return (z + (z ** 3 + z) / (4 * n) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * n ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * n ** 3)
+            + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / (92160 * n ** 4))
+
+
+class PairedRecall:
+    """Held-out recall@K of N candidates per (head, layer), with what the standard error of the difference of any two
+    needs, over clusters of targets (:func:`select_components`: runs of consecutive targets of one sequence, which
+    are not independent of each other).
+
+    Per head j: the targets' recall sums S [N, L], and over the clusters s the sums Q_s [N, L] of their targets'
+    recall and n_s their target count, kept as sum_s Q_s Q_s^T [N, N, L], sum_s n_s Q_s [N, L] and sum_s n_s^2.
+    For candidates a, b the mean difference is d = (S_a - S_b) / n and the cluster-robust variance of d is
+    G / (G - 1) * sum_s (D_s - n_s d)^2 / n^2 with D_s = Q_s,a - Q_s,b, G the clusters with targets."""
+
+    def __init__(self, heads: int, candidates: int, layers: int):
+        H, N, L = heads, candidates, layers
+        self.S = torch.zeros(H, N, L, dtype=torch.float64)
+        self.QQ = torch.zeros(H, N, N, L, dtype=torch.float64)
+        self.nQ = torch.zeros(H, N, L, dtype=torch.float64)
+        self.nn = torch.zeros(H, dtype=torch.float64)
+        self.n = torch.zeros(H, dtype=torch.float64)
+        self.clusters = torch.zeros(H, dtype=torch.long)
+
+    def add(self, j: int, per_seq: torch.Tensor, counts: torch.Tensor) -> None:
+        """Head j: per_seq [B, N, L] each cluster's summed recall per candidate, counts [B] its targets."""
+        q, c = per_seq.double(), counts.double()
+        self.S[j] += q.sum(0)
+        self.QQ[j] += torch.einsum("bnl,bml->nml", q, q)
+        self.nQ[j] += (c.view(-1, 1, 1) * q).sum(0)
+        self.nn[j] += float((c * c).sum())
+        self.n[j] += float(c.sum())
+        self.clusters[j] += int((c > 0).sum())
+
+    def recall(self) -> torch.Tensor:
+        """Mean recall [H, N, L]."""
+        return self.S / self.n.view(-1, 1, 1)
+
+    def stderr(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Standard error [H, L] of recall(a) - recall(b), a / b long [H, L] candidate indices (inf with fewer than
+        2 clusters; 0 where a == b)."""
+        H, L = a.shape
+        hi, li = torch.arange(H).view(H, 1).expand(H, L), torch.arange(L).view(1, L).expand(H, L)
+        n = self.n.view(H, 1)
+        d = (self.S[hi, a, li] - self.S[hi, b, li]) / n
+        dd = self.QQ[hi, a, a, li] + self.QQ[hi, b, b, li] - 2 * self.QQ[hi, a, b, li]  # sum_s D_s^2
+        nd = self.nQ[hi, a, li] - self.nQ[hi, b, li]  # sum_s n_s D_s
+        ss = (dd - 2 * d * nd + d * d * self.nn.view(H, 1)).clamp_min(0)
+        G = self.clusters.view(H, 1).double()
+        var = torch.where(G > 1, ss / (n * n) * G / (G - 1).clamp_min(1), torch.full_like(ss, math.inf))
+        return torch.where(a == b, torch.zeros_like(var), var.sqrt())
+
+
+SELECT_BLOCK = 64
+"""Consecutive targets of one held-out sequence that form one cluster of :class:`PairedRecall` in
+:func:`select_components` (a sequence of up to this many targets is one)."""
+
+
+def block_sums(r: torch.Tensor, use: torch.Tensor, block: int = SELECT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """r [B, W, N, L] recall per position (0 where not scored), use bool [B, W] -> the clusters' sums [B x blocks, N,
+    L] and target counts [B x blocks]: each row's positions in blocks of ``block`` consecutive positions."""
+    B, W = use.shape
+    pad = (-W) % block
+    if pad:
+        r = torch.cat([r, r.new_zeros(B, pad, *r.shape[2:])], 1)
+        use = torch.cat([use, use.new_zeros(B, pad)], 1)
+    n = (W + pad) // block
+    return r.reshape(B * n, block, *r.shape[2:]).sum(1), use.reshape(B * n, block).sum(1)  # slices: not views
+
+
+def choose_selection(stats: PairedRecall, alphas: int, margin: float = SELECT_MARGIN,
+                     confidence: float = SELECT_CONFIDENCE) -> dict[str, torch.Tensor]:
+    """The selection rule of :func:`select_components` on the held-out recall of ``alphas`` learned candidates (the
+    residual scales, in order) then the components.
+
+    Per head j: alpha_j is the best learned candidate over all layers (the smallest on ties); the head's default is
+    the component with the best recall over all layers (the first on ties). Layer l issues its own best component
+    instead of the default only where that beats the default there by more than ``margin`` + t x its standard error
+    (:class:`PairedRecall`; t Student's quantile at G - 1 degrees of freedom, G the clusters of held-out targets: with
+    one, no layer leaves the default; at 1 - (1 - ``confidence``) / (C - 1), Bonferroni's bound for the best of the C - 1
+    other components), and the learned part only where it beats the component so chosen by more than ``margin`` + t x
+    the standard error of that difference (t at ``confidence``). ``confidence`` 0: no test (each layer its best
+    component, the learned part where it beats that by more than ``margin``). Returns ``a_idx`` [H], ``component`` [H, L] (into the components), ``keep`` bool [H, L]
+    (learned), ``learned`` / ``chosen`` recall [H, L] and ``default`` [H]."""
+    rec = stats.recall()
+    H, N, L = rec.shape
+    G = alphas
+    a_idx = rec[:, :G].mean(-1).argmax(1)  # first maximum: the smallest alpha
+    learned = rec[torch.arange(H), a_idx]  # [H, L]
+    comp = rec[:, G:]
+    best_c = comp.argmax(1)  # [H, L], first maximum
+    default = comp.mean(-1).argmax(1)  # [H]
+    dflt = default.view(H, 1).expand(H, L)
+    hi, li = torch.arange(H).view(H, 1).expand(H, L), torch.arange(L).view(1, L).expand(H, L)
+    if confidence > 0:
+        def quantiles(q: float) -> torch.Tensor:  # [H, 1]: at each head's clusters
+            return torch.tensor([t_quantile(q, int(g) - 1) if g > 1 else math.inf for g in stats.clusters.tolist()],
+                                dtype=torch.float64).view(H, 1)
+
+        C = comp.shape[1]
+        t_c = quantiles(1 - (1 - confidence) / max(1, C - 1))  # the layer's best of C - 1 alternatives: Bonferroni
+        t = quantiles(confidence)
+        gain = comp[hi, best_c, li] - comp[hi, dflt, li]
+        bound = t_c * stats.stderr(best_c + G, dflt + G)
+        component = torch.where(gain > margin + torch.nan_to_num(bound, nan=math.inf), best_c, dflt)
+        chosen = comp[hi, component, li]
+        lbound = t * stats.stderr(a_idx.view(H, 1).expand(H, L), component + G)
+        keep = learned - chosen > margin + torch.nan_to_num(lbound, nan=math.inf)
+    else:
+        component = best_c
+        chosen = comp[hi, best_c, li]
+        keep = learned > chosen + margin
+    return {"a_idx": a_idx, "component": component, "keep": keep, "learned": learned, "chosen": chosen,
+            "default": default}
 
 
 @torch.no_grad()
 def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_out: Sequence[TraceSequence],
                       meta: TraceMeta, refit: Sequence[TraceSequence] | None = None, margin: float = SELECT_MARGIN,
-                      grid: tuple[float, ...] = RESIDUAL_GRID, budget: int = 1 << 24) -> dict[str, Any]:
+                      grid: tuple[float, ...] = RESIDUAL_GRID, budget: int = 1 << 24,
+                      confidence: float = SELECT_CONFIDENCE) -> dict[str, Any]:
     """Choose ``residual_scale`` and ``selection`` on held-out sequences (docs/design.md "Exact components").
 
     The components' tables are fitted on ``fit``. Each held-out sequence is run from a zero state as a whole (as
     forecast-eval runs it; batched with sequences of similar length, so that this costs about one pass over the
     held-out elements: :func:`~expertcast.train.forecaster_data.whole_sequence_batches`), scored on its decode
     targets per direct head j and layer l, for: the forecaster's own logits (learned part x alpha + online prior,
-    learned gate included) at every alpha of ``grid`` (1 alone without online statistics), and every exact component. alpha_j is the best on head j over all layers (the
-    smallest on ties); layer l of head j keeps the learned part only where it beats the best component by more
-    than ``margin``, else issues that component (the first best on ties, in ``component_names`` order); a head
-    left with no learned layer gets alpha 0. Then the tables are refitted on ``refit`` (e.g. train + val: the
-    sequences forecast-eval fits its baselines on), so the components stay the baselines exactly.
+    learned gate included) at every alpha of ``grid`` (1 alone without online statistics), and every exact component.
+    :func:`choose_selection` then picks per head alpha_j and a default component, and per layer whether the layer
+    leaves that default for its own best component or for the learned part: only where the held-out gain passes a
+    test with runs of ``SELECT_BLOCK`` consecutive targets of a sequence as clusters (``confidence``), so that a small held-out split (one prompt, a few
+    dozen targets) does not pick per layer among a dozen candidates by noise. A head left with no learned layer gets
+    alpha 0. Then the tables are refitted on ``refit`` (e.g. train + val: the sequences forecast-eval fits its
+    baselines on), so the components stay the baselines exactly.
     Returns a report (held-out recall per head of the chosen logits, the learned part and each component)."""
     from expertcast.train.forecaster_data import whole_sequence_batches
 
@@ -171,8 +332,8 @@ def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_
     comps.fit(fit, c.p)
     alphas = tuple(sorted(grid)) if net.online is not None else (1.0,)
     C = comps.num_components
-    hits = torch.zeros(H, len(alphas) + C, L, dtype=torch.float64)
-    count = torch.zeros(H, dtype=torch.float64)
+    G = len(alphas)
+    stats = PairedRecall(H, G + C, L)
     saved = (c.residual_scale, c.selection)
     row = H * c.input_size  # logits floats per padded element
 
@@ -191,40 +352,38 @@ def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_
             cands += [comp[k].cpu() for k in range(C)]
             W = x.shape[1]
             for j in range(H):
-                sel = use[:, j:]
+                sel = use[:, j:]  # [B, W - j]: one row per held-out sequence
                 if not bool(sel.any()):
                     continue
-                for i, lg in enumerate(cands):
-                    hits[j, i] += recall_at(lg[:, : W - j, j][sel], tid[:, j:][sel], K).sum(0).double()
-                count[j] += int(sel.sum())
+                m = sel.unsqueeze(-1).double()
+                r = torch.stack([recall_at(lg[:, : W - j, j], tid[:, j:], K).double() * m for lg in cands], 2)
+                stats.add(j, *block_sums(r, sel))
     finally:
         c.residual_scale, c.selection = saved
         net.train(was)
-    if not bool((count > 0).all()):
+    if not bool((stats.n > 0).all()):
         raise ValueError("the held-out sequences hold no decode targets for every direct head")
-    rec = hits / count.view(H, 1, 1)  # [H, G + C, L]
-    G = len(alphas)
-    a_idx = rec[:, :G].mean(-1).argmax(1)  # first maximum: the smallest alpha
-    learned = rec[torch.arange(H), a_idx]  # [H, L]
-    best_c = rec[:, G:].argmax(1)  # [H, L]
-    best_r = rec[:, G:].max(1).values
-    keep = learned > best_r + margin
-    selection = torch.where(keep, torch.full_like(best_c, -1), best_c)
+    pick = choose_selection(stats, G, margin, confidence)
+    keep, a_idx = pick["keep"], pick["a_idx"]
+    selection = torch.where(keep, torch.full_like(pick["component"], -1), pick["component"])
     scale = [float(alphas[int(a_idx[j])]) if bool(keep[j].any()) else 0.0 for j in range(H)]
     c.residual_scale = scale if net.online is not None else None
     c.selection = selection.tolist()  # with switch_half_life > 0 the per-sequence leader now starts from it; the
     # temperatures below are fitted on the logits issued with it
-    chosen = torch.where(keep, learned, best_r).mean(-1)
+    chosen = torch.where(keep, pick["learned"], pick["chosen"]).mean(-1)
     # the probabilities must match the logits now issued (a selected component's are scaled scores): per-head
     # temperatures on the same held-out targets, the tables still fitted on ``fit`` only
     temps = fit_head_temperatures(net, batches(by_length=False), dev)  # the held-out order: its first elements
     c.head_temperatures = temps
     if refit is not None:
         comps.fit(refit, c.p)
-    return {"held_out_sequences": len(held_out), "margin": margin, "residual_scale": scale,
-            "head_temperatures": temps,
+    rec = stats.recall()
+    return {"held_out_sequences": len(held_out), "margin": margin, "confidence": confidence,
+            "residual_scale": scale, "head_temperatures": temps,
             "learned_layers": [int(k) for k in keep.sum(1)],
-            "recall": {"chosen": chosen.tolist(), "learned": learned.mean(-1).tolist(),
+            "default_component": [comps.names[int(d)] for d in pick["default"]],
+            "layers_off_default": [int(k) for k in ((pick["component"] != pick["default"].view(H, 1)) & ~keep).sum(1)],
+            "recall": {"chosen": chosen.tolist(), "learned": pick["learned"].mean(-1).tolist(),
                        **{n: rec[:, G + k].mean(-1).tolist() for k, n in enumerate(comps.names)}}}
 
 

@@ -33,6 +33,7 @@ from expertcast.models.forecaster import (
 )
 from expertcast.models.forecaster_export import save_forecaster
 from expertcast.train.forecaster_calibration import (
+    SELECT_CONFIDENCE,
     SELECT_MARGIN,
     ResidualScaleFit,
     calibrate_on_loader,
@@ -179,7 +180,9 @@ class ForecasterModule(pl.LightningModule):
             on the sequence so far (:class:`~expertcast.models.forecaster.OnlinePrior`; 0 = off).
         component_half_lives: the online baselines as exact components, recent-freq at these half-lives (None:
             none); at the end of the fit :func:`select_components` picks per head and layer the learned part or a
-            component on the validation split (margin ``select_margin``).
+            component on the validation split (margin ``select_margin``); a layer leaves its head's default component,
+            for another or for the learned part, only where its gain passes a one-sided test at ``select_confidence``
+            with runs of 64 consecutive validation targets as clusters (0: no test, each layer's best).
         component_cross_layer: with components, also the cross-layer component (the trigger layer's experts
             through the fit set's map to every layer of the next element;
             :attr:`~expertcast.models.forecaster.ForecasterConfig.component_cross_layer`).
@@ -221,9 +224,11 @@ class ForecasterModule(pl.LightningModule):
                  component_half_lives: list[float] | None = None, head_rank: int = 0,
                  select_margin: float = SELECT_MARGIN, switch_half_life: float = 0.0, skip_hidden: int = 0,
                  component_cross_layer: bool = False, component_cross_recent: bool = False,
-                 within_token_table: bool = False):
+                 within_token_table: bool = False, select_confidence: float = SELECT_CONFIDENCE):
         super().__init__()
         check_backbone(backbone)  # before any trace is read
+        if not (select_confidence == 0 or 0.5 <= select_confidence < 1):
+            raise ValueError(f"select_confidence must be 0 (no test) or in [0.5, 1), got {select_confidence}")
         if sampling_rollout < 2:
             raise ValueError(f"sampling_rollout must be >= 2 (one true input, then the rollout), got {sampling_rollout}")
         self.save_hyperparameters()
@@ -467,7 +472,8 @@ class ForecasterModule(pl.LightningModule):
         train, val = dm.splits["train"], dm.splits.get("val") or []
         if val:
             self.selection_report = select_components(self.net, train, val, dm.meta, refit=train + val,
-                                                      margin=self.hparams.select_margin)
+                                                      margin=self.hparams.select_margin,
+                                                      confidence=self.hparams.get("select_confidence", SELECT_CONFIDENCE))
         else:
             self.net.components.fit(train, self.net.config.p)
 

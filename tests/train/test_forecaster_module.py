@@ -548,11 +548,47 @@ def test_select_components_keeps_the_learned_part_only_where_it_beats_every_comp
     assert torch.equal(net.components.freq, fit_frequency(seqs, 2, 8))
 
 
+def test_select_components_keeps_one_held_out_run_of_targets_on_each_heads_default():
+    """The same planted learned part, held out on one short sequence (one cluster of targets, as granite's one
+    validation prompt): nothing can pass the test, so every layer issues the head's default component and the learned
+    part none; with no test (confidence 0) the rule before takes each layer's best there."""
+    from expertcast.train.forecaster_calibration import select_components
+
+    proc = StickyRoutingProcess.realistic(num_layers=2, num_experts=8, top_k=2, seed=0)
+    seqs = proc.sample(12, 30, prompt_len=4, seed=2)
+
+    def planted():
+        torch.manual_seed(0)
+        net = ExpertForecaster(ForecasterConfig(num_layers=2, num_experts=8, top_k=2, hidden_size=32, head_dim=16,
+                                                state_size=8, num_blocks=1, chunk_size=16, direct_horizons=1,
+                                                component_half_lives=[16.0]))
+
+        def forward(x, state=None, all_horizons=False):  # layer 0's logits: the true next element
+            nxt = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+            out = torch.zeros_like(x)
+            out[:, :, 0] = nxt[:, :, 0]
+            return out.unsqueeze(2)
+
+        net.forward = forward
+        return net
+
+    net = planted()
+    report = select_components(net, seqs[:6], seqs[6:7], proc.meta(), refit=seqs)
+    default = net.components.names.index(report["default_component"][0])
+    assert report["learned_layers"] == [0] and report["layers_off_default"] == [0]
+    assert net.config.selection == [[default, default]] and net.config.residual_scale is None
+    net = planted()
+    report = select_components(net, seqs[:6], seqs[6:7], proc.meta(), refit=seqs, confidence=0)
+    assert report["learned_layers"] == [1] and net.config.selection[0][0] == -1
+
+
 def test_selected_components_get_their_own_per_head_temperatures():
     """After the selection the export issues a component's scaled scores on some heads: each direct head's
     probability temperature is refitted on held-out targets for the logits it now issues, so that its calibration
     (binary cross-entropy of the inclusion probabilities) is at least as good as the one temperature fitted before
-    the selection on the learned logits, on every head; ``probs`` applies head j's temperature to horizon j."""
+    the selection on the learned logits, on every head; ``probs`` applies head j's temperature to horizon j.
+    Selection without its test (``select_confidence`` 0): with it, every head here issues recent-freq at every layer
+    (sticky routing), the same scores at every horizon, so one temperature would be right for all of them."""
     import torch.nn.functional as F
     from expertcast.models.forecaster import activation_probs
     from expertcast.train.forecaster_calibration import fit_temperature
@@ -562,7 +598,8 @@ def test_selected_components_get_their_own_per_head_temperatures():
     seqs = proc.sample(40, 40, prompt_len=4, seed=1)
     train, val = seqs[:20], seqs[20:]
     module, _ = fit_forecaster(proc.meta(), train, val_sequences=val, max_steps=10, batch_size=8, direct_horizons=4,
-                               online_half_lives=[0.0, 16.0], prior_start=16.0, component_half_lives=HALF_LIVES)
+                               online_half_lives=[0.0, 16.0], prior_start=16.0, component_half_lives=HALF_LIVES,
+                               select_confidence=0.0)
     net, c = module.net, module.net.config
     temps = c.head_temperatures
     assert temps is not None and len(temps) == 4 and module.selection_report["head_temperatures"] == temps
