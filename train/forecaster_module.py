@@ -180,9 +180,9 @@ class ForecasterModule(pl.LightningModule):
             on the sequence so far (:class:`~expertcast.models.forecaster.OnlinePrior`; 0 = off).
         component_half_lives: the online baselines as exact components, recent-freq at these half-lives (None:
             none); at the end of the fit :func:`select_components` picks per head and layer the learned part or a
-            component on the validation split (margin ``select_margin``); a layer leaves its head's default component,
-            for another or for the learned part, only where its gain passes a one-sided test at ``select_confidence``
-            with runs of 64 consecutive validation targets as clusters (0: no test, each layer's best).
+            component on the validation split (margin ``select_margin``); a layer leaves its head's default component
+            for another only where its gain passes a one-sided test at ``select_confidence`` with runs of 64
+            consecutive validation targets as clusters (0: no test, each layer's best component).
         component_cross_layer: with components, also the cross-layer component (the trigger layer's experts
             through the fit set's map to every layer of the next element;
             :attr:`~expertcast.models.forecaster.ForecasterConfig.component_cross_layer`).
