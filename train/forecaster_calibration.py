@@ -269,8 +269,8 @@ def choose_selection(stats: PairedRecall, alphas: int, margin: float = SELECT_MA
     learned part, one alternative fixed in advance (its gain unbiased), is issued where it beats the component so
     chosen by more than ``margin``, untested: a test rejected real gains of the learned part on two validation
     sequences (docs/results.md, "A tested selection"). ``confidence`` 0: no test (each layer its best component).
-    Returns ``a_idx`` [H], ``component`` [H, L] (into the components), ``keep`` bool [H, L]
-    (learned), ``learned`` / ``chosen`` recall [H, L] and ``default`` [H]."""
+    Returns ``a_idx`` [H], ``component`` [H, L] (into the components), ``keep`` bool [H, L] (learned), ``learned`` /
+    ``chosen`` recall [H, L] and ``default`` [H]."""
     rec = stats.recall()
     H, N, L = rec.shape
     G = alphas
@@ -315,9 +315,9 @@ def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_
     own best component only where the held-out gain passes a test with runs of ``SELECT_BLOCK`` consecutive targets of
     a sequence as clusters (``confidence``), so that a small held-out split (one prompt, a few dozen targets) does not
     pick per layer among a dozen components by noise; it issues the learned part where that beats the component so
-    chosen by more than ``margin``. A head left with no learned layer gets
-    alpha 0. Then the tables are refitted on ``refit`` (e.g. train + val: the sequences forecast-eval fits its
-    baselines on), so the components stay the baselines exactly.
+    chosen by more than ``margin``. A head left with no learned layer gets alpha 0. Then the tables are refitted on
+    ``refit`` (e.g. train + val: the sequences forecast-eval fits its baselines on), so the components stay the
+    baselines exactly.
     Returns a report (held-out recall per head of the chosen logits, the learned part and each component)."""
     from expertcast.train.forecaster_data import whole_sequence_batches
 
