@@ -282,12 +282,9 @@ def choose_selection(stats: PairedRecall, alphas: int, margin: float = SELECT_MA
     dflt = default.view(H, 1).expand(H, L)
     hi, li = torch.arange(H).view(H, 1).expand(H, L), torch.arange(L).view(1, L).expand(H, L)
     if confidence > 0:
-        def quantiles(q: float) -> torch.Tensor:  # [H, 1]: at each head's clusters
-            return torch.tensor([t_quantile(q, int(g) - 1) if g > 1 else math.inf for g in stats.clusters.tolist()],
-                                dtype=torch.float64).view(H, 1)
-
-        C = comp.shape[1]
-        t_c = quantiles(1 - (1 - confidence) / max(1, C - 1))  # the layer's best of C - 1 alternatives: Bonferroni
+        q = 1 - (1 - confidence) / max(1, comp.shape[1] - 1)  # the layer's best of C - 1 alternatives: Bonferroni
+        t_c = torch.tensor([t_quantile(q, int(g) - 1) if g > 1 else math.inf for g in stats.clusters.tolist()],
+                           dtype=torch.float64).view(H, 1)  # at each head's clusters
         gain = comp[hi, best_c, li] - comp[hi, dflt, li]
         bound = t_c * stats.stderr(best_c + G, dflt + G)
         component = torch.where(gain > margin + torch.nan_to_num(bound, nan=math.inf), best_c, dflt)
