@@ -402,7 +402,8 @@ def dependency_bound_seconds(st, xbytes: int, disk_bytes_per_s: float, expert_s:
     return max(full_s + exposed / tok, st.reads * read_s / tok)
 
 
-FORECASTER_COLUMNS = ("forecaster_ms_per_step", "forecaster_share", "forecaster_path_ms_per_step",
+FORECASTER_COLUMNS = ("forecaster_ms_per_step", "forecaster_share", "forecaster_cpu_ms_per_step",
+                      "forecaster_path_ms_per_step",
                       "forecaster_path_share", "forecasts_dropped", "forecaster_precomputed_elements",
                       "forecaster_precompute_ms_per_element")
 """The forecaster's cost per decode step a row carries when its policy runs one (the runtime's own report), and the

@@ -15,8 +15,8 @@ COLUMNS = ["policy", "format", "budget", "budget_kind", "start", "slots", "token
            "miss_free_token_frac", "sim_hit", "sim_reads_per_token", "read_mb_per_token", "read_gbps", "read_vs_disk", "io_overlap",
            "disk_busy_ms_per_token", "disk_idle_ms_per_token", "late_prefetches", "bound_tokens_per_s",
            "achieved_vs_bound", "dep_bound_tokens_per_s", "achieved_vs_dep_bound", "sub_achieved_vs_bound",
-           "sub_achieved_vs_dep_bound", "forecaster_ms_per_step", "forecaster_share", "forecaster_path_share",
-           "forecasts_dropped", "peak_rss_gb", "rss_bound_gb"]
+           "sub_achieved_vs_dep_bound", "forecaster_ms_per_step", "forecaster_share", "forecaster_cpu_ms_per_step",
+           "forecaster_path_share", "forecasts_dropped", "peak_rss_gb", "rss_bound_gb"]
 
 
 def bound_disk_gbps(measured_gbps: float, rows: list[dict[str, Any]]) -> tuple[float, str]:

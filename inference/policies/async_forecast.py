@@ -299,7 +299,7 @@ class AsyncSeqMoEPolicy(Policy):
             st["dropped"] = st["stale_dropped"] + w.dropped - self._dropped0
             if isinstance(w, ProcessForecastWorker):  # the process's own cost, since this run's reset
                 counters = w.counters
-                for k in ("forecast_seconds", "forecast_calls", "forecast_flops"):
+                for k in ("forecast_seconds", "forecast_cpu_seconds", "forecast_calls", "forecast_flops"):
                     st[k] = counters.get(k, 0) - self._counters0.get(k, 0)
         return st
 

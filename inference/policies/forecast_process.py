@@ -59,12 +59,13 @@ class Mailbox:
     """What the worker process answers, in shared memory (the module docstring): ``head`` int64 [8] (publication
     sequence number, last element consumed: its generation and step, elements answered, error flag), ``meta`` int64
     [2] (the forecast's generation and step), ``fbuf`` float32 [H, L, E] (the newest forecast), ``counts`` float64
-    [6] (:data:`COUNTERS`), and a lock that the process holds while it publishes and the reader while it copies (the
+    [7] (:data:`COUNTERS`), and a lock that the process holds while it publishes and the reader while it copies (the
     lock orders the writes on any CPU; the reader only tries it, so it never waits for the process). Made by the
     parent and handed to the process when it starts."""
 
     SEQ, DONE_GEN, DONE_T, ANSWERED, ERROR = range(5)
-    COUNTERS = ("forecast_seconds", "forecast_calls", "forecast_flops", "steps", "rollouts", "dropped")
+    COUNTERS = ("forecast_seconds", "forecast_cpu_seconds", "forecast_calls", "forecast_flops", "steps", "rollouts",
+                "dropped")
 
     def __init__(self, ctx: Any, shape: tuple[int, int, int]):
         self.shape = tuple(int(v) for v in shape)
@@ -196,9 +197,10 @@ def _serve(conn: Any, box: Mailbox, config: dict[str, Any], weights: dict[str, t
             if len(xs) > 1:
                 x = np.stack(xs, axis=1).reshape(len(rows), len(xs), model.config.num_layers, -1)
             last = every or not any(m[0] == ELEMENT for m in pending)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             F, steps = online_forecast(model, state, rows, x, horizon, rollout=last, device=device)
             counters["forecast_seconds"] += time.perf_counter() - t0
+            counters["forecast_cpu_seconds"] += time.thread_time() - c0
             counters["forecast_calls"] += 1
             counters["forecast_flops"] += step_flops * steps * len(rows)
             counters["steps"] += len(xs)

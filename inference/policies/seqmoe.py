@@ -314,7 +314,7 @@ class SeqMoEPolicy(Policy):
         self._row_tables: list[np.ndarray | None] = []
         self.priority_extra = None
         self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0, "forecast_seconds": 0.0,
-                      "forecast_path_seconds": 0.0, "forecast_calls": 0, "forecast_flops": 0, "dropped": 0,
+                      "forecast_cpu_seconds": 0.0, "forecast_path_seconds": 0.0, "forecast_calls": 0, "forecast_flops": 0, "dropped": 0,
                       "precompute_seconds": 0.0, "precompute_elements": 0, "precompute_flops": 0, "replans": 0,
                       "replans_skipped": 0}
 
@@ -498,10 +498,11 @@ class SeqMoEPolicy(Policy):
         the recurrent state it advances (default the batch's). Its time, calls and FLOPs go to :attr:`stats`."""
         state = self._state if state is None else state
         assert state is not None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         F, steps = online_forecast(self.model, state, rows, x, self.horizon, rollout, self.device)
         st, st["forecast_calls"] = self.stats, self.stats["forecast_calls"] + 1
         st["forecast_seconds"] += time.perf_counter() - t0
+        st["forecast_cpu_seconds"] += time.thread_time() - c0
         st["forecast_flops"] += self._step_flops * steps * len(rows)
         return F
 

@@ -32,7 +32,10 @@ class RuntimeStats(Counters):
     forecaster: bool = False
     """The policy runs a forecaster (the ``forecaster_*`` fields below are its decode-time cost)."""
     forecaster_seconds: float = 0.0
-    """Time of the forecaster's steps (and rollouts) in decode, on whichever thread ran them."""
+    """Time of the forecaster's steps (and rollouts) in decode, on whichever thread ran them (wall time)."""
+    forecaster_cpu_seconds: float = 0.0
+    """CPU time of the thread that ran those steps, over the same calls: below the wall time by what the thread
+    waited for a core (or, on CUDA, for the device)."""
     forecaster_path_seconds: float = 0.0
     """Time the decoding thread spent on forecasting (the steps themselves when they run inline; handing elements
     to the worker and installing its forecasts when asynchronous)."""
@@ -114,7 +117,8 @@ class RuntimeStats(Counters):
         return out
 
 
-FORECASTER_FIELDS = {"forecast_seconds": "forecaster_seconds", "forecast_path_seconds": "forecaster_path_seconds",
+FORECASTER_FIELDS = {"forecast_seconds": "forecaster_seconds", "forecast_cpu_seconds": "forecaster_cpu_seconds",
+                     "forecast_path_seconds": "forecaster_path_seconds",
                      "forecast_calls": "forecaster_calls", "forecast_flops": "forecaster_flops",
                      "dropped": "forecasts_dropped", "precompute_seconds": "forecaster_precompute_seconds",
                      "precompute_elements": "forecaster_precompute_elements",
@@ -136,7 +140,8 @@ def forecaster_counters(policy: Any) -> dict[str, float] | None:
 
 def forecaster_cost(totals: dict[str, float], steps: int, decode_seconds: float) -> dict[str, Any]:
     """The forecaster's cost per decode step from its totals over ``steps`` decode steps of ``decode_seconds``
-    (keys of :data:`FORECASTER_FIELDS`): its time (ms and share of the step), the decoding thread's share of it
+    (keys of :data:`FORECASTER_FIELDS`): its time (ms and share of the step; wall, and the CPU time of the thread
+    that ran it), the decoding thread's share of it
     (``path``: what the decode waited for), calls and FLOPs per step, forecasts dropped."""
     n = max(int(steps), 1)
 
@@ -145,6 +150,7 @@ def forecaster_cost(totals: dict[str, float], steps: int, decode_seconds: float)
 
     return {"forecaster_ms_per_step": 1e3 * totals["forecast_seconds"] / n,
             "forecaster_share": share(totals["forecast_seconds"]),
+            "forecaster_cpu_ms_per_step": 1e3 * totals.get("forecast_cpu_seconds", 0.0) / n,
             "forecaster_path_ms_per_step": 1e3 * totals["forecast_path_seconds"] / n,
             "forecaster_path_share": share(totals["forecast_path_seconds"]),
             "forecaster_calls_per_step": totals["forecast_calls"] / n,
@@ -169,7 +175,7 @@ def forecaster_line(m: dict[str, Any]) -> str | None:
     if m.get("forecaster_ms_per_step") is None:
         return None
     return (f"forecaster: {m['forecaster_ms_per_step']:.3f} ms/step ({100 * m['forecaster_share']:.1f}% of the decode "
-            f"step), on the decode path {m['forecaster_path_ms_per_step']:.3f} ms/step "
+            f"step; CPU {m['forecaster_cpu_ms_per_step']:.3f} ms/step), on the decode path {m['forecaster_path_ms_per_step']:.3f} ms/step "
             f"({100 * m['forecaster_path_share']:.1f}%), {m['forecaster_calls_per_step']:.2f} calls/step, "
             f"{m['forecaster_flops_per_step'] / 1e6:.3f} MFLOP/step, {m['forecasts_dropped']} forecasts dropped"
             + (f"; tables precomputed before the decode (not in tokens/s): {m['forecaster_precomputed_elements']} "

@@ -198,10 +198,33 @@ def test_runtime_reports_the_forecasters_cost():
     assert m["forecaster_flops_per_step"] == 2 * fc.step_flops() * pol.horizon
     assert 0 < m["forecaster_ms_per_step"] <= m["forecaster_path_ms_per_step"]
     assert 0 < m["forecaster_share"] <= m["forecaster_path_share"] < 1
+    assert 0 < m["forecaster_cpu_ms_per_step"] <= m["forecaster_ms_per_step"] * 1.01 + 1e-3
     lru = OffloadedModel(model, make_policy("lru"), model.config.num_experts_per_tok, pool="per-layer")
     lru.generate(ids, am, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
     assert not lru.stats.forecaster and "forecaster_ms_per_step" not in lru.stats.metrics()
     lru.restore()
+
+
+def test_the_forecasters_cpu_time_leaves_out_its_waits(monkeypatch):
+    """The forecaster's time per step is reported twice: wall, and the CPU time of the thread that ran its steps. A
+    step that waits (here 20 ms asleep, as a worker waits for a core beside decoding) adds to the first only."""
+    import expertcast.inference.policies.seqmoe as seqmoe_mod
+
+    model, ids, am, ref, fc = _setup()
+    real = seqmoe_mod.online_forecast
+
+    def waiting(*args, **kwargs):
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(seqmoe_mod, "online_forecast", waiting)
+    pol = make_policy("seqmoe", forecaster=fc, precompute=False)
+    om = OffloadedModel(model, pol, model.config.num_experts_per_tok, pool="per-layer")
+    om.generate(ids, am, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    m = om.stats.metrics()
+    om.restore()
+    assert m["forecaster_ms_per_step"] >= 20
+    assert 0 < m["forecaster_cpu_ms_per_step"] < m["forecaster_ms_per_step"] - 15
 
 
 def test_the_worker_process_reports_its_cost_off_the_decode_path():
@@ -219,6 +242,7 @@ def test_the_worker_process_reports_its_cost_off_the_decode_path():
         assert calls == pol.worker.steps == 9 + NEW - 1  # prompt elements and every decode step's
         assert pol.stats["forecast_flops"] == calls * 2 * fc.step_flops() * pol.inner.horizon
         assert pol.stats["forecast_seconds"] > 0 and pol.stats["worker_start_seconds"] > 0
+        assert 0 < pol.stats["forecast_cpu_seconds"] <= pol.stats["forecast_seconds"] * 1.01 + 1e-3
         assert st.forecaster
     finally:
         pol.close()
