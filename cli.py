@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     from expertcast.utils.provenance import pin_code_version
 
     pin_code_version()  # the code this process loaded, read before the command runs (outputs record it)
+    if getattr(module, "HOLDS_HEAP", False):  # a job whose process ends with it: freed memory stays in the heap
+        from expertcast.utils.heap import hold_heap
+
+        hold_heap()
     rc = module.main(rest)
     return int(rc or 0)
 

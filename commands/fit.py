@@ -79,6 +79,11 @@ def resolve_config(name: str) -> str:
     raise UsageError(f"--config {name}: no such file, and no shipped config of that name ({', '.join(shipped)})")
 
 
+HOLDS_HEAP = True
+"""The console script holds this process's heap (:func:`expertcast.utils.heap.hold_heap`): a fit's steps allocate
+and free the same large tensors over and over (docs/results.md, "Fit time: a held heap")."""
+
+
 def parse(argv: list[str]) -> tuple[Any, list[str]]:
     """(expertcast options, LightningCLI arguments); a leading ``fit`` is accepted and dropped."""
     argv = list(argv)
