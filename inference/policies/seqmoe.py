@@ -314,9 +314,9 @@ class SeqMoEPolicy(Policy):
         self._row_tables: list[np.ndarray | None] = []
         self.priority_extra = None
         self.stats = {"forecasts": 0, "tasks": 0, "issued": 0, "rejected_by_score": 0, "forecast_seconds": 0.0,
-                      "forecast_cpu_seconds": 0.0, "forecast_path_seconds": 0.0, "forecast_calls": 0, "forecast_flops": 0, "dropped": 0,
-                      "precompute_seconds": 0.0, "precompute_elements": 0, "precompute_flops": 0, "replans": 0,
-                      "replans_skipped": 0}
+                      "forecast_cpu_seconds": 0.0, "forecast_path_seconds": 0.0, "forecast_calls": 0,
+                      "forecast_flops": 0, "dropped": 0, "precompute_seconds": 0.0, "precompute_elements": 0,
+                      "precompute_flops": 0, "replans": 0, "replans_skipped": 0}
 
     def add_priority(self, extra: np.ndarray | None) -> None:
         """From now on the priority of (layer, expert) is its CacheScore plus ``extra`` float [L, E] (in expected

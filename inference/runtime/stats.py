@@ -150,7 +150,7 @@ def forecaster_cost(totals: dict[str, float], steps: int, decode_seconds: float)
 
     return {"forecaster_ms_per_step": 1e3 * totals["forecast_seconds"] / n,
             "forecaster_share": share(totals["forecast_seconds"]),
-            "forecaster_cpu_ms_per_step": 1e3 * totals.get("forecast_cpu_seconds", 0.0) / n,
+            "forecaster_cpu_ms_per_step": 1e3 * totals["forecast_cpu_seconds"] / n,
             "forecaster_path_ms_per_step": 1e3 * totals["forecast_path_seconds"] / n,
             "forecaster_path_share": share(totals["forecast_path_seconds"]),
             "forecaster_calls_per_step": totals["forecast_calls"] / n,
@@ -175,7 +175,8 @@ def forecaster_line(m: dict[str, Any]) -> str | None:
     if m.get("forecaster_ms_per_step") is None:
         return None
     return (f"forecaster: {m['forecaster_ms_per_step']:.3f} ms/step ({100 * m['forecaster_share']:.1f}% of the decode "
-            f"step; CPU {m['forecaster_cpu_ms_per_step']:.3f} ms/step), on the decode path {m['forecaster_path_ms_per_step']:.3f} ms/step "
+            f"step; CPU {m['forecaster_cpu_ms_per_step']:.3f} ms/step), on the decode path "
+            f"{m['forecaster_path_ms_per_step']:.3f} ms/step "
             f"({100 * m['forecaster_path_share']:.1f}%), {m['forecaster_calls_per_step']:.2f} calls/step, "
             f"{m['forecaster_flops_per_step'] / 1e6:.3f} MFLOP/step, {m['forecasts_dropped']} forecasts dropped"
             + (f"; tables precomputed before the decode (not in tokens/s): {m['forecaster_precomputed_elements']} "
