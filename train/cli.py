@@ -63,6 +63,7 @@ from expertcast.train.fit_run import (
 from expertcast.utils.errors import UsageError
 from expertcast.utils.io import atomic_write_text
 from expertcast.utils.outdir import OutputDir, claim_output_dir, read_marker
+from expertcast.utils.provenance import host_record
 from expertcast.utils.tracking import (
     finish_wandb_loggers,
     log_checkpoints_to_loggers,
@@ -261,10 +262,10 @@ class FitCLI(LightningCLI):
             "format": "expertcast-fit-run", "format_version": 1,
             "task": getattr(self.model, "task_name", type(self.model).__name__.lower()),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "settings": settings,
-            "settings_hash": settings_hash(settings), "data_fingerprint": fingerprint}
+            "settings_hash": settings_hash(settings), "data_fingerprint": fingerprint, "host": host_record()}
         if resume_ckpt is not None:
             info.setdefault("resumes", []).append({"checkpoint": str(resume_ckpt), "step": ck.get("global_step"),
-                                                   "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                                                   "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": host_record()})
         (run_dir / CKPT_DIR).mkdir(exist_ok=True)
         (run_dir / CONFIG_FILE).write_text(self.parser.dump(self.config, skip_none=False), encoding="utf-8")
         info.update(status="running", run_dir=str(run_dir), export_dir=str(export_dir),

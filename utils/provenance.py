@@ -265,6 +265,25 @@ def pin_code_version() -> None:
         _CODE_VERSION = _read_code_version()
 
 
+def host_record() -> dict[str, Any]:
+    """What a job's speed depends on beyond its settings: the CPUs it may use, torch's intra-op threads and the
+    ``OMP_NUM_THREADS`` it was started with, and whether its heap is held (:mod:`expertcast.utils.heap`)."""
+    import os
+
+    from expertcast.utils import heap
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cpus = os.cpu_count()
+    try:
+        threads = __import__("torch").get_num_threads()
+    except ImportError:  # pragma: no cover
+        threads = None
+    return {"cpus": cpus, "torch_threads": threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "heap_held": heap.held}
+
+
 def code_version() -> dict[str, Any]:
     """The code that wrote an output: expertcast's version and :data:`CODE_FORMAT`, the git commit of the
     package folder when it is a checkout (``dirty``: uncommitted changes to tracked files), as read once per

@@ -85,6 +85,9 @@ def test_two_fits_get_their_own_run_dirs_and_start_at_step_zero(two_runs, traces
     assert ckpt_step(b.run_dir / "checkpoints/last.ckpt") == 24
     info = json.loads((b.run_dir / "run.json").read_text())
     assert info["status"] == "finished" and "resumes" not in info
+    # what the run's speed depends on beyond its settings (in-process here: the console script holds the heap)
+    assert info["host"]["torch_threads"] == torch.get_num_threads() and info["host"]["cpus"] >= 1
+    assert info["host"]["heap_held"] is False and "omp_num_threads" in info["host"]
     assert (b.run_dir / "config.yaml").is_file() and b.export_dir == b.run_dir / "export"
     exp = load_forecaster(b.export_dir)
     assert exp.export_hash == b.export_hash
@@ -127,6 +130,7 @@ def test_resume_continues_from_the_saved_step_and_survives_a_truncated_last(two_
     assert len(warn) == 1 and "last.ckpt" in warn[0] and "last-prev.ckpt (step 20)" in warn[0], err
     info = json.loads((a.run_dir / "run.json").read_text())
     assert info["resumes"][0]["step"] == 20 and info["status"] == "finished" and info["global_step"] == 36
+    assert info["resumes"][0]["host"]["torch_threads"] == torch.get_num_threads()
     assert ckpt_step(last) == 36 and load_forecaster(r.export_dir).training["global_step"] == 36
 
 

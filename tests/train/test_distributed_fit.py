@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,7 @@ def test_ddp_router_fit_writes_one_export_that_loads_and_generates(tmp_path):
     (run_dir,) = list(root.iterdir())  # both ranks used rank 0's run directory
     run = json.loads((run_dir / "run.json").read_text())
     assert run["status"] == "finished" and run["global_step"] == 3
+    assert run["host"]["heap_held"] is (platform.libc_ver()[0] == "glibc")  # the console script held the fit's heap
     export = run_dir / "export"
     info = read_adaptation_export(export)  # the manifest covers every file
     assert info["model_dir"] == "model" and info["base"]["preset"] == "qwen3_moe-tiny"
