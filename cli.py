@@ -37,6 +37,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console = argv is None  # the console script (or python -m expertcast.cli): this process exists for the job
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     from expertcast.utils.provenance import pin_code_version
 
     pin_code_version()  # the code this process loaded, read before the command runs (outputs record it)
-    if getattr(module, "HOLDS_HEAP", False):  # a job whose process ends with it: freed memory stays in the heap
+    if console and getattr(module, "HOLDS_HEAP", False):  # its process ends with the job: freed memory stays held
+        # (never in a caller's process, e.g. a test session calling main(argv))
         from expertcast.utils.heap import hold_heap
 
         hold_heap()

@@ -388,6 +388,15 @@ class ExpertForecaster(nn.Module):
         # the learned gate and the leader keep every head's forecasts in their state: all heads are computed
         learned, prior = self.forward_parts(x, state,
                                             all_horizons=True if (all_horizons or gate or self.leads) else None)
+        return self.forward_from_parts(x, learned, prior, state, all_horizons)
+
+    def forward_from_parts(self, x: torch.Tensor, learned: torch.Tensor, prior: torch.Tensor | None,
+                           state: ForecasterState | None = None, all_horizons: bool = False) -> torch.Tensor:
+        """The rest of :meth:`forward` from :meth:`forward_parts`' terms of the same ``x`` (every head): the
+        ``residual_scale``, the learned gate, the selection; ``learned`` and ``prior`` are left unchanged, so that
+        one backbone pass serves several settings (the post-fit selection's residual scales)."""
+        c = self.config
+        gate = c.learned_gate_rate > 0 and self.online is not None
         rs = self.config.residual_scale
         if rs is not None:
             a = torch.tensor(rs[: learned.shape[2]], dtype=learned.dtype, device=learned.device)

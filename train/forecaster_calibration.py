@@ -342,9 +342,10 @@ def select_components(net: ExpertForecaster, fit: Sequence[TraceSequence], held_
             x, tid, use = batch["inputs"].to(dev), batch["target_ids"], scored_targets(batch)
             cands = []
             c.selection = None
+            learned, prior = net.forward_parts(x, all_horizons=True)  # one backbone pass for every alpha
             for alpha in alphas:
                 c.residual_scale = [alpha] * H
-                cands.append(net(x, all_horizons=True).float().cpu())
+                cands.append(net.forward_from_parts(x, learned, prior, all_horizons=True).float().cpu())
             comp = comps.scores(x.float(), H, list(range(C)))
             cands += [comp[k].cpu() for k in range(C)]
             W = x.shape[1]

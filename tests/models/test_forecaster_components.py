@@ -268,3 +268,25 @@ def test_step_flops_count_the_cross_layer_table_only_where_it_is_used():
     assert unused.step_flops() == base
     assert one.step_flops() == base + 2 * 3 * 8 * 8
     assert two.step_flops() == base + 2 * 2 * 3 * 8 * 8
+
+
+def test_one_backbone_pass_serves_every_residual_scale(traces):
+    """``forward_from_parts`` on one pass's ``forward_parts`` gives, at each residual scale, the logits ``forward``
+    gives with that scale (learned gate, selection and leader included), and leaves the parts unchanged: the post-fit
+    selection scores its residual-scale grid on one backbone pass per batch."""
+    meta, fit, ev = traces
+    L = meta.num_layers
+    m = _forecaster(meta, fit, [[-1, 3, -1], [0, -1, 5], [-1] * L, [2] * L])
+    m.config.switch_half_life = 8.0
+    ids, w, _, _ = element_arrays(ev[:3], L, 1)
+    x = activation_vector(ids, w, meta.num_experts)
+    with torch.no_grad():
+        learned, prior = m.forward_parts(x, all_horizons=True)
+        kept = (learned.clone(), prior.clone())
+        for alpha in (0.0, 0.5, 1.0, 2.0):
+            m.config.residual_scale = [alpha] * 4
+            ref = m(x, all_horizons=True)
+            assert torch.equal(m.forward_from_parts(x, learned, prior, all_horizons=True), ref), alpha
+        assert torch.equal(learned, kept[0]) and torch.equal(prior, kept[1])
+        assert not torch.equal(m.forward_from_parts(x, learned, prior, all_horizons=True),
+                               m.forward_from_parts(x, learned * 0, prior, all_horizons=True))  # the learned part counts

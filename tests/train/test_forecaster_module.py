@@ -540,7 +540,10 @@ def test_select_components_keeps_the_learned_part_only_where_it_beats_every_comp
             return out.unsqueeze(2)
 
     oracle = Oracle()
-    net.forward = oracle.forward  # the learned candidate (alpha 1, no online prior): planted
+    # the learned candidate (alpha 1, no online prior), planted as the learned term the selection scores (one
+    # backbone pass per batch: forward_parts) and as the logits the temperatures are fitted on (forward)
+    net.forward = oracle.forward
+    net.forward_parts = lambda x, state=None, all_horizons=True: (oracle.forward(x), None)
     report = select_components(net, seqs[:6], seqs[6:], proc.meta(), refit=seqs)
     assert net.config.selection[0][0] == -1 and net.config.selection[0][1] >= 0, net.config.selection
     assert report["learned_layers"] == [1]
@@ -570,7 +573,8 @@ def test_select_components_keeps_one_held_out_run_of_targets_on_each_heads_defau
             out[:, :, 0] = nxt[:, :, 0]
             return out.unsqueeze(2)
 
-        net.forward = forward
+        net.forward = forward  # planted as the logits and as the learned term (as in the test above)
+        net.forward_parts = lambda x, state=None, all_horizons=True: (forward(x), None)
         return net
 
     net = planted()

@@ -42,7 +42,8 @@ def test_a_held_heap_reuses_freed_pages_instead_of_faulting_them_in_again():
 
 def test_only_the_fit_command_holds_the_heap(monkeypatch):
     """The console script holds the heap for ``fit`` (its process ends with the job) and for no command whose process
-    measures or bounds its resident set (eval, replay, simulate)."""
+    measures or bounds its resident set (eval, replay, simulate); ``main(argv)`` called by another program (a test
+    session) leaves that program's heap alone."""
     import importlib
 
     from expertcast import cli
@@ -52,5 +53,8 @@ def test_only_the_fit_command_holds_the_heap(monkeypatch):
         assert getattr(mod, "HOLDS_HEAP", False) == (name == "fit"), name
     calls = []
     monkeypatch.setattr("expertcast.utils.heap.hold_heap", lambda: calls.append(1) or True)
-    assert cli.main(["fit", "--help"]) == 0
+    assert cli.main(["fit", "--help"]) == 0  # called with its arguments, from another program: not that program's heap
+    assert calls == []
+    monkeypatch.setattr(sys, "argv", ["expertcast", "fit", "--help"])
+    assert cli.main() == 0  # the console script
     assert calls == [1]
